@@ -1,0 +1,1 @@
+"""Local mode: run an ElasticJob on one machine, no Kubernetes (``kelastic run``)."""

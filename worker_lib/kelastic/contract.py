@@ -1,0 +1,212 @@
+"""The pod contract: the one place where the operator, the sidecar and the launcher agree.
+
+Everything that crosses a process or container boundary is named here: the shared
+volume's layout, environment variable names (torch's own names for the worker env, so
+``torch.distributed.init_process_group("env://")`` and torch's ``@record`` work
+unchanged), the etcd key layout, and the control-socket message types.
+
+This module is stdlib only and has no side effects on import. Semantics follow
+``torch.distributed.elastic`` (see ``shared/seeds/``) and ``shared/DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Final
+
+# --------------------------------------------------------------------------- volume
+
+#: Default mount path of the shared ``kelastic-run`` emptyDir in both containers.
+DEFAULT_RUN_DIR: Final = "/var/run/kelastic"
+#: Name of the shared volume in the Pod.
+RUN_VOLUME_NAME: Final = "kelastic-run"
+#: Env var overriding the run dir (local mode points it at a temporary directory).
+ENV_RUN_DIR: Final = "KELASTIC_RUN_DIR"
+
+TIMER_FIFO_NAME: Final = "timer.fifo"
+CONTROL_SOCKET_NAME: Final = "control.sock"
+LOGS_DIR_NAME: Final = "logs"
+ERROR_FILE_NAME: Final = "error.json"
+STDOUT_LOG_NAME: Final = "stdout.log"
+STDERR_LOG_NAME: Final = "stderr.log"
+
+#: Kubernetes' default ``terminationMessagePath``; the launcher writes the root cause here.
+DEFAULT_TERMINATION_LOG: Final = "/dev/termination-log"
+#: Env var overriding the termination-message path (local mode, tests).
+ENV_TERMINATION_LOG: Final = "KELASTIC_TERMINATION_LOG"
+#: Kubernetes truncates termination messages at 4096 bytes.
+TERMINATION_MESSAGE_MAX_BYTES: Final = 4096
+
+
+def run_dir() -> Path:
+    """Return the shared run directory: ``$KELASTIC_RUN_DIR`` or :data:`DEFAULT_RUN_DIR`."""
+    return Path(os.environ.get(ENV_RUN_DIR, DEFAULT_RUN_DIR))
+
+
+def timer_fifo_path(base: Path | None = None) -> Path:
+    """Path of the expiration-timer FIFO under ``base`` (default :func:`run_dir`)."""
+    return (base or run_dir()) / TIMER_FIFO_NAME
+
+
+def control_socket_path(base: Path | None = None) -> Path:
+    """Path of the launcher <-> supervisor Unix socket under ``base``."""
+    return (base or run_dir()) / CONTROL_SOCKET_NAME
+
+
+def worker_log_dir(attempt: int, local_rank: int, base: Path | None = None) -> Path:
+    """``logs/attempt_<attempt>/<local_rank>/``: holds stdout.log, stderr.log, error.json."""
+    return (base or run_dir()) / LOGS_DIR_NAME / f"attempt_{attempt}" / str(local_rank)
+
+
+def termination_log_path() -> Path:
+    """Where the launcher writes the root-cause summary (the container's termination log)."""
+    return Path(os.environ.get(ENV_TERMINATION_LOG, DEFAULT_TERMINATION_LOG))
+
+
+# ----------------------------------------------------------------------- worker env
+# torch.distributed.elastic's names, set by the launcher for each worker process.
+RANK: Final = "RANK"
+LOCAL_RANK: Final = "LOCAL_RANK"
+WORLD_SIZE: Final = "WORLD_SIZE"
+LOCAL_WORLD_SIZE: Final = "LOCAL_WORLD_SIZE"
+GROUP_RANK: Final = "GROUP_RANK"
+GROUP_WORLD_SIZE: Final = "GROUP_WORLD_SIZE"
+ROLE_RANK: Final = "ROLE_RANK"
+ROLE_WORLD_SIZE: Final = "ROLE_WORLD_SIZE"
+ROLE_NAME: Final = "ROLE_NAME"
+MASTER_ADDR: Final = "MASTER_ADDR"
+MASTER_PORT: Final = "MASTER_PORT"
+TORCHELASTIC_RUN_ID: Final = "TORCHELASTIC_RUN_ID"
+TORCHELASTIC_RESTART_COUNT: Final = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS: Final = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_ERROR_FILE: Final = "TORCHELASTIC_ERROR_FILE"
+TORCHELASTIC_TIMER_FILE: Final = "TORCHELASTIC_TIMER_FILE"
+#: The supervisor's round number, for logs and checkpoints (not a torch name).
+KELASTIC_ROUND: Final = "KELASTIC_ROUND"
+
+WORKER_ENV_NAMES: Final = (
+    RANK,
+    LOCAL_RANK,
+    WORLD_SIZE,
+    LOCAL_WORLD_SIZE,
+    GROUP_RANK,
+    GROUP_WORLD_SIZE,
+    ROLE_RANK,
+    ROLE_WORLD_SIZE,
+    ROLE_NAME,
+    MASTER_ADDR,
+    MASTER_PORT,
+    TORCHELASTIC_RUN_ID,
+    TORCHELASTIC_RESTART_COUNT,
+    TORCHELASTIC_MAX_RESTARTS,
+    TORCHELASTIC_ERROR_FILE,
+    TORCHELASTIC_TIMER_FILE,
+)
+
+DEFAULT_ROLE: Final = "default"
+
+# ---------------------------------------------------------------------- sidecar env
+# Set by the operator on the sidecar container (downward API where possible), and by
+# local mode on the sidecar process.
+ENV_JOB_NAME: Final = "KELASTIC_JOB_NAME"
+ENV_NAMESPACE: Final = "KELASTIC_NAMESPACE"
+ENV_JOB_UID: Final = "KELASTIC_JOB_UID"  # the run id
+ENV_POD_NAME: Final = "KELASTIC_POD_NAME"  # the rendezvous node name
+ENV_POD_IP: Final = "KELASTIC_POD_IP"
+ENV_ETCD_ENDPOINTS: Final = "KELASTIC_ETCD_ENDPOINTS"  # comma separated host:port
+ENV_ETCD_TLS_DIR: Final = "KELASTIC_ETCD_TLS_DIR"  # holds ca.crt, tls.crt, tls.key
+ENV_MIN_NODES: Final = "KELASTIC_MIN_NODES"
+ENV_MAX_NODES: Final = "KELASTIC_MAX_NODES"
+ENV_NPROC_PER_NODE: Final = "KELASTIC_NPROC_PER_NODE"
+ENV_MAX_RESTARTS: Final = "KELASTIC_MAX_RESTARTS"
+ENV_JOIN_TIMEOUT: Final = "KELASTIC_JOIN_TIMEOUT"  # seconds
+ENV_LAST_CALL_TIMEOUT: Final = "KELASTIC_LAST_CALL_TIMEOUT"  # seconds
+ENV_CLOSE_TIMEOUT: Final = "KELASTIC_CLOSE_TIMEOUT"  # seconds
+ENV_LEASE_TTL: Final = "KELASTIC_LEASE_TTL"  # seconds, integer
+ENV_STOP_GRACE: Final = "KELASTIC_STOP_GRACE"  # seconds between SIGTERM and SIGKILL
+ENV_HTTP_PORT: Final = "KELASTIC_HTTP_PORT"
+ENV_HTTP_HOST: Final = "KELASTIC_HTTP_HOST"
+
+DEFAULT_HTTP_PORT: Final = 9400
+DEFAULT_JOIN_TIMEOUT: Final = 600.0
+DEFAULT_LAST_CALL_TIMEOUT: Final = 30.0
+DEFAULT_CLOSE_TIMEOUT: Final = 30.0
+DEFAULT_LEASE_TTL: Final = 10
+DEFAULT_STOP_GRACE: Final = 10.0
+DEFAULT_MAX_RESTARTS: Final = 3
+
+# ------------------------------------------------------------------------ etcd keys
+ETCD_ROOT: Final = "/kelastic"
+
+
+def job_prefix(namespace: str, job: str, uid: str) -> str:
+    """``/kelastic/<namespace>/<job>/<uid>/``: everything a job stores lives under it.
+
+    The operator deletes this prefix when the job is deleted.
+    """
+    for part, label in ((namespace, "namespace"), (job, "job"), (uid, "uid")):
+        if not part or "/" in part:
+            raise ValueError(f"{label} must be non-empty and contain no '/': {part!r}")
+    return f"{ETCD_ROOT}/{namespace}/{job}/{uid}/"
+
+
+class Keys:
+    """The etcd key layout of one job, per DESIGN.md.
+
+    Args:
+        prefix: the job prefix from :func:`job_prefix` (ends with ``/``).
+    """
+
+    def __init__(self, prefix: str) -> None:
+        if not prefix.endswith("/"):
+            raise ValueError(f"prefix must end with '/': {prefix!r}")
+        self.prefix = prefix
+
+    @property
+    def rdzv_state(self) -> str:
+        """The rendezvous state (JSON, compare-and-set on its mod_revision)."""
+        return self.prefix + "rdzv/state"
+
+    @property
+    def alive_prefix(self) -> str:
+        """Prefix of the per-node liveness keys, each bound to that node's lease."""
+        return self.prefix + "rdzv/alive/"
+
+    def alive(self, node: str) -> str:
+        """Liveness key of ``node``: exists while the node's lease lives."""
+        return self.alive_prefix + node
+
+    def master(self, round_: int) -> str:
+        """``{"addr", "port"}`` of the round's c10d store, written by group rank 0."""
+        return f"{self.prefix}rounds/{round_}/master"
+
+    @property
+    def restarts(self) -> str:
+        """The job's global restart budget record (JSON)."""
+        return self.prefix + "restarts"
+
+    @property
+    def reports_prefix(self) -> str:
+        """Prefix of per-node final reports."""
+        return self.prefix + "reports/"
+
+    def report(self, node: str) -> str:
+        """Final report of ``node`` (JSON: outcome, root cause)."""
+        return self.reports_prefix + node
+
+
+# ------------------------------------------------------------- control socket (JSON lines)
+# launcher -> supervisor
+MSG_HELLO: Final = "hello"  # {"type", "pid", "nproc"}
+MSG_STARTED: Final = "started"  # {"type", "attempt", "pids": {local_rank: pid}}
+MSG_EXITED: Final = "exited"  # {"type", "attempt", "local_rank", "pid", "exitcode",
+#                                  "signal", "error", "tail"}
+MSG_STOPPED: Final = "stopped"  # {"type", "attempt"}: all workers of attempt are gone
+# supervisor -> launcher
+MSG_ASSIGN: Final = "assign"  # {"type", "attempt", "round", "workers": [{"local_rank", "env"}]}
+MSG_STOP: Final = "stop"  # {"type", "attempt", "reason"}
+MSG_SHUTDOWN: Final = "shutdown"  # {"type", "exitcode", "summary"}
+
+#: Largest control message accepted, bytes (a line longer than this is a protocol error).
+CONTROL_MAX_LINE: Final = 1 << 20
