@@ -1,0 +1,142 @@
+"""Sidecar configuration from the environment the operator (or local mode) sets.
+
+The names are :mod:`kelastic.contract`'s; every problem is reported at once, naming the
+variable, so a misconfigured Pod fails fast with a readable message.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from kelastic import contract
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """The sidecar's environment is incomplete or invalid; the message lists each problem."""
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything one sidecar needs to supervise its node.
+
+    Attributes:
+        job_name, namespace: the ElasticJob's identity.
+        job_uid: the run id (``TORCHELASTIC_RUN_ID``); separates reruns of a same-named job.
+        node: this node's rendezvous name (the Pod name).
+        pod_ip: address workers of other nodes reach this node at (MASTER_ADDR if rank 0).
+        etcd_endpoints: ``host:port`` list.
+        tls_dir: directory with ca.crt, tls.crt, tls.key, or None for plaintext.
+        min_nodes, max_nodes: rendezvous bounds; nproc_per_node: workers per node.
+        max_restarts: the job's global restart budget.
+        join_timeout, last_call_timeout, close_timeout: seconds.
+        lease_ttl: seconds (integer) of this node's etcd lease.
+        stop_grace: seconds between SIGTERM and SIGKILL when stopping workers.
+        http_host, http_port: where /metrics, /healthz, /readyz, /status listen.
+        run_dir: the shared volume (FIFO, control socket, logs).
+    """
+
+    job_name: str
+    namespace: str
+    job_uid: str
+    node: str
+    pod_ip: str
+    etcd_endpoints: tuple[str, ...]
+    tls_dir: Path | None
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    join_timeout: float
+    last_call_timeout: float
+    close_timeout: float
+    lease_ttl: int
+    stop_grace: float
+    http_host: str
+    http_port: int
+    run_dir: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
+        """Build the config from ``env`` (default ``os.environ``).
+
+        Raises:
+            ConfigError: listing every missing or invalid variable.
+        """
+        env = os.environ if env is None else env
+        problems: list[str] = []
+
+        def get(name: str, conv: Callable[[str], T], default: T | None = None) -> T:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                if default is None:
+                    problems.append(f"{name} is required")
+                    return conv("0") if conv is not str else conv("")
+                return default
+            try:
+                return conv(raw)
+            except ValueError:
+                problems.append(f"{name}={raw!r} is not a valid {getattr(conv, '__name__', conv)}")
+                return conv("0") if conv is not str else conv("")
+
+        endpoints = tuple(
+            e.strip() for e in get(contract.ENV_ETCD_ENDPOINTS, str).split(",") if e.strip()
+        )
+        tls = env.get(contract.ENV_ETCD_TLS_DIR)
+        cfg = cls(
+            job_name=get(contract.ENV_JOB_NAME, str),
+            namespace=get(contract.ENV_NAMESPACE, str, "default"),
+            job_uid=get(contract.ENV_JOB_UID, str),
+            node=get(contract.ENV_POD_NAME, str),
+            pod_ip=get(contract.ENV_POD_IP, str, "127.0.0.1"),
+            etcd_endpoints=endpoints,
+            tls_dir=Path(tls) if tls else None,
+            min_nodes=get(contract.ENV_MIN_NODES, int),
+            max_nodes=get(contract.ENV_MAX_NODES, int),
+            nproc_per_node=get(contract.ENV_NPROC_PER_NODE, int, 1),
+            max_restarts=get(contract.ENV_MAX_RESTARTS, int, contract.DEFAULT_MAX_RESTARTS),
+            join_timeout=get(contract.ENV_JOIN_TIMEOUT, float, contract.DEFAULT_JOIN_TIMEOUT),
+            last_call_timeout=get(
+                contract.ENV_LAST_CALL_TIMEOUT, float, contract.DEFAULT_LAST_CALL_TIMEOUT
+            ),
+            close_timeout=get(contract.ENV_CLOSE_TIMEOUT, float, contract.DEFAULT_CLOSE_TIMEOUT),
+            lease_ttl=get(contract.ENV_LEASE_TTL, int, contract.DEFAULT_LEASE_TTL),
+            stop_grace=get(contract.ENV_STOP_GRACE, float, contract.DEFAULT_STOP_GRACE),
+            http_host=get(contract.ENV_HTTP_HOST, str, "0.0.0.0"),
+            http_port=get(contract.ENV_HTTP_PORT, int, contract.DEFAULT_HTTP_PORT),
+            run_dir=contract.run_dir(),
+        )
+        if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
+            problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")
+        if not problems:
+            problems.extend(cfg._range_problems())
+        if problems:
+            raise ConfigError("invalid sidecar environment:\n  " + "\n  ".join(problems))
+        return cfg
+
+    def _range_problems(self) -> list[str]:
+        out = []
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            out.append(f"need 1 <= min_nodes ({self.min_nodes}) <= max_nodes ({self.max_nodes})")
+        if self.nproc_per_node < 1:
+            out.append(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            out.append(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for name in ("join_timeout", "last_call_timeout", "close_timeout", "stop_grace"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name} must be > 0 seconds")
+        if self.lease_ttl < 1:
+            out.append(f"lease_ttl must be >= 1 second, got {self.lease_ttl}")
+        if not 0 <= self.http_port <= 65535:
+            out.append(f"http_port out of range: {self.http_port}")
+        return out
+
+    @property
+    def prefix(self) -> str:
+        """The job's etcd key prefix."""
+        return contract.job_prefix(self.namespace, self.job_name, self.job_uid)

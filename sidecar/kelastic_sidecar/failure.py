@@ -1,0 +1,96 @@
+"""Failure records: what went wrong in a round, in a form that survives JSON and reads well.
+
+A :class:`Failure` is built from the launcher's ``exited`` message (plus the timer
+server's reap, which turns a signal death into a hang), or from a lost peer node. It is
+charged to the restart budget, stored as a node's report in etcd, shown by local mode, and
+its :meth:`Failure.summary` is the root cause written to the trainer's termination message.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Causes, as recorded in the restart history and the ``kelastic_restarts_total`` metric.
+CAUSE_WORKER_FAILURE = "worker_failure"  # a worker exited non-zero or was killed
+CAUSE_HANG = "hang"  # the timer server reaped a worker whose timer expired
+CAUSE_NODE_LOST = "node_lost"  # a peer's lease expired (its sidecar or machine died)
+CAUSE_SCALE = "scale"  # nodes joined or left; never charged to the budget
+CAUSE_PEER = "peer_restart"  # another node restarted the group; never charged
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal 77`` for numbers without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure of a round.
+
+    Attributes:
+        cause: one of the ``CAUSE_*`` constants.
+        node: the node (Pod) where it happened.
+        round: the rendezvous round that failed.
+        rank, local_rank: the worker's global and local rank, None for a node loss.
+        exitcode: the worker's exit code, None when killed by a signal.
+        signal: the signal number that killed it, None otherwise.
+        message: the exception message from the worker's error file, or a description.
+        tail: last lines of the worker's stderr (most recent last).
+        time: Unix time (seconds) it was observed.
+    """
+
+    cause: str
+    node: str
+    round: int
+    rank: int | None = None
+    local_rank: int | None = None
+    exitcode: int | None = None
+    signal: int | None = None
+    message: str = ""
+    tail: tuple[str, ...] = field(default_factory=tuple)
+    time: float = field(default_factory=time.time)
+
+    def summary(self) -> str:
+        """One line naming the cause, e.g.
+        ``hang: rank 1 on digits-0 (round 2) killed by SIGKILL: timer 'train_step' expired``.
+        """
+        who = f"rank {self.rank}" if self.rank is not None else "node"
+        how = ""
+        if self.signal is not None:
+            how = f" killed by {signal_name(self.signal)}"
+        elif self.exitcode is not None:
+            how = f" exited with code {self.exitcode}"
+        text = f"{self.cause}: {who} on {self.node} (round {self.round}){how}"
+        return f"{text}: {self.message}" if self.message else text
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (the inverse of :meth:`from_dict`)."""
+        d = asdict(self)
+        d["tail"] = list(self.tail)
+        d["summary"] = self.summary()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Failure:
+        """Rebuild from :meth:`as_dict` output; unknown keys are ignored.
+
+        Raises:
+            KeyError, TypeError: required fields (cause, node, round) are missing.
+        """
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        known["tail"] = tuple(str(x) for x in known.get("tail") or ())
+        return cls(**known)
+
+    def details(self) -> str:
+        """Multi-line text for the termination message: summary plus the stderr tail."""
+        lines = [self.summary()]
+        if self.tail:
+            lines.append("last lines of stderr:")
+            lines.extend(f"  {line}" for line in self.tail[-10:])
+        return "\n".join(lines)

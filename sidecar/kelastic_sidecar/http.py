@@ -1,0 +1,76 @@
+"""The sidecar's HTTP endpoints on one port: ``/metrics``, ``/healthz``, ``/readyz``, ``/status``.
+
+``/healthz`` is 200 while the supervisor loop is alive; ``/readyz`` is 200 while workers of
+a completed round are running; ``/status`` is a small JSON document (round, world size,
+restarts, progress) that local mode uses for its progress line.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+class SidecarHttpServer:
+    """Serves the endpoints from a daemon thread.
+
+    Args:
+        host, port: where to listen (port 0 picks a free port; see :attr:`port`).
+        registry: the metrics registry to expose.
+        healthy, ready: callables answering the probes.
+        status: callable returning the ``/status`` JSON document.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        healthy: Callable[[], bool],
+        ready: Callable[[], bool],
+        status: Callable[[], dict[str, Any]],
+    ) -> None:
+        routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
+            "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
+            "/healthz": lambda: _probe(healthy()),
+            "/readyz": lambda: _probe(ready()),
+            "/status": lambda: (200, "application/json", json.dumps(status()).encode()),
+        }
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                route = routes.get(self.path.split("?", 1)[0])
+                code, ctype, body = route() if route else (404, "text/plain", b"not found\n")
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                return
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="sidecar-http", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start serving."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _probe(ok: bool) -> tuple[int, str, bytes]:
+    return (200, "text/plain", b"ok\n") if ok else (503, "text/plain", b"not ready\n")

@@ -1,0 +1,596 @@
+"""The supervisor: one node's agent, in the sidecar.
+
+It plays the role of torch's ``SimpleElasticAgent`` with the workers living in the
+trainer container (started by :mod:`kelastic.launch` over the control socket):
+
+1. rendezvous (:class:`~kelastic_sidecar.rendezvous.EtcdRendezvousHandler`);
+2. assignment: global ranks from the group rank and ``nproc_per_node``, MASTER_ADDR =
+   group rank 0's pod IP, MASTER_PORT picked fresh each round by group rank 0 and
+   published under ``rounds/<round>/master`` (a restarted round never meets a stale
+   c10d store: pytorch/pytorch#135712);
+3. monitor: worker exits (launcher), hung workers reaped (timer server), and rendezvous
+   changes (etcd watch): nodes waiting (scale-up or a restarting peer), a participant
+   lost (lease expired) or left, the rendezvous closed;
+4. on a failure: stop the local worker group, charge the job's global restart budget
+   (once per round, whichever node sees it first), and rejoin; scale events and peers'
+   restarts cost nothing; when the budget is spent the node closes the rendezvous with
+   the root cause, so every node stops and reports it;
+5. when every local worker exits 0 the node leaves the rendezvous as ``succeeded``,
+   reports success in etcd and exits 0.
+
+All inputs arrive as events on one queue, handled by the main thread; no polling loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from kelastic import contract
+
+from .config import SidecarConfig
+from .control import MSG_DISCONNECTED, ControlServer, Message
+from .etcd_store import EtcdStore, EtcdUnavailableError
+from .failure import (
+    CAUSE_HANG,
+    CAUSE_NODE_LOST,
+    CAUSE_PEER,
+    CAUSE_SCALE,
+    CAUSE_WORKER_FAILURE,
+    Failure,
+    signal_name,
+)
+from .http import SidecarHttpServer
+from .metrics import SidecarMetrics
+from .rendezvous import (
+    EtcdRendezvousHandler,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousSettings,
+)
+from .restart_budget import RestartBudget
+from .timer_server import ReapEvent, TimerServer
+
+log = logging.getLogger("kelastic_sidecar.supervisor")
+
+EXIT_SUCCEEDED = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+
+class SidecarShutdown(Exception):
+    """Raised in the main thread by SIGTERM/SIGINT: leave the rendezvous and stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+@dataclass(frozen=True)
+class _RoundEnd:
+    """How monitoring one round ended."""
+
+    kind: str  # "succeeded" | "failed" | "restart" | "closed" | "launcher_lost"
+    failure: Failure | None = None
+    reason: str = ""
+
+
+class Supervisor:
+    """Runs one node of an elastic job until it succeeds, fails or is told to stop.
+
+    Args:
+        config: the node's configuration (see :class:`~kelastic_sidecar.config.SidecarConfig`).
+        store: an etcd store; built from ``config.etcd_endpoints`` when None.
+
+    Call :meth:`run` from the main thread (it installs SIGTERM/SIGINT handlers); it returns
+    the process exit code: 0 succeeded, 1 failed, 128+signum when stopped by a signal.
+    """
+
+    def __init__(self, config: SidecarConfig, store: EtcdStore | None = None) -> None:
+        self.cfg = config
+        self.keys = contract.Keys(config.prefix)
+        self.store = store or EtcdStore(config.etcd_endpoints, tls_dir=config.tls_dir)
+        self.metrics = SidecarMetrics()
+        self.metrics.budget_max.set(config.max_restarts)
+        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.timer = TimerServer(
+            contract.timer_fifo_path(config.run_dir),
+            on_reap=lambda ev: self._events.put(("reaped", ev)),
+        )
+        self.control = ControlServer(
+            contract.control_socket_path(config.run_dir),
+            on_message=lambda msg: self._events.put(("control", msg)),
+        )
+        self.http = SidecarHttpServer(
+            config.http_host,
+            config.http_port,
+            self.metrics.registry,
+            healthy=lambda: self._alive,
+            ready=lambda: self._running,
+            status=self.status,
+        )
+        self.handler: EtcdRendezvousHandler | None = None
+        self.budget = RestartBudget(self.store, self.keys, config.max_restarts)
+        self._alive = True
+        self._running = False
+        self._phase = "starting"
+        self._info: RendezvousInfo | None = None
+        self._attempt = 0
+        self._nproc = config.nproc_per_node
+        self._pids: dict[int, int] = {}  # local rank -> pid
+        self._reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
+        self._down_since: float | None = None
+        self._down_cause = CAUSE_SCALE
+        self._watch_stop = threading.Event()
+        self._last_failure: Failure | None = None
+        self._spent = 0
+
+    # ------------------------------------------------------------------ public surface
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` document: phase, round, ranks, world size, restarts, progress."""
+        info = self._info
+        stats = self.timer.stats()
+        last = self.timer.last_acquire_time
+        return {
+            "node": self.cfg.node,
+            "phase": self._phase,
+            "round": info.round if info else None,
+            "group_rank": info.group_rank if info else None,
+            "group_world_size": info.group_world_size if info else None,
+            "world_size": info.group_world_size * self._nproc if info else None,
+            "attempt": self._attempt,
+            "restarts_spent": self._spent,
+            "max_restarts": self.cfg.max_restarts,
+            "progress_count": stats.acquired,
+            "last_progress_age_s": (time.time() - last) if last else None,
+            "timers_active": stats.active,
+            "last_failure": self._last_failure.as_dict() if self._last_failure else None,
+        }
+
+    def run(self) -> int:
+        """Supervise the node until the job ends for it; return the exit code."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.timer.start()
+        self.control.start()
+        self.http.start()
+        log.info(
+            "sidecar for %s/%s node %s: nodes %d..%d x %d workers, budget %d restarts, "
+            "http :%d",
+            self.cfg.namespace, self.cfg.job_name, self.cfg.node, self.cfg.min_nodes,
+            self.cfg.max_nodes, self._nproc, self.cfg.max_restarts, self.http.port,
+        )  # fmt: skip
+        try:
+            return self._run()
+        except SidecarShutdown as exc:
+            log.info("received %s: stopping workers and leaving the rendezvous", exc)
+            self._stop_workers("sidecar stopping")
+            self._leave("shutdown")
+            self._shutdown_launcher(128 + exc.signum, f"stopped by {exc}")
+            return 128 + exc.signum
+        finally:
+            self._alive = False
+            self._running = False
+            self._watch_stop.set()
+            for s, h in old.items():
+                signal.signal(s, h)
+            if self.handler is not None:
+                with contextlib.suppress(Exception):
+                    self.handler.shutdown()
+            self.timer.stop()
+            self.control.close()
+            self.http.stop()
+            with contextlib.suppress(Exception):
+                self.store.close()
+
+    # ------------------------------------------------------------------------ main loop
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        raise SidecarShutdown(signum)
+
+    def _run(self) -> int:
+        self._phase = "waiting_for_launcher"
+        hello = self._wait_control("hello")
+        self._nproc = int(hello.get("nproc") or self._nproc)
+        if self._nproc != self.cfg.nproc_per_node:
+            log.warning(
+                "launcher runs %d workers per node, the job says %d; using the launcher's",
+                self._nproc, self.cfg.nproc_per_node,
+            )  # fmt: skip
+        settings = RendezvousSettings(
+            run_id=self.cfg.job_uid,
+            min_nodes=self.cfg.min_nodes,
+            max_nodes=self.cfg.max_nodes,
+            join_timeout=self.cfg.join_timeout,
+            last_call_timeout=self.cfg.last_call_timeout,
+            close_timeout=self.cfg.close_timeout,
+            lease_ttl=self.cfg.lease_ttl,
+        )
+        self.handler = EtcdRendezvousHandler(self.store, self.keys, self.cfg.node, settings)
+        while True:
+            try:
+                info = self._rendezvous()
+            except RendezvousClosedError as exc:
+                return self._finish_closed(exc.reason)
+            except (RendezvousError, EtcdUnavailableError) as exc:
+                return self._fail_fatal(f"rendezvous failed: {exc}")
+            try:
+                master = self._master(info)
+            except (TimeoutError, EtcdUnavailableError, ValueError) as exc:
+                log.warning("round %d: no master address (%s); re-rendezvous", info.round, exc)
+                continue
+            self._start_workers(info, master)
+            end = self._monitor(info)
+            self._running = False
+            if end.kind == "succeeded":
+                return self._finish_succeeded()
+            if end.kind == "closed":
+                self._stop_workers("rendezvous closed")
+                return self._finish_closed(self.handler.closed_reason())
+            if end.kind == "launcher_lost":
+                self._leave("shutdown")
+                self._report("failed", "trainer container (launcher) disconnected")
+                return EXIT_FAILED
+            self._down_since = time.time()
+            self._stop_workers(end.reason or (end.failure.summary() if end.failure else ""))
+            if end.kind == "failed" and end.failure is not None:
+                self._last_failure = end.failure
+                self._down_cause = end.failure.cause
+                if self._charge(end.failure):
+                    return self._finish_exhausted(end.failure)
+            else:
+                self._down_cause = end.reason or CAUSE_PEER
+                self.metrics.restarts.labels(cause=self._down_cause).inc()
+                log.info("round %d: restarting the worker group (%s)", info.round, end.reason)
+
+    def _wait_control(self, msg_type: str) -> Message:
+        """Block until the launcher sends ``msg_type``; other events are dropped."""
+        while True:
+            kind, payload = self._events.get()
+            if kind == "control" and payload.get("type") == msg_type:
+                return dict(payload)
+
+    def _rendezvous(self) -> RendezvousInfo:
+        assert self.handler is not None
+        self._phase = "rendezvous"
+        started = time.monotonic()
+        info = self.handler.next_rendezvous()
+        took = time.monotonic() - started
+        self._info = info
+        self.metrics.rounds.inc()
+        self.metrics.rendezvous_duration.observe(took)
+        self.metrics.round.set(info.round)
+        self.metrics.group_world_size.set(info.group_world_size)
+        self.metrics.world_size.set(info.group_world_size * self._nproc)
+        log.info(
+            "round %d complete in %.3fs: group rank %d of %d, world size %d",
+            info.round, took, info.group_rank, info.group_world_size,
+            info.group_world_size * self._nproc,
+        )  # fmt: skip
+        return info
+
+    def _master(self, info: RendezvousInfo) -> tuple[str, int]:
+        """Publish (group rank 0) or look up the round's MASTER_ADDR/PORT."""
+        key = self.keys.master(info.round)
+        if info.group_rank == 0:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((self.cfg.pod_ip, 0))
+                port = int(sock.getsockname()[1])
+            self.store.put(key, json.dumps({"addr": self.cfg.pod_ip, "port": port}).encode())
+            return self.cfg.pod_ip, port
+        raw = self.store.wait_value(key, timeout=min(self.cfg.join_timeout, 60.0))
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or not isinstance(doc.get("port"), int):
+            raise ValueError(f"corrupt master record at {key}: {raw[:200]!r}")
+        return str(doc["addr"]), int(doc["port"])
+
+    def _start_workers(self, info: RendezvousInfo, master: tuple[str, int]) -> None:
+        self._attempt += 1
+        self._pids.clear()
+        self._reaped.clear()
+        self.timer.forget_all()
+        spent = self._spent = self.budget.read().count
+        self.metrics.budget_spent.set(spent)
+        world = info.group_world_size * self._nproc
+        workers = []
+        for local_rank in range(self._nproc):
+            rank = info.group_rank * self._nproc + local_rank
+            env = {
+                contract.RANK: rank,
+                contract.LOCAL_RANK: local_rank,
+                contract.WORLD_SIZE: world,
+                contract.LOCAL_WORLD_SIZE: self._nproc,
+                contract.GROUP_RANK: info.group_rank,
+                contract.GROUP_WORLD_SIZE: info.group_world_size,
+                contract.ROLE_RANK: rank,
+                contract.ROLE_WORLD_SIZE: world,
+                contract.ROLE_NAME: contract.DEFAULT_ROLE,
+                contract.MASTER_ADDR: master[0],
+                contract.MASTER_PORT: master[1],
+                contract.TORCHELASTIC_RUN_ID: self.cfg.job_uid,
+                contract.TORCHELASTIC_RESTART_COUNT: spent,
+                contract.TORCHELASTIC_MAX_RESTARTS: self.cfg.max_restarts,
+                contract.KELASTIC_ROUND: info.round,
+                # The c10d store is created by rank 0 from MASTER_ADDR/PORT, not by us.
+                "TORCHELASTIC_USE_AGENT_STORE": "False",
+            }
+            workers.append({"local_rank": local_rank, "env": {k: str(v) for k, v in env.items()}})
+        self._phase = "starting_workers"
+        self.control.send(
+            {
+                "type": contract.MSG_ASSIGN,
+                "attempt": self._attempt,
+                "round": info.round,
+                "workers": workers,
+            }
+        )
+
+    def _monitor(self, info: RendezvousInfo) -> _RoundEnd:
+        """Handle events until the round ends for this node."""
+        assert self.handler is not None
+        handler = self.handler
+        succeeded: set[int] = set()
+        self._watch_stop.clear()
+        watcher = threading.Thread(
+            target=self._watch_rendezvous, name="rdzv-watch", daemon=True
+        )
+        watcher.start()
+        # A change may have happened between the round completing and the watch starting.
+        self._events.put(("rdzv", None))
+        try:
+            while True:
+                kind, payload = self._events.get()
+                if kind == "reaped":
+                    self._on_reaped(payload)
+                elif kind == "rdzv":
+                    end = self._check_round(handler, info)
+                    if end is not None:
+                        return end
+                elif kind == "control":
+                    end = self._on_control(payload, info, succeeded)
+                    if end is not None:
+                        return end
+        finally:
+            self._watch_stop.set()
+
+    def _watch_rendezvous(self) -> None:
+        handler = self.handler
+        assert handler is not None
+        while not self._watch_stop.is_set():
+            try:
+                changed = handler.wait_for_change(1.0)
+            except (RendezvousError, EtcdUnavailableError) as exc:
+                self.metrics.etcd_errors.inc()
+                log.warning("watching the rendezvous failed: %s", exc)
+                self._watch_stop.wait(0.5)
+                changed = True
+            if (changed or handler.lease_lost) and not self._watch_stop.is_set():
+                self._events.put(("rdzv", None))
+
+    def _check_round(self, handler: EtcdRendezvousHandler, info: RendezvousInfo) -> _RoundEnd | None:
+        try:
+            check = handler.check_round(info)
+        except (RendezvousError, EtcdUnavailableError) as exc:
+            self.metrics.etcd_errors.inc()
+            log.warning("checking round %d failed: %s", info.round, exc)
+            return None
+        if check.healthy:
+            return None
+        nodes = ", ".join(check.nodes)
+        if check.reason == "closed":
+            return _RoundEnd("closed")
+        if check.reason == "participant_lost":
+            return _RoundEnd(
+                "failed",
+                Failure(
+                    cause=CAUSE_NODE_LOST,
+                    node=nodes,
+                    round=info.round,
+                    message="its etcd lease expired (sidecar or machine died)",
+                ),
+            )
+        reason = {
+            "nodes_waiting": CAUSE_SCALE,
+            "participant_left": CAUSE_SCALE,
+        }.get(check.reason, CAUSE_PEER)
+        log.info("round %d: %s (%s)", info.round, check.reason, nodes)
+        return _RoundEnd("restart", reason=reason)
+
+    def _on_reaped(self, ev: ReapEvent) -> None:
+        self._reaped[ev.pid] = ev
+        self.metrics.workers_reaped.inc()
+        self.metrics.timers_expired.inc()
+        log.warning(
+            "worker pid %d hung: timer %r expired %.3fs ago; killed with %s",
+            ev.pid, ev.scope_id, ev.reaped_at - ev.expiration_time, signal_name(ev.signal),
+        )  # fmt: skip
+
+    def _on_control(
+        self, msg: Message, info: RendezvousInfo, succeeded: set[int]
+    ) -> _RoundEnd | None:
+        mtype = msg.get("type")
+        if mtype == MSG_DISCONNECTED:
+            return _RoundEnd("launcher_lost")
+        if msg.get("attempt") != self._attempt:
+            return None  # late news from an earlier attempt
+        if mtype == contract.MSG_STARTED:
+            pids = msg.get("pids") or {}
+            for local_rank, pid in pids.items():
+                self._pids[int(local_rank)] = int(pid)
+                self.timer.watch_pid(int(pid))
+            self._running = True
+            self._phase = "running"
+            if self._down_since is not None:
+                self.metrics.downtime.labels(cause=self._down_cause).inc(
+                    time.time() - self._down_since
+                )
+                self._down_since = None
+            return None
+        if mtype != contract.MSG_EXITED:
+            return None
+        local_rank = int(msg.get("local_rank", -1))
+        pid = int(msg.get("pid", -1))
+        self.timer.forget_pid(pid)
+        exitcode, sig = msg.get("exitcode"), msg.get("signal")
+        code_label = signal_name(int(sig)) if sig is not None else str(exitcode)
+        self.metrics.worker_exits.labels(code=code_label).inc()
+        if exitcode == 0:
+            succeeded.add(local_rank)
+            if len(succeeded) >= self._nproc:
+                return _RoundEnd("succeeded")
+            return None
+        reap = self._reaped.get(pid)
+        error = msg.get("error") or {}
+        message = str(error.get("message") or "") if isinstance(error, dict) else ""
+        if reap is not None:
+            message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
+        failure = Failure(
+            cause=CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE,
+            node=self.cfg.node,
+            round=info.round,
+            rank=info.group_rank * self._nproc + local_rank,
+            local_rank=local_rank,
+            exitcode=int(exitcode) if exitcode is not None else None,
+            signal=int(sig) if sig is not None else None,
+            message=message,
+            tail=tuple(str(x) for x in msg.get("tail") or ()),
+        )
+        log.error("round %d failed: %s", info.round, failure.summary())
+        return _RoundEnd("failed", failure)
+
+    # --------------------------------------------------------------------- transitions
+
+    def _charge(self, failure: Failure) -> bool:
+        """Spend one restart for the failed round; True when the budget is exhausted."""
+        try:
+            charge = self.budget.charge(
+                failure.round, failure.cause, failure.node, failure.as_dict()
+            )
+        except EtcdUnavailableError as exc:
+            self.metrics.etcd_errors.inc()
+            log.error("cannot record the restart in etcd (%s); retrying at rendezvous", exc)
+            return False
+        self._spent = charge.count
+        self.metrics.budget_spent.set(charge.count)
+        self.metrics.restarts.labels(cause=failure.cause).inc()
+        if charge.charged:
+            log.warning(
+                "restart %d/%d (%s)", charge.count, self.cfg.max_restarts, failure.summary()
+            )
+        return charge.exhausted
+
+    def _stop_workers(self, reason: str) -> None:
+        """Ask the launcher to stop the current attempt's workers and wait for it."""
+        if not self._pids and self._attempt == 0:
+            return
+        self._phase = "stopping"
+        if not self.control.send(
+            {"type": contract.MSG_STOP, "attempt": self._attempt, "reason": reason}
+        ):
+            return
+        deadline = time.monotonic() + self.cfg.stop_grace + 10.0
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                kind, payload = self._events.get(timeout=left)
+            except queue.Empty:
+                break
+            if kind == "control" and payload.get("type") == MSG_DISCONNECTED:
+                break
+            if (
+                kind == "control"
+                and payload.get("type") == contract.MSG_STOPPED
+                and payload.get("attempt") == self._attempt
+            ):
+                break
+            if kind == "reaped":
+                self._on_reaped(payload)
+        else:
+            log.warning("the launcher did not confirm the stop of attempt %d", self._attempt)
+        self.timer.forget_all()
+        self._pids.clear()
+
+    def _leave(self, reason: str) -> None:
+        if self.handler is None:
+            return
+        try:
+            self.handler.leave(reason)
+        except (RendezvousError, EtcdUnavailableError) as exc:
+            log.warning("leaving the rendezvous failed: %s", exc)
+
+    def _report(self, outcome: str, summary: str, failure: Failure | None = None) -> None:
+        doc = {
+            "outcome": outcome,
+            "node": self.cfg.node,
+            "summary": summary,
+            "failure": failure.as_dict() if failure else None,
+            "time": time.time(),
+        }
+        try:
+            self.store.put(self.keys.report(self.cfg.node), json.dumps(doc).encode())
+        except EtcdUnavailableError as exc:
+            log.error("cannot write the node report to etcd: %s", exc)
+
+    def _shutdown_launcher(self, exitcode: int, summary: str) -> None:
+        self.control.send({"type": contract.MSG_SHUTDOWN, "exitcode": exitcode, "summary": summary})
+
+    def _finish_succeeded(self) -> int:
+        self._phase = "succeeded"
+        info = self._info
+        summary = f"succeeded: all {self._nproc} workers of {self.cfg.node} exited 0"
+        if info is not None:
+            summary += f" (round {info.round}, world size {info.group_world_size * self._nproc})"
+        log.info(summary)
+        self._leave("succeeded")
+        self._report("succeeded", summary)
+        self._shutdown_launcher(EXIT_SUCCEEDED, summary)
+        return EXIT_SUCCEEDED
+
+    def _finish_exhausted(self, failure: Failure) -> int:
+        assert self.handler is not None
+        reason = failure.as_dict()
+        reason["max_restarts"] = self.cfg.max_restarts
+        log.error(
+            "restart budget of %d spent; failing the job: %s",
+            self.cfg.max_restarts, failure.summary(),
+        )  # fmt: skip
+        try:
+            self.handler.close(reason)
+        except (RendezvousError, EtcdUnavailableError) as exc:
+            log.error("closing the rendezvous failed: %s", exc)
+        return self._finish_closed(reason)
+
+    def _finish_closed(self, reason: dict[str, Any] | None) -> int:
+        self._phase = "failed"
+        failure = None
+        if reason:
+            with contextlib.suppress(KeyError, TypeError):
+                failure = Failure.from_dict(reason)
+        if failure is not None:
+            text = (
+                f"job failed after {self.cfg.max_restarts} restarts (budget spent); "
+                f"root cause: {failure.details()}"
+            )
+        else:
+            text = "job failed: the rendezvous was closed" + (f" ({reason})" if reason else "")
+        self._last_failure = failure or self._last_failure
+        self._report("failed", text, failure)
+        self._shutdown_launcher(EXIT_FAILED, text)
+        return EXIT_FAILED
+
+    def _fail_fatal(self, text: str) -> int:
+        self._phase = "failed"
+        log.error(text)
+        self._report("failed", text)
+        self._shutdown_launcher(EXIT_FAILED, text)
+        return EXIT_FAILED

@@ -1,0 +1,51 @@
+"""The pod contract: key layout and paths every component derives from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kelastic import contract
+
+
+def test_key_layout_matches_design() -> None:
+    keys = contract.Keys(contract.job_prefix("ns", "digits", "u1"))
+    assert keys.rdzv_state == "/kelastic/ns/digits/u1/rdzv/state"
+    assert keys.alive("digits-0") == "/kelastic/ns/digits/u1/rdzv/alive/digits-0"
+    assert keys.master(3) == "/kelastic/ns/digits/u1/rounds/3/master"
+    assert keys.restarts == "/kelastic/ns/digits/u1/restarts"
+    assert keys.report("digits-1") == "/kelastic/ns/digits/u1/reports/digits-1"
+
+
+@pytest.mark.parametrize("parts", [("", "j", "u"), ("n", "a/b", "u"), ("n", "j", "")])
+def test_job_prefix_rejects_empty_or_slashed_parts(parts: tuple[str, str, str]) -> None:
+    with pytest.raises(ValueError, match="must be non-empty"):
+        contract.job_prefix(*parts)
+
+
+def test_keys_need_a_terminated_prefix() -> None:
+    with pytest.raises(ValueError, match="end with"):
+        contract.Keys("/kelastic/a/b/c")
+
+
+def test_paths_follow_the_run_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(contract.ENV_RUN_DIR, str(tmp_path))
+    assert contract.timer_fifo_path() == tmp_path / "timer.fifo"
+    assert contract.control_socket_path() == tmp_path / "control.sock"
+    assert contract.worker_log_dir(2, 1) == tmp_path / "logs" / "attempt_2" / "1"
+    monkeypatch.delenv(contract.ENV_RUN_DIR)
+    assert contract.run_dir() == Path("/var/run/kelastic")
+
+
+def test_worker_env_uses_torch_names() -> None:
+    import torch.distributed.elastic.agent.server.local_elastic_agent as lea  # noqa: F401
+
+    # Every name torch's agent sets for a worker is one we set too.
+    torch_names = {
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+        "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_TIMER_FILE",
+    }  # fmt: skip
+    assert torch_names == set(contract.WORKER_ENV_NAMES)
