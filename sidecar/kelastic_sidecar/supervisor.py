@@ -440,8 +440,9 @@ class Supervisor:
         if mtype != contract.MSG_EXITED:
             return None
         local_rank = int(msg.get("local_rank", -1))
-        pid = int(msg.get("pid", -1))
-        self.timer.forget_pid(pid)
+        pid = msg.get("pid")  # None when the worker could not even be started
+        if isinstance(pid, int):
+            self.timer.forget_pid(pid)
         exitcode, sig = msg.get("exitcode"), msg.get("signal")
         code_label = signal_name(int(sig)) if sig is not None else str(exitcode)
         self.metrics.worker_exits.labels(code=code_label).inc()
@@ -450,7 +451,7 @@ class Supervisor:
             if len(succeeded) >= self._nproc:
                 return _RoundEnd("succeeded")
             return None
-        reap = self._reaped.get(pid)
+        reap = self._reaped.get(pid) if isinstance(pid, int) else None
         error = msg.get("error") or {}
         message = str(error.get("message") or "") if isinstance(error, dict) else ""
         if reap is not None:
