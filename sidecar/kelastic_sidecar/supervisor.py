@@ -428,7 +428,10 @@ class Supervisor:
             pids = msg.get("pids") or {}
             for local_rank, pid in pids.items():
                 self._pids[int(local_rank)] = int(pid)
-                self.timer.watch_pid(int(pid))
+                try:
+                    self.timer.watch_pid(int(pid))
+                except ValueError as exc:  # pid <= 1 or our own: never reapable
+                    log.error("not watching worker pid %s: %s", pid, exc)
             self._running = True
             self._phase = "running"
             if self._down_since is not None:

@@ -1,0 +1,341 @@
+"""Expiration timers for worker code: ``with expires(after=60): train_step()``.
+
+Semantics from ``torch.distributed.elastic.timer`` (``configure``, ``expires``,
+``FileTimerClient``): entering :func:`expires` acquires a countdown timer that expires
+``after`` seconds from now; leaving it (normally or by an exception) releases it. If the
+timer expires first, the worker becomes eligible to be reaped: the kelastic sidecar's
+timer server sends it the client's signal (SIGKILL by default).
+
+Requests travel over a FIFO as torch's ``FileTimerClient`` JSON lines, so torch's client
+works against the kelastic server and this client against torch's wire format::
+
+    {"version": 1, "pid": <int>, "scope_id": <str>, "expiration_time": <float>, "signal": <int>}
+
+``expiration_time`` is in seconds since the epoch (``time.time()``); a negative value
+means "release" (sent with ``signal`` 0). Each line, newline included, is at most
+``select.PIPE_BUF`` bytes so that the kernel writes it atomically.
+
+Unlike torch's client, :class:`FifoTimerClient` keeps the FIFO open across requests
+(one ``open`` per process instead of one per request), reopens it once when the server
+was restarted, and is thread- and fork-safe. Because the FIFO stays open, torch's own
+``FileTimerServer`` (which blocks in ``readline`` while any writer holds the FIFO) is
+not a good partner for it; the kelastic sidecar's server is.
+
+This module is stdlib only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import select
+import signal as _signal
+import stat
+import sys
+import threading
+import time
+import weakref
+from types import TracebackType
+from typing import Final, Protocol
+
+from kelastic.contract import TORCHELASTIC_TIMER_FILE
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_SCOPE_LEN",
+    "WIRE_VERSION",
+    "FifoTimerClient",
+    "TimerClient",
+    "configure",
+    "expires",
+]
+
+#: Wire format version (torch's ``FileTimerRequest.version``).
+WIRE_VERSION: Final = 1
+#: Largest request line, newline included, in bytes: writes up to this size are atomic.
+MAX_LINE_BYTES: Final = select.PIPE_BUF
+#: Longest ``scope_id`` in characters (the kelastic server drops longer ones).
+MAX_SCOPE_LEN: Final = 1024
+
+
+class TimerClient(Protocol):
+    """What :func:`expires` needs from a client (torch's ``TimerClient`` also fits)."""
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        """Start (or replace) the timer ``scope_id`` of this process."""
+
+    def release(self, scope_id: str) -> None:
+        """Cancel the timer ``scope_id`` of this process."""
+
+
+class FifoTimerClient:
+    """Client of the kelastic timer server (and of torch's ``FileTimerServer`` wire format).
+
+    Semantics from ``torch.distributed.elastic.timer.FileTimerClient``: requests are keyed
+    by ``(os.getpid(), scope_id)``; an expired timer makes the server send ``signal`` to
+    this process.
+
+    The FIFO is opened lazily on the first request with ``O_WRONLY | O_NONBLOCK`` (so a
+    missing server fails at once instead of blocking), then switched to blocking mode (so
+    a momentarily full pipe makes the write wait instead of failing), and kept open. On
+    ``EPIPE`` (the server restarted: the old FIFO has no reader) it is reopened once. A
+    forked child never writes through its parent's descriptor: it reopens its own.
+
+    Note: writing to a FIFO without a reader raises ``SIGPIPE``; Python ignores that
+    signal by default, turning it into :class:`BrokenPipeError`. A program that restores
+    the default ``SIGPIPE`` action would be killed instead when the server is gone.
+
+    Args:
+        file_path: path of the FIFO created by the timer server
+            (``$TORCHELASTIC_TIMER_FILE`` in a kelastic worker).
+        signal: signal number the server sends when a timer of this client expires;
+            0 means "expire without killing". Must be in ``0..64``.
+
+    Raises:
+        ValueError: ``signal`` is outside ``0..64``.
+    """
+
+    def __init__(self, file_path: str | os.PathLike[str], signal: int = _signal.SIGKILL) -> None:
+        signal = int(signal)
+        if not 0 <= signal <= 64:
+            raise ValueError(f"signal must be in 0..64 (0: expire without kill), got {signal}")
+        self.file_path: Final = os.fspath(file_path)
+        self.signal: Final = signal
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._fd_pid = 0
+        _CLIENTS.add(self)
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        """Start or replace the timer ``scope_id`` of this process.
+
+        Args:
+            scope_id: names the timer within this process; at most
+                :data:`MAX_SCOPE_LEN` characters.
+            expiration_time: absolute deadline in seconds since the epoch
+                (``time.time()`` clock); must be finite and >= 0.
+
+        Raises:
+            ValueError: bad ``expiration_time``, ``scope_id`` too long, or the request
+                line exceeds ``select.PIPE_BUF`` bytes.
+            BrokenPipeError: no timer server is reading the FIFO (a
+                :class:`ConnectionError`).
+        """
+        if not isinstance(expiration_time, (int, float)) or isinstance(expiration_time, bool):
+            raise ValueError(f"expiration_time must be a number, got {expiration_time!r}")
+        if not math.isfinite(expiration_time) or expiration_time < 0:
+            raise ValueError(f"expiration_time must be finite and >= 0, got {expiration_time}")
+        self._send(scope_id, expiration_time, self.signal)
+
+    def release(self, scope_id: str) -> None:
+        """Cancel the timer ``scope_id`` of this process (no-op on the server if unknown).
+
+        Sent as ``expiration_time=-1, signal=0``, like torch.
+
+        Raises:
+            ValueError: ``scope_id`` too long or the request line exceeds
+                ``select.PIPE_BUF`` bytes.
+            BrokenPipeError: no timer server is reading the FIFO.
+        """
+        self._send(scope_id, -1, 0)
+
+    def close(self) -> None:
+        """Close the FIFO descriptor. Idempotent; a later request opens it again."""
+        with self._lock:
+            self._close_fd()
+
+    def __del__(self) -> None:
+        # A client made per call (torch's habit) must not leak its descriptor.
+        with contextlib.suppress(Exception):
+            self._close_fd()
+
+    def _send(self, scope_id: str, expiration_time: float, signal: int) -> None:
+        if not isinstance(scope_id, str):
+            raise ValueError(f"scope_id must be a str, got {type(scope_id).__name__}")
+        if len(scope_id) > MAX_SCOPE_LEN:
+            raise ValueError(f"scope_id of {len(scope_id)} characters exceeds {MAX_SCOPE_LEN}")
+        line = _encode(os.getpid(), scope_id, expiration_time, signal)
+        with self._lock:
+            if self._fd is not None and self._fd_pid != os.getpid():
+                self._close_fd()  # inherited from the parent over fork(): not ours
+            for attempt in range(2):
+                if self._fd is None:
+                    self._fd = self._open()
+                    self._fd_pid = os.getpid()
+                try:
+                    written = os.write(self._fd, line)
+                except BrokenPipeError as exc:
+                    self._close_fd()
+                    if attempt == 1:
+                        raise BrokenPipeError(
+                            f"timer server stopped reading {self.file_path} (request not delivered)"
+                        ) from exc
+                    continue  # the server restarted: reopen the (new) FIFO once
+                if written != len(line):  # impossible for a blocking pipe write <= PIPE_BUF
+                    raise OSError(f"short write to {self.file_path}: {written}/{len(line)}")
+                return
+
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.file_path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            raise BrokenPipeError(
+                f"timer server not available: cannot open FIFO {self.file_path} "
+                f"for writing ({exc.strerror}); is the kelastic sidecar running?"
+            ) from exc
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                raise BrokenPipeError(f"timer server not available: {self.file_path} is not a FIFO")
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _after_fork_in_child(self) -> None:
+        # Another thread may have held the lock at fork(); in the child it would stay held.
+        self._lock = threading.Lock()
+        self._close_fd()
+
+
+def _encode(pid: int, scope_id: str, expiration_time: float, signal: int) -> bytes:
+    """One request line, in torch's ``FileTimerRequest.to_json()`` layout plus a newline."""
+    request = {
+        "version": WIRE_VERSION,
+        "pid": pid,
+        "scope_id": scope_id,
+        "expiration_time": expiration_time,
+        "signal": signal,
+    }
+    line = (json.dumps(request) + "\n").encode()
+    if len(line) > MAX_LINE_BYTES:
+        raise ValueError(
+            f"timer request of {len(line)} bytes exceeds select.PIPE_BUF={MAX_LINE_BYTES} "
+            "(scope_id too long once JSON-encoded)"
+        )
+    return line
+
+
+_CLIENTS: weakref.WeakSet[FifoTimerClient] = weakref.WeakSet()
+_configure_lock = threading.Lock()
+_client: FifoTimerClient | None = None
+
+
+def _reinit_after_fork() -> None:
+    global _configure_lock
+    _configure_lock = threading.Lock()
+    for client in list(_CLIENTS):
+        client._after_fork_in_child()
+
+
+if sys.platform != "win32":
+    os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+def configure(
+    file_path: str | os.PathLike[str] | None = None, signal: int = _signal.SIGKILL
+) -> None:
+    """Set the process-wide client used by :func:`expires`.
+
+    Semantics from ``torch.distributed.elastic.timer.configure``, taking a path instead
+    of a client object. The FIFO is opened lazily, on the first request.
+
+    Args:
+        file_path: the timer FIFO; default ``$TORCHELASTIC_TIMER_FILE`` (set by the
+            kelastic launcher for each worker).
+        signal: signal sent to this process when one of its timers expires
+            (default SIGKILL; 0: expire without kill).
+
+    Raises:
+        RuntimeError: neither ``file_path`` nor ``$TORCHELASTIC_TIMER_FILE`` is given.
+        ValueError: ``signal`` outside ``0..64``.
+    """
+    global _client
+    if file_path is None:
+        file_path = os.environ.get(TORCHELASTIC_TIMER_FILE) or None
+    if file_path is None:
+        raise RuntimeError(
+            f"kelastic.timer.configure(): no timer FIFO; pass file_path or set "
+            f"${TORCHELASTIC_TIMER_FILE} (the kelastic launcher sets it for workers)"
+        )
+    new = FifoTimerClient(file_path, signal)
+    with _configure_lock:
+        old, _client = _client, new
+    if old is not None:
+        old.close()
+
+
+def _default_client() -> FifoTimerClient:
+    with _configure_lock:
+        client = _client
+    if client is None:
+        if not os.environ.get(TORCHELASTIC_TIMER_FILE):
+            raise RuntimeError(
+                "kelastic.timer.expires(): timer client not configured; call "
+                f"kelastic.timer.configure(file_path) or set ${TORCHELASTIC_TIMER_FILE}"
+            )
+        configure()
+        with _configure_lock:
+            client = _client
+        assert client is not None
+    return client
+
+
+class _Expires:
+    """The context manager returned by :func:`expires`."""
+
+    def __init__(self, after: float, scope: str, client: TimerClient) -> None:
+        self._after = after
+        self._scope = scope
+        self._client = client
+
+    def __enter__(self) -> None:
+        self._client.acquire(self._scope, time.time() + self._after)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._client.release(self._scope)
+
+
+def expires(after: float, scope: str | None = None, client: TimerClient | None = None) -> _Expires:
+    """Context manager: a countdown timer of ``after`` seconds around a code block.
+
+    Semantics from ``torch.distributed.elastic.timer.expires``: on entry it acquires
+    a timer with ``expiration_time = time.time() + after`` (seconds since the epoch);
+    on exit, normal or by an exception, it releases it. If the block outlives the
+    deadline, the worker is eligible to be reaped; the server decides when (shortly
+    after the deadline, not exactly at it).
+
+    Args:
+        after: seconds from entry until the timer expires (finite).
+        scope: timer name within this process; default ``"<file>#<line>"`` of the
+            caller (like torch, but the real caller: torch's decorator makes it point
+            into contextlib). Nested or concurrent blocks in one process need distinct
+            scopes: the same scope replaces the timer.
+        client: default the client set by :func:`configure`; if none was, one is
+            configured from ``$TORCHELASTIC_TIMER_FILE``.
+
+    Raises:
+        RuntimeError: no client given or configured and ``$TORCHELASTIC_TIMER_FILE``
+            unset.
+        ValueError: ``after`` is not finite.
+        BrokenPipeError: (on entry or exit) no timer server is reading the FIFO.
+    """
+    if not math.isfinite(after):
+        raise ValueError(f"after must be a finite number of seconds, got {after}")
+    if scope is None:
+        caller = sys._getframe(1)
+        scope = f"{caller.f_code.co_filename}#{caller.f_lineno}"
+    return _Expires(after, scope, client if client is not None else _default_client())
