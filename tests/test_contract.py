@@ -49,3 +49,29 @@ def test_worker_env_uses_torch_names() -> None:
         "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_TIMER_FILE",
     }  # fmt: skip
     assert torch_names == set(contract.WORKER_ENV_NAMES)
+
+
+def test_unix_sockets_work_at_paths_longer_than_sun_path(tmp_path: Path) -> None:
+    import socket
+
+    from kelastic.sockaddr import MAX_UNIX_PATH, unix_address
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = deep / "control.sock"
+    assert len(str(path)) > MAX_UNIX_PATH
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with unix_address(path) as address:
+        server.bind(address)
+    server.listen(1)
+    assert path.exists()  # the socket file lives where the contract says
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with unix_address(path) as address:
+        client.connect(address)
+    conn, _ = server.accept()
+    client.sendall(b"hello")
+    assert conn.recv(5) == b"hello"
+    for s in (client, conn, server):
+        s.close()
+    with unix_address(tmp_path / "short.sock") as address:
+        assert address == str(tmp_path / "short.sock")

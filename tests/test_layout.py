@@ -35,7 +35,8 @@ for name in names:
         importlib.import_module(name)
 top = sorted({m.split(".")[0] for m in set(sys.modules) - before})
 std = set(sys.stdlib_module_names) | {"kelastic", "__main__", "_distutils_hack", "__mp_main__"}
-print(json.dumps({"modules": names, "third_party": [m for m in top if m not in std and not m.startswith("_")]}))
+third = [m for m in top if m not in std and not m.startswith("_")]
+print(json.dumps({"modules": names, "third_party": third}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)

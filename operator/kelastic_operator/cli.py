@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args)
 
 
+def _usage_error(err: Console, message: str) -> int:
+    err.print(f"[bold red]kelastic run:[/] {escape(message)}")
+    return 2
+
+
 def _run(args: argparse.Namespace) -> int:
     from .local.faults import Fault
     from .local.runner import LocalOptions, LocalRunner
@@ -108,20 +113,18 @@ def _run(args: argparse.Namespace) -> int:
         job = load_manifest(args.manifest)
         faults = [Fault.parse(f) for f in args.fault]
     except (ManifestError, ValueError) as exc:
-        err.print(f"[bold red]kelastic run:[/] {escape(str(exc))}")
-        return 2
+        return _usage_error(err, str(exc))
     spec = job.spec
     if args.replicas is not None and not spec.min_nodes <= args.replicas <= spec.max_nodes:
-        err.print(
-            f"[bold red]kelastic run:[/] --replicas {args.replicas} is outside "
-            f"[minReplicas, maxReplicas] = [{spec.min_nodes}, {spec.max_nodes}]"
+        return _usage_error(
+            err,
+            f"--replicas {args.replicas} is outside [minReplicas, maxReplicas] = "
+            f"[{spec.min_nodes}, {spec.max_nodes}]",
         )
-        return 2
     for fault in faults:
         top = (args.replicas or spec.replicas) * spec.nproc_per_node
         if fault.rank >= top:
-            err.print(f"[bold red]kelastic run:[/] fault rank {fault.rank} >= world size {top}")
-            return 2
+            return _usage_error(err, f"fault rank {fault.rank} >= world size {top}")
     options = LocalOptions(
         replicas=args.replicas,
         etcd=[e.strip() for e in (args.etcd or "").split(",") if e.strip()],

@@ -14,6 +14,7 @@ from kelastic import contract
 
 from .config import ConfigError, SidecarConfig
 
+_MAX, _PORT = contract.DEFAULT_MAX_RESTARTS, contract.DEFAULT_HTTP_PORT
 _ENV_HELP = f"""
 environment (set by the operator or by `kelastic run`):
   {contract.ENV_JOB_NAME}, {contract.ENV_NAMESPACE}, {contract.ENV_JOB_UID}   job identity
@@ -22,9 +23,9 @@ environment (set by the operator or by `kelastic run`):
   {contract.ENV_ETCD_TLS_DIR}                dir with ca.crt, tls.crt, tls.key (optional)
   {contract.ENV_MIN_NODES}, {contract.ENV_MAX_NODES}  rendezvous bounds
   {contract.ENV_NPROC_PER_NODE}             workers per node (default 1)
-  {contract.ENV_MAX_RESTARTS}               global restart budget (default {contract.DEFAULT_MAX_RESTARTS})
+  {contract.ENV_MAX_RESTARTS}               global restart budget (default {_MAX})
   {contract.ENV_JOIN_TIMEOUT}, {contract.ENV_LAST_CALL_TIMEOUT}, {contract.ENV_LEASE_TTL}  seconds
-  {contract.ENV_HTTP_PORT}                  /metrics /healthz /readyz /status (default {contract.DEFAULT_HTTP_PORT})
+  {contract.ENV_HTTP_PORT}                  /metrics /healthz /readyz /status (default {_PORT})
   {contract.ENV_RUN_DIR}                    shared volume (default {contract.DEFAULT_RUN_DIR})
 """
 

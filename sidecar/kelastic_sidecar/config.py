@@ -71,44 +71,51 @@ class SidecarConfig:
         env = os.environ if env is None else env
         problems: list[str] = []
 
-        def get(name: str, conv: Callable[[str], T], default: T | None = None) -> T:
+        def get(name: str, conv: Callable[[str], T], default: T | None = None) -> T | None:
+            """The converted value; None (and a recorded problem) when missing or bad."""
             raw = env.get(name)
             if raw is None or raw == "":
                 if default is None:
                     problems.append(f"{name} is required")
-                    return conv("0") if conv is not str else conv("")
                 return default
             try:
                 return conv(raw)
             except ValueError:
                 problems.append(f"{name}={raw!r} is not a valid {getattr(conv, '__name__', conv)}")
-                return conv("0") if conv is not str else conv("")
+                return default
+
+        def text(name: str, default: str | None = None) -> str:
+            return get(name, str, default) or ""
+
+        def num(name: str, conv: Callable[[str], T], default: T | None = None) -> T:
+            value = get(name, conv, default)
+            return value if value is not None else conv("0")
 
         endpoints = tuple(
-            e.strip() for e in get(contract.ENV_ETCD_ENDPOINTS, str).split(",") if e.strip()
+            e.strip() for e in text(contract.ENV_ETCD_ENDPOINTS).split(",") if e.strip()
         )
         tls = env.get(contract.ENV_ETCD_TLS_DIR)
         cfg = cls(
-            job_name=get(contract.ENV_JOB_NAME, str),
-            namespace=get(contract.ENV_NAMESPACE, str, "default"),
-            job_uid=get(contract.ENV_JOB_UID, str),
-            node=get(contract.ENV_POD_NAME, str),
-            pod_ip=get(contract.ENV_POD_IP, str, "127.0.0.1"),
+            job_name=text(contract.ENV_JOB_NAME),
+            namespace=text(contract.ENV_NAMESPACE, "default"),
+            job_uid=text(contract.ENV_JOB_UID),
+            node=text(contract.ENV_POD_NAME),
+            pod_ip=text(contract.ENV_POD_IP, "127.0.0.1"),
             etcd_endpoints=endpoints,
             tls_dir=Path(tls) if tls else None,
-            min_nodes=get(contract.ENV_MIN_NODES, int),
-            max_nodes=get(contract.ENV_MAX_NODES, int),
-            nproc_per_node=get(contract.ENV_NPROC_PER_NODE, int, 1),
-            max_restarts=get(contract.ENV_MAX_RESTARTS, int, contract.DEFAULT_MAX_RESTARTS),
-            join_timeout=get(contract.ENV_JOIN_TIMEOUT, float, contract.DEFAULT_JOIN_TIMEOUT),
-            last_call_timeout=get(
+            min_nodes=num(contract.ENV_MIN_NODES, int),
+            max_nodes=num(contract.ENV_MAX_NODES, int),
+            nproc_per_node=num(contract.ENV_NPROC_PER_NODE, int, 1),
+            max_restarts=num(contract.ENV_MAX_RESTARTS, int, contract.DEFAULT_MAX_RESTARTS),
+            join_timeout=num(contract.ENV_JOIN_TIMEOUT, float, contract.DEFAULT_JOIN_TIMEOUT),
+            last_call_timeout=num(
                 contract.ENV_LAST_CALL_TIMEOUT, float, contract.DEFAULT_LAST_CALL_TIMEOUT
             ),
-            close_timeout=get(contract.ENV_CLOSE_TIMEOUT, float, contract.DEFAULT_CLOSE_TIMEOUT),
-            lease_ttl=get(contract.ENV_LEASE_TTL, int, contract.DEFAULT_LEASE_TTL),
-            stop_grace=get(contract.ENV_STOP_GRACE, float, contract.DEFAULT_STOP_GRACE),
-            http_host=get(contract.ENV_HTTP_HOST, str, "0.0.0.0"),
-            http_port=get(contract.ENV_HTTP_PORT, int, contract.DEFAULT_HTTP_PORT),
+            close_timeout=num(contract.ENV_CLOSE_TIMEOUT, float, contract.DEFAULT_CLOSE_TIMEOUT),
+            lease_ttl=num(contract.ENV_LEASE_TTL, int, contract.DEFAULT_LEASE_TTL),
+            stop_grace=num(contract.ENV_STOP_GRACE, float, contract.DEFAULT_STOP_GRACE),
+            http_host=text(contract.ENV_HTTP_HOST, "0.0.0.0"),
+            http_port=num(contract.ENV_HTTP_PORT, int, contract.DEFAULT_HTTP_PORT),
             run_dir=contract.run_dir(),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kelastic import contract
+from kelastic.sockaddr import unix_address
 
 log = logging.getLogger("kelastic_sidecar.control")
 
@@ -60,7 +61,8 @@ class ControlServer:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.path))
+        with unix_address(self.path) as address:
+            listener.bind(address)
         os.chmod(self.path, 0o660)
         listener.listen(4)
         self._listener = listener
@@ -129,8 +131,9 @@ class ControlServer:
                     line, buf = buf.split(b"\n", 1)
                     self._dispatch(line)
                 if len(buf) > contract.CONTROL_MAX_LINE:
-                    log.error("launcher sent a line over %d bytes; dropping it",
-                              contract.CONTROL_MAX_LINE)
+                    log.error(
+                        "launcher sent a line over %d bytes; dropping it", contract.CONTROL_MAX_LINE
+                    )
                     self.malformed += 1
                     buf = b""
         except OSError:

@@ -58,7 +58,7 @@ from .rendezvous import (
     RendezvousInfo,
     RendezvousSettings,
 )
-from .restart_budget import RestartBudget
+from .restart_budget import RestartBudget, RestartRecordError
 from .timer_server import ReapEvent, TimerServer
 
 log = logging.getLogger("kelastic_sidecar.supervisor")
@@ -300,7 +300,11 @@ class Supervisor:
         self._pids.clear()
         self._reaped.clear()
         self.timer.forget_all()
-        spent = self._spent = self.budget.read().count
+        try:
+            self._spent = self.budget.read().count
+        except (EtcdUnavailableError, RestartRecordError) as exc:
+            log.error("cannot read the restart budget: %s", exc)
+        spent = self._spent
         self.metrics.budget_spent.set(spent)
         world = info.group_world_size * self._nproc
         workers = []
@@ -342,9 +346,7 @@ class Supervisor:
         handler = self.handler
         succeeded: set[int] = set()
         self._watch_stop.clear()
-        watcher = threading.Thread(
-            target=self._watch_rendezvous, name="rdzv-watch", daemon=True
-        )
+        watcher = threading.Thread(target=self._watch_rendezvous, name="rdzv-watch", daemon=True)
         watcher.start()
         # A change may have happened between the round completing and the watch starting.
         self._events.put(("rdzv", None))
@@ -378,7 +380,9 @@ class Supervisor:
             if (changed or handler.lease_lost) and not self._watch_stop.is_set():
                 self._events.put(("rdzv", None))
 
-    def _check_round(self, handler: EtcdRendezvousHandler, info: RendezvousInfo) -> _RoundEnd | None:
+    def _check_round(
+        self, handler: EtcdRendezvousHandler, info: RendezvousInfo
+    ) -> _RoundEnd | None:
         try:
             check = handler.check_round(info)
         except (RendezvousError, EtcdUnavailableError) as exc:
@@ -397,7 +401,7 @@ class Supervisor:
                     cause=CAUSE_NODE_LOST,
                     node=nodes,
                     round=info.round,
-                    message="its etcd lease expired (sidecar or machine died)",
+                    message="its liveness key is gone (lease expired or node removed)",
                 ),
             )
         reason = {
@@ -481,9 +485,9 @@ class Supervisor:
             charge = self.budget.charge(
                 failure.round, failure.cause, failure.node, failure.as_dict()
             )
-        except EtcdUnavailableError as exc:
+        except (EtcdUnavailableError, RestartRecordError) as exc:
             self.metrics.etcd_errors.inc()
-            log.error("cannot record the restart in etcd (%s); retrying at rendezvous", exc)
+            log.error("cannot record the restart in etcd: %s", exc)
             return False
         self._spent = charge.count
         self.metrics.budget_spent.set(charge.count)

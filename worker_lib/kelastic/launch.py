@@ -56,6 +56,7 @@ from kelastic._workers import (
     reap_children,
 )
 from kelastic.errors import ErrorInfo, read_error_file
+from kelastic.sockaddr import unix_address
 
 __all__ = ["LaunchConfig", "Launcher", "main", "write_termination_log"]
 
@@ -279,7 +280,8 @@ class Launcher:
             # A full listen backlog makes connect() block: bound each try.
             sock.settimeout(min(5.0, max(0.1, deadline - time.monotonic())))
             try:
-                sock.connect(str(path))
+                with unix_address(path) as address:
+                    sock.connect(address)
             except OSError as e:
                 sock.close()
                 if e.errno == errno.ENAMETOOLONG or "too long" in str(e):

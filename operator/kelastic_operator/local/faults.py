@@ -1,4 +1,4 @@
-"""Fault injection for local mode: ``--fault kill:rank=R,after=S`` and ``--fault hang:rank=R,after=S``.
+"""Fault injection for local mode: ``--fault kill:rank=R,after=S`` / ``hang:rank=R,after=S``.
 
 ``kill`` sends SIGKILL to the worker with global rank R, S seconds after that rank was
 first seen running; ``hang`` sends SIGSTOP instead, so the worker stops inside its

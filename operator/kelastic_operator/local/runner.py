@@ -114,6 +114,7 @@ class LocalRunner:
         self._interrupted = 0
         self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}}
         self._threads: list[threading.Thread] = []
+        self._endpoints: list[str] = []
 
     # -------------------------------------------------------------------------- run
 
@@ -121,9 +122,12 @@ class LocalRunner:
         """Run the job; returns 0 when every replica succeeded, 1 on failure, 130 when
         interrupted (Ctrl-C / SIGTERM). Always stops everything it started."""
         started = time.monotonic()
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             endpoints = self._start_etcd()
+            self._endpoints = endpoints
             self.workdir.mkdir(parents=True, exist_ok=True)
             self.say(
                 f"job {self.job.metadata.name}: {self.replicas} replicas x "
@@ -131,8 +135,8 @@ class LocalRunner:
                 f"{self.spec.max_nodes}), restart budget {self.spec.max_restarts}, "
                 f"etcd {','.join(endpoints)}, run dir {self.workdir}"
             )
-            for i in range(self.replicas):
-                self._start_pod(i, endpoints)
+            for _ in range(self.replicas):
+                self.add_replica()
             injector = FaultInjector(self.opts.faults, self._launcher_pids, self.say)
             injector.start()
             try:
@@ -146,9 +150,27 @@ class LocalRunner:
                 signal.signal(s, h)
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        self.interrupt(signal.Signals(signum).name)
+
+    def interrupt(self, why: str = "interrupted") -> None:
+        """Stop the job as Ctrl-C does (callable from any thread)."""
         self._interrupted += 1
         if self._interrupted == 1:
-            self.say(f"{signal.Signals(signum).name}: stopping the job (again to force)")
+            self.say(f"{why}: stopping the job")
+
+    def add_replica(self) -> str:
+        """Start one more replica (a new node: scale-up); returns its Pod name.
+
+        Raises:
+            RuntimeError: the job is not running, or it already has maxReplicas replicas.
+        """
+        with self._lock:
+            if not self._endpoints:
+                raise RuntimeError("the job is not running")
+            if len(self.pods) >= self.spec.max_nodes:
+                raise RuntimeError(f"already at maxReplicas ({self.spec.max_nodes})")
+            self._start_pod(len(self.pods), self._endpoints)
+            return self.pods[-1].name
 
     def _start_etcd(self) -> list[str]:
         if self.opts.etcd:
@@ -204,11 +226,15 @@ class LocalRunner:
         ]
         if command[0] in ("python", "python3"):
             command[0] = sys.executable
-        trainer_env = base | self._container_env(container) | {
-            contract.ENV_TERMINATION_LOG: str(pod.termination_log),
-            contract.ENV_STOP_GRACE: str(self.opts.stop_grace),
-            "PYTHONUNBUFFERED": "1",
-        }
+        trainer_env = (
+            base
+            | self._container_env(container)
+            | {
+                contract.ENV_TERMINATION_LOG: str(pod.termination_log),
+                contract.ENV_STOP_GRACE: str(self.opts.stop_grace),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         pod.launcher = subprocess.Popen(
             [
                 sys.executable, "-m", "kelastic.launch",
@@ -270,19 +296,16 @@ class LocalRunner:
             if self._interrupted:
                 return 130
             self._poll_status()
-            launchers = [p.launcher for p in self.pods if p.launcher is not None]
+            with self._lock:
+                launchers = [p.launcher for p in self.pods if p.launcher is not None]
             codes = [proc.poll() for proc in launchers]
             if all(c is not None for c in codes):
                 return 0 if all(c == 0 for c in codes) else 1
-            dead_sidecars = [
-                p for p in self.pods if p.sidecar is not None and p.sidecar.poll() not in (None, 0)
-            ]
-            for pod in dead_sidecars:
-                if pod.launcher is not None and pod.launcher.poll() is None:
-                    self.say(
-                        f"{pod.name}: sidecar exited with code {pod.sidecar.returncode if pod.sidecar else '?'}; "
-                        f"see {pod.dir / 'sidecar.log'}"
-                    )
+            for pod in self.pods:
+                code = pod.sidecar.poll() if pod.sidecar is not None else None
+                if code and pod.launcher is not None and pod.launcher.poll() is None:
+                    # The launcher notices too (its socket closes) and stops its workers.
+                    self.say(f"{pod.name}: sidecar exited with code {code}; see {pod.dir}")
                     pod.sidecar = None
             if time.monotonic() >= next_status:
                 next_status = time.monotonic() + self.opts.status_interval
@@ -319,7 +342,9 @@ class LocalRunner:
                     break
             self.say(f"restart {spent}/{self.spec.max_restarts}: {cause}")
             self._seen["spent"] = spent
-        running = [s for s in statuses if s.get("phase") == "running" and s.get("round") is not None]
+        running = [
+            s for s in statuses if s.get("phase") == "running" and s.get("round") is not None
+        ]
         if running:
             rnd = max(int(s["round"]) for s in running)
             if rnd != self._seen["round"]:
@@ -334,7 +359,9 @@ class LocalRunner:
     def _status_line(self) -> str:
         statuses = [p.status for p in self.pods if p.status]
         phases = ",".join(str(s.get("phase")) for s in statuses) or "starting"
-        ages = [s["last_progress_age_s"] for s in statuses if s.get("last_progress_age_s") is not None]
+        ages = [
+            s["last_progress_age_s"] for s in statuses if s.get("last_progress_age_s") is not None
+        ]
         steps = sum(int(s.get("progress_count") or 0) for s in statuses)
         prog = f", {steps} timed steps, last {min(ages):.1f}s ago" if ages else ""
         return (
@@ -367,6 +394,8 @@ class LocalRunner:
 
     def _stop_all(self) -> None:
         """Stop every process this run started, then etcd; nothing is left running."""
+        with self._lock:
+            self._endpoints = []  # no replica may be added from now on
         procs = [
             proc
             for pod in self.pods
@@ -386,11 +415,11 @@ class LocalRunner:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         for pod in self.pods:
-            for proc in (pod.launcher, pod.sidecar):
-                if proc is not None:
+            for leader in (pod.launcher, pod.sidecar):
+                if leader is not None:
                     # Anything left in the process groups (e.g. a worker's own children).
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+                        os.killpg(leader.pid, signal.SIGKILL)
         for t in self._threads:
             t.join(timeout=5)
         if self.etcd is not None:

@@ -1,0 +1,486 @@
+"""EtcdStore against a real etcd: compare-and-set, leases, watches, and failure behaviour."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kelastic_operator.local.etcd import EmbeddedEtcd, etcd_binary, free_port
+from kelastic_sidecar.etcd_store import (
+    EtcdLeaseNotFoundError,
+    EtcdStore,
+    EtcdUnavailableError,
+)
+from tests.conftest import wait_for
+
+
+@pytest.fixture
+def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
+    s = EtcdStore([etcd_endpoint], timeout=5.0)
+    yield s
+    s.close()
+
+
+def _etcd_gauge(endpoint: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"etcd exports no {name}"
+    return float(match.group(1))
+
+
+# ----------------------------------------------------------------------- key/value + CAS
+
+
+def test_get_put_delete_and_prefixes(store: EtcdStore, job_prefix: str) -> None:
+    assert store.get(job_prefix + "a") is None
+    store.put(job_prefix + "a", b"1")
+    store.put(job_prefix + "d/x", b"2")
+    store.put(job_prefix + "d/y", b"3")
+    value, rev = store.get(job_prefix + "a") or (b"", 0)
+    assert value == b"1" and rev > 0
+    assert {k: v for k, (v, _) in store.get_prefix(job_prefix + "d/").items()} == {
+        job_prefix + "d/x": b"2",
+        job_prefix + "d/y": b"3",
+    }
+    assert store.delete(job_prefix + "a") is True
+    assert store.delete(job_prefix + "a") is False
+    assert store.delete_prefix(job_prefix + "d/") == 2
+    assert store.get_prefix(job_prefix) == {}
+
+
+def test_cas_create_only(store: EtcdStore, job_prefix: str) -> None:
+    key = job_prefix + "state"
+    ok, value, rev = store.cas(key, b"first", None)
+    assert (ok, value) == (True, b"first") and rev > 0
+    ok2, value2, rev2 = store.cas(key, b"second", None)
+    assert (ok2, value2, rev2) == (False, b"first", rev)
+    assert store.get(key) == (b"first", rev)
+
+
+def test_cas_token_mismatch_and_match(store: EtcdStore, job_prefix: str) -> None:
+    key = job_prefix + "state"
+    _, _, rev = store.cas(key, b"v1", None)
+    ok, value, current = store.cas(key, b"v2", rev + 1000)
+    assert (ok, value, current) == (False, b"v1", rev)
+    ok, value, new_rev = store.cas(key, b"v2", rev)
+    assert (ok, value) == (True, b"v2") and new_rev > rev
+    # the old token is stale now
+    assert store.cas(key, b"v3", rev) == (False, b"v2", new_rev)
+
+
+def test_cas_on_missing_key_with_token(store: EtcdStore, job_prefix: str) -> None:
+    assert store.cas(job_prefix + "gone", b"x", 5) == (False, None, 0)
+    assert store.get(job_prefix + "gone") is None
+
+
+def test_cas_is_atomic_under_contention(store: EtcdStore, job_prefix: str) -> None:
+    key = job_prefix + "counter"
+
+    def bump(times: int) -> None:
+        for _ in range(times):
+            while True:
+                got = store.get(key)
+                current = int(got[0]) if got else 0
+                ok, _, _ = store.cas(key, str(current + 1).encode(), got[1] if got else None)
+                if ok:
+                    break
+
+    threads = [threading.Thread(target=bump, args=(25,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert store.get(key) is not None
+    assert int((store.get(key) or (b"0", 0))[0]) == 100
+
+
+def test_read_is_one_consistent_snapshot(store: EtcdStore, job_prefix: str) -> None:
+    store.put(job_prefix + "state", b"s")
+    store.put(job_prefix + "alive/a", b"1")
+    store.put(job_prefix + "alive/b", b"2")
+    snap = store.read([job_prefix + "state", job_prefix + "alive/", job_prefix + "missing"])
+    assert set(snap.values) == {
+        job_prefix + "state",
+        job_prefix + "alive/a",
+        job_prefix + "alive/b",
+    }
+    assert snap.revision >= max(rev for _, rev in snap.values.values())
+
+
+# ---------------------------------------------------------------------------- leases
+
+
+def test_lease_expiry_removes_keys(store: EtcdStore, job_prefix: str) -> None:
+    lease = store.grant_lease(1)
+    store.put(job_prefix + "alive/n", b"x", lease=lease.id)
+    assert store.get(job_prefix + "alive/n") is not None
+    lease.stop_keep_alive()  # as if the node died
+    wait_for(lambda: store.get(job_prefix + "alive/n") is None, 15, what="lease expiry")
+    with pytest.raises(EtcdLeaseNotFoundError):
+        store.put(job_prefix + "alive/n", b"x", lease=lease.id)
+
+
+def test_lease_keep_alive_outlives_ttl(store: EtcdStore, job_prefix: str) -> None:
+    lease = store.grant_lease(1)
+    store.put(job_prefix + "alive/n", b"x", lease=lease.id)
+    time.sleep(3.0)  # three TTLs: only the keep-alive can hold the key
+    assert store.get(job_prefix + "alive/n") is not None
+    assert not lease.lost
+    lease.revoke()
+    assert store.get(job_prefix + "alive/n") is None
+    assert lease.lost
+    lease.revoke()  # idempotent
+
+
+def test_lease_revoked_elsewhere_is_reported_lost(
+    store: EtcdStore, etcd_endpoint: str, job_prefix: str
+) -> None:
+    lease = store.grant_lease(1)
+    with EtcdStore([etcd_endpoint]) as other:
+        other._revoke(lease.id)
+    wait_for(lambda: lease.lost, 10, what="lease reported lost")
+
+
+# --------------------------------------------------------------------------- watches
+
+
+def test_wait_change_wakes_on_put(store: EtcdStore, job_prefix: str) -> None:
+    key = job_prefix + "state"
+    since = store.read([key]).revision
+    writer = threading.Timer(0.3, lambda: store.put(key, b"new"))
+    writer.start()
+    started = time.monotonic()
+    assert store.wait_change([key], since, timeout=20) is True
+    assert time.monotonic() - started < 10
+    writer.join()
+
+
+def test_wait_change_sees_change_made_before_the_call(store: EtcdStore, job_prefix: str) -> None:
+    since = store.read([job_prefix + "state"]).revision
+    store.put(job_prefix + "alive/x", b"1")
+    started = time.monotonic()
+    assert store.wait_change([job_prefix + "state", job_prefix + "alive/"], since, 20) is True
+    assert time.monotonic() - started < 2
+
+
+def test_wait_change_prefix_delete(store: EtcdStore, job_prefix: str) -> None:
+    store.put(job_prefix + "alive/x", b"1")
+    since = store.read([job_prefix + "alive/"]).revision
+    threading.Timer(0.2, lambda: store.delete(job_prefix + "alive/x")).start()
+    assert store.wait_change([job_prefix + "alive/"], since, 20) is True
+
+
+def test_wait_change_ignores_other_keys_and_times_out(store: EtcdStore, job_prefix: str) -> None:
+    since = store.read([job_prefix + "state"]).revision
+    store.put(job_prefix + "unrelated", b"1")
+    store.put(job_prefix + "statefoo", b"1")  # an exact key is not a prefix
+    started = time.monotonic()
+    assert store.wait_change([job_prefix + "state"], since, timeout=0.5) is False
+    assert 0.45 <= time.monotonic() - started < 3
+
+
+def test_wait_change_leaks_no_threads_or_watches(
+    store: EtcdStore, etcd_endpoint: str, job_prefix: str
+) -> None:
+    baseline_watchers = _etcd_gauge(etcd_endpoint, "etcd_debugging_mvcc_watcher_total")
+    since = store.read([job_prefix + "state"]).revision
+    store.wait_change([job_prefix + "state"], since, 0.05)  # warm up gRPC's own threads
+    threads = threading.active_count()
+    for i in range(20):
+        since = store.read([job_prefix + "state"]).revision
+        if i % 2:
+            store.wait_change([job_prefix + "state", job_prefix + "alive/"], since, 0.05)
+        else:
+            threading.Timer(0.01, lambda: store.put(job_prefix + "state", b"x")).start()
+            assert store.wait_change([job_prefix + "state"], since, 20)
+    wait_for(lambda: threading.active_count() <= threads, 10, what="threads to end")
+    wait_for(
+        lambda: (
+            _etcd_gauge(etcd_endpoint, "etcd_debugging_mvcc_watcher_total") <= baseline_watchers
+        ),
+        10,
+        what="etcd watchers to be cancelled",
+    )
+
+
+def test_wait_value(store: EtcdStore, job_prefix: str) -> None:
+    key = job_prefix + "rounds/0/master"
+    store.put(key, b"ready")
+    assert store.wait_value(key, 1) == b"ready"
+    later = job_prefix + "rounds/1/master"
+    threading.Timer(0.2, lambda: store.put(later, b"later")).start()
+    assert store.wait_value(later, 20) == b"later"
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not appear"):
+        store.wait_value(job_prefix + "never", 0.3)
+    assert time.monotonic() - started < 3
+
+
+# ------------------------------------------------------------------------- failures
+
+
+@pytest.fixture
+def dead_endpoint() -> str:
+    """An etcd that ran once and is stopped now."""
+    server = EmbeddedEtcd().start()
+    endpoint = server.endpoint
+    with EtcdStore([endpoint], timeout=2) as s:
+        s.put("/warm", b"1")
+    server.stop()
+    return endpoint
+
+
+def test_dead_etcd_fails_within_timeout(dead_endpoint: str) -> None:
+    timeout = 1.0
+    with EtcdStore([dead_endpoint], timeout=timeout) as s:
+        calls = {
+            "get": lambda: s.get("/k"),
+            "put": lambda: s.put("/k", b"v"),
+            "cas": lambda: s.cas("/k", b"v", None),
+            "read": lambda: s.read(["/k", "/p/"]),
+            "delete_prefix": lambda: s.delete_prefix("/p/"),
+            "grant_lease": lambda: s.grant_lease(5),
+            "wait_change": lambda: s.wait_change(["/k"], 1, timeout=30),
+            "wait_value": lambda: s.wait_value("/k", timeout=30),
+        }
+        for name, call in calls.items():
+            started = time.monotonic()
+            with pytest.raises(EtcdUnavailableError) as err:
+                call()
+            took = time.monotonic() - started
+            assert took < timeout + 1.5, f"{name} took {took:.2f}s"
+            assert dead_endpoint in str(err.value) and err.value.endpoint == dead_endpoint
+            assert isinstance(err.value, ConnectionError)
+
+
+def test_unresponsive_endpoint_times_out() -> None:
+    """A peer that accepts TCP but never speaks (a hung etcd) must not hang a call."""
+    with socket.socket() as sink:
+        sink.bind(("127.0.0.1", 0))
+        sink.listen(16)
+        endpoint = f"127.0.0.1:{sink.getsockname()[1]}"
+        with EtcdStore([endpoint], timeout=1.0) as s:
+            for call in (lambda: s.get("/k"), lambda: s.cas("/k", b"v", None)):
+                started = time.monotonic()
+                with pytest.raises(EtcdUnavailableError):
+                    call()
+                assert time.monotonic() - started < 2.5
+
+
+def test_fails_over_to_a_live_endpoint(
+    dead_endpoint: str, etcd_endpoint: str, job_prefix: str
+) -> None:
+    with EtcdStore([dead_endpoint, etcd_endpoint], timeout=5) as s:
+        for i in range(5):
+            s.put(job_prefix + "k", str(i).encode())
+            got = s.get(job_prefix + "k")
+            assert got is not None and got[0] == str(i).encode()
+
+
+class _Proxy:
+    """A TCP proxy on a fixed port that can be cut and restored (an etcd outage)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self._server: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(16)
+        self._server = server
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
+    def down(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+            server.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def test_recovers_after_an_outage(etcd_endpoint: str, job_prefix: str) -> None:
+    proxy = _Proxy(etcd_endpoint)
+    proxy.up()
+    try:
+        with EtcdStore([proxy.endpoint], timeout=1.0) as s:
+            s.put(job_prefix + "k", b"before")
+            proxy.down()
+            with pytest.raises(EtcdUnavailableError):
+                s.get(job_prefix + "k")
+            proxy.up()
+            started = time.monotonic()
+
+            def works() -> bool:
+                try:
+                    return s.get(job_prefix + "k") is not None
+                except EtcdUnavailableError:
+                    return False
+
+            wait_for(works, 15, what="store to reconnect")
+            assert time.monotonic() - started < 5
+    finally:
+        proxy.down()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        EtcdStore([])
+    with pytest.raises(ValueError):
+        EtcdStore(["127.0.0.1:2379"], timeout=0)
+    with pytest.raises(ValueError):
+        EtcdStore(["ftp://x:1"])
+    with EtcdStore(["http://127.0.0.1:1", "localhost"], timeout=1) as s:
+        assert s.endpoints == ("127.0.0.1:1", "localhost:2379")
+        with pytest.raises(ValueError):
+            s.grant_lease(0)
+    closed = EtcdStore(["127.0.0.1:1"])
+    closed.close()
+    with pytest.raises(EtcdUnavailableError, match="closed"):
+        closed.get("/k")
+
+
+# ------------------------------------------------------------------------------- TLS
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _issue(name: str, usage: str, san: str, cwd: Path) -> None:
+    """Key ``<name>.key`` and certificate ``<name>.crt`` signed by ``ca``."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(
+        "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd
+    )
+    (cwd / f"{name}.ext").write_text(f"extendedKeyUsage={usage}\n{san}")
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext",
+        cwd=cwd,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def tls_etcd(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """An etcd serving TLS and requiring client certificates; yields (endpoint, tls_dir)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+             "-subj", "/CN=kelastic-test-ca", cwd=pki)  # fmt: skip
+    _issue("server", "serverAuth", "subjectAltName=IP:127.0.0.1", pki)
+    _issue("client", "clientAuth", "", pki)
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    shutil.copy(pki / "ca.crt", tls_dir / "ca.crt")
+    shutil.copy(pki / "client.crt", tls_dir / "tls.crt")
+    shutil.copy(pki / "client.key", tls_dir / "tls.key")
+    port, peer = free_port(), free_port()
+    proc = subprocess.Popen(
+        [
+            str(etcd_binary()), "--name", "tls", "--data-dir", str(tmp_path / "data"),
+            "--listen-client-urls", f"https://127.0.0.1:{port}",
+            "--advertise-client-urls", f"https://127.0.0.1:{port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
+            "--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"),
+            "--trusted-ca-file", str(pki / "ca.crt"), "--client-cert-auth",
+            "--unsafe-no-fsync", "--heartbeat-interval", "10", "--election-timeout", "100",
+            "--log-level", "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint = f"127.0.0.1:{port}"
+    try:
+        with EtcdStore([endpoint], tls_dir=tls_dir, timeout=1) as probe:
+
+            def ready() -> bool:
+                try:
+                    probe.get("/ready")
+                    return True
+                except EtcdUnavailableError:
+                    return False
+
+            wait_for(ready, 30, interval=0.1, what="TLS etcd to serve")
+        yield endpoint, tls_dir
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_tls_with_client_certificate(tls_etcd: tuple[str, Path]) -> None:
+    endpoint, tls_dir = tls_etcd
+    with EtcdStore([endpoint], tls_dir=tls_dir) as s:
+        s.put("/tls/k", b"secret")
+        assert s.cas("/tls/k", b"v2", (s.get("/tls/k") or (b"", 0))[1])[0]
+        lease = s.grant_lease(5)
+        s.put("/tls/alive", b"1", lease=lease.id)
+        since = s.read(["/tls/k"]).revision
+        threading.Timer(0.1, lambda: s.put("/tls/k", b"v3")).start()
+        assert s.wait_change(["/tls/k"], since, 20)
+        lease.revoke()
+    # the server insists on a client certificate, and on TLS at all
+    only_ca = tls_dir.parent / "only-ca"
+    only_ca.mkdir()
+    shutil.copy(tls_dir / "ca.crt", only_ca / "ca.crt")
+    for kwargs in ({"tls_dir": only_ca}, {}):
+        with EtcdStore([endpoint], timeout=1, **kwargs) as s, pytest.raises(EtcdUnavailableError):
+            s.get("/tls/k")

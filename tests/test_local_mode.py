@@ -1,0 +1,142 @@
+"""``kelastic run`` end to end with real etcd, sidecars, launchers, signals and workers.
+
+The workers here are ``tests/workers/steps.py`` (no torch), so each test takes seconds;
+the torch DDP digits job runs in ``test_digits.py``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kelastic_operator.local.runner import LocalOptions, LocalRunner
+from kelastic_operator.model import load_manifest
+from tests.conftest import wait_for
+from tests.localrun import KelasticRun, write_job
+
+
+def test_worker_failures_spend_the_budget_then_the_job_fails_with_root_cause(
+    tmp_path: Path,
+) -> None:
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, nproc=2, max_restarts=1,
+        env={"STEPS_FAIL_RANK": "3", "STEPS_FAIL_AT": "3", "STEPS_MAX": "400"},
+    )  # fmt: skip
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    assert run.wait() == 1, run.output
+    out = run.output
+    assert "round 0: world size 4 (2 nodes x 2)" in out
+    assert "restart 1/1: worker_failure: rank 3 on steps-" in out
+    assert "exited with code 1: ValueError: bad batch at step 3" in out
+    assert "job FAILED" in out
+    assert "budget spent" in out and "root cause: worker_failure: rank 3" in out
+    # The root cause is also the trainer container's termination message.
+    termlogs = list((tmp_path / "runs").glob("steps-*/pods/steps-*/termination-log"))
+    assert len(termlogs) == 2
+    assert all("ValueError: bad batch at step 3" in t.read_text() for t in termlogs)
+    assert run.strays() == []
+
+
+def test_killed_worker_is_restarted_and_the_job_succeeds(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2, env={"STEPS_MAX": "60"})
+    run = KelasticRun(job, "--fault", "kill:rank=1,after=0.5", workdir=tmp_path / "runs")
+    assert run.wait() == 0, run.output
+    out = run.output
+    assert "fault: SIGKILL rank 1 after 0.5s" in out
+    assert "restart 1/3: worker_failure: rank 1 on steps-0 (round 0) killed by SIGKILL" in out
+    assert "round 1: world size 4" in out
+    assert "[1]: rank=1 world=4 round=1 restart=1" in out
+    assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_hung_worker_is_reaped_by_the_timer_and_restarted(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, nproc=1,
+        env={"STEPS_MAX": "40", "STEPS_TIMEOUT": "1"},
+    )  # fmt: skip
+    run = KelasticRun(job, "--fault", "hang:rank=0,after=0.5", workdir=tmp_path / "runs")
+    assert run.wait() == 0, run.output
+    out = run.output
+    assert "fault: SIGSTOP rank 0" in out
+    assert "restart 1/3: hang: rank 0 on steps-0 (round 0) killed by SIGKILL" in out
+    assert "timer 'step' expired" in out
+    assert "job succeeded" in out
+
+
+def test_ctrl_c_stops_everything_and_leaves_no_stray_process(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2, env={"STEPS_IGNORE_TERM": "1"})
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    wait_for(lambda: run.has("step 5"), timeout=60, what="workers stepping")
+    pids = [p.split(":")[0] for p in run.strays()]
+    assert len(pids) >= 1 + 2 * 2 + 2 * 2  # etcd, 2 sidecars + 2 launchers, 4 workers
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(60) == 130, run.output
+    assert "SIGINT: stopping the job" in run.output
+    assert "job interrupted" in run.output
+    assert run.strays() == []
+
+
+def test_a_new_node_joins_at_the_next_round(tmp_path: Path) -> None:
+    stop = tmp_path / "stop"
+    job = load_manifest(write_job(
+        tmp_path / "job.yaml", replicas=2, min_replicas=2, max_replicas=3, nproc=1,
+        env={"STEPS_STOP_FILE": str(stop)},
+    ))  # fmt: skip
+    lines: list[str] = []
+    runner = LocalRunner(
+        job, tmp_path, LocalOptions(workdir=tmp_path / "runs", stop_grace=2, status_interval=2),
+        say=lambda line: lines.append(f"[kelastic] {line}"),
+        echo=lambda line, _err: lines.append(line),
+    )  # fmt: skip
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(runner.run()), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: any("world=2 round=0" in x for x in lines), 60, what="round 0")
+        assert runner.add_replica() == "steps-2"
+        wait_for(lambda: any("world=3" in x for x in lines), 60, what="a round of 3 nodes")
+        wait_for(
+            lambda: any("world size 3 (3 nodes x 1), restarts 0/3" in x for x in lines),
+            30, what="the runner's progress line for the round of 3",
+        )  # fmt: skip
+        with pytest.raises(RuntimeError, match="maxReplicas"):
+            runner.add_replica()
+        stop.touch()
+        thread.join(60)
+        assert result == [0], "\n".join(lines)
+    finally:
+        runner.interrupt()
+        thread.join(30)
+    # Scale-up cost no restart.
+    assert not any("restart 1/" in x for x in lines)
+
+
+def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", replicas=2)
+    cases = [
+        ([str(tmp_path / "nope.yaml")], "cannot read"),
+        ([str(job), "--fault", "explode:rank=1"], "expected kill:rank=R,after=S"),
+        ([str(job), "--replicas", "5"], "--replicas 5 is outside [minReplicas, maxReplicas]"),
+        ([str(job), "--fault", "kill:rank=9,after=1"], "fault rank 9 >= world size 2"),
+    ]
+    for args, message in cases:
+        out = subprocess.run(
+            [sys.executable, "-m", "kelastic_operator.cli", "run", *args],
+            capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        assert out.returncode == 2, out
+        assert message in out.stderr, out.stderr
+
+
+def test_help_explains_run_and_faults() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kelastic_operator.cli", "run", "--help"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "kill:rank=R,after=S" in out.stdout and "--etcd ENDPOINTS" in out.stdout

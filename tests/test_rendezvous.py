@@ -1,0 +1,579 @@
+"""The dynamic rendezvous: the pure state machine, then nodes in threads on a real etcd."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kelastic.contract import Keys
+from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
+from kelastic_sidecar.rendezvous import (
+    Action,
+    Clock,
+    EtcdRendezvousHandler,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousSettings,
+    RendezvousState,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    decode_state,
+    encode_state,
+    evaluate_round,
+    exit_step,
+    join_step,
+    leave_step,
+    remove_participant,
+    sanitize,
+)
+from tests.conftest import wait_for
+from tests.test_etcd_store import _Proxy
+
+RUN = "run-1"
+
+
+def settings(min_nodes: int = 1, max_nodes: int = 3, **kw: float) -> RendezvousSettings:
+    return RendezvousSettings(RUN, min_nodes, max_nodes, **kw)  # type: ignore[arg-type]
+
+
+# ====================================================================== pure state machine
+
+
+def _drive(state: RendezvousState, node: str, s: RendezvousSettings, now: float) -> RendezvousState:
+    """Apply join steps for ``node`` until it has to wait or is done."""
+    for _ in range(10):
+        step = join_step(state, Clock(now=now), node=node, settings=s)
+        if step.action is not Action.WRITE:
+            return state
+        assert step.state is not None and step.state != state
+        state = step.state
+    raise AssertionError("join step did not settle")
+
+
+def test_settings_validation() -> None:
+    for bad in (
+        dict(min_nodes=0, max_nodes=1),
+        dict(min_nodes=3, max_nodes=2),
+        dict(min_nodes=1, max_nodes=1, join_timeout=0),
+        dict(min_nodes=1, max_nodes=1, last_call_timeout=-1),
+        dict(min_nodes=1, max_nodes=1, close_timeout=0),
+        dict(min_nodes=1, max_nodes=1, lease_ttl=0),
+    ):
+        with pytest.raises(ValueError):
+            RendezvousSettings(RUN, **bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        RendezvousSettings("", 1, 1)
+
+
+def test_state_round_trips_through_json() -> None:
+    state = RendezvousState(
+        run_id=RUN,
+        round=4,
+        complete=True,
+        closed=True,
+        closed_reason={"cause": "budget", "n": [1, 2]},
+        participants={"b": 1, "a": 0},
+        wait_list=frozenset({"c"}),
+        redundancy_list=frozenset({"d"}),
+        departed={"e": "succeeded"},
+        lost=frozenset({"f"}),
+    )
+    raw = encode_state(state)
+    assert json.loads(raw)["version"] == 1
+    assert decode_state(raw, run_id=RUN) == state
+    assert encode_state(decode_state(raw)) == raw  # deterministic
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\x80\x04pickle", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"version": 2}', "version 2"),
+        (b'{"version": 1}', "missing fields"),
+    ],
+)
+def test_decode_rejects_garbage(raw: bytes, message: str) -> None:
+    with pytest.raises(RendezvousStateError, match=message):
+        decode_state(raw, where="/k/rdzv/state")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"extra": 1}, "unknown fields"),
+        ({"run_id": "other"}, "belongs to run 'other'"),
+        ({"round": True}, "'round'"),
+        ({"round": -1}, "'round'"),
+        ({"complete": 1}, "'complete'"),
+        ({"deadline": "soon"}, "'deadline'"),
+        ({"closed_reason": "x"}, "'closed_reason'"),
+        ({"participants": {"a": -1}}, "'participants'"),
+        ({"participants": ["a"]}, "'participants'"),
+        ({"wait_list": ["a", "a"]}, "twice"),
+        ({"wait_list": [3]}, "'wait_list'"),
+        ({"participants": {"a": 0}, "wait_list": ["a"]}, "both"),
+        ({"complete": True, "participants": {"a": 0, "b": 0}}, "distinct"),
+        ({"departed": {"a": 1}}, "'departed'"),
+    ],
+)
+def test_decode_rejects_malformed_fields(change: dict[str, object], message: str) -> None:
+    doc = json.loads(encode_state(RendezvousState(run_id=RUN)))
+    doc.update(change)
+    with pytest.raises(RendezvousStateError, match=message):
+        decode_state(json.dumps(doc).encode(), run_id=RUN)
+
+
+def test_join_min_then_last_call_then_complete() -> None:
+    s = settings(min_nodes=2, max_nodes=3, last_call_timeout=30)
+    state = _drive(RendezvousState(run_id=RUN), "b", s, now=100.0)
+    assert state.participants == {"b": 0} and state.deadline is None and not state.complete
+    state = _drive(state, "a", s, now=101.0)
+    assert state.deadline == 131.0 and not state.complete
+    step = join_step(state, Clock(now=120.0), node="a", settings=s)
+    assert step.action is Action.WAIT and step.wake_at == 131.0
+    step = join_step(state, Clock(now=131.5), node="b", settings=s)
+    assert step.action is Action.WRITE and step.state is not None
+    state = step.state
+    assert state.complete and state.participants == {"a": 0, "b": 1} and state.deadline is None
+    assert join_step(state, Clock(now=132), node="a", settings=s).action is Action.FINISH
+
+
+def test_max_nodes_completes_at_once_with_sorted_ranks() -> None:
+    s = settings(min_nodes=1, max_nodes=3, last_call_timeout=1000)
+    state = RendezvousState(run_id=RUN)
+    for node in ("node-c", "node-a", "node-b"):
+        state = _drive(state, node, s, now=0.0)
+    assert state.complete
+    assert state.ranked() == ("node-a", "node-b", "node-c")
+
+
+def test_ranks_follow_natural_name_order() -> None:
+    s = settings(min_nodes=1, max_nodes=12, last_call_timeout=1)
+    names = [f"job-{i}" for i in range(12)]
+    state = RendezvousState(run_id=RUN)
+    for node in reversed(names):
+        state = _drive(state, node, s, now=0.0)
+    state = _drive(state, "job-0", s, now=5.0)  # last call over
+    assert state.complete
+    assert state.ranked() == tuple(names)
+    assert [state.participants[n] for n in names] == list(range(12))
+
+
+def test_late_nodes_wait_or_are_redundant() -> None:
+    s = settings(min_nodes=1, max_nodes=2)
+    state = RendezvousState(run_id=RUN, complete=True, participants={"a": 0})
+    state = _drive(state, "x", s, now=0)
+    assert state.wait_list == {"x"}
+    assert join_step(state, Clock(now=0), node="x", settings=s).action is Action.WAIT
+    full = RendezvousState(run_id=RUN, complete=True, participants={"a": 0, "b": 1})
+    full = _drive(full, "y", s, now=0)
+    assert full.redundancy_list == {"y"} and not full.wait_list
+    # redundant nodes ignore the join timeout while the round is full ...
+    step = join_step(full, Clock(now=0, timed_out=True, rollback_over=True), node="y", settings=s)
+    assert step.action is Action.WAIT and step.untimed
+    # ... and move on (timer restarted) once a participant is gone
+    shrunk = remove_participant(full, "b", s, departure=None)
+    step = join_step(shrunk, Clock(now=0), node="y", settings=s)
+    assert step.action is Action.WRITE and step.restart_timer
+    assert step.state is not None and "y" not in step.state.redundancy_list
+
+
+def test_remove_participant_epilogue() -> None:
+    s = settings(min_nodes=2, max_nodes=3)
+    done = RendezvousState(run_id=RUN, round=3, complete=True, participants={"a": 0, "b": 1})
+    one = remove_participant(done, "a", s, departure="succeeded")
+    assert one.departed == {"a": "succeeded"} and one.complete and one.round == 3
+    two = remove_participant(one, "b", s, departure=None)
+    assert (two.round, two.complete, two.participants, two.departed, two.lost) == (
+        4,
+        False,
+        {},
+        {},
+        frozenset(),
+    )
+    forming = RendezvousState(run_id=RUN, participants={"a": 0, "b": 0}, deadline=50.0)
+    assert remove_participant(forming, "a", s, departure="timeout").deadline is None
+
+
+def test_exit_and_leave_steps() -> None:
+    s = settings(min_nodes=1, max_nodes=3)
+    done = RendezvousState(run_id=RUN, complete=True, participants={"a": 0, "b": 1})
+    step = exit_step(done, Clock(now=0), node="a", settings=s)
+    assert step.state is not None and step.state.departed == {"a": "rejoin"}
+    assert exit_step(done, Clock(now=0), node="z", settings=s).action is Action.FINISH
+    waiting = dataclasses.replace(done, wait_list=frozenset({"w"}))
+    step = leave_step(waiting, Clock(now=0), node="w", settings=s, reason="scale_down")
+    assert step.state is not None and not step.state.wait_list
+    step = leave_step(done, Clock(now=0, timed_out=True), node="a", settings=s, reason="x")
+    assert step.action is Action.ERROR_TIMEOUT
+
+
+def test_join_timeout_rolls_back_then_errors() -> None:
+    s = settings(min_nodes=2, max_nodes=3)
+    forming = RendezvousState(run_id=RUN, participants={"a": 0})
+    late = Clock(now=0, timed_out=True)
+    step = join_step(forming, late, node="a", settings=s)
+    assert step.action is Action.WRITE and step.state is not None and not step.state.participants
+    assert join_step(step.state, late, node="a", settings=s).action is Action.ERROR_TIMEOUT
+    too_late = Clock(now=0, timed_out=True, rollback_over=True)
+    assert join_step(forming, too_late, node="a", settings=s).action is Action.ERROR_TIMEOUT
+
+
+def test_closed_state_refuses_joins() -> None:
+    closed = RendezvousState(run_id=RUN, closed=True, closed_reason={"why": "x"})
+    s = settings()
+    assert join_step(closed, Clock(now=0), node="a", settings=s).action is Action.ERROR_CLOSED
+
+
+def test_sanitize_removes_nodes_without_alive_key() -> None:
+    s = settings(min_nodes=1, max_nodes=3)
+    state = RendezvousState(
+        run_id=RUN,
+        complete=True,
+        participants={"a": 0, "b": 1},
+        wait_list=frozenset({"w"}),
+        redundancy_list=frozenset({"r"}),
+    )
+    clean, dead = sanitize(state, {"a", "r"}, s)
+    assert dead == ("b", "w")
+    assert clean.participants == {"a": 0} and clean.lost == {"b"}
+    assert not clean.wait_list and clean.redundancy_list == {"r"}
+    assert sanitize(clean, {"a", "r"}, s) == (clean, ())
+
+
+def test_evaluate_round_reasons_in_order() -> None:
+    info = RendezvousInfo(2, 0, 3, ("a", "b", "c"))
+    healthy = RendezvousState(
+        run_id=RUN, round=2, complete=True, participants={"a": 0, "b": 1, "c": 2}
+    )
+    assert evaluate_round(healthy, info, "a", lease_lost=False).healthy
+    s = settings(min_nodes=1, max_nodes=4)
+    waiting = dataclasses.replace(healthy, wait_list=frozenset({"d"}))
+    left = remove_participant(waiting, "c", s, departure="scale_down")
+    lost = remove_participant(left, "b", s, departure=None)
+    cases = [
+        (waiting, False, ("nodes_waiting", ("d",))),
+        (left, False, ("participant_left", ("c",))),
+        (lost, False, ("participant_lost", ("b",))),
+        (dataclasses.replace(lost, round=3), False, ("round_advanced", ())),
+        (lost, True, ("lease_lost", ("a",))),
+        (dataclasses.replace(lost, closed=True), True, ("closed", ())),
+    ]
+    for state, lease_lost, (reason, nodes) in cases:
+        check = evaluate_round(state, info, "a", lease_lost=lease_lost)
+        assert (check.healthy, check.reason, check.nodes) == (False, reason, nodes)
+    assert evaluate_round(lost, info, "a", lease_lost=False).departures == (("c", "scale_down"),)
+
+
+# ======================================================================= on a real etcd
+
+
+class Cluster:
+    """Rendezvous nodes of one job, each with its own etcd client."""
+
+    def __init__(self, endpoint: str, prefix: str) -> None:
+        self.endpoint = endpoint
+        self.keys = Keys(prefix)
+        self.admin = EtcdStore([endpoint])
+        self._stores: list[EtcdStore] = [self.admin]
+        self.handlers: list[EtcdRendezvousHandler] = []
+
+    def node(self, name: str, s: RendezvousSettings) -> EtcdRendezvousHandler:
+        store = EtcdStore([self.endpoint])
+        self._stores.append(store)
+        handler = EtcdRendezvousHandler(store, self.keys, name, s)
+        self.handlers.append(handler)
+        return handler
+
+    def state(self) -> RendezvousState:
+        got = self.admin.get(self.keys.rdzv_state)
+        assert got is not None
+        return decode_state(got[0])
+
+    def close(self) -> None:
+        for handler in self.handlers:
+            handler.shutdown()
+        for store in self._stores:
+            store.close()
+
+
+@pytest.fixture
+def cluster(etcd_endpoint: str, job_prefix: str) -> Iterator[Cluster]:
+    c = Cluster(etcd_endpoint, job_prefix)
+    yield c
+    c.close()
+
+
+class Joiner:
+    """Runs ``next_rendezvous`` in a thread and keeps the outcome."""
+
+    def __init__(self, handler: EtcdRendezvousHandler) -> None:
+        self.handler = handler
+        self.info: RendezvousInfo | None = None
+        self.error: BaseException | None = None
+        self.took = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"join-{handler.node}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self.info = self.handler.next_rendezvous()
+        except BaseException as exc:  # handed to the test
+            self.error = exc
+        self.took = time.monotonic() - started
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float = 60.0) -> RendezvousInfo:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"{self.handler.node} still joining"
+        if self.error is not None:
+            raise self.error
+        assert self.info is not None
+        return self.info
+
+
+def join_all(handlers: list[EtcdRendezvousHandler], timeout: float = 60.0) -> list[RendezvousInfo]:
+    joiners = [Joiner(h) for h in handlers]
+    return [j.result(timeout) for j in joiners]
+
+
+def check_reason(handler: EtcdRendezvousHandler, info: RendezvousInfo) -> Callable[[], str]:
+    return lambda: handler.check_round(info).reason
+
+
+def test_three_nodes_complete_one_round(cluster: Cluster) -> None:
+    s = settings(min_nodes=3, max_nodes=3, last_call_timeout=30)
+    nodes = [cluster.node(f"job-{i}", s) for i in (2, 0, 1)]
+    started = time.monotonic()
+    infos = join_all(nodes)
+    took = time.monotonic() - started
+    print(f"3-node rendezvous took {took * 1000:.1f} ms")
+    assert {i.round for i in infos} == {0}
+    assert sorted(i.group_rank for i in infos) == [0, 1, 2]
+    assert all(i.group_world_size == 3 for i in infos)
+    assert {i.participants for i in infos} == {("job-0", "job-1", "job-2")}
+    for handler, info in zip(nodes, infos, strict=True):
+        assert info.participants[info.group_rank] == handler.node
+        assert handler.check_round(info).healthy
+    assert took < 10  # max_nodes completes at once, not after the 30 s last call
+
+
+def test_last_call_completes_between_min_and_max(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=4, last_call_timeout=1.0)
+    started = time.monotonic()
+    infos = join_all([cluster.node("a", s), cluster.node("b", s)])
+    took = time.monotonic() - started
+    assert [i.group_world_size for i in infos] == [2, 2]
+    assert 0.9 <= took < 10, took
+
+
+def test_late_node_waits_and_everyone_rejoins(cluster: Cluster) -> None:
+    s = settings(min_nodes=3, max_nodes=4, last_call_timeout=0.5)
+    first = [cluster.node(f"n{i}", s) for i in range(3)]
+    infos = join_all(first)
+    late = Joiner(cluster.node("n3", s))
+    wait_for(lambda: first[0].num_nodes_waiting() == 1, 30, what="n3 on the wait list")
+    for handler, info in zip(first, infos, strict=True):
+        check = handler.check_round(info)
+        assert (check.healthy, check.reason, check.nodes) == (False, "nodes_waiting", ("n3",))
+    assert not late.done()
+    new = join_all(first)
+    new.append(late.result())
+    assert {i.round for i in new} == {infos[0].round + 1}
+    assert sorted(i.group_rank for i in new) == [0, 1, 2, 3]
+    assert {i.group_world_size for i in new} == {4}
+    assert all(h.check_round(i).healthy for h, i in zip([*first, late.handler], new, strict=True))
+
+
+def test_dead_node_is_removed_and_survivors_rejoin(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=3, last_call_timeout=0.5, lease_ttl=2)
+    nodes = [cluster.node(f"n{i}", s) for i in range(3)]
+    infos = join_all(nodes)
+    nodes[2].shutdown()  # the lease goes, no leave(): as if the sidecar was killed
+    assert nodes[0].wait_for_change(20)
+    started = time.monotonic()
+    for handler, info in zip(nodes[:2], infos[:2], strict=True):
+        check = handler.check_round(info)
+        assert (check.reason, check.nodes) == ("participant_lost", ("n2",))
+    print(f"dead node noticed {1000 * (time.monotonic() - started):.1f} ms after the wake-up")
+    new = join_all(nodes[:2])
+    assert {i.round for i in new} == {infos[0].round + 1}
+    assert {i.participants for i in new} == {("n0", "n1")}
+
+
+def test_expired_lease_counts_as_lost(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=2, lease_ttl=1)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    info_a, info_b = join_all([a, b])
+    assert b._lease is not None
+    b._lease.stop_keep_alive()  # hung or partitioned: the lease expires after its TTL
+    wait_for(lambda: check_reason(a, info_a)() == "participant_lost", 20, what="b lost")
+    assert a.check_round(info_a).nodes == ("b",)
+    wait_for(lambda: b.lease_lost or check_reason(b, info_b)() == "lease_lost", 20)
+    assert b.check_round(info_b).reason == "lease_lost"
+    # b comes back with a fresh lease and both form the next round
+    new = join_all([a, b])
+    assert {i.group_world_size for i in new} == {2} and not b.lease_lost
+
+
+def test_leave_is_reported_as_participant_left(cluster: Cluster) -> None:
+    s = settings(min_nodes=1, max_nodes=3, last_call_timeout=0.3)
+    nodes = [cluster.node(f"n{i}", s) for i in range(3)]
+    infos = join_all(nodes)
+    nodes[1].leave("scale_down")
+    nodes[1].shutdown()  # the lease goes too, but the departure was recorded first
+    for handler, info in ((nodes[0], infos[0]), (nodes[2], infos[2])):
+        check = handler.check_round(info)
+        assert (check.reason, check.nodes) == ("participant_left", ("n1",))
+        assert check.departures == (("n1", "scale_down"),)
+    new = join_all([nodes[0], nodes[2]])
+    assert {i.participants for i in new} == {("n0", "n2")}
+    assert cluster.state().departed == {} and cluster.state().lost == frozenset()
+
+
+def test_a_peer_that_succeeded_does_not_end_the_round(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=2)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    info_a, _ = join_all([a, b])
+    b.leave("succeeded")
+    b.shutdown()
+    check = a.check_round(info_a)
+    assert (check.healthy, check.reason) == (True, "")
+    assert check.departures == (("b", "succeeded"),)
+
+
+def test_close_stops_everyone_with_the_reason(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=2)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    _, info_b = join_all([a, b])
+    assert a.closed_reason() is None
+    reason = {"cause": "restart_budget_exhausted", "round": 0}
+    a.close(reason)
+    a.close({"cause": "second close keeps the first reason"})
+    assert b.check_round(info_b).reason == "closed"
+    assert b.closed_reason() == reason
+    for handler in (a, b, cluster.node("c", s)):
+        with pytest.raises(RendezvousClosedError) as err:
+            handler.next_rendezvous()
+        assert err.value.reason == reason
+
+
+def test_join_timeout(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=2, join_timeout=1.0)
+    lonely = cluster.node("lonely", s)
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"did not finish within 1\.0s"):
+        lonely.next_rendezvous()
+    assert 1.0 <= time.monotonic() - started < 6
+    assert "lonely" not in cluster.state().participants  # rolled back
+
+
+def test_corrupt_state_raises_state_error(cluster: Cluster) -> None:
+    s = settings()
+    handler = cluster.node("a", s)
+    cluster.admin.put(cluster.keys.rdzv_state, b"\x80\x04\x95not json")
+    with pytest.raises(RendezvousStateError, match="not JSON"):
+        handler.next_rendezvous()
+    other_run = encode_state(RendezvousState(run_id="someone-else"))
+    cluster.admin.put(cluster.keys.rdzv_state, other_run)
+    with pytest.raises(RendezvousStateError, match="belongs to run 'someone-else'"):
+        handler.num_nodes_waiting()
+
+
+def test_redundant_node_steps_in_when_a_participant_dies(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=2, last_call_timeout=0.5, join_timeout=2.0)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    info_a, _ = join_all([a, b])
+    spare = Joiner(cluster.node("c", s))
+    wait_for(lambda: "c" in cluster.state().redundancy_list, 30, what="c redundant")
+    time.sleep(2.5)  # longer than join_timeout: a redundant node is not timed out
+    assert not spare.done()
+    assert a.num_nodes_waiting() == 0 and a.check_round(info_a).healthy
+    b.shutdown()
+    wait_for(lambda: check_reason(a, info_a)() == "participant_lost", 20)
+    wait_for(lambda: a.num_nodes_waiting() == 1, 20, what="c on the wait list")
+    new = [Joiner(a).result(), spare.result()]
+    assert {i.participants for i in new} == {("a", "c")}
+
+
+def test_shutdown_is_final(cluster: Cluster) -> None:
+    s = settings(min_nodes=1, max_nodes=1)
+    a = cluster.node("a", s)
+    a.next_rendezvous()
+    a.shutdown()
+    a.shutdown()  # idempotent
+    assert a.lease_lost
+    assert cluster.admin.get(cluster.keys.alive("a")) is None
+    with pytest.raises(RendezvousError, match="shut down"):
+        a.next_rendezvous()
+
+
+def test_restarted_node_takes_its_old_place(cluster: Cluster) -> None:
+    """A sidecar restarted in the same Pod (same node name) rejoins cleanly."""
+    s = settings(min_nodes=2, max_nodes=2, last_call_timeout=0.5)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    info_a, _ = join_all([a, b])
+    b.shutdown()
+    b2 = cluster.node("b", s)
+    wait_for(lambda: a.check_round(info_a).reason in ("participant_lost", "participant_left"), 20)
+    new = join_all([a, b2])
+    assert {i.participants for i in new} == {("a", "b")}
+
+
+def test_wait_for_change_is_event_driven(cluster: Cluster) -> None:
+    s = settings(min_nodes=1, max_nodes=3, last_call_timeout=0.3)
+    a = cluster.node("a", s)
+    info = a.next_rendezvous()
+    assert a.check_round(info).healthy
+    assert a.wait_for_change(0.2) is False
+    late = Joiner(cluster.node("b", s))
+    started = time.monotonic()
+    assert a.wait_for_change(20) is True
+    assert time.monotonic() - started < 5
+    wait_for(lambda: check_reason(a, info)() == "nodes_waiting", 10)
+    join_all([a])
+    late.result()
+
+
+def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> None:
+    """A node cut off from etcd keeps trying until its join deadline, then joins."""
+    s = settings(min_nodes=2, max_nodes=2, join_timeout=60)
+    proxy = _Proxy(etcd_endpoint)
+    proxy.up()
+    b_store = EtcdStore([proxy.endpoint], timeout=0.5)
+    try:
+        b = EtcdRendezvousHandler(b_store, cluster.keys, "b", s)
+        proxy.down()
+        late = Joiner(b)
+        early = Joiner(cluster.node("a", s))
+        wait_for(lambda: cluster.admin.get(cluster.keys.rdzv_state) is not None, 20)
+        wait_for(lambda: "a" in cluster.state().participants, 20, what="a joined")
+        time.sleep(1.5)  # b has failed several etcd calls by now (0.5 s timeout each)
+        assert not late.done() and not early.done()
+        proxy.up()
+        infos = [early.result(), late.result()]
+        assert {i.participants for i in infos} == {("a", "b")}
+    finally:
+        b.shutdown()
+        b_store.close()
+        proxy.down()
+
+
+def test_join_gives_up_when_etcd_stays_away(cluster: Cluster) -> None:
+    s = settings(min_nodes=1, max_nodes=1, join_timeout=1.0)
+    with EtcdStore(["127.0.0.1:1"], timeout=0.3) as dead:
+        handler = EtcdRendezvousHandler(dead, cluster.keys, "a", s)
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailableError):
+            handler.next_rendezvous()
+        assert 1.0 <= time.monotonic() - started < 4

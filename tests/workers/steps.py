@@ -1,0 +1,52 @@
+"""A tiny elastic worker without torch: takes timed steps until told to stop.
+
+Prints ``rank=R world=W round=N restart=K`` once, then ``step S`` lines, each step inside
+``expires(after=...)``. Behaviour by env (all optional):
+  STEPS_STOP_FILE   exit 0 once this file exists
+  STEPS_MAX         exit 0 after this many steps
+  STEPS_FAIL_RANK   this global rank raises ValueError("bad batch at step N") at step STEPS_FAIL_AT
+  STEPS_FAIL_AT     step at which to fail (default 3)
+  STEPS_IGNORE_TERM ignore SIGTERM (to exercise SIGKILL after the grace period)
+  STEPS_TIMEOUT     seconds each step's timer allows (default 5)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from kelastic.errors import record
+from kelastic.timer import expires
+
+
+@record
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    if os.environ.get("STEPS_IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(
+        f"rank={rank} world={os.environ['WORLD_SIZE']} round={os.environ['KELASTIC_ROUND']} "
+        f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']}",
+        flush=True,
+    )
+    stop = os.environ.get("STEPS_STOP_FILE")
+    limit = int(os.environ.get("STEPS_MAX", "0"))
+    fail_rank = int(os.environ.get("STEPS_FAIL_RANK", "-1"))
+    fail_at = int(os.environ.get("STEPS_FAIL_AT", "3"))
+    timeout = float(os.environ.get("STEPS_TIMEOUT", "5"))
+    step = 0
+    while True:
+        with expires(after=timeout, scope="step"):
+            time.sleep(0.05)
+        step += 1
+        print(f"step {step}", flush=True)
+        if rank == fail_rank and step == fail_at:
+            raise ValueError(f"bad batch at step {step}")
+        if (stop and Path(stop).exists()) or (limit and step >= limit):
+            return
+
+
+if __name__ == "__main__":
+    main()

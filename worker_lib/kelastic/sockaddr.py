@@ -1,0 +1,38 @@
+"""Unix socket addresses for paths longer than ``sun_path`` allows (108 bytes on Linux).
+
+Run dirs can be deep (local mode under ``$TMPDIR``, test temp dirs), so the control
+socket's path may not fit in a ``sockaddr_un``. :func:`unix_address` then goes through
+``/proc/self/fd/<dirfd>/<name>``, which Linux resolves for ``bind`` and ``connect`` while
+the directory fd is open; the socket file itself stays where the contract says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Longest path that fits in ``sockaddr_un.sun_path`` with its NUL terminator (Linux).
+MAX_UNIX_PATH = 107
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """Yield an address for ``bind``/``connect`` that reaches ``path``.
+
+    Args:
+        path: the socket file's path; its parent directory must exist.
+
+    Raises:
+        OSError: the parent directory cannot be opened (e.g. it does not exist).
+    """
+    text = os.fspath(path)
+    if len(os.fsencode(text)) <= MAX_UNIX_PATH:
+        yield text
+        return
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
