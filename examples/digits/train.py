@@ -34,7 +34,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--step-timeout", type=float, default=10.0, help="seconds; a slower step is a hang")
+    p.add_argument(
+        "--step-timeout", type=float, default=10.0, help="seconds; a slower step is a hang"
+    )
     p.add_argument(
         "--checkpoint-dir",
         type=Path,
@@ -90,7 +92,9 @@ def main() -> None:
         t0 = time.monotonic()
         gen = torch.Generator().manual_seed(args.seed + epoch)
         idx = torch.randperm(len(x_tr), generator=gen)[rank::world]
-        steps = len(idx) // args.batch_size
+        # Every rank takes the same number of steps: an extra step on one rank would wait
+        # in all-reduce for peers that already left the loop (a hang the timer would reap).
+        steps = len(x_tr) // (world * args.batch_size)
         ddp.train()
         total = 0.0
         for step in range(steps):

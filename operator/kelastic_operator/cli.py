@@ -20,13 +20,15 @@ _RUN_EPILOG = """\
 examples:
   kelastic run examples/digits/elasticjob.yaml
   kelastic run examples/digits/elasticjob.yaml --replicas 3
-  kelastic run job.yaml --fault kill:rank=1,after=8 --fault hang:rank=2,after=20
+  kelastic run job.yaml --fault kill:rank=1,after=3 --fault hang:rank=2,after=3
   kelastic run job.yaml --etcd 127.0.0.1:2379
 
-faults (for demos and tests; each fires once):
-  kill:rank=R,after=S   SIGKILL the worker with global rank R, S seconds after it started
+faults (for demos and tests; each fires once, one after another in the given order):
+  kill:rank=R,after=S   SIGKILL the worker with global rank R, S seconds into training
   hang:rank=R,after=S   SIGSTOP it instead: it hangs inside expires(...) and the sidecar's
                         timer server must reap it
+  "S seconds into training": the clock starts when rank R's node has taken its first
+  timed step (expires) in an attempt begun after the previous fault fired.
 
 exit status: 0 the job succeeded, 1 it failed (root cause printed), 2 bad input,
 130 interrupted. Logs stay in the run dir printed at start.

@@ -134,6 +134,7 @@ class Supervisor:
         self._watch_stop = threading.Event()
         self._last_failure: Failure | None = None
         self._spent = 0
+        self._acquired_at_start = 0  # timer acquires before the current attempt
 
     # ------------------------------------------------------------------ public surface
 
@@ -153,6 +154,7 @@ class Supervisor:
             "restarts_spent": self._spent,
             "max_restarts": self.cfg.max_restarts,
             "progress_count": stats.acquired,
+            "attempt_progress_count": stats.acquired - self._acquired_at_start,
             "last_progress_age_s": (time.time() - last) if last else None,
             "timers_active": stats.active,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
@@ -297,6 +299,7 @@ class Supervisor:
 
     def _start_workers(self, info: RendezvousInfo, master: tuple[str, int]) -> None:
         self._attempt += 1
+        self._acquired_at_start = self.timer.stats().acquired
         self._pids.clear()
         self._reaped.clear()
         self.timer.forget_all()

@@ -1,8 +1,12 @@
 """Fault injection for local mode: ``--fault kill:rank=R,after=S`` / ``hang:rank=R,after=S``.
 
-``kill`` sends SIGKILL to the worker with global rank R, S seconds after that rank was
-first seen running; ``hang`` sends SIGSTOP instead, so the worker stops inside its
-``expires(...)`` block and the sidecar's timer server must reap it. Each fault fires once.
+``kill`` sends SIGKILL to the worker with global rank R; ``hang`` sends SIGSTOP, so the
+worker stops inside its ``expires(...)`` block and the sidecar's timer server must reap it.
+
+Faults fire once each, one after another in the order given. A fault's clock starts when
+its target is *training*: the worker with rank R runs and its node has seen a timed step
+(an ``expires`` acquire) in an attempt started after the previous fault fired. So
+``after=S`` means "S seconds into training", whatever start-up costs on this machine.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ class Fault:
     Attributes:
         kind: ``kill`` (SIGKILL) or ``hang`` (SIGSTOP).
         rank: global rank (``RANK``) of the target worker.
-        after: seconds after the target was first seen running.
+        after: seconds after the target started training (see the module doc).
     """
 
     kind: str
@@ -84,12 +88,19 @@ def find_worker(roots: Iterable[int], rank: int) -> psutil.Process | None:
     return None
 
 
+#: ``training(rank)`` answers ``(node, attempt)`` once the node running ``rank`` has seen a
+#: timed step in its current attempt, else None.
+TrainingProbe = Callable[[int], "tuple[str, int] | None"]
+
+
 class FaultInjector:
-    """Fires each fault once from a daemon thread.
+    """Fires the faults in order from one daemon thread.
 
     Args:
-        faults: what to inject.
+        faults: what to inject, in order.
         launcher_pids: callable returning the current launcher pids.
+        training: see :data:`TrainingProbe`.
+        attempts: callable returning each node's current attempt number.
         announce: called with a one-line description when a fault fires.
     """
 
@@ -97,30 +108,44 @@ class FaultInjector:
         self,
         faults: Iterable[Fault],
         launcher_pids: Callable[[], list[int]],
+        training: TrainingProbe,
+        attempts: Callable[[], dict[str, int]],
         announce: Callable[[str], None],
     ) -> None:
         self._faults = list(faults)
         self._pids = launcher_pids
+        self._training = training
+        self._attempts = attempts
         self._announce = announce
         self._stop = threading.Event()
         self.fired: list[tuple[Fault, int]] = []
 
     def start(self) -> None:
-        """Start one thread per fault."""
-        for fault in self._faults:
-            threading.Thread(target=self._run, args=(fault,), daemon=True).start()
+        """Start firing."""
+        if self._faults:
+            threading.Thread(target=self._run, name="faults", daemon=True).start()
 
     def stop(self) -> None:
         """Cancel faults that have not fired."""
         self._stop.set()
 
-    def _run(self, fault: Fault) -> None:
-        while find_worker(self._pids(), fault.rank) is None:
-            if self._stop.wait(0.1):
+    def _run(self) -> None:
+        floor: dict[str, int] = {}  # node -> last attempt a previous fault saw
+        for fault in self._faults:
+            while True:
+                seen = self._training(fault.rank)
+                if seen is not None and seen[1] > floor.get(seen[0], 0):
+                    break
+                if self._stop.wait(0.1):
+                    return
+            if self._stop.wait(fault.after):
                 return
-        if self._stop.wait(fault.after):
-            return
-        deadline = time.monotonic() + 30.0
+            if not self._fire(fault):
+                return
+            floor = self._attempts()
+
+    def _fire(self, fault: Fault) -> bool:
+        deadline = time.monotonic() + 60.0
         while not self._stop.is_set() and time.monotonic() < deadline:
             proc = find_worker(self._pids(), fault.rank)
             if proc is not None:
@@ -130,5 +155,6 @@ class FaultInjector:
                     continue
                 self.fired.append((fault, proc.pid))
                 self._announce(f"fault: {fault.describe()} (pid {proc.pid})")
-                return
+                return True
             self._stop.wait(0.1)
+        return False

@@ -137,7 +137,9 @@ class LocalRunner:
             )
             for _ in range(self.replicas):
                 self.add_replica()
-            injector = FaultInjector(self.opts.faults, self._launcher_pids, self.say)
+            injector = FaultInjector(
+                self.opts.faults, self._launcher_pids, self._training, self._attempts, self.say
+            )
             injector.start()
             try:
                 code = self._wait()
@@ -241,6 +243,7 @@ class LocalRunner:
                 "--nproc-per-node", str(spec.nproc_per_node),
                 "--run-dir", str(run_dir),
                 "--stop-grace", str(self.opts.stop_grace),
+                "--log-level", "WARNING",  # the runner reports rounds and restarts itself
                 "--", *command,
             ],
             cwd=self.manifest_dir,
@@ -283,6 +286,22 @@ class LocalRunner:
         for raw in iter(stream.readline, b""):
             self.echo(raw.decode(errors="replace").rstrip("\n"), is_err)
         stream.close()
+
+    def _training(self, rank: int) -> tuple[str, int] | None:
+        """``(pod, attempt)`` once the pod running global ``rank`` has taken a timed step."""
+        nproc = self.spec.nproc_per_node
+        for pod in list(self.pods):
+            st = pod.status
+            if (
+                st.get("phase") == "running"
+                and st.get("group_rank") == rank // nproc
+                and int(st.get("attempt_progress_count") or 0) > 0
+            ):
+                return pod.name, int(st.get("attempt") or 0)
+        return None
+
+    def _attempts(self) -> dict[str, int]:
+        return {pod.name: int(pod.status.get("attempt") or 0) for pod in list(self.pods)}
 
     def _launcher_pids(self) -> list[int]:
         return [p.launcher.pid for p in self.pods if p.launcher and p.launcher.poll() is None]
