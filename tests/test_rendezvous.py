@@ -13,16 +13,18 @@ import pytest
 from kelastic.contract import Keys
 from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from kelastic_sidecar.rendezvous import (
-    Action,
-    Clock,
     EtcdRendezvousHandler,
     RendezvousClosedError,
     RendezvousError,
     RendezvousInfo,
     RendezvousSettings,
-    RendezvousState,
     RendezvousStateError,
     RendezvousTimeoutError,
+)
+from kelastic_sidecar.rendezvous_state import (
+    Action,
+    Clock,
+    RendezvousState,
     decode_state,
     encode_state,
     evaluate_round,

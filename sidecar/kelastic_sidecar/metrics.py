@@ -74,6 +74,4 @@ class SidecarMetrics:
             ["cause"],
             registry=r,
         )
-        self.etcd_errors = Counter(
-            "kelastic_etcd_errors_total", "Failed calls to etcd", registry=r
-        )
+        self.etcd_errors = Counter("kelastic_etcd_errors_total", "Failed calls to etcd", registry=r)

@@ -26,620 +26,80 @@ Differences from torch, each for a reason (DESIGN.md, "Rendezvous"):
   re-rendezvous) are recorded for the current round, so peers can tell a node that
   left from one that died (:meth:`EtcdRendezvousHandler.check_round`).
 
-The state machine is pure: :class:`RendezvousState` plus the transition and step
-functions below, unit-testable without etcd. :class:`EtcdRendezvousHandler` runs the
+The state machine is pure: :class:`~kelastic_sidecar.rendezvous_state.RendezvousState`
+plus the transition and step functions of :mod:`kelastic_sidecar.rendezvous_state`,
+unit-testable without etcd. :class:`EtcdRendezvousHandler` runs the
 steps against etcd. Deadlines in the state are wall-clock seconds (``time.time()``);
 operation timeouts are measured with ``time.monotonic()``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
 import json
 import logging
-import math
 import os
-import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from kelastic.contract import Keys
 
 from .etcd_backend import EtcdRendezvousBackend
 from .etcd_store import EtcdLeaseNotFoundError, EtcdStore, EtcdUnavailableError, Lease
-
-log = logging.getLogger("kelastic_sidecar.rendezvous")
-
-#: Version of the JSON state this module reads and writes.
-STATE_VERSION = 1
-#: Seconds after a join timeout during which a node still tries to remove itself (torch's value).
-ROLLBACK_PERIOD = 5.0
-#: Longest single wait, seconds: a safety net under the event-driven wake-ups.
-MAX_WAIT = 30.0
-
-#: Departure reason recorded when a participant exits a round to re-rendezvous.
-DEPARTURE_REJOIN = "rejoin"
-#: Departure of a node whose workers all exited 0: its peers carry on.
-DEPARTURE_SUCCEEDED = "succeeded"
-
-# RoundCheck reasons
-HEALTHY = ""
-NODES_WAITING = "nodes_waiting"
-PARTICIPANT_LOST = "participant_lost"
-PARTICIPANT_LEFT = "participant_left"
-CLOSED = "closed"
-ROUND_ADVANCED = "round_advanced"
-LEASE_LOST = "lease_lost"
-
-
-# ---------------------------------------------------------------------------- errors
-
-
-class RendezvousError(Exception):
-    """Base class of rendezvous errors."""
-
-
-class RendezvousClosedError(RendezvousError):
-    """The rendezvous is closed (e.g. the restart budget is spent).
-
-    Attributes:
-        reason: the reason given to :meth:`EtcdRendezvousHandler.close`, if any.
-    """
-
-    def __init__(self, message: str, reason: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class RendezvousTimeoutError(RendezvousError):
-    """An operation did not finish in time (join, leave, close)."""
-
-
-class RendezvousStateError(RendezvousError):
-    """The state in etcd is corrupt or belongs to something else."""
-
-
-# ---------------------------------------------------------------------- public types
-
-
-@dataclass(frozen=True)
-class RendezvousSettings:
-    """Settings of one job's rendezvous (torch's ``RendezvousSettings``/``RendezvousTimeout``).
-
-    Attributes:
-        run_id: the run id (the job UID); stored in the state and checked on read.
-        min_nodes: fewest nodes a round may complete with (>= 1).
-        max_nodes: most nodes a round admits (>= ``min_nodes``).
-        join_timeout: seconds :meth:`EtcdRendezvousHandler.next_rendezvous` may take.
-        last_call_timeout: seconds a round waits for more nodes once ``min_nodes`` joined.
-        close_timeout: seconds ``close`` and ``leave`` may take.
-        lease_ttl: seconds (integer) a node stays alive in etcd without a keep-alive.
-
-    Raises:
-        ValueError: a bound or timeout is out of range.
-    """
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    join_timeout: float = 600.0
-    last_call_timeout: float = 30.0
-    close_timeout: float = 30.0
-    lease_ttl: int = 10
-
-    def __post_init__(self) -> None:
-        if not self.run_id:
-            raise ValueError("run_id must not be empty")
-        if self.min_nodes < 1:
-            raise ValueError(f"min_nodes must be >= 1, got {self.min_nodes}")
-        if self.max_nodes < self.min_nodes:
-            raise ValueError(
-                f"max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})"
-            )
-        for name in ("join_timeout", "last_call_timeout", "close_timeout"):
-            value = getattr(self, name)
-            if not value > 0 or math.isinf(value):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-        if self.lease_ttl < 1:
-            raise ValueError(f"lease_ttl must be >= 1 s, got {self.lease_ttl}")
-
-
-@dataclass(frozen=True)
-class RendezvousInfo:
-    """A completed round, as seen by one node.
-
-    Attributes:
-        round: the round number.
-        group_rank: this node's rank in the round (0 .. group_world_size - 1).
-        group_world_size: the number of nodes in the round.
-        participants: node names ordered by group rank.
-    """
-
-    round: int
-    group_rank: int
-    group_world_size: int
-    participants: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RoundCheck:
-    """Whether a completed round can go on (:meth:`EtcdRendezvousHandler.check_round`).
-
-    Attributes:
-        healthy: True when nothing calls for a re-rendezvous.
-        reason: ``""`` when healthy, else the most severe of ``"closed"``,
-            ``"lease_lost"``, ``"round_advanced"``, ``"participant_lost"``,
-            ``"participant_left"``, ``"nodes_waiting"``.
-        nodes: the nodes the reason is about (lost, left or waiting; sorted).
-        departures: ``(node, reason)`` of the participants that left gracefully
-            (``"succeeded"``, ``"scale_down"``, ``"shutdown"``, ``"rejoin"``, ...).
-    """
-
-    healthy: bool
-    reason: str
-    nodes: tuple[str, ...] = ()
-    departures: tuple[tuple[str, str], ...] = ()
-
-
-# ----------------------------------------------------------------------------- state
-
-
-def name_order(node: str) -> tuple[tuple[str | int, ...], str]:
-    """Sort key of node names: digit runs compare as numbers (``job-2`` < ``job-10``).
-
-    Deterministic and total (ties broken by the plain name), so every node computes
-    the same ranks from the same participants.
-    """
-    parts = re.split(r"(\d+)", node)
-    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), node
-
-
-@dataclass(frozen=True)
-class RendezvousState:
-    """The shared state of a rendezvous (torch's ``_RendezvousState``, as JSON).
-
-    Attributes:
-        run_id: the run it belongs to.
-        round: the current round.
-        complete: whether the current round is complete (ranks assigned).
-        deadline: wall-clock time (s) the last call ends, once ``min_nodes`` joined.
-        closed: no node may join any more.
-        closed_reason: why it was closed (a JSON object), when given.
-        participants: node -> rank of the current round (ranks are 0 until complete).
-        wait_list: nodes waiting for the next round.
-        redundancy_list: nodes waiting while the round is at ``max_nodes``.
-        departed: node -> reason, participants that left the complete round gracefully.
-        lost: participants removed from the complete round because their lease was gone.
-
-    Treat instances as immutable: the functions below return new states.
-    """
-
-    run_id: str
-    round: int = 0
-    complete: bool = False
-    deadline: float | None = None
-    closed: bool = False
-    closed_reason: dict[str, Any] | None = None
-    participants: dict[str, int] = field(default_factory=dict)
-    wait_list: frozenset[str] = frozenset()
-    redundancy_list: frozenset[str] = frozenset()
-    departed: dict[str, str] = field(default_factory=dict)
-    lost: frozenset[str] = frozenset()
-
-    def ranked(self) -> tuple[str, ...]:
-        """Participants ordered by rank (by :func:`name_order` before the round completes)."""
-        return tuple(sorted(self.participants, key=lambda n: (self.participants[n], name_order(n))))
-
-
-def encode_state(state: RendezvousState) -> bytes:
-    """Serialize ``state`` to the JSON stored in etcd (deterministic)."""
-    doc = {
-        "version": STATE_VERSION,
-        "run_id": state.run_id,
-        "round": state.round,
-        "complete": state.complete,
-        "deadline": state.deadline,
-        "closed": state.closed,
-        "closed_reason": state.closed_reason,
-        "participants": dict(sorted(state.participants.items())),
-        "wait_list": sorted(state.wait_list),
-        "redundancy_list": sorted(state.redundancy_list),
-        "departed": dict(sorted(state.departed.items())),
-        "lost": sorted(state.lost),
-    }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
-_FIELDS = frozenset(
-    {
-        "version",
-        "run_id",
-        "round",
-        "complete",
-        "deadline",
-        "closed",
-        "closed_reason",
-        "participants",
-        "wait_list",
-        "redundancy_list",
-        "departed",
-        "lost",
-    }
+from .rendezvous_state import (
+    CLOSED,
+    HEALTHY,
+    LEASE_LOST,
+    MAX_WAIT,
+    NODES_WAITING,
+    PARTICIPANT_LEFT,
+    PARTICIPANT_LOST,
+    ROLLBACK_PERIOD,
+    ROUND_ADVANCED,
+    Action,
+    Clock,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousInfo,
+    RendezvousSettings,
+    RendezvousState,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+    RoundCheck,
+    Step,
+    close_step,
+    decode_state,
+    encode_state,
+    evaluate_round,
+    exit_step,
+    join_step,
+    leave_step,
+    sanitize,
 )
 
+__all__ = [
+    "CLOSED",
+    "HEALTHY",
+    "LEASE_LOST",
+    "NODES_WAITING",
+    "PARTICIPANT_LEFT",
+    "PARTICIPANT_LOST",
+    "ROUND_ADVANCED",
+    "EtcdRendezvousHandler",
+    "RendezvousClosedError",
+    "RendezvousError",
+    "RendezvousInfo",
+    "RendezvousSettings",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+    "RoundCheck",
+]
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _names(doc: Mapping[str, Any], name: str, where: str) -> frozenset[str]:
-    value = doc[name]
-    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
-        raise RendezvousStateError(f"{where}: '{name}' must be a list of node names")
-    if len(set(value)) != len(value):
-        raise RendezvousStateError(f"{where}: '{name}' lists a node twice")
-    return frozenset(value)
-
-
-def decode_state(raw: bytes, *, run_id: str | None = None, where: str = "state") -> RendezvousState:
-    """Parse and strictly validate a state written by :func:`encode_state`.
-
-    Args:
-        raw: the bytes read from etcd.
-        run_id: when given, the state must belong to this run.
-        where: the etcd key, for error messages.
-
-    Raises:
-        RendezvousStateError: not JSON, another version, a missing/unknown/ill-typed
-            field, or inconsistent contents (e.g. a node both participant and waiting).
-    """
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RendezvousStateError(f"{where}: not JSON ({exc}): {raw[:80]!r}") from exc
-    if not isinstance(doc, dict):
-        raise RendezvousStateError(f"{where}: not a JSON object: {raw[:80]!r}")
-    if doc.get("version") != STATE_VERSION:
-        raise RendezvousStateError(
-            f"{where}: state version {doc.get('version')!r}, this kelastic reads {STATE_VERSION}"
-        )
-    missing, unknown = _FIELDS - doc.keys(), doc.keys() - _FIELDS
-    if missing or unknown:
-        raise RendezvousStateError(
-            f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
-        )
-    if not isinstance(doc["run_id"], str) or not doc["run_id"]:
-        raise RendezvousStateError(f"{where}: 'run_id' must be a non-empty string")
-    if run_id is not None and doc["run_id"] != run_id:
-        raise RendezvousStateError(
-            f"{where}: belongs to run {doc['run_id']!r}, not {run_id!r} (stale or shared key?)"
-        )
-    if not _is_int(doc["round"]) or doc["round"] < 0:
-        raise RendezvousStateError(f"{where}: 'round' must be an integer >= 0")
-    for name in ("complete", "closed"):
-        if not isinstance(doc[name], bool):
-            raise RendezvousStateError(f"{where}: '{name}' must be true or false")
-    deadline = doc["deadline"]
-    if deadline is not None and (
-        not isinstance(deadline, int | float) or isinstance(deadline, bool)
-    ):
-        raise RendezvousStateError(f"{where}: 'deadline' must be a number or null")
-    if doc["closed_reason"] is not None and not isinstance(doc["closed_reason"], dict):
-        raise RendezvousStateError(f"{where}: 'closed_reason' must be an object or null")
-    participants = doc["participants"]
-    if not isinstance(participants, dict) or not all(
-        isinstance(n, str) and n and _is_int(r) and r >= 0 for n, r in participants.items()
-    ):
-        raise RendezvousStateError(f"{where}: 'participants' must map node names to ranks >= 0")
-    departed = doc["departed"]
-    if not isinstance(departed, dict) or not all(
-        isinstance(n, str) and n and isinstance(r, str) for n, r in departed.items()
-    ):
-        raise RendezvousStateError(f"{where}: 'departed' must map node names to reasons")
-    wait_list = _names(doc, "wait_list", where)
-    redundancy = _names(doc, "redundancy_list", where)
-    lost = _names(doc, "lost", where)
-    members = set(participants)
-    if members & wait_list or members & redundancy or wait_list & redundancy:
-        raise RendezvousStateError(f"{where}: a node is listed both as participant and waiting")
-    ranks = list(participants.values())
-    if doc["complete"] and len(set(ranks)) != len(ranks):
-        raise RendezvousStateError(f"{where}: ranks of a complete round must be distinct")
-    return RendezvousState(
-        run_id=doc["run_id"],
-        round=doc["round"],
-        complete=doc["complete"],
-        deadline=float(deadline) if deadline is not None else None,
-        closed=doc["closed"],
-        closed_reason=doc["closed_reason"],
-        participants=dict(participants),
-        wait_list=wait_list,
-        redundancy_list=redundancy,
-        departed=dict(departed),
-        lost=lost,
-    )
-
-
-# ----------------------------------------------------------------------- transitions
-# Pure functions: each returns a new state. Names follow torch's _DistributedRendezvousOpExecutor.
-
-
-def add_participant(
-    state: RendezvousState, node: str, settings: RendezvousSettings, now: float
-) -> RendezvousState:
-    """``node`` joins the forming round; the last call starts at ``min_nodes``; at
-    ``max_nodes`` the round completes at once."""
-    participants = {**state.participants, node: 0}
-    new = dataclasses.replace(
-        state,
-        participants=participants,
-        wait_list=state.wait_list - {node},
-        redundancy_list=state.redundancy_list - {node},
-    )
-    if len(participants) == settings.min_nodes:
-        new = dataclasses.replace(new, deadline=now + settings.last_call_timeout)
-    if len(participants) >= settings.max_nodes:
-        new = mark_complete(new)
-    return new
-
-
-def add_to_wait_list(state: RendezvousState, node: str) -> RendezvousState:
-    """``node`` waits for the next round (the complete round is below ``max_nodes``)."""
-    return dataclasses.replace(
-        state, wait_list=state.wait_list | {node}, redundancy_list=state.redundancy_list - {node}
-    )
-
-
-def add_to_redundancy_list(state: RendezvousState, node: str) -> RendezvousState:
-    """``node`` waits while the complete round is at ``max_nodes``."""
-    return dataclasses.replace(state, redundancy_list=state.redundancy_list | {node})
-
-
-def remove_waiter(state: RendezvousState, node: str) -> RendezvousState:
-    """Take ``node`` off the wait and redundancy lists."""
-    return dataclasses.replace(
-        state, wait_list=state.wait_list - {node}, redundancy_list=state.redundancy_list - {node}
-    )
-
-
-def remove_participant(
-    state: RendezvousState, node: str, settings: RendezvousSettings, departure: str | None
-) -> RendezvousState:
-    """Remove ``node`` from the participants (torch's ``_remove_participant_epilogue``).
-
-    From a complete round the departure is recorded: ``departure`` (a graceful reason)
-    in ``departed``, or ``None`` (dead) in ``lost``; once the last participant is gone
-    the round number goes up and the next round forms (records cleared). From a forming
-    round below ``min_nodes`` the last call is cancelled.
-    """
-    participants = {n: r for n, r in state.participants.items() if n != node}
-    new = dataclasses.replace(state, participants=participants)
-    if state.complete:
-        if departure is None:
-            new = dataclasses.replace(new, lost=new.lost | {node})
-        else:
-            new = dataclasses.replace(new, departed={**new.departed, node: departure})
-        if not participants:
-            new = dataclasses.replace(
-                new, complete=False, round=state.round + 1, departed={}, lost=frozenset()
-            )
-    elif len(participants) < settings.min_nodes:
-        new = dataclasses.replace(new, deadline=None)
-    return new
-
-
-def mark_complete(state: RendezvousState) -> RendezvousState:
-    """Complete the round: ranks by :func:`name_order`, last call over, records cleared."""
-    ranks = {node: rank for rank, node in enumerate(sorted(state.participants, key=name_order))}
-    return dataclasses.replace(
-        state, complete=True, deadline=None, participants=ranks, departed={}, lost=frozenset()
-    )
-
-
-def mark_closed(state: RendezvousState, reason: dict[str, Any] | None) -> RendezvousState:
-    """Close the rendezvous (keeps the first reason when already closed)."""
-    if state.closed:
-        return state
-    return dataclasses.replace(state, closed=True, closed_reason=reason)
-
-
-def sanitize(
-    state: RendezvousState, alive: Iterable[str], settings: RendezvousSettings
-) -> tuple[RendezvousState, tuple[str, ...]]:
-    """Remove participants and waiters that have no alive key (their lease is gone).
-
-    Returns:
-        the new state and the removed nodes (sorted).
-    """
-    live = set(alive)
-    dead = sorted((set(state.participants) | state.wait_list | state.redundancy_list) - live)
-    new = state
-    for node in dead:
-        if node in new.participants:
-            new = remove_participant(new, node, settings, departure=None)
-        else:
-            new = remove_waiter(new, node)
-    return new, tuple(dead)
-
-
-# ---------------------------------------------------------------------------- steps
-# A step looks at the (sanitized) state and decides what to do next, like torch's
-# _RendezvousJoinOp & co. The handler writes WRITE states, waits on WAIT, stops on FINISH.
-
-
-class Action(enum.Enum):
-    """What a step asks the handler to do."""
-
-    FINISH = "finish"
-    WAIT = "wait"
-    WRITE = "write"
-    ERROR_CLOSED = "error_closed"
-    ERROR_TIMEOUT = "error_timeout"
-
-
-@dataclass(frozen=True)
-class Clock:
-    """Time as a step sees it.
-
-    Attributes:
-        now: wall-clock seconds (``time.time()``), compared with state deadlines.
-        timed_out: the operation's deadline has passed.
-        rollback_over: the rollback period after the deadline has passed too.
-    """
-
-    now: float
-    timed_out: bool = False
-    rollback_over: bool = False
-
-
-@dataclass(frozen=True)
-class Step:
-    """A step's decision.
-
-    Attributes:
-        action: what to do.
-        state: the state to write (``WRITE`` only).
-        wake_at: wall-clock time to look again even without a change (``WAIT``).
-        untimed: the wait is not bounded by the operation's deadline (redundant nodes).
-        restart_timer: start the operation's timeout afresh (left the redundancy list).
-        note: what happened, for the log.
-    """
-
-    action: Action
-    state: RendezvousState | None = None
-    wake_at: float | None = None
-    untimed: bool = False
-    restart_timer: bool = False
-    note: str = ""
-
-
-def _write(state: RendezvousState, note: str, **kw: Any) -> Step:
-    return Step(Action.WRITE, state=state, note=note, **kw)
-
-
-def join_step(
-    state: RendezvousState, clock: Clock, *, node: str, settings: RendezvousSettings
-) -> Step:
-    """Next move of ``node`` joining the rendezvous (torch's ``_RendezvousJoinOp``)."""
-    if state.closed:
-        return Step(Action.ERROR_CLOSED)
-    if node in state.redundancy_list:
-        if len(state.participants) >= settings.max_nodes:
-            return Step(Action.WAIT, untimed=True)
-        return _write(remove_waiter(state, node), "left the redundancy list", restart_timer=True)
-    is_participant = node in state.participants
-    if state.complete and is_participant:
-        return Step(Action.FINISH)
-    if clock.timed_out:
-        if not clock.rollback_over:
-            if is_participant:
-                return _write(
-                    remove_participant(state, node, settings, "timeout"),
-                    f"timed out; left forming round {state.round}",
-                )
-            if node in state.wait_list:
-                return _write(remove_waiter(state, node), "timed out; left the wait list")
-        return Step(Action.ERROR_TIMEOUT)
-    if state.complete:
-        if node in state.wait_list:
-            return Step(Action.WAIT)
-        if len(state.participants) < settings.max_nodes:
-            return _write(add_to_wait_list(state, node), f"waits for round {state.round + 1}")
-        return _write(
-            add_to_redundancy_list(state, node),
-            f"is redundant: round {state.round} is at max_nodes={settings.max_nodes}",
-        )
-    if not is_participant:
-        new = add_participant(state, node, settings, clock.now)
-        note = f"joined round {state.round}"
-        if new.complete:
-            note += " (max_nodes reached: round complete)"
-        return _write(new, note)
-    if len(state.participants) < settings.min_nodes:
-        return Step(Action.WAIT)
-    if state.deadline is None:  # defensive: the last call should have started at min_nodes
-        return _write(
-            dataclasses.replace(state, deadline=clock.now + settings.last_call_timeout),
-            "started the last call",
-        )
-    if state.deadline <= clock.now:
-        return _write(mark_complete(state), f"completed round {state.round} (last call over)")
-    return Step(Action.WAIT, wake_at=state.deadline)
-
-
-def exit_step(
-    state: RendezvousState, clock: Clock, *, node: str, settings: RendezvousSettings
-) -> Step:
-    """Leave the current round before joining the next (torch's ``_RendezvousExitOp``)."""
-    if node not in state.participants:
-        return Step(Action.FINISH)
-    if clock.timed_out:
-        return Step(Action.ERROR_TIMEOUT)
-    return _write(
-        remove_participant(state, node, settings, DEPARTURE_REJOIN),
-        f"exited round {state.round} to re-rendezvous",
-    )
-
-
-def leave_step(
-    state: RendezvousState,
-    clock: Clock,
-    *,
-    node: str,
-    settings: RendezvousSettings,
-    reason: str,
-) -> Step:
-    """Leave the rendezvous for good, recording ``reason`` for the peers."""
-    if node in state.participants:
-        new = remove_participant(state, node, settings, reason)
-    elif node in state.wait_list or node in state.redundancy_list:
-        new = remove_waiter(state, node)
-    else:
-        return Step(Action.FINISH)
-    if clock.timed_out:
-        return Step(Action.ERROR_TIMEOUT)
-    return _write(new, f"left the rendezvous ({reason})")
-
-
-def close_step(state: RendezvousState, clock: Clock, *, reason: dict[str, Any] | None) -> Step:
-    """Close the rendezvous (torch's ``_RendezvousCloseOp``)."""
-    if state.closed:
-        return Step(Action.FINISH)
-    if clock.timed_out:
-        return Step(Action.ERROR_TIMEOUT)
-    return _write(mark_closed(state, reason), f"closed the rendezvous: {reason}")
-
-
-def evaluate_round(
-    state: RendezvousState, info: RendezvousInfo, node: str, *, lease_lost: bool
-) -> RoundCheck:
-    """Decide whether the round described by ``info`` can go on (see :class:`RoundCheck`)."""
-    departures = tuple(sorted((n, r) for n, r in state.departed.items() if n in info.participants))
-    if state.closed:
-        return RoundCheck(False, CLOSED, departures=departures)
-    if lease_lost:
-        return RoundCheck(False, LEASE_LOST, (node,), departures)
-    if state.round != info.round:
-        return RoundCheck(False, ROUND_ADVANCED, departures=departures)
-    gone = [n for n in info.participants if n not in state.participants]
-    lost = tuple(sorted(n for n in gone if n not in state.departed))
-    if lost:
-        return RoundCheck(False, PARTICIPANT_LOST, lost, departures)
-    # A peer that finished its work ("succeeded") does not disturb the round: the others
-    # finish theirs. Any other departure (rejoin, scale_down, shutdown) ends the round.
-    left = tuple(sorted(n for n in gone if state.departed[n] != DEPARTURE_SUCCEEDED))
-    if left:
-        return RoundCheck(False, PARTICIPANT_LEFT, left, departures)
-    if state.wait_list:
-        return RoundCheck(False, NODES_WAITING, tuple(sorted(state.wait_list)), departures)
-    return RoundCheck(True, HEALTHY, (), departures)
-
+log = logging.getLogger("kelastic_sidecar.rendezvous")
 
 # --------------------------------------------------------------------------- handler
 
