@@ -6,10 +6,13 @@ the torch DDP digits job runs in ``test_digits.py``.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -107,6 +110,19 @@ def test_a_new_node_joins_at_the_next_round(tmp_path: Path) -> None:
         )  # fmt: skip
         with pytest.raises(RuntimeError, match="maxReplicas"):
             runner.add_replica()
+        # Each sidecar serves its probes, metrics and status on one port.
+        for pod in runner.pods:
+            base = f"http://127.0.0.1:{pod.http_port}"
+            assert _get(base + "/healthz") == (200, "ok\n")
+            wait_for(lambda b=base: _get(b + "/readyz")[0] == 200, 30, what="ready")
+            code, metrics = _get(base + "/metrics")
+            assert code == 200 and "kelastic_world_size 3.0" in metrics
+            rounds = 1 if pod.name == "steps-2" else 2  # the new node joined in round 1
+            assert f"kelastic_rendezvous_rounds_total {rounds}.0" in metrics
+            assert "kelastic_rendezvous_duration_seconds_count" in metrics
+            status = json.loads(_get(base + "/status")[1])
+            assert status["group_world_size"] == 3 and status["phase"] == "running"
+            assert _get(base + "/nope")[0] == 404
         stop.touch()
         thread.join(60)
         assert result == [0], "\n".join(lines)
@@ -115,6 +131,14 @@ def test_a_new_node_joins_at_the_next_round(tmp_path: Path) -> None:
         thread.join(30)
     # Scale-up cost no restart.
     assert not any("restart 1/" in x for x in lines)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
 
 
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path) -> None:
