@@ -51,3 +51,21 @@ def test_every_problem_is_listed_at_once() -> None:
 def test_out_of_range_values_are_rejected(override: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SidecarConfig.from_env(GOOD | override)
+
+
+def test_sidecar_command_rejects_a_bad_environment_and_explains_itself() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kelastic_sidecar"],
+        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "invalid sidecar environment" in out.stderr
+    assert f"{contract.ENV_ETCD_ENDPOINTS} is required" in out.stderr
+    helped = subprocess.run(
+        [sys.executable, "-m", "kelastic_sidecar", "--help"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    assert contract.ENV_ETCD_ENDPOINTS in helped.stdout and "/metrics" in helped.stdout

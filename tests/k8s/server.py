@@ -47,6 +47,9 @@ _PATCH_TYPES = {
     "application/apply-patch+yaml": "apply",
 }
 
+#: Marks a request whose access-log line was already written.
+_LOGGED = web.RequestKey("logged", bool)
+
 
 def _is_true(value: str | None) -> bool:
     return value in ("true", "1", "True")
@@ -111,7 +114,7 @@ class EmulatorServer:
             error = ApiError(500, "InternalError", f"emulator error: {exc!r}")
             response = web.json_response(error.status(), status=500)
             log.exception("emulator error on %s %s", request.method, request.path_qs, exc_info=exc)
-        if not request.get("logged"):
+        if not request.get(_LOGGED):
             self.requests.append((request.method, request.path_qs, response.status))
         return response
 
@@ -431,7 +434,7 @@ class EmulatorServer:
             return response
         await response.prepare(request)
         self.requests.append((request.method, request.path_qs, response.status))
-        request["logged"] = True
+        request[_LOGGED] = True
         sent_columns = False
         self._streams += 1
         try:
