@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.local.runner import LocalOptions, LocalRunner
 from kelastic_operator.model import load_manifest
 from tests.conftest import wait_for
@@ -164,3 +165,23 @@ def test_help_explains_run_and_faults() -> None:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert "kill:rank=R,after=S" in out.stdout and "--etcd ENDPOINTS" in out.stdout
+
+
+def test_an_existing_etcd_is_used_and_keeps_the_job_record(
+    tmp_path: Path, etcd_server: EmbeddedEtcd
+) -> None:
+    from kelastic_sidecar.etcd_store import EtcdStore
+
+    etcd_endpoint = etcd_server.endpoint
+    job = write_job(tmp_path / "job.yaml", name="ext", replicas=2, env={"STEPS_MAX": "5"})
+    run = KelasticRun(job, "--etcd", etcd_endpoint, workdir=tmp_path / "runs")
+    assert run.wait() == 0, run.output
+    assert f"etcd {etcd_endpoint}," in run.output
+    with EtcdStore([etcd_endpoint]) as store:
+        keys = store.get_prefix("/kelastic/default/ext/")
+    reports = {k.rsplit("/", 1)[1]: json.loads(v) for k, (v, _) in keys.items() if "/reports/" in k}
+    assert sorted(reports) == ["ext-0", "ext-1"]
+    assert {r["outcome"] for r in reports.values()} == {"succeeded"}
+    assert any(k.endswith("/rdzv/state") for k in keys)
+    assert run.strays() == []
+    assert etcd_server.healthy()  # the etcd we were given is not ours to stop
