@@ -7,14 +7,53 @@ Pod's labels at scrape time.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .timer_server import TimerStats
+
+
+class TimerCollector(Collector):
+    """Exports the timer server's counters at scrape time (no double bookkeeping).
+
+    Args:
+        stats: returns a fresh :class:`~kelastic_sidecar.timer_server.TimerStats`.
+    """
+
+    def __init__(self, stats: Callable[[], TimerStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the timer metric families."""
+        s = self._stats()
+        yield GaugeMetricFamily(
+            "kelastic_timers_active", "Expiration timers currently held by workers", s.active
+        )
+        for name, doc, value in (
+            ("kelastic_timer_requests", "Well-formed requests read from the timer FIFO",
+             s.requests),
+            ("kelastic_timers_expired", "Expiration timers that expired", s.expired),
+            ("kelastic_workers_reaped", "Hung workers killed by the timer server", s.reaped),
+            ("kelastic_timer_bad_requests",
+             "Malformed or oversized lines on the timer FIFO (skipped)",
+             s.malformed + s.oversized),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class SidecarMetrics:
-    """All metrics of one sidecar, registered in :attr:`registry`."""
+    """All metrics of one sidecar, registered in :attr:`registry`.
 
-    def __init__(self) -> None:
+    Args:
+        timer_stats: source of the timer server's counters (see :class:`TimerCollector`).
+    """
+
+    def __init__(self, timer_stats: Callable[[], TimerStats]) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(TimerCollector(timer_stats))
         self.rounds = Counter(
             "kelastic_rendezvous_rounds_total", "Rendezvous rounds this node completed", registry=r
         )
@@ -42,20 +81,6 @@ class SidecarMetrics:
         )
         self.budget_max = Gauge(
             "kelastic_restart_budget_max", "Global restart budget of the job", registry=r
-        )
-        self.timers_active = Gauge(
-            "kelastic_timers_active", "Expiration timers currently held by workers", registry=r
-        )
-        self.timers_expired = Counter(
-            "kelastic_timers_expired_total", "Expiration timers that expired", registry=r
-        )
-        self.workers_reaped = Counter(
-            "kelastic_workers_reaped_total", "Hung workers killed by the timer server", registry=r
-        )
-        self.timer_bad_requests = Counter(
-            "kelastic_timer_bad_requests_total",
-            "Malformed or oversized lines on the timer FIFO",
-            registry=r,
         )
         self.worker_exits = Counter(
             "kelastic_worker_exits_total",

@@ -100,13 +100,13 @@ class Supervisor:
         self.cfg = config
         self.keys = contract.Keys(config.prefix)
         self.store = store or EtcdStore(config.etcd_endpoints, tls_dir=config.tls_dir)
-        self.metrics = SidecarMetrics()
-        self.metrics.budget_max.set(config.max_restarts)
         self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.timer = TimerServer(
             contract.timer_fifo_path(config.run_dir),
             on_reap=lambda ev: self._events.put(("reaped", ev)),
         )
+        self.metrics = SidecarMetrics(self.timer.stats)
+        self.metrics.budget_max.set(config.max_restarts)
         self.control = ControlServer(
             contract.control_socket_path(config.run_dir),
             on_message=lambda msg: self._events.put(("control", msg)),
@@ -416,8 +416,6 @@ class Supervisor:
 
     def _on_reaped(self, ev: ReapEvent) -> None:
         self._reaped[ev.pid] = ev
-        self.metrics.workers_reaped.inc()
-        self.metrics.timers_expired.inc()
         log.warning(
             "worker pid %d hung: timer %r expired %.3fs ago; killed with %s",
             ev.pid, ev.scope_id, ev.reaped_at - ev.expiration_time, signal_name(ev.signal),
