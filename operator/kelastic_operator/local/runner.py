@@ -34,6 +34,7 @@ from typing import IO, Any
 from kelastic import contract
 
 from ..model import ElasticJob, trainer_container
+from .containers import container_env, local_argv, mount_map, start_process
 from .etcd import EmbeddedEtcd, free_port
 from .faults import Fault, FaultInjector
 
@@ -212,22 +213,15 @@ class LocalRunner:
             contract.ENV_HTTP_HOST: "127.0.0.1",
             contract.ENV_HTTP_PORT: str(pod.http_port),
         }
-        sidecar_log = open(pod.dir / "sidecar.log", "ab")  # noqa: SIM115
-        pod.sidecar = subprocess.Popen(
-            [sys.executable, "-m", "kelastic_sidecar"],
-            env=sidecar_env,
-            stdin=subprocess.DEVNULL,
-            stdout=sidecar_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        sidecar_log.close()
+        with open(pod.dir / "sidecar.log", "ab") as sidecar_log:
+            pod.sidecar = start_process(
+                local_argv(["kelastic-sidecar"]), sidecar_env, run_dir, sidecar_log,
+                subprocess.STDOUT,
+            )  # fmt: skip
         container = trainer_container(self.spec.template)
-        command = [str(c) for c in container["command"]] + [
-            str(a) for a in container.get("args") or []
-        ]
-        if command[0] in ("python", "python3"):
-            command[0] = sys.executable
+        command = local_argv(
+            [str(c) for c in container["command"]] + [str(a) for a in container.get("args") or []]
+        )
         trainer_env = (
             base
             | self._container_env(container)
@@ -237,7 +231,7 @@ class LocalRunner:
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        pod.launcher = subprocess.Popen(
+        pod.launcher = start_process(
             [
                 sys.executable, "-m", "kelastic.launch",
                 "--nproc-per-node", str(spec.nproc_per_node),
@@ -246,12 +240,7 @@ class LocalRunner:
                 "--log-level", "WARNING",  # the runner reports rounds and restarts itself
                 "--", *command,
             ],
-            cwd=self.manifest_dir,
-            env=trainer_env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
+            trainer_env, self.manifest_dir, subprocess.PIPE, subprocess.PIPE,
         )  # fmt: skip
         for stream, is_err in ((pod.launcher.stdout, False), (pod.launcher.stderr, True)):
             assert stream is not None
@@ -261,26 +250,13 @@ class LocalRunner:
         self.pods.append(pod)
 
     def _container_env(self, container: dict[str, Any]) -> dict[str, str]:
-        """The container's literal env, with volume mount paths mapped to local folders."""
-        mounts: dict[str, Path] = {}
-        for m in container.get("volumeMounts") or []:
-            if isinstance(m, dict) and m.get("name") and m.get("mountPath"):
-                local = self.workdir / "volumes" / str(m["name"])
-                local.mkdir(parents=True, exist_ok=True)
-                mounts[str(m["mountPath"]).rstrip("/")] = local
-        env: dict[str, str] = {}
-        for item in container.get("env") or []:
-            if not isinstance(item, dict) or "name" not in item:
-                continue
-            if "value" not in item:
-                self.say(f"env {item['name']}: valueFrom is not supported locally; skipped")
-                continue
-            value = str(item["value"])
-            for path, local in mounts.items():
-                if value == path or value.startswith(path + "/"):
-                    value = str(local) + value[len(path) :]
-            env[str(item["name"])] = value
-        return env
+        """The container's env, its volume mounts mapped to folders shared by all replicas."""
+        names = {str(m["name"]) for m in container.get("volumeMounts") or [] if isinstance(m, dict)}
+        volumes = {name: self.workdir / "volumes" / name for name in names}
+        for folder in volumes.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        fields = {"metadata.namespace": self.job.metadata.namespace, "status.podIP": "127.0.0.1"}
+        return container_env(container, mount_map(container, volumes), fields, self.say)
 
     def _pump(self, stream: IO[bytes], is_err: bool) -> None:
         for raw in iter(stream.readline, b""):
