@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from kelastic import contract
 
@@ -19,6 +19,10 @@ API_GROUP = "kelastic.dev"
 API_VERSION = "v1alpha1"
 KIND = "ElasticJob"
 TRAINER_CONTAINER = "trainer"
+#: An ElasticJob's name: a DNS label short enough that ``<name>-<index>`` Pod names and the
+#: label values holding them stay within 63 characters.
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME_LENGTH = 52
 
 
 class ManifestError(ValueError):
@@ -44,22 +48,90 @@ class RendezvousSpec(_Model):
         default=None, alias="tlsSecret", description="Secret with ca.crt, tls.crt, tls.key"
     )
     join_timeout_seconds: float = Field(
-        default=contract.DEFAULT_JOIN_TIMEOUT, gt=0, alias="joinTimeoutSeconds"
+        default=contract.DEFAULT_JOIN_TIMEOUT,
+        gt=0,
+        alias="joinTimeoutSeconds",
+        description="seconds a node waits to join a rendezvous round before failing",
     )
     last_call_timeout_seconds: float = Field(
-        default=contract.DEFAULT_LAST_CALL_TIMEOUT, gt=0, alias="lastCallTimeoutSeconds"
+        default=contract.DEFAULT_LAST_CALL_TIMEOUT,
+        gt=0,
+        alias="lastCallTimeoutSeconds",
+        description="seconds a round stays open for more nodes once minReplicas have joined",
     )
     lease_ttl_seconds: int = Field(
-        default=contract.DEFAULT_LEASE_TTL, ge=1, le=300, alias="leaseTTLSeconds"
+        default=contract.DEFAULT_LEASE_TTL,
+        ge=1,
+        le=300,
+        alias="leaseTTLSeconds",
+        description="seconds (integer) a node stays alive in etcd without a keep-alive",
     )
 
 
 class PodReplacementSpec(_Model):
     """How the operator replaces failed Pods (``spec.podReplacement``)."""
 
-    max_replacements: int = Field(default=10, ge=0, alias="maxReplacements")
-    backoff_seconds: float = Field(default=10.0, ge=0, alias="backoffSeconds")
-    max_backoff_seconds: float = Field(default=300.0, ge=0, alias="maxBackoffSeconds")
+    max_replacements: int = Field(
+        default=10,
+        ge=0,
+        alias="maxReplacements",
+        description="failed Pods the operator replaces before it fails the job",
+    )
+    backoff_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        alias="backoffSeconds",
+        description="seconds before the first replacement; doubles with each replacement",
+    )
+    max_backoff_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        alias="maxBackoffSeconds",
+        description="upper bound of the replacement backoff, seconds",
+    )
+
+
+#: CEL rules of ``spec`` in the CRD: the API server rejects what :meth:`ElasticJobSpec._check`
+#: rejects, with the same wording, before the operator ever sees it.
+SPEC_CEL_RULES: list[JsonValue] = [
+    {
+        "rule": "!has(self.minReplicas) || !has(self.maxReplicas) || "
+        "self.minReplicas <= self.maxReplicas",
+        "messageExpression": "'minReplicas (' + string(self.minReplicas) + ') must be <= "
+        "maxReplicas (' + string(self.maxReplicas) + ')'",
+        "message": "minReplicas must be <= maxReplicas",
+    },
+    {
+        "rule": "!has(self.minReplicas) || self.minReplicas <= self.replicas",
+        "messageExpression": "'replicas (' + string(self.replicas) + ') must be >= "
+        "minReplicas (' + string(self.minReplicas) + ')'",
+        "message": "replicas must be >= minReplicas",
+    },
+    {
+        "rule": "!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+        "messageExpression": "'replicas (' + string(self.replicas) + ') must be <= "
+        "maxReplicas (' + string(self.maxReplicas) + ')'",
+        "message": "replicas must be <= maxReplicas",
+    },
+]
+
+
+#: CEL rules of ``spec.template.spec``: :func:`trainer_container`'s checks, worded alike.
+TEMPLATE_CEL_RULES: list[JsonValue] = [
+    {
+        "rule": "size(self.containers) == 1 || "
+        f"self.containers.exists(c, has(c.name) && c.name == '{TRAINER_CONTAINER}')",
+        "message": "template.spec.containers has several containers; name the training one "
+        f"'{TRAINER_CONTAINER}'",
+    },
+    {
+        "rule": "self.containers.exists(c, (size(self.containers) == 1 || "
+        f"(has(c.name) && c.name == '{TRAINER_CONTAINER}')) && has(c.command) && "
+        "size(c.command) > 0)",
+        "message": "the trainer container needs a command (a list of strings): the launcher "
+        "wraps it",
+    },
+]
 
 
 class ElasticJobSpec(_Model):
@@ -70,20 +142,99 @@ class ElasticJobSpec(_Model):
     the job's global worker-group restart budget (scale events do not spend it).
     """
 
-    replicas: int = Field(ge=1, le=10000)
-    min_replicas: int | None = Field(default=None, ge=1, alias="minReplicas")
-    max_replicas: int | None = Field(default=None, ge=1, alias="maxReplicas")
-    nproc_per_node: int = Field(default=1, ge=1, le=1024, alias="nprocPerNode")
-    max_restarts: int = Field(default=contract.DEFAULT_MAX_RESTARTS, ge=0, alias="maxRestarts")
-    pending_timeout_seconds: float = Field(default=600.0, gt=0, alias="pendingTimeoutSeconds")
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={"x-kubernetes-validations": SPEC_CEL_RULES},
+    )
+
+    replicas: int = Field(ge=1, le=10000, description="nodes (Pods) wanted")
+    min_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=10000,
+        alias="minReplicas",
+        description="fewest nodes a rendezvous round may start with (default: replicas)",
+    )
+    max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=10000,
+        alias="maxReplicas",
+        description="most nodes a rendezvous round admits (default: replicas)",
+    )
+    nproc_per_node: int = Field(
+        default=1, ge=1, le=1024, alias="nprocPerNode", description="worker processes per node"
+    )
+    max_restarts: int = Field(
+        default=contract.DEFAULT_MAX_RESTARTS,
+        ge=0,
+        alias="maxRestarts",
+        description="worker-group restarts the whole job may spend (scale events spend none)",
+    )
+    pending_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        alias="pendingTimeoutSeconds",
+        description=(
+            "seconds a Pod may stay Pending before the operator shrinks the job towards "
+            "minReplicas (it grows back later)"
+        ),
+    )
     cleanup_policy: Literal["None", "Running", "All"] = Field(
-        default="Running", alias="cleanupPolicy"
+        default="Running",
+        alias="cleanupPolicy",
+        description="Pods deleted when the job finishes: none, those still running, or all",
     )
     pod_replacement: PodReplacementSpec = Field(
-        default_factory=PodReplacementSpec, alias="podReplacement"
+        default_factory=PodReplacementSpec,
+        alias="podReplacement",
+        description="how failed Pods are replaced",
+        json_schema_extra={"default": {}},
     )
-    rendezvous: RendezvousSpec = Field(default_factory=RendezvousSpec)
-    template: dict[str, Any]
+    rendezvous: RendezvousSpec = Field(
+        default_factory=RendezvousSpec,
+        description="where and how the nodes meet",
+        json_schema_extra={"default": {}},
+    )
+    template: dict[str, Any] = Field(
+        description=(
+            "A PodTemplateSpec holding the trainer container (named 'trainer', or the only "
+            "container); its command is wrapped by the kelastic launcher"
+        ),
+        json_schema_extra={
+            "x-kubernetes-preserve-unknown-fields": True,
+            "required": ["spec"],
+            "properties": {
+                "metadata": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                "spec": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "required": ["containers"],
+                    "x-kubernetes-validations": TEMPLATE_CEL_RULES,
+                    "properties": {
+                        "containers": {
+                            "type": "array",
+                            "minItems": 1,
+                            "maxItems": 64,
+                            "items": {
+                                "type": "object",
+                                "x-kubernetes-preserve-unknown-fields": True,
+                                "properties": {
+                                    "name": {"type": "string", "maxLength": 63},
+                                    "command": {
+                                        "type": "array",
+                                        "maxItems": 256,
+                                        "items": {"type": "string"},
+                                    },
+                                },
+                            },
+                        }
+                    },
+                },
+            },
+        },
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ElasticJobSpec:
@@ -110,7 +261,7 @@ class Metadata(_Model):
     """The part of ``metadata`` kelastic reads."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=52)
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
     namespace: str = "default"
     uid: str | None = None
 
@@ -123,6 +274,125 @@ class ElasticJob(_Model):
     kind: Literal["ElasticJob"]
     metadata: Metadata
     spec: ElasticJobSpec
+
+
+# ------------------------------------------------------------------------------ status
+
+#: ``status.phase`` values, in the order a job usually passes through them.
+PHASES: tuple[str, ...] = ("Pending", "Running", "Restarting", "Succeeded", "Failed")
+Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed"]
+#: Terminal phases: once reached, the operator creates no more Pods for the job.
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+#: Condition types the operator maintains; each is ``True`` while the phase of that name holds.
+CONDITION_TYPES: tuple[str, ...] = ("Running", "Restarting", "Succeeded", "Failed")
+
+_TIME: dict[str, JsonValue] = {"format": "date-time"}
+
+
+class _Status(BaseModel):
+    """Base of the status models: camelCase, unknown fields ignored when read back."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class Condition(_Status):
+    """A standard Kubernetes condition (``metav1.Condition``)."""
+
+    type: str = Field(description="what the condition is about, e.g. Running or Failed")
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(default="", description="CamelCase reason of the last transition")
+    message: str = Field(default="", description="human-readable details")
+    last_transition_time: str | None = Field(
+        default=None,
+        alias="lastTransitionTime",
+        description="when status last changed (RFC 3339)",
+        json_schema_extra=_TIME,
+    )
+    observed_generation: int | None = Field(
+        default=None, alias="observedGeneration", description="generation the condition is for"
+    )
+
+
+class LastFailure(_Status):
+    """The most recent failure the operator saw (``status.lastFailure``)."""
+
+    pod: str = Field(description="the Pod that failed")
+    rank: int | None = Field(default=None, description="global rank of the failed worker")
+    exit_code: int | None = Field(default=None, alias="exitCode", description="exit code")
+    signal: int | None = Field(default=None, description="signal that killed it")
+    message: str = Field(default="", description="root cause (the termination message)")
+    time: str | None = Field(default=None, description="when it failed", json_schema_extra=_TIME)
+
+
+class ElasticJobStatus(_Status):
+    """``status`` of an ElasticJob, written by the operator only."""
+
+    phase: Phase | None = Field(default=None, description="Pending, Running, Restarting, ...")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="standard conditions",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    replicas: int | None = Field(default=None, description="Pods that exist (scale subresource)")
+    ready_replicas: int | None = Field(
+        default=None, alias="readyReplicas", description="Pods that are running and ready"
+    )
+    selector: str | None = Field(default=None, description="label selector of the job's Pods")
+    round: int | None = Field(default=None, description="current rendezvous round")
+    world_size: int | None = Field(
+        default=None, alias="worldSize", description="workers in the current round"
+    )
+    restarts_spent: int | None = Field(
+        default=None, alias="restartsSpent", description="worker-group restarts spent so far"
+    )
+    replacements: int | None = Field(default=None, description="failed Pods replaced so far")
+    next_replacement_time: str | None = Field(
+        default=None,
+        alias="nextReplacementTime",
+        description="no failed Pod is replaced before this (backoff)",
+        json_schema_extra=_TIME,
+    )
+    target_replicas: int | None = Field(
+        default=None,
+        alias="targetReplicas",
+        description="Pods the operator keeps now: replicas, or fewer while shrunk",
+    )
+    last_resize_time: str | None = Field(
+        default=None,
+        alias="lastResizeTime",
+        description="when targetReplicas last changed because Pods stayed Pending",
+        json_schema_extra=_TIME,
+    )
+    last_failure: LastFailure | None = Field(
+        default=None, alias="lastFailure", description="the most recent failure"
+    )
+    start_time: str | None = Field(
+        default=None,
+        alias="startTime",
+        description="when the job first ran",
+        json_schema_extra=_TIME,
+    )
+    completion_time: str | None = Field(
+        default=None,
+        alias="completionTime",
+        description="when the job succeeded or failed",
+        json_schema_extra=_TIME,
+    )
+    observed_generation: int | None = Field(
+        default=None, alias="observedGeneration", description="generation last reconciled"
+    )
+    kopf: dict[str, Any] | None = Field(
+        default=None,
+        description="kopf's own bookkeeping",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    def as_patch(self) -> dict[str, Any]:
+        """The status as a camelCase dict without unset fields (``kopf`` left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True, exclude={"kopf"})
 
 
 def trainer_container(template: dict[str, Any]) -> dict[str, Any]:

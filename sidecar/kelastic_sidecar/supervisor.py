@@ -587,11 +587,14 @@ class Supervisor:
                 failure = Failure.from_dict(reason)
         if failure is not None:
             text = (
-                f"job failed after {self.cfg.max_restarts} restarts (budget spent); "
+                f"{contract.JOB_FAILED_PREFIX} after {self.cfg.max_restarts} restarts "
+                "(budget spent); "
                 f"root cause: {failure.details()}"
             )
         else:
-            text = "job failed: the rendezvous was closed" + (f" ({reason})" if reason else "")
+            text = f"{contract.JOB_FAILED_PREFIX}: the rendezvous was closed" + (
+                f" ({reason})" if reason else ""
+            )
         self._last_failure = failure or self._last_failure
         self._report("failed", text, failure)
         self._shutdown_launcher(EXIT_FAILED, text)

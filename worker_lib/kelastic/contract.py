@@ -208,5 +208,9 @@ MSG_ASSIGN: Final = "assign"  # {"type", "attempt", "round", "workers": [{"local
 MSG_STOP: Final = "stop"  # {"type", "attempt", "reason"}
 MSG_SHUTDOWN: Final = "shutdown"  # {"type", "exitcode", "summary"}
 
+#: A termination message or node report that starts with this says the whole job failed
+#: (restart budget spent or rendezvous closed); the operator marks the job Failed on it.
+JOB_FAILED_PREFIX: Final = "job failed"
+
 #: Largest control message accepted, bytes (a line longer than this is a protocol error).
 CONTROL_MAX_LINE: Final = 1 << 20

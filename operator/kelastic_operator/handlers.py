@@ -1,0 +1,357 @@
+"""Thin kopf handlers: observe, call :func:`~kelastic_operator.reconcile.reconcile`, apply.
+
+:func:`register` puts onto a kopf registry:
+
+- a **daemon** per ElasticJob that reconciles it: once at start, again whenever the job or
+  one of its Pods changes (a wake-up from the event handlers below), and when the plan
+  asks (``requeue_after``: backoff, pending timeouts) or every ``resync_seconds``;
+- **event handlers** on ElasticJobs and on Pods labelled with a job name that wake that
+  job's daemon;
+- a **delete handler** (kopf's finalizer) that deletes the job's etcd prefix; Pods go by
+  owner-reference garbage collection.
+
+One pass (:meth:`JobReconciler.reconcile_once`, synchronous, run in a thread) reads the job
+and its Pods with the official ``kubernetes`` client, reads the rendezvous view from etcd
+(optional: reconcile works without it), and applies the plan: remove nodes from
+rendezvous, delete Pods, create Pods, patch the status subresource, post Events.
+Leader election is kopf's peering (see ``__main__``): only the peer with the highest
+priority handles resources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, cast
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kelastic import contract
+
+from .labels import LABEL_JOB, LABEL_UID, selector
+from .metrics import OperatorMetrics
+from .model import API_GROUP, API_VERSION, PHASES, ElasticJobSpec, ElasticJobStatus
+from .pods import PodBuildError, PodSettings, build_pod, etcd_endpoints, trainer_name
+from .reconcile import (
+    Event,
+    JobView,
+    Plan,
+    PodView,
+    RendezvousView,
+    pod_view,
+    reconcile,
+    reconcile_invalid,
+)
+from .rendezvous_store import RendezvousStore, RendezvousStoreError, StoreCache
+from .status import event_body, status_patch
+
+PLURAL = "elasticjobs"
+log = logging.getLogger("kelastic_operator")
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class OperatorContext:
+    """What the handlers share.
+
+    Attributes:
+        api: the official client's ApiClient (in-cluster or from a kubeconfig).
+        pod_settings: operator-wide Pod settings (sidecar image, default etcd...).
+        stores: etcd access per endpoint list.
+        resync_seconds: longest time between two passes of a job.
+        finalizer_retries: attempts at deleting a job's etcd prefix before giving up
+            (so that an unreachable etcd cannot block the job's deletion forever).
+        clock: the time source (tests may fix it).
+        metrics: the operator's metrics.
+        instance: this operator's name (``reportingInstance`` of its Events).
+    """
+
+    api: client.ApiClient
+    pod_settings: PodSettings
+    stores: StoreCache = field(default_factory=StoreCache)
+    resync_seconds: float = 30.0
+    finalizer_retries: int = 5
+    clock: Callable[[], datetime] = utcnow
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    instance: str = ""
+    _wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+
+    def wakeup(self, namespace: str, name: str) -> asyncio.Event:
+        """The event that wakes the daemon of job ``namespace/name`` (created on demand)."""
+        return self._wakeups.setdefault((namespace, name), asyncio.Event())
+
+
+class JobReconciler:
+    """One reconcile pass of one job against the API and etcd (blocking calls).
+
+    Args:
+        ctx: the shared context.
+        namespace, name: the job.
+    """
+
+    def __init__(self, ctx: OperatorContext, namespace: str, name: str) -> None:
+        self.ctx = ctx
+        self.namespace = namespace
+        self.name = name
+        self.core = client.CoreV1Api(ctx.api)
+        self.custom = client.CustomObjectsApi(ctx.api)
+
+    def _get_job(self) -> dict[str, Any] | None:
+        try:
+            obj = cast(
+                "dict[str, Any]",
+                self.custom.get_namespaced_custom_object(
+                    API_GROUP, API_VERSION, self.namespace, PLURAL, self.name
+                ),
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+    def _pods(self, uid: str, trainer: str) -> list[PodView]:
+        listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector(self.name))
+        views = []
+        for pod in self.ctx.api.sanitize_for_serialization(listed.items):  # type: ignore[no-untyped-call]
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            view = pod_view(self.name, pod, trainer)
+            if view is None:
+                continue
+            if labels.get(LABEL_UID, uid) != uid:
+                # a Pod of an earlier job of the same name, being collected: it holds its
+                # name until it is gone, and is not ours
+                view = dataclasses.replace(view, deleting=True, phase="Unknown")
+            views.append(view)
+        return views
+
+    def _rendezvous(
+        self, spec: ElasticJobSpec, prefix: str
+    ) -> tuple[RendezvousView | None, RendezvousStore | None]:
+        """The job's rendezvous view and store; either is None when it cannot be had."""
+        try:
+            store = self.ctx.stores.get(etcd_endpoints(spec, self.ctx.pod_settings))
+        except (PodBuildError, ValueError) as exc:
+            log.warning("%s/%s: no usable etcd: %s", self.namespace, self.name, exc)
+            return None, None
+        try:
+            return store.read(prefix, spec.nproc_per_node), store
+        except RendezvousStoreError as exc:
+            log.warning("%s/%s: cannot read rendezvous state: %s", self.namespace, self.name, exc)
+            return None, store
+
+    def reconcile_once(self) -> float | None:
+        """Observe, decide, apply once.
+
+        Returns:
+            Seconds until the next pass is due (None: only on a change or the resync).
+
+        Raises:
+            ApiException: an API call failed other than with 404/409 (kopf logs it and
+                the daemon retries).
+        """
+        obj = self._get_job()
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return None
+        meta = obj["metadata"]
+        uid = str(meta["uid"])
+        now = self.ctx.clock()
+        old = ElasticJobStatus.model_validate(obj.get("status") or {})
+        try:
+            spec = ElasticJobSpec.model_validate(obj.get("spec") or {})
+        except ValidationError as exc:
+            self._invalid(obj, old, validation_message(exc), now)
+            return None
+        prefix = contract.job_prefix(self.namespace, self.name, uid)
+        view = JobView(
+            name=self.name,
+            namespace=self.namespace,
+            uid=uid,
+            generation=int(meta.get("generation") or 1),
+            spec=spec,
+            status=old,
+        )
+        pods = self._pods(uid, trainer_name(spec.template))
+        rdzv, store = self._rendezvous(spec, prefix)
+        plan = reconcile(view, pods, now, rdzv)
+        self._apply(obj, spec, old, plan, store, prefix, now)
+        self.ctx.metrics.set_phase(self.namespace, self.name, plan.status.phase, PHASES)
+        return plan.requeue_after
+
+    def _apply(
+        self,
+        obj: dict[str, Any],
+        spec: ElasticJobSpec,
+        old: ElasticJobStatus,
+        plan: Plan,
+        store: RendezvousStore | None,
+        prefix: str,
+        now: datetime,
+    ) -> None:
+        uid = str(obj["metadata"]["uid"])
+        if plan.remove_nodes and store is not None:
+            try:
+                store.remove_nodes(prefix, plan.remove_nodes)
+                self.ctx.metrics.nodes_removed.inc(len(plan.remove_nodes))
+            except RendezvousStoreError as exc:
+                log.warning("%s/%s: removing nodes failed: %s", self.namespace, self.name, exc)
+        for delete in plan.delete:
+            log.info("%s/%s: deleting pod %s (%s)", self.namespace, self.name, delete.name,
+                     delete.reason)  # fmt: skip
+            try:
+                self.core.delete_namespaced_pod(delete.name, self.namespace)
+                self.ctx.metrics.pods_deleted.inc()
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        for create in plan.create:
+            try:
+                pod = build_pod(
+                    self.name, self.namespace, uid, spec, create.index, self.ctx.pod_settings
+                )
+            except PodBuildError as exc:
+                plan.events.append(Event("Warning", "FailedCreate", str(exc)))
+                break
+            try:
+                self.core.create_namespaced_pod(self.namespace, cast(Any, pod))
+                self.ctx.metrics.pods_created.inc()
+            except ApiException as exc:
+                if exc.status == 409:  # already there (an earlier pass or a stale pod)
+                    continue
+                if exc.status is None or not 400 <= exc.status < 500:
+                    raise
+                # refused (invalid template, quota, admission): say so, as ReplicaSets do
+                plan.events.append(
+                    Event("Warning", "FailedCreate", f"creating pod {create.name}: "
+                          f"{_api_message(exc)}")
+                )  # fmt: skip
+                break
+        if plan.status_changed:
+            self.custom.patch_namespaced_custom_object_status(
+                API_GROUP, API_VERSION, self.namespace, PLURAL, self.name,
+                status_patch(old, plan.status),
+            )  # fmt: skip
+        for event in plan.events:
+            self._post(event, uid, now)
+
+    def _post(self, event: Event, uid: str, now: datetime) -> None:
+        body = event_body(event, self.name, self.namespace, uid, now, self.ctx.instance)
+        try:
+            self.core.create_namespaced_event(self.namespace, cast(Any, body))
+        except ApiException as exc:  # events are best effort
+            log.warning("%s/%s: posting event %s failed: %s", self.namespace, self.name,
+                        event.reason, exc.reason)  # fmt: skip
+
+    def _invalid(
+        self, obj: dict[str, Any], old: ElasticJobStatus, error: str, now: datetime
+    ) -> None:
+        generation = int(obj["metadata"].get("generation") or 1)
+        plan = reconcile_invalid(old, generation, error, now)
+        if plan.status_changed:
+            self.custom.patch_namespaced_custom_object_status(
+                API_GROUP, API_VERSION, self.namespace, PLURAL, self.name,
+                status_patch(old, plan.status),
+            )  # fmt: skip
+        for event in plan.events:
+            self._post(event, str(obj["metadata"]["uid"]), now)
+
+    def delete_prefix(self, obj: dict[str, Any]) -> None:
+        """Delete the job's etcd prefix (the finalizer's work).
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+        """
+        prefix = contract.job_prefix(self.namespace, self.name, str(obj["metadata"]["uid"]))
+        rdzv = (obj.get("spec") or {}).get("rendezvous") or {}
+        endpoints = list(rdzv.get("etcdEndpoints") or []) or list(
+            self.ctx.pod_settings.etcd_endpoints
+        )
+        if not endpoints:
+            return  # no etcd: nothing stored
+        self.ctx.stores.get(endpoints).delete_prefix(prefix)
+        log.info("%s/%s: deleted etcd prefix %s", self.namespace, self.name, prefix)
+
+
+def _api_message(exc: ApiException) -> str:
+    """The ``message`` of the Status object in an API error, else its reason."""
+    try:
+        doc = json.loads(exc.body or "")
+    except (TypeError, ValueError):
+        doc = None
+    if isinstance(doc, dict) and doc.get("message"):
+        return str(doc["message"])
+    return f"{exc.status} {exc.reason}"
+
+
+def validation_message(exc: ValidationError) -> str:
+    """One line per problem, ``spec.<field>: <message>``, like ``kelastic run`` prints."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in ("spec", *err["loc"]))
+        lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "invalid spec: " + "; ".join(lines)
+
+
+def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
+    """Register the ElasticJob handlers on ``registry``, sharing ``ctx``."""
+
+    @kopf.daemon(API_GROUP, API_VERSION, PLURAL, registry=registry, cancellation_timeout=2.0)
+    async def run_job(
+        name: str, namespace: str | None, stopped: kopf.DaemonStopped, **_: Any
+    ) -> None:
+        namespace = namespace or "default"
+        wake = ctx.wakeup(namespace, name)
+        reconciler = JobReconciler(ctx, namespace, name)
+        while not stopped:
+            wake.clear()
+            try:
+                due = await asyncio.to_thread(reconciler.reconcile_once)
+                ctx.metrics.reconciles.labels("ok").inc()
+            except (ApiException, OSError) as exc:
+                ctx.metrics.reconciles.labels("error").inc()
+                log.warning("%s/%s: reconcile failed: %s", namespace, name, exc)
+                due = 1.0
+            except Exception:  # a bug must not stop the job's reconciling for good
+                ctx.metrics.reconciles.labels("error").inc()
+                log.exception("%s/%s: reconcile crashed", namespace, name)
+                due = 5.0
+            timeout = ctx.resync_seconds if due is None else min(due, ctx.resync_seconds)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=max(timeout, 0.05))
+
+    @kopf.on.event(API_GROUP, API_VERSION, PLURAL, registry=registry)
+    async def job_changed(name: str, namespace: str | None, **_: Any) -> None:
+        ctx.wakeup(namespace or "default", name).set()
+
+    @kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)
+    async def pod_changed(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+        ctx.wakeup(namespace or "default", str(labels[LABEL_JOB])).set()
+
+    @kopf.on.delete(API_GROUP, API_VERSION, PLURAL, registry=registry)
+    async def job_deleted(
+        name: str, namespace: str | None, body: kopf.Body, retry: int, **_: Any
+    ) -> None:
+        namespace = namespace or "default"
+        reconciler = JobReconciler(ctx, namespace, name)
+        try:
+            await asyncio.to_thread(reconciler.delete_prefix, dict(body))
+        except (RendezvousStoreError, ValueError) as exc:
+            if retry + 1 < ctx.finalizer_retries:
+                raise kopf.TemporaryError(f"deleting the etcd keys failed: {exc}", delay=2) from exc
+            log.error("%s/%s: giving up on the etcd keys: %s", namespace, name, exc)
+        finally:
+            ctx.metrics.forget(namespace, name, PHASES)
+            ctx._wakeups.pop((namespace, name), None)

@@ -1,0 +1,283 @@
+"""Build the Pod of one replica of an ElasticJob: the user's template plus kelastic's parts.
+
+What :func:`build_pod` adds to the template (the user's own fields — resources, node
+selectors, tolerations, volumes, env, init containers — are kept):
+
+- the kelastic sidecar as a *native sidecar* (an init container with
+  ``restartPolicy: Always``, Kubernetes >= 1.29), whose env is exactly what
+  ``kelastic_sidecar.config.SidecarConfig.from_env`` reads (names from
+  :mod:`kelastic.contract`): job name and uid, Pod name/namespace/IP through the downward
+  API, etcd endpoints (and a TLS secret mount), min/max nodes, workers per node, the
+  restart budget, rendezvous timeouts, the lease TTL, the HTTP port;
+- the shared ``emptyDir`` ``kelastic-run`` at ``/var/run/kelastic`` in both containers,
+  and ``shareProcessNamespace: true`` (the sidecar's timer server signals hung workers);
+- the trainer's command wrapped by the launcher:
+  ``python -m kelastic.launch --nproc-per-node N -- <command> <args>`` (args folded in);
+- ``terminationMessagePath``/``Policy`` so the launcher's root-cause summary reaches the
+  Pod status; ``restartPolicy: Never``; ``automountServiceAccountToken: false``;
+- labels (job name, replica index, job uid) and a controller owner reference to the job.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from kelastic import contract
+
+from .labels import LABEL_INDEX, LABEL_JOB, LABEL_UID, SIDECAR_CONTAINER, pod_name
+from .model import API_GROUP, API_VERSION, KIND, TRAINER_CONTAINER, ElasticJobSpec
+
+#: Where a ``rendezvous.tlsSecret`` is mounted in the sidecar.
+ETCD_TLS_MOUNT = "/etc/kelastic/etcd-tls"
+ETCD_TLS_VOLUME = "kelastic-etcd-tls"
+HTTP_PORT_NAME = "kelastic-http"
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """Operator-wide settings of the Pods it builds.
+
+    Attributes:
+        sidecar_image: image holding ``kelastic-sidecar``.
+        etcd_endpoints: ``host:port`` of the operator's default etcd, used when a job's
+            ``rendezvous.etcdEndpoints`` is empty.
+        http_port: the sidecar's HTTP port (``/metrics``, ``/healthz``, ``/readyz``).
+        stop_grace: seconds between SIGTERM and SIGKILL when workers are stopped.
+        sidecar_resources: the sidecar container's ``resources``.
+        image_pull_policy: the sidecar's ``imagePullPolicy``.
+        python: the interpreter in the trainer image that runs ``-m kelastic.launch``.
+    """
+
+    sidecar_image: str = "ghcr.io/kelastic/kelastic:0.1.0"
+    etcd_endpoints: tuple[str, ...] = ()
+    http_port: int = contract.DEFAULT_HTTP_PORT
+    stop_grace: float = contract.DEFAULT_STOP_GRACE
+    sidecar_resources: dict[str, Any] = field(
+        default_factory=lambda: {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"memory": "256Mi"},
+        }
+    )
+    image_pull_policy: str = "IfNotPresent"
+    python: str = "python"
+
+
+class PodBuildError(ValueError):
+    """The job cannot be turned into a Pod (no etcd endpoint, a broken template)."""
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def etcd_endpoints(spec: ElasticJobSpec, settings: PodSettings) -> list[str]:
+    """The etcd endpoints of a job: its own, else the operator's default.
+
+    Raises:
+        PodBuildError: neither the job nor the operator names one.
+    """
+    endpoints = list(spec.rendezvous.etcd_endpoints) or list(settings.etcd_endpoints)
+    if not endpoints:
+        raise PodBuildError(
+            "no etcd endpoint: set spec.rendezvous.etcdEndpoints or the operator's --etcd-endpoints"
+        )
+    return endpoints
+
+
+def sidecar_env(
+    name: str, uid: str, spec: ElasticJobSpec, settings: PodSettings
+) -> list[dict[str, Any]]:
+    """The sidecar container's env (``SidecarConfig.from_env``'s variables).
+
+    Raises:
+        PodBuildError: no etcd endpoint (see :func:`etcd_endpoints`).
+    """
+    rdzv = spec.rendezvous
+
+    def field_ref(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+
+    env: list[dict[str, Any]] = [
+        {"name": contract.ENV_JOB_NAME, "value": name},
+        {"name": contract.ENV_NAMESPACE, "valueFrom": field_ref("metadata.namespace")},
+        {"name": contract.ENV_JOB_UID, "value": uid},
+        {"name": contract.ENV_POD_NAME, "valueFrom": field_ref("metadata.name")},
+        {"name": contract.ENV_POD_IP, "valueFrom": field_ref("status.podIP")},
+        {"name": contract.ENV_ETCD_ENDPOINTS, "value": ",".join(etcd_endpoints(spec, settings))},
+        {"name": contract.ENV_MIN_NODES, "value": str(spec.min_nodes)},
+        {"name": contract.ENV_MAX_NODES, "value": str(spec.max_nodes)},
+        {"name": contract.ENV_NPROC_PER_NODE, "value": str(spec.nproc_per_node)},
+        {"name": contract.ENV_MAX_RESTARTS, "value": str(spec.max_restarts)},
+        {"name": contract.ENV_JOIN_TIMEOUT, "value": _num(rdzv.join_timeout_seconds)},
+        {"name": contract.ENV_LAST_CALL_TIMEOUT, "value": _num(rdzv.last_call_timeout_seconds)},
+        {"name": contract.ENV_LEASE_TTL, "value": str(rdzv.lease_ttl_seconds)},
+        {"name": contract.ENV_STOP_GRACE, "value": _num(settings.stop_grace)},
+        {"name": contract.ENV_HTTP_PORT, "value": str(settings.http_port)},
+        {"name": contract.ENV_RUN_DIR, "value": contract.DEFAULT_RUN_DIR},
+    ]
+    if rdzv.tls_secret:
+        env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
+    return env
+
+
+def _run_mount() -> dict[str, Any]:
+    return {"name": contract.RUN_VOLUME_NAME, "mountPath": contract.DEFAULT_RUN_DIR}
+
+
+def sidecar_container(
+    name: str, uid: str, spec: ElasticJobSpec, settings: PodSettings
+) -> dict[str, Any]:
+    """The kelastic sidecar as a native sidecar (init container, ``restartPolicy: Always``).
+
+    Raises:
+        PodBuildError: no etcd endpoint.
+    """
+    mounts = [_run_mount()]
+    if spec.rendezvous.tls_secret:
+        mounts.append({"name": ETCD_TLS_VOLUME, "mountPath": ETCD_TLS_MOUNT, "readOnly": True})
+    probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}}
+    # /readyz: workers of a completed round are running -> the Pod is Ready (readyReplicas)
+    ready = {"httpGet": {"path": "/readyz", "port": HTTP_PORT_NAME}}
+    return {
+        "name": SIDECAR_CONTAINER,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["kelastic-sidecar"],
+        "restartPolicy": "Always",
+        "env": sidecar_env(name, uid, spec, settings),
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": settings.http_port, "protocol": "TCP"}],
+        "startupProbe": {**probe, "periodSeconds": 1, "failureThreshold": 60},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 1},
+        "volumeMounts": mounts,
+        "resources": copy.deepcopy(settings.sidecar_resources),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def launcher_command(container: dict[str, Any], nproc: int, python: str = "python") -> list[str]:
+    """The trainer's command wrapped by the launcher, its ``args`` folded in.
+
+    Raises:
+        PodBuildError: the container has no command (a list of strings).
+    """
+    command = container.get("command")
+    if not isinstance(command, list) or not command:
+        raise PodBuildError(f"container {container.get('name')!r} needs a command to wrap")
+    args = container.get("args") or []
+    return [
+        python, "-m", "kelastic.launch", "--nproc-per-node", str(nproc), "--",
+        *(str(c) for c in command), *(str(a) for a in args),
+    ]  # fmt: skip
+
+
+def _trainer_index(containers: list[dict[str, Any]]) -> int:
+    for i, c in enumerate(containers):
+        if c.get("name") == TRAINER_CONTAINER:
+            return i
+    if len(containers) == 1:
+        return 0
+    raise PodBuildError(f"template has several containers and none named {TRAINER_CONTAINER!r}")
+
+
+def trainer_name(template: dict[str, Any]) -> str:
+    """The trainer container's name in the template (``trainer`` or the only container)."""
+    containers = (template.get("spec") or {}).get("containers") or []
+    return str(containers[_trainer_index(containers)].get("name", TRAINER_CONTAINER))
+
+
+def build_pod(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: ElasticJobSpec,
+    index: int,
+    settings: PodSettings,
+) -> dict[str, Any]:
+    """The Pod ``<name>-<index>`` of the ElasticJob ``namespace/name`` (uid ``uid``).
+
+    Args:
+        name, namespace, uid: the job's identity (uid: run id and owner reference).
+        spec: the validated spec (its template is not modified).
+        index: the replica index (>= 0).
+        settings: operator-wide settings.
+
+    Returns:
+        A Pod manifest (``apiVersion: v1``) as a plain dict.
+
+    Raises:
+        PodBuildError: no etcd endpoint, or no trainer container.
+        ValueError: a negative index.
+    """
+    template = copy.deepcopy(spec.template)
+    tmeta = template.get("metadata") or {}
+    pspec: dict[str, Any] = template.get("spec") or {}
+    containers: list[dict[str, Any]] = pspec.get("containers") or []
+    if not containers:
+        raise PodBuildError("template.spec.containers must list the trainer container")
+    trainer = containers[_trainer_index(containers)]
+    trainer["command"] = launcher_command(trainer, spec.nproc_per_node, settings.python)
+    trainer.pop("args", None)
+    env = list(trainer.get("env") or [])
+    have = {e.get("name") for e in env if isinstance(e, dict)}
+    for var, value in (
+        (contract.ENV_RUN_DIR, contract.DEFAULT_RUN_DIR),
+        (contract.ENV_STOP_GRACE, _num(settings.stop_grace)),
+    ):
+        if var not in have:
+            env.append({"name": var, "value": value})
+    trainer["env"] = env
+    mounts = list(trainer.get("volumeMounts") or [])
+    if not any(m.get("name") == contract.RUN_VOLUME_NAME for m in mounts):
+        mounts.append(_run_mount())
+    trainer["volumeMounts"] = mounts
+    trainer["terminationMessagePath"] = contract.DEFAULT_TERMINATION_LOG
+    trainer["terminationMessagePolicy"] = "FallbackToLogsOnError"
+
+    volumes = [v for v in pspec.get("volumes") or [] if v.get("name") != contract.RUN_VOLUME_NAME]
+    volumes.append({"name": contract.RUN_VOLUME_NAME, "emptyDir": {}})
+    if spec.rendezvous.tls_secret:
+        volumes.append(
+            {
+                "name": ETCD_TLS_VOLUME,
+                "secret": {"secretName": spec.rendezvous.tls_secret, "defaultMode": 0o400},
+            }
+        )
+    init = [c for c in pspec.get("initContainers") or [] if c.get("name") != SIDECAR_CONTAINER]
+    init.append(sidecar_container(name, uid, spec, settings))
+    pspec.update(
+        {
+            "containers": containers,
+            "initContainers": init,
+            "volumes": volumes,
+            "restartPolicy": "Never",
+            "shareProcessNamespace": True,
+            "automountServiceAccountToken": False,
+        }
+    )
+    labels = {
+        **(tmeta.get("labels") or {}),
+        LABEL_JOB: name,
+        LABEL_INDEX: str(index),
+        LABEL_UID: uid,
+    }
+    metadata: dict[str, Any] = {
+        "name": pod_name(name, index),
+        "namespace": namespace,
+        "labels": labels,
+        "ownerReferences": [
+            {
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
+                "kind": KIND,
+                "name": name,
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+    if tmeta.get("annotations"):
+        metadata["annotations"] = dict(tmeta["annotations"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pspec}

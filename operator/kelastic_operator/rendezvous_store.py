@@ -1,0 +1,233 @@
+"""The operator's view of a job's etcd keys, behind a small interface.
+
+The operator does three things with etcd (key layout: :class:`kelastic.contract.Keys`):
+
+- reads the rendezvous state, the restart counter and the sidecars' reports
+  (:meth:`RendezvousStore.read`, parsed by the pure :func:`view_from_keys`);
+- removes a node from rendezvous the moment its Pod fails or is deleted by deleting its
+  alive key (the sidecars treat a node without one as dead at once);
+- deletes the job's whole prefix when the job is deleted (the finalizer).
+
+:class:`EtcdRendezvousStore` does this with ``pyetcd.MultiEndpointEtcd3Client`` (failover
+on, a short ``time_retry`` so one failed call does not blacklist an endpoint for minutes);
+tests can pass any object with the same methods.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from kelastic import contract
+
+from .reconcile import JOB_FAILED_PREFIX, RendezvousView
+
+log = logging.getLogger("kelastic_operator.etcd")
+
+
+class RendezvousStoreError(RuntimeError):
+    """etcd could not be reached or refused the call; the message names the endpoints."""
+
+
+class RendezvousStore(Protocol):
+    """What the operator needs from etcd (one job prefix per call)."""
+
+    def read(self, prefix: str, nproc_per_node: int) -> RendezvousView:
+        """The job's rendezvous view.
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+        """
+        ...
+
+    def remove_nodes(self, prefix: str, nodes: Sequence[str]) -> None:
+        """Delete the alive keys of ``nodes``.
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+        """
+        ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``.
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+        """
+        ...
+
+
+def _json(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) -> RendezvousView:
+    """Parse the job's keys (full key -> value) into a :class:`RendezvousView`.
+
+    Tolerant: a missing or corrupt key leaves its part of the view empty. Only reports of
+    a failed *job* (summary starting with :data:`~kelastic_operator.reconcile.JOB_FAILED_PREFIX`)
+    count as failures; a node's own failure is handled through its Pod.
+
+    Args:
+        prefix: the job prefix (:func:`kelastic.contract.job_prefix`).
+        kv: the keys under it.
+        nproc_per_node: workers per node (world size = nodes x this).
+    """
+    keys = contract.Keys(prefix)
+    state = _json(kv.get(keys.rdzv_state))
+    rnd = world = None
+    if isinstance(state, dict):
+        if isinstance(state.get("round"), int):
+            rnd = state["round"]
+        participants = state.get("participants")
+        if state.get("complete") and isinstance(participants, dict):
+            world = len(participants) * nproc_per_node
+    restarts = _json(kv.get(keys.restarts))
+    spent = restarts.get("count") if isinstance(restarts, dict) else None
+    failed: dict[str, str] = {}
+    succeeded: set[str] = set()
+    for key, raw in kv.items():
+        if not key.startswith(keys.reports_prefix):
+            continue
+        node = key[len(keys.reports_prefix) :]
+        report = _json(raw)
+        if not isinstance(report, dict):
+            continue
+        summary = str(report.get("summary") or "")
+        if report.get("outcome") == "failed" and summary.startswith(JOB_FAILED_PREFIX):
+            failed[node] = summary  # a node's own failure (e.g. its join timed out) is not
+        elif report.get("outcome") == "succeeded":
+            succeeded.add(node)
+    return RendezvousView(
+        round=rnd,
+        world_size=world,
+        restarts_spent=spent if isinstance(spent, int) else None,
+        failed_reports=failed,
+        succeeded_nodes=frozenset(succeeded),
+    )
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``host:port`` (an ``http://`` scheme is allowed) -> (host, port).
+
+    Raises:
+        ValueError: no port, or a port that is not a number.
+    """
+    text = text.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"etcd endpoint must be host:port, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+class EtcdRendezvousStore:
+    """:class:`RendezvousStore` on ``pyetcd.MultiEndpointEtcd3Client``.
+
+    Args:
+        endpoints: ``host:port`` strings (plaintext).
+        timeout: seconds per call.
+        time_retry: seconds an endpoint stays marked failed before it is tried again.
+
+    Raises:
+        ValueError: an endpoint is not ``host:port``.
+    """
+
+    def __init__(
+        self, endpoints: Sequence[str], timeout: float = 5.0, time_retry: float = 2.0
+    ) -> None:
+        import pyetcd
+
+        self.endpoints = tuple(endpoints)
+        eps = [
+            pyetcd.Endpoint(host, port, secure=False, time_retry=time_retry)
+            for host, port in (parse_endpoint(e) for e in self.endpoints)
+        ]
+        self._client = pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout, failover=True)
+        self._lock = threading.Lock()
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            with self._lock:
+                return fn()
+        except Exception as exc:  # pyetcd raises grpc and its own errors alike
+            raise RendezvousStoreError(
+                f"etcd {','.join(self.endpoints)}: {what} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def read(self, prefix: str, nproc_per_node: int) -> RendezvousView:
+        """See :meth:`RendezvousStore.read`."""
+
+        def get() -> dict[str, bytes]:
+            out: dict[str, bytes] = {}
+            for value, meta in self._client.get_prefix(prefix):
+                key = meta.key.decode() if isinstance(meta.key, bytes) else str(meta.key)
+                out[key] = value
+            return out
+
+        return view_from_keys(prefix, self._call(f"read {prefix}", get), nproc_per_node)
+
+    def remove_nodes(self, prefix: str, nodes: Sequence[str]) -> None:
+        """See :meth:`RendezvousStore.remove_nodes`."""
+        keys = [contract.Keys(prefix).alive(node) for node in nodes]
+
+        def delete() -> None:
+            for key in keys:
+                self._client.delete(key)
+
+        if keys:
+            self._call(f"delete {', '.join(keys)}", delete)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """See :meth:`RendezvousStore.delete_prefix`."""
+        if not prefix.startswith(contract.ETCD_ROOT + "/") or not prefix.endswith("/"):
+            raise ValueError(f"refusing to delete a prefix outside a job's keys: {prefix!r}")
+        self._call(f"delete prefix {prefix}", lambda: self._client.delete_prefix(prefix))
+
+    def close(self) -> None:
+        """Close the client's channels."""
+        try:
+            self._client.close()
+        except Exception as exc:  # closing must not fail shutdown
+            log.debug("closing the etcd client: %s", exc)
+
+
+class StoreCache:
+    """One :class:`EtcdRendezvousStore` per distinct endpoint list, created on first use.
+
+    Args:
+        factory: builds a store for an endpoint tuple (tests pass their own).
+    """
+
+    def __init__(self, factory: Callable[[tuple[str, ...]], RendezvousStore] | None = None) -> None:
+        self._factory = factory or (lambda eps: EtcdRendezvousStore(eps))
+        self._stores: dict[tuple[str, ...], RendezvousStore] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoints: Iterable[str]) -> RendezvousStore:
+        """The store for ``endpoints``.
+
+        Raises:
+            ValueError: an endpoint is not ``host:port``.
+        """
+        key = tuple(endpoints)
+        with self._lock:
+            if key not in self._stores:
+                self._stores[key] = self._factory(key)
+            return self._stores[key]
+
+    def close(self) -> None:
+        """Close every store that has a ``close`` method."""
+        with self._lock:
+            for store in self._stores.values():
+                close = getattr(store, "close", None)
+                if callable(close):
+                    close()
+            self._stores.clear()

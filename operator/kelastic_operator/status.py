@@ -1,0 +1,62 @@
+"""Turning reconcile's results into API bodies: the status merge patch and Events."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from .model import API_GROUP, API_VERSION, KIND, ElasticJobStatus
+from .reconcile import Event, format_time
+
+#: ``source.component`` / ``reportingComponent`` of the operator's Events.
+COMPONENT = "kelastic-operator"
+
+
+def status_patch(old: ElasticJobStatus, new: ElasticJobStatus) -> dict[str, Any]:
+    """A JSON merge patch (``{"status": {...}}``) taking ``old`` to ``new``.
+
+    Fields ``new`` no longer has are set to null (merge patch deletes them); lists (the
+    conditions) are sent whole. ``kopf``'s own field is never touched.
+    """
+    before, after = old.as_patch(), new.as_patch()
+    body: dict[str, Any] = {k: v for k, v in after.items() if before.get(k) != v}
+    for key in before:
+        if key not in after:
+            body[key] = None
+    return {"status": body}
+
+
+def event_body(
+    event: Event, name: str, namespace: str, uid: str, now: datetime, instance: str = ""
+) -> dict[str, Any]:
+    """A core/v1 Event about the ElasticJob ``namespace/name``.
+
+    Args:
+        event: what happened (type, reason, message).
+        name, namespace, uid: the job.
+        now: the event time.
+        instance: ``reportingInstance`` (the operator Pod's name), optional.
+    """
+    stamp = format_time(now)
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+        "involvedObject": {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "name": name,
+            "namespace": namespace,
+            "uid": uid,
+        },
+        "type": event.type,
+        "reason": event.reason,
+        "message": event.message[:1024],
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+        "source": {"component": COMPONENT},
+        "reportingComponent": COMPONENT,
+        "reportingInstance": instance or COMPONENT,
+    }

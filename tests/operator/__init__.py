@@ -1,0 +1,1 @@
+"""Tests of the kelastic operator: CRD, reconcile, pod builder, kopf handlers."""

@@ -1,0 +1,189 @@
+"""The ElasticJob CRD: generated from the model, served by the API (the emulator) with the
+real kubectl: apply, validation with clear messages, printer columns, the scale subresource."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kelastic_operator import crd
+from kelastic_operator.model import parse_job
+from tests.k8s.harness import K8sApi, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / crd.CRD_FILE
+DIGITS = ROOT / "examples/digits/elasticjob.yaml"
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_crd_file_is_generated_from_the_model() -> None:
+    assert CRD_PATH.read_text() == crd.render(), (
+        f"{crd.CRD_FILE} drifted from kelastic_operator.model; regenerate it with "
+        f"`python -m kelastic_operator.crd > {crd.CRD_FILE}`"
+    )
+
+
+def test_the_schema_is_structural() -> None:
+    """Every node has a type (or preserves unknown fields); no refs, unions or titles."""
+    schema = crd.openapi_schema()
+
+    def walk(node: dict[str, object], where: str) -> None:
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), where
+        for bad in ("$ref", "anyOf", "title", "additionalProperties", "$defs"):
+            assert bad not in node, f"{where}: {bad}"
+        if isinstance(node.get("exclusiveMinimum"), bool):
+            assert "minimum" in node, where
+        for name, sub in (node.get("properties") or {}).items():  # type: ignore[attr-defined]
+            walk(sub, f"{where}.{name}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{where}[]")  # type: ignore[arg-type]
+
+    walk(schema, "")
+    spec = schema["properties"]["spec"]
+    assert spec["required"] == ["replicas", "template"]
+    assert spec["properties"]["pendingTimeoutSeconds"]["exclusiveMinimum"] is True
+    assert spec["properties"]["template"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert schema["properties"]["status"]["properties"]["kopf"][
+        "x-kubernetes-preserve-unknown-fields"
+    ]
+    rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert any("self.replicas <= self.maxReplicas" in r for r in rules)
+
+
+def test_structural_rejects_unions() -> None:
+    with pytest.raises(ValueError, match="union"):
+        crd.structural({"anyOf": [{"type": "string"}, {"type": "integer"}]})
+    with pytest.raises(ValueError, match="unknown schema reference"):
+        crd.structural({"$ref": "#/$defs/Nope"}, {})
+
+
+def apply_crd(api: K8sApi) -> None:
+    api.kubectl("apply", "-f", str(CRD_PATH))
+    wait_until(
+        lambda: api.kubectl("get", "ej", check=False).returncode == 0,
+        what="elasticjobs to be served",
+    )
+
+
+def test_kubectl_applies_the_crd_and_the_digits_example(k8s_api: K8sApi) -> None:
+    apply_crd(k8s_api)
+    out = k8s_api.kubectl("apply", "-f", str(DIGITS)).stdout
+    assert "elasticjob.kelastic.dev/digits created" in out
+    stored = json.loads(k8s_api.kubectl("get", "ej", "digits", "-o", "json").stdout)
+    # API-server defaults come from the model's defaults
+    assert stored["spec"]["podReplacement"] == {
+        "maxReplacements": 10,
+        "backoffSeconds": 10.0,
+        "maxBackoffSeconds": 300.0,
+    }
+    assert stored["spec"]["rendezvous"]["joinTimeoutSeconds"] == 600.0
+    assert stored["spec"]["cleanupPolicy"] == "Running"
+    # what the server stored is still a valid ElasticJob for the model
+    job = parse_job(stored)
+    assert job.spec.rendezvous.lease_ttl_seconds == 5
+    header = k8s_api.kubectl("get", "ej").stdout.splitlines()[0].split()
+    assert header == ["NAME", "PHASE", "REPLICAS", "READY", "WORLD", "SIZE", "RESTARTS", "AGE"]
+    wide = k8s_api.kubectl("get", "elasticjobs.kelastic.dev", "digits", "--no-headers").stdout
+    assert wide.split()[:2] == ["digits", "2"]  # no phase yet: columns shift left
+
+
+def test_printer_columns_show_status(k8s_api: K8sApi) -> None:
+    apply_crd(k8s_api)
+    k8s_api.kubectl("apply", "-f", str(DIGITS))
+    status = {"phase": "Running", "replicas": 2, "readyReplicas": 2, "worldSize": 4,
+              "restartsSpent": 1}  # fmt: skip
+    k8s_api.kubectl(
+        "patch", "ej", "digits", "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+    row = k8s_api.kubectl("get", "ej", "digits", "--no-headers").stdout.split()
+    assert row[:6] == ["digits", "Running", "2", "2", "4", "1"]
+
+
+def doc_with(**spec: object) -> str:
+    doc = yaml.safe_load(DIGITS.read_text())
+    doc["spec"].update(spec)
+    return yaml.safe_dump(doc)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"replicas": 5}, "replicas (5) must be <= maxReplicas (4)"),
+        ({"minReplicas": 3}, "replicas (2) must be >= minReplicas (3)"),
+        ({"minReplicas": 5, "maxReplicas": 4, "replicas": 4},
+         "minReplicas (5) must be <= maxReplicas (4)"),
+        ({"replicas": 0}, "spec.replicas"),
+        ({"nprocPerNode": 0}, "spec.nprocPerNode"),
+        ({"pendingTimeoutSeconds": 0}, "spec.pendingTimeoutSeconds"),
+        ({"cleanupPolicy": "Sometimes"}, "spec.cleanupPolicy"),
+        ({"rendezvous": {"leaseTTLSeconds": 301}}, "spec.rendezvous.leaseTTLSeconds"),
+        ({"template": {"spec": {"containers": []}}}, "spec.template.spec.containers"),
+        ({"template": {"spec": {"containers": [{"name": "a", "command": ["x"]},
+                                               {"name": "b", "command": ["run"]}]}}},
+         "name the training one 'trainer'"),
+        ({"template": {"spec": {"containers": [{"name": "trainer", "image": "x"}]}}},
+         "the trainer container needs a command (a list of strings)"),
+        ({"template": {"spec": {"containers": [{"name": "trainer", "command": []},
+                                               {"name": "side", "command": ["run"]}]}}},
+         "the trainer container needs a command"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)  # fmt: skip
+def test_invalid_specs_are_rejected_with_a_clear_message(
+    k8s_api: K8sApi, spec: dict[str, object], message: str
+) -> None:
+    apply_crd(k8s_api)
+    result = k8s_api.kubectl("apply", "-f", "-", input=doc_with(**spec), check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert not k8s_api.objects("ElasticJob", "default")
+
+
+@pytest.mark.parametrize(
+    "containers",
+    [
+        [{"name": "only", "command": ["python", "t.py"]}],
+        [{"name": "trainer", "command": ["python"]}, {"name": "side", "image": "x"}],
+    ],
+)
+def test_templates_the_model_accepts_the_api_accepts(
+    k8s_api: K8sApi, containers: list[dict[str, object]]
+) -> None:
+    apply_crd(k8s_api)
+    doc = doc_with(template={"spec": {"containers": containers}})
+    parse_job(yaml.safe_load(doc))
+    k8s_api.kubectl("apply", "-f", "-", input=doc)
+
+
+def test_kubectl_scale_respects_max_replicas(k8s_api: K8sApi) -> None:
+    apply_crd(k8s_api)
+    k8s_api.kubectl("apply", "-f", str(DIGITS))
+    k8s_api.kubectl("scale", "ej/digits", "--replicas=3")
+    assert k8s_api.objects("ElasticJob", "default")[0]["spec"]["replicas"] == 3
+    result = k8s_api.kubectl("scale", "ej/digits", "--replicas=9", check=False)
+    assert result.returncode != 0
+    assert "replicas (9) must be <= maxReplicas (4)" in result.stderr
+
+
+def test_kubectl_explain_shows_the_models_descriptions(k8s_api: K8sApi) -> None:
+    apply_crd(k8s_api)
+    out = " ".join(k8s_api.kubectl("explain", "ej.spec.pendingTimeoutSeconds").stdout.split())
+    assert "before the operator shrinks the job towards minReplicas" in out
+    out = k8s_api.kubectl("explain", "elasticjobs.status.lastFailure").stdout
+    assert "exitCode" in out and "the most recent failure" in out
+
+
+def test_python_m_kelastic_operator_crd_prints_the_file() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        str(ROOT / d) for d in ("operator", "worker_lib"))}  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "kelastic_operator.crd"], env=env,
+                         capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    assert out.stdout == CRD_PATH.read_text()

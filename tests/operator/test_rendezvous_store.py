@@ -1,0 +1,165 @@
+"""The operator's etcd access: parsing a job's keys, and the real client against real etcd."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from kelastic import contract
+from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
+from kelastic_operator.model import ElasticJobStatus
+from kelastic_operator.reconcile import Event, RendezvousView
+from kelastic_operator.rendezvous_store import (
+    EtcdRendezvousStore,
+    RendezvousStoreError,
+    StoreCache,
+    parse_endpoint,
+    view_from_keys,
+)
+from kelastic_operator.status import event_body, status_patch
+
+PREFIX = contract.job_prefix("ns", "j", "u1")
+KEYS = contract.Keys(PREFIX)
+
+
+def enc(doc: object) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def test_view_from_keys_reads_round_world_restarts_and_reports() -> None:
+    kv = {
+        KEYS.rdzv_state: enc(
+            {"round": 3, "complete": True, "participants": {"j-0": 0, "j-1": 1, "j-2": 2}}
+        ),
+        KEYS.restarts: enc({"count": 2}),
+        KEYS.report("j-0"): enc({"outcome": "failed", "summary": "job failed: boom"}),
+        KEYS.report("j-1"): enc({"outcome": "succeeded", "summary": "ok"}),
+        KEYS.report("j-2"): b"not json",
+        KEYS.report("j-3"): enc({"outcome": "failed", "summary": "rendezvous failed: timeout"}),
+        KEYS.alive("j-0"): b"x",
+    }
+    view = view_from_keys(PREFIX, kv, nproc_per_node=4)
+    assert (view.round, view.world_size, view.restarts_spent) == (3, 12, 2)
+    assert dict(view.failed_reports) == {"j-0": "job failed: boom"}
+    assert view.succeeded_nodes == frozenset({"j-1"})
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {},
+        {KEYS.rdzv_state: b"{broken", KEYS.restarts: b"[]"},
+        {KEYS.rdzv_state: enc({"round": "x", "complete": True, "participants": []})},
+    ],
+)
+def test_view_from_keys_tolerates_missing_and_corrupt_keys(kv: dict[str, bytes]) -> None:
+    assert view_from_keys(PREFIX, kv, 2) == RendezvousView()
+
+
+def test_an_incomplete_round_has_no_world_size() -> None:
+    kv = {KEYS.rdzv_state: enc({"round": 1, "complete": False, "participants": {"j-0": 0}})}
+    assert view_from_keys(PREFIX, kv, 2) == RendezvousView(round=1)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("etcd:2379", ("etcd", 2379)),
+        ("http://10.0.0.1:2379/", ("10.0.0.1", 2379)),
+        ("[::1]:2379", ("::1", 2379)),
+    ],
+)
+def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
+    assert parse_endpoint(text) == expected
+
+
+@pytest.mark.parametrize("text", ["etcd", "etcd:port", ":2379"])
+def test_parse_endpoint_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        parse_endpoint(text)
+
+
+def test_the_real_store_reads_removes_and_deletes(etcd_server: EmbeddedEtcd) -> None:
+    import pyetcd
+
+    prefix = contract.job_prefix("ns", "j", uuid.uuid4().hex[:12])
+    keys = contract.Keys(prefix)
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    raw = pyetcd.MultiEndpointEtcd3Client(
+        [pyetcd.Endpoint(host, int(port), secure=False, time_retry=1)], timeout=5, failover=True
+    )
+    other = contract.job_prefix("ns", "j", "another-run")
+    for key in (keys.alive("j-0"), keys.alive("j-1"), other + "rdzv/state"):
+        raw.put(key, "x")
+    raw.put(keys.rdzv_state, json.dumps({"round": 2, "complete": True, "participants": {"j-0": 0}}))
+    store = EtcdRendezvousStore([etcd_server.endpoint], timeout=3, time_retry=0.5)
+    try:
+        assert store.read(prefix, 2) == RendezvousView(round=2, world_size=2)
+        store.remove_nodes(prefix, ["j-1"])
+        left = {m.key.decode() for _, m in raw.get_prefix(prefix)}
+        assert left == {keys.alive("j-0"), keys.rdzv_state}
+        store.delete_prefix(prefix)
+        assert not list(raw.get_prefix(prefix))
+        assert list(raw.get_prefix(other))  # another run's keys are untouched
+        with pytest.raises(ValueError, match="refusing"):
+            store.delete_prefix("/")
+    finally:
+        store.close()
+        raw.delete_prefix(other)
+
+
+def test_an_unreachable_etcd_fails_fast_with_the_endpoint_named() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    store = EtcdRendezvousStore([endpoint], timeout=1, time_retry=0.5)
+    started = time.monotonic()
+    with pytest.raises(RendezvousStoreError, match=endpoint):
+        store.read(PREFIX, 1)
+    assert time.monotonic() - started < 10
+    store.close()
+
+
+def test_store_cache_reuses_stores_per_endpoint_list() -> None:
+    made: list[tuple[str, ...]] = []
+
+    def factory(eps: tuple[str, ...]) -> EtcdRendezvousStore:
+        made.append(eps)
+        return EtcdRendezvousStore(eps)
+
+    cache = StoreCache(factory)
+    a = cache.get(["127.0.0.1:1"])
+    assert cache.get(("127.0.0.1:1",)) is a
+    cache.get(["127.0.0.1:2"])
+    assert made == [("127.0.0.1:1",), ("127.0.0.1:2",)]
+    cache.close()
+
+
+# ----------------------------------------------------------------- status and events
+
+
+def test_status_patch_sends_changes_and_nulls_for_removed_fields() -> None:
+    old = ElasticJobStatus.model_validate(
+        {
+            "phase": "Restarting",
+            "replicas": 2,
+            "nextReplacementTime": "2026-01-01T00:00:00Z",
+            "kopf": {"progress": {}},
+        }
+    )
+    new = old.model_copy(update={"phase": "Running", "next_replacement_time": None})
+    assert status_patch(old, new) == {"status": {"phase": "Running", "nextReplacementTime": None}}
+    assert status_patch(old, old) == {"status": {}}
+
+
+def test_event_body_names_the_job() -> None:
+    from datetime import datetime, timezone
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    body = event_body(Event("Warning", "PodFailed", "x" * 2000), "j", "ns", "u1", now)
+    assert body["involvedObject"] == {"apiVersion": "kelastic.dev/v1alpha1",
+        "kind": "ElasticJob", "name": "j", "namespace": "ns", "uid": "u1"}  # fmt: skip
+    assert (body["type"], body["reason"], len(body["message"])) == ("Warning", "PodFailed", 1024)
+    assert body["metadata"]["name"].startswith("j.")
+    assert body["lastTimestamp"] == "2026-01-01T00:00:00Z"
