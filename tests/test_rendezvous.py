@@ -443,6 +443,19 @@ def test_leave_is_reported_as_participant_left(cluster: Cluster) -> None:
     assert cluster.state().departed == {} and cluster.state().lost == frozenset()
 
 
+def test_a_node_with_a_departure_notice_counts_as_left_not_lost(cluster: Cluster) -> None:
+    s = settings(min_nodes=3, max_nodes=3)
+    nodes = [cluster.node(f"n{i}", s) for i in range(3)]
+    infos = join_all(nodes)
+    # The operator scales n2 down: it posts the notice, then n2 dies without leaving.
+    cluster.admin.put(cluster.keys.departing("n2"), b"scale_down")
+    nodes[2].shutdown()
+    check = nodes[0].check_round(infos[0])
+    assert (check.reason, check.nodes) == ("participant_left", ("n2",))
+    assert check.departures == (("n2", "scale_down"),)
+    assert cluster.state().lost == frozenset()
+
+
 def test_a_peer_that_succeeded_does_not_end_the_round(cluster: Cluster) -> None:
     s = settings(min_nodes=2, max_nodes=2)
     a, b = cluster.node("a", s), cluster.node("b", s)

@@ -202,6 +202,11 @@ class JobReconciler:
         now: datetime,
     ) -> None:
         uid = str(obj["metadata"]["uid"])
+        if plan.depart_nodes and store is not None:
+            try:
+                store.mark_departing(prefix, plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN)
+            except RendezvousStoreError as exc:
+                log.warning("%s/%s: posting departures failed: %s", self.namespace, self.name, exc)
         if plan.remove_nodes and store is not None:
             try:
                 store.remove_nodes(prefix, plan.remove_nodes)

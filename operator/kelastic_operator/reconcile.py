@@ -202,6 +202,9 @@ class Plan:
     create: list[CreatePod] = field(default_factory=list)
     delete: list[DeletePod] = field(default_factory=list)
     remove_nodes: list[str] = field(default_factory=list)
+    #: Nodes removed on purpose (scale-down): their departure notice is posted first, so
+    #: their peers re-rendezvous without spending the restart budget.
+    depart_nodes: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -517,6 +520,7 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
     beyond = candidates[: max(0, len(live) - target)]
     for pod in beyond:
         plan.delete.append(DeletePod(pod.name, f"scale down to {target} pods"))
+        plan.depart_nodes.append(pod.name)
         if pod.name not in plan.remove_nodes:
             plan.remove_nodes.append(pod.name)
     gone = {p.name for p in beyond}

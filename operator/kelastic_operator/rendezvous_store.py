@@ -51,6 +51,14 @@ class RendezvousStore(Protocol):
         """
         ...
 
+    def mark_departing(self, prefix: str, nodes: Sequence[str], reason: str) -> None:
+        """Post departure notices (:meth:`kelastic.contract.Keys.departing`) for ``nodes``.
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+        """
+        ...
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under ``prefix``.
 
@@ -184,6 +192,17 @@ class EtcdRendezvousStore:
 
         if keys:
             self._call(f"delete {', '.join(keys)}", delete)
+
+    def mark_departing(self, prefix: str, nodes: Sequence[str], reason: str) -> None:
+        """See :meth:`RendezvousStore.mark_departing`."""
+        keys = [contract.Keys(prefix).departing(node) for node in nodes]
+
+        def put() -> None:
+            for key in keys:
+                self._client.put(key, reason)
+
+        if keys:
+            self._call(f"put {', '.join(keys)}", put)
 
     def delete_prefix(self, prefix: str) -> None:
         """See :meth:`RendezvousStore.delete_prefix`."""

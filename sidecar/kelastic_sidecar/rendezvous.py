@@ -52,6 +52,7 @@ from .etcd_backend import EtcdRendezvousBackend
 from .etcd_store import EtcdLeaseNotFoundError, EtcdStore, EtcdUnavailableError, Lease
 from .rendezvous_state import (
     CLOSED,
+    DEPARTURE_REJOIN,
     HEALTHY,
     LEASE_LOST,
     MAX_WAIT,
@@ -83,6 +84,7 @@ from .rendezvous_state import (
 
 __all__ = [
     "CLOSED",
+    "DEPARTURE_REJOIN",
     "HEALTHY",
     "LEASE_LOST",
     "NODES_WAITING",
@@ -124,6 +126,7 @@ class _View:
     token: int | None  # mod_revision of the state key; None when there is none yet
     alive: frozenset[str]
     revision: int  # store revision of the read
+    departing: dict[str, str]  # node -> reason of the operator's departure notices
 
 
 class EtcdRendezvousHandler:
@@ -151,7 +154,7 @@ class EtcdRendezvousHandler:
         self.node = node
         self.settings = settings
         self._backend = EtcdRendezvousBackend(store, keys.rdzv_state, name="kelastic")
-        self._watch = [keys.rdzv_state, keys.alive_prefix]
+        self._watch = [keys.rdzv_state, keys.alive_prefix, keys.departing_prefix]
         self._lease: Lease | None = None
         self._lease_lock = threading.Lock()
         self._shut_down = False
@@ -350,13 +353,18 @@ class EtcdRendezvousHandler:
             for key in snap.values
             if key.startswith(self._keys.alive_prefix)
         )
+        departing = {
+            key[len(self._keys.departing_prefix) :]: raw.decode(errors="replace")
+            for key, (raw, _) in snap.values.items()
+            if key.startswith(self._keys.departing_prefix)
+        }
         got = snap.values.get(self._keys.rdzv_state)
         if got is None:
             state, token = RendezvousState(run_id=self.settings.run_id), None
         else:
             state = decode_state(got[0], run_id=self.settings.run_id, where=self._keys.rdzv_state)
             token = got[1]
-        return _View(state, token, alive, snap.revision)
+        return _View(state, token, alive, snap.revision, departing)
 
     def _write(self, view: _View, new: RendezvousState) -> bool:
         """Compare-and-set ``new`` over ``view``; False when someone wrote first."""
@@ -367,7 +375,7 @@ class EtcdRendezvousHandler:
         """Read the state and write back the removal of dead nodes, if any."""
         while True:
             view = self._read()
-            clean, dead = sanitize(view.state, view.alive, self.settings)
+            clean, dead = sanitize(view.state, view.alive, self.settings, view.departing)
             if not dead:
                 return view
             if self._write(view, clean):
@@ -426,7 +434,7 @@ class EtcdRendezvousHandler:
         if op.need_alive and (self.node not in view.alive or self.lease_lost):
             self._ensure_alive()
             return None
-        state, dead = sanitize(view.state, view.alive, self.settings)
+        state, dead = sanitize(view.state, view.alive, self.settings, view.departing)
         mono = time.monotonic()
         clock = Clock(
             now=time.time(),

@@ -418,19 +418,27 @@ def mark_closed(state: RendezvousState, reason: dict[str, Any] | None) -> Rendez
 
 
 def sanitize(
-    state: RendezvousState, alive: Iterable[str], settings: RendezvousSettings
+    state: RendezvousState,
+    alive: Iterable[str],
+    settings: RendezvousSettings,
+    departing: Mapping[str, str] | None = None,
 ) -> tuple[RendezvousState, tuple[str, ...]]:
     """Remove participants and waiters that have no alive key (their lease is gone).
+
+    A removed participant with a departure notice (``departing``: node -> reason, written
+    by the operator before a scale-down) is recorded as departed with that reason, not as
+    lost.
 
     Returns:
         the new state and the removed nodes (sorted).
     """
+    notices = departing or {}
     live = set(alive)
     dead = sorted((set(state.participants) | state.wait_list | state.redundancy_list) - live)
     new = state
     for node in dead:
         if node in new.participants:
-            new = remove_participant(new, node, settings, departure=None)
+            new = remove_participant(new, node, settings, departure=notices.get(node))
         else:
             new = remove_waiter(new, node)
     return new, tuple(dead)

@@ -52,6 +52,7 @@ from .failure import (
 from .http import SidecarHttpServer
 from .metrics import SidecarMetrics
 from .rendezvous import (
+    DEPARTURE_REJOIN,
     EtcdRendezvousHandler,
     RendezvousClosedError,
     RendezvousError,
@@ -62,6 +63,10 @@ from .restart_budget import RestartBudget, RestartRecordError
 from .timer_server import ReapEvent, TimerServer
 
 log = logging.getLogger("kelastic_sidecar.supervisor")
+
+#: Departures that end a round without spending the restart budget: a scale-down, and a
+#: peer exiting to re-rendezvous (its own failure, if any, was charged by that peer).
+_PLANNED_DEPARTURES = frozenset({contract.DEPARTURE_SCALE_DOWN, DEPARTURE_REJOIN})
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
@@ -80,7 +85,7 @@ class SidecarShutdown(Exception):
 class _RoundEnd:
     """How monitoring one round ended."""
 
-    kind: str  # "succeeded" | "failed" | "restart" | "closed" | "launcher_lost"
+    kind: str  # "succeeded" | "failed" | "restart" | "closed" | "launcher_lost" | "removed"
     failure: Failure | None = None
     reason: str = ""
 
@@ -176,9 +181,10 @@ class Supervisor:
         try:
             return self._run()
         except SidecarShutdown as exc:
-            log.info("received %s: stopping workers and leaving the rendezvous", exc)
+            reason = self._departure_reason()
+            log.info("received %s: stopping workers, leaving the rendezvous (%s)", exc, reason)
             self._stop_workers("sidecar stopping")
-            self._leave("shutdown")
+            self._leave(reason)
             self._shutdown_launcher(128 + exc.signum, f"stopped by {exc}")
             return 128 + exc.signum
         finally:
@@ -240,6 +246,8 @@ class Supervisor:
             if end.kind == "closed":
                 self._stop_workers("rendezvous closed")
                 return self._finish_closed(self.handler.closed_reason())
+            if end.kind == "removed":
+                return self._finish_removed(end.reason or self._departure_reason())
             if end.kind == "launcher_lost":
                 self._leave("shutdown")
                 self._report("failed", "trainer container (launcher) disconnected")
@@ -397,6 +405,13 @@ class Supervisor:
         nodes = ", ".join(check.nodes)
         if check.reason == "closed":
             return _RoundEnd("closed")
+        if self.cfg.node in check.nodes and check.reason in (
+            "participant_left",
+            "participant_lost",
+        ):
+            # The operator removed this node from the round (scale-down, or its Pod is
+            # going away): stop here instead of rejoining.
+            return _RoundEnd("removed", reason=dict(check.departures).get(self.cfg.node, ""))
         if check.reason == "participant_lost":
             return _RoundEnd(
                 "failed",
@@ -407,6 +422,26 @@ class Supervisor:
                     message="its liveness key is gone (lease expired or node removed)",
                 ),
             )
+        if check.reason == "participant_left":
+            departures = dict(check.departures)
+            unplanned = {
+                n: departures.get(n, "?")
+                for n in check.nodes
+                if departures.get(n) not in _PLANNED_DEPARTURES
+            }
+            if unplanned:
+                # A node stopped in mid-round without being scaled down (Pod deleted,
+                # preempted, drained): a disruption, charged like a lost node.
+                return _RoundEnd(
+                    "failed",
+                    Failure(
+                        cause=CAUSE_NODE_LOST,
+                        node=", ".join(sorted(unplanned)),
+                        round=info.round,
+                        message="left the round: "
+                        + ", ".join(f"{n} ({r})" for n, r in sorted(unplanned.items())),
+                    ),
+                )
         reason = {
             "nodes_waiting": CAUSE_SCALE,
             "participant_left": CAUSE_SCALE,
@@ -529,6 +564,15 @@ class Supervisor:
         self.timer.forget_all()
         self._pids.clear()
 
+    def _departure_reason(self) -> str:
+        """``scale_down`` when the operator posted a departure notice for this node (it is
+        being removed on purpose, and the peers owe no restart); else ``shutdown``."""
+        try:
+            got = self.store.get(self.keys.departing(self.cfg.node))
+        except EtcdUnavailableError:
+            got = None
+        return got[0].decode(errors="replace") if got else "shutdown"
+
     def _leave(self, reason: str) -> None:
         if self.handler is None:
             return
@@ -564,6 +608,19 @@ class Supervisor:
         self._report("succeeded", summary)
         self._shutdown_launcher(EXIT_SUCCEEDED, summary)
         return EXIT_SUCCEEDED
+
+    def _finish_removed(self, reason: str) -> int:
+        """This node was taken out of the job (by the operator): stop and report it."""
+        planned = reason == contract.DEPARTURE_SCALE_DOWN
+        summary = f"{self.cfg.node} removed from the job ({reason or 'no reason given'})"
+        log.warning(summary)
+        self._phase = "removed"
+        self._stop_workers(summary)
+        self._leave(reason or "shutdown")
+        self._report("removed", summary)
+        code = EXIT_SUCCEEDED if planned else EXIT_FAILED
+        self._shutdown_launcher(code, summary)
+        return code
 
     def _finish_exhausted(self, failure: Failure) -> int:
         assert self.handler is not None

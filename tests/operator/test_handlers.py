@@ -30,12 +30,16 @@ class FakeStore:
         self.view = view
         self.removed: list[tuple[str, list[str]]] = []
         self.deleted: list[str] = []
+        self.departing: list[tuple[str, list[str], str]] = []
 
     def read(self, prefix: str, nproc_per_node: int) -> RendezvousView:
         return self.view
 
     def remove_nodes(self, prefix: str, nodes: Sequence[str]) -> None:
         self.removed.append((prefix, list(nodes)))
+
+    def mark_departing(self, prefix: str, nodes: Sequence[str], reason: str) -> None:
+        self.departing.append((prefix, list(nodes), reason))
 
     def delete_prefix(self, prefix: str) -> None:
         self.deleted.append(prefix)

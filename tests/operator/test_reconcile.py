@@ -151,6 +151,8 @@ def test_scale_down_deletes_highest_index_first_and_drops_their_nodes() -> None:
     plan = reconcile(job(s, generation=2, observedGeneration=1), pods, T0)
     assert names(plan.delete) == ["j-3", "j-2", "j-1"]
     assert plan.remove_nodes == ["j-3", "j-2", "j-1"]
+    # ...announced as a scale-down first, so the survivors spend no restart on them
+    assert plan.depart_nodes == ["j-3", "j-2", "j-1"]
     assert not plan.create
     assert plan.status.replicas == 1
     assert "ScalingDown" in [e.reason for e in plan.events]

@@ -177,6 +177,17 @@ class Keys:
         """Liveness key of ``node``: exists while the node's lease lives."""
         return self.alive_prefix + node
 
+    @property
+    def departing_prefix(self) -> str:
+        """Prefix of departure notices, one per node the operator is removing on purpose."""
+        return self.prefix + "rdzv/departing/"
+
+    def departing(self, node: str) -> str:
+        """Departure notice of ``node`` (value: the reason, e.g. ``scale_down``), written by
+        the operator before it deletes the node's Pod: when the node goes, its peers
+        re-rendezvous without spending the restart budget."""
+        return self.departing_prefix + node
+
     def master(self, round_: int) -> str:
         """``{"addr", "port"}`` of the round's c10d store, written by group rank 0."""
         return f"{self.prefix}rounds/{round_}/master"
@@ -211,6 +222,8 @@ MSG_SHUTDOWN: Final = "shutdown"  # {"type", "exitcode", "summary"}
 #: A termination message or node report that starts with this says the whole job failed
 #: (restart budget spent or rendezvous closed); the operator marks the job Failed on it.
 JOB_FAILED_PREFIX: Final = "job failed"
+#: Departure reason of a node removed by a scale-down (see :meth:`Keys.departing`).
+DEPARTURE_SCALE_DOWN: Final = "scale_down"
 
 #: Largest control message accepted, bytes (a line longer than this is a protocol error).
 CONTROL_MAX_LINE: Final = 1 << 20
