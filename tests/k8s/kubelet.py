@@ -55,6 +55,7 @@ class _Container:
     log: Path
     termination_log: Path
     sidecar: bool
+    image: str = ""
 
 
 @dataclass
@@ -200,8 +201,8 @@ class LocalKubelet:
             self._patch(local, {"phase": "Failed", "reason": "StartError", "message": str(exc)})
             return
         statuses = [
-            {"name": c.name, "ready": True, "restartCount": 0,
-             "state": {"running": {"startedAt": _now()}}}
+            {"name": c.name, "ready": True, "restartCount": 0, "image": c.image,
+             "imageID": f"local://{c.image}", "state": {"running": {"startedAt": _now()}}}
             for c in local.containers
         ]  # fmt: skip
         self._patch(
@@ -241,7 +242,7 @@ class LocalKubelet:
         log = pod_dir / f"{c['name']}.log"
         with open(log, "ab") as out:
             proc = start_process(argv, base_env(env), cwd, out, subprocess.STDOUT)
-        return _Container(c["name"], proc, log, termination_log, sidecar)
+        return _Container(c["name"], proc, log, termination_log, sidecar, str(c.get("image", "")))
 
     def _check(self, local: _LocalPod) -> None:
         if any(c.proc.poll() is None for c in local.main):
@@ -259,8 +260,8 @@ class LocalKubelet:
                 with contextlib.suppress(OSError):
                     message = "\n".join(c.log.read_text(errors="replace").splitlines()[-80:])
             statuses.append(
-                {"name": c.name, "ready": False, "restartCount": 0,
-                 "state": {"terminated": {
+                {"name": c.name, "ready": False, "restartCount": 0, "image": c.image,
+                 "imageID": f"local://{c.image}", "state": {"terminated": {
                      "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                      "message": message[-4096:], "finishedAt": _now()}}}
             )  # fmt: skip
