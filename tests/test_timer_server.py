@@ -501,3 +501,22 @@ def test_watch_pid_refuses_init_and_self(fifo: Path) -> None:
             server.watch_pid(pid)
     with pytest.raises(ValueError):
         TimerServer(fifo, max_timers=0)
+
+
+def test_the_fifo_is_grown_so_bursts_do_not_fail_torch_clients(tmp_path: Path) -> None:
+    import fcntl
+
+    from kelastic_sidecar.timer_server import FIFO_PIPE_SIZE
+
+    server = TimerServer(tmp_path / "timer.fifo")
+    server.start()
+    try:
+        fd = os.open(tmp_path / "timer.fifo", os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            size = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        finally:
+            os.close(fd)
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        assert size == min(FIFO_PIPE_SIZE, limit) > 65536
+    finally:
+        server.stop()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import heapq
 import json
 import logging
@@ -308,6 +309,7 @@ class TimerServer:
                     os.close(fd)
                 raise
             rfd, wfd, self._wake_r, self._wake_w = fds
+            _grow_pipe(rfd)
             os.set_blocking(self._wake_r, False)
             os.set_blocking(self._wake_w, False)
             st = os.fstat(rfd)
@@ -570,3 +572,21 @@ class TimerServer:
             event = ReapEvent(pid, scope_id, timer.signal, timer.expiration_time, time.time())
         self._clear_pid(pid)
         return event
+
+
+#: Pipe capacity asked for the FIFO, bytes. torch's FileTimerClient writes non-blocking
+#: and fails with BlockingIOError once the pipe is full; a larger pipe absorbs bursts of
+#: many workers (the kernel default is 64 KiB).
+FIFO_PIPE_SIZE = 1 << 20
+
+
+def _grow_pipe(fd: int) -> int:
+    """Raise the FIFO's capacity towards :data:`FIFO_PIPE_SIZE` (capped by
+    ``/proc/sys/fs/pipe-max-size``); returns the capacity in bytes it ended with."""
+    want = FIFO_PIPE_SIZE
+    with contextlib.suppress(OSError, ValueError):
+        want = min(want, int(Path("/proc/sys/fs/pipe-max-size").read_text()))
+    try:
+        return int(fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, want))
+    except OSError:
+        return int(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ))
