@@ -1,0 +1,1 @@
+"""kelastic vs torch.distributed.elastic benchmarks: ``python -m bench all``."""

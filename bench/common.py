@@ -1,0 +1,240 @@
+"""Shared pieces of the benchmark suite: result rows, statistics, the table, process helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Row:
+    """One measured line of the table: a side of a comparison, with its raw samples.
+
+    ``group`` names the comparison (rows of one group are compared with its ``ref`` row,
+    torch's component); ``better`` is ``"lower"`` or ``"higher"``.
+    """
+
+    case: str
+    group: str
+    side: str
+    unit: str
+    samples: list[float]
+    better: str = "lower"
+    ref: bool = False
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Check:
+    """A target of the issue and whether this run met it."""
+
+    case: str
+    target: str
+    value: str
+    met: bool
+
+
+@dataclass
+class CaseResult:
+    name: str
+    rows: list[Row] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> CaseResult:
+        rows = [Row(**r) for r in doc.get("rows", [])]
+        checks = [Check(**c) for c in doc.get("checks", [])]
+        return cls(doc["name"], rows, checks, doc.get("seconds", 0.0), doc.get("error", ""))
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100); NaN for no samples."""
+    if not samples:
+        return math.nan
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def median(samples: Sequence[float]) -> float:
+    return statistics.median(samples) if samples else math.nan
+
+
+def _fmt(value: float) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def ratio(row: Row, ref: Row | None) -> str:
+    """How many times better ``row`` is than torch's ``ref`` row (by median)."""
+    if ref is None:
+        return "-"
+    if row is ref:
+        return "1 (torch)"
+    mine, theirs = median(row.samples), median(ref.samples)
+    if math.isnan(mine) or math.isnan(theirs):
+        return "-"
+    if row.better == "lower":
+        if mine <= 0:
+            return "inf"
+        factor = theirs / mine
+    else:
+        if theirs <= 0:
+            return "inf" if mine > 0 else "-"
+        factor = mine / theirs
+    return f"{factor:.2f}x" if factor < 10 else f"{factor:.0f}x"
+
+
+def table(results: Sequence[CaseResult]) -> str:
+    """The markdown table of all rows, then the targets."""
+    lines = [
+        "| case | comparison | side | n | min | median | p99 | max | unit | vs torch |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    checks: list[Check] = []
+    for result in results:
+        refs = {row.group: row for row in result.rows if row.ref}
+        for row in result.rows:
+            s = row.samples
+            unit = row.unit + (" (lower better)" if row.better == "lower" else " (higher better)")
+            lo, hi = (min(s), max(s)) if s else (math.nan, math.nan)
+            lines.append(
+                f"| {row.case} | {row.group} | {row.side} | {len(s)} | {_fmt(lo)} "
+                f"| {_fmt(median(s))} | {_fmt(percentile(s, 99))} | {_fmt(hi)} "
+                f"| {unit} | {ratio(row, refs.get(row.group))} |"
+            )
+        if result.error:
+            lines.append(f"| {result.name} | ERROR | {result.error[:150]} | 0 | | | | | | |")
+        checks.extend(result.checks)
+    lines.append("")
+    lines.append("vs torch: how many times better than torch's component in the same group")
+    lines.append("(by median; > 1 means kelastic wins).")
+    if checks:
+        lines += ["", "| case | target | this run | met |", "|---|---|---|---|"]
+        for check in checks:
+            met = "yes" if check.met else "**no**"
+            lines.append(f"| {check.case} | {check.target} | {check.value} | {met} |")
+    notes = [f"- {r.case} / {r.side}: {r.note}" for res in results for r in res.rows if r.note]
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for helper processes: the repo's packages importable, plus ``extra``."""
+    env = dict(os.environ)
+    paths = [str(REPO), str(REPO / "worker_lib"), str(REPO / "sidecar"), str(REPO / "operator")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def stop_process(proc: subprocess.Popen[Any] | None, grace: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; reaps. Safe on a dead process."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.close()
+
+
+def kill_pids(pids: Sequence[int]) -> None:
+    """SIGKILL and reap our forked children ``pids`` (ignoring those already gone)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+@contextlib.contextmanager
+def embedded_etcd() -> Iterator[str]:
+    """A real etcd on loopback (kelastic's ``EmbeddedEtcd``); yields ``host:port``."""
+    from kelastic_operator.local.etcd import EmbeddedEtcd
+
+    server = EmbeddedEtcd().start()
+    try:
+        yield server.endpoint
+    finally:
+        server.stop()
+
+
+class LineReader:
+    """Reads a child's stdout lines on a daemon thread; :meth:`get` waits for the next one."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        import queue
+        import threading
+
+        self.proc = proc
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        with contextlib.suppress(Exception):
+            for line in self.proc.stdout:
+                self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def get(self, timeout: float) -> str:
+        """The next line within ``timeout`` s; ``TimeoutError`` or ``RuntimeError`` (EOF)."""
+        import queue
+
+        try:
+            line = self._queue.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            what = f"no output from pid {self.proc.pid} within {timeout:.1f}s"
+            raise TimeoutError(what) from None
+        if line is None:
+            self._queue.put(None)
+            raise RuntimeError(f"pid {self.proc.pid} exited (code {self.proc.poll()})")
+        return line

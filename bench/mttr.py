@@ -1,0 +1,201 @@
+"""Recovery (MTTR): SIGKILL one worker of a 2 nodes x 2 workers gloo DDP job -> the first
+DDP step of the restarted group on all four ranks.
+
+torch side: two ``torchrun`` agents on localhost (``--rdzv-backend c10d``,
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the unshared store; the default shared store can
+hang on restart, pytorch/pytorch#135712). kelastic side: ``kelastic run`` with 2
+replicas. Both run :mod:`bench._mttr_train`; one job per side, killed several times in a
+row (each kill costs one restart of the budget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .common import REPO, CaseResult, Check, Row, child_env, log, median
+
+TRAIN = REPO / "bench" / "_mttr_train.py"
+
+JOB = """\
+apiVersion: kelastic.dev/v1alpha1
+kind: ElasticJob
+metadata:
+  name: bench-mttr
+spec:
+  replicas: 2
+  minReplicas: 2
+  maxReplicas: 2
+  nprocPerNode: 2
+  maxRestarts: 50
+  rendezvous:
+    lastCallTimeoutSeconds: 1
+    leaseTTLSeconds: 5
+  template:
+    spec:
+      containers:
+        - name: trainer
+          image: bench
+          command: ["python", "{train}"]
+"""
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_generation(path: Path, known_pids: set[int], timeout: float) -> list[dict[str, Any]]:
+    """Wait until all 4 ranks reported a first step from a pid not in ``known_pids``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fresh = {e["rank"]: e for e in _events(path) if e["pid"] not in known_pids}
+        if len(fresh) == 4:
+            return list(fresh.values())
+        time.sleep(0.02)
+    raise TimeoutError(f"the job did not (re)start all 4 ranks within {timeout:.0f} s")
+
+
+def _descendants(pids: list[int]) -> list[Any]:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(pid)
+            procs += [parent, *parent.children(recursive=True)]
+    return procs
+
+
+def _teardown(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
+    """Signal our job's processes, then SIGKILL every descendant still alive."""
+    import psutil
+
+    tree = _descendants([p.pid for p in procs])
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(sig)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    tree += _descendants([p.pid for p in procs if p.poll() is None])
+    _, alive = psutil.wait_procs(tree, timeout=3)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def _measure(
+    procs: list[subprocess.Popen[bytes]], events: Path, kills: int, start_timeout: float
+) -> list[float]:
+    generation = _wait_generation(events, set(), start_timeout)
+    known = {e["pid"] for e in generation}
+    samples = []
+    for i in range(kills):
+        time.sleep(1.0)  # a few steps of steady training
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("the job exited")
+        victim = next(e for e in generation if e["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.time()
+        generation = _wait_generation(events, known, 60.0)
+        known |= {e["pid"] for e in generation}
+        samples.append(max(e["t"] for e in generation) - killed_at)
+        log(f"mttr: kill {i + 1}/{kills}: all ranks stepping again after {samples[-1]:.2f} s")
+    return samples
+
+
+def _torchrun(tmp: Path, kills: int) -> list[float]:
+    from kelastic_operator.local.etcd import free_port
+
+    events = tmp / "torch-events.jsonl"
+    port = free_port()
+    run_id = uuid.uuid4().hex[:8]
+    env = child_env(BENCH_EVENTS=str(events), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.pop("TORCHELASTIC_TIMER_FILE", None)
+    procs = []
+    try:
+        for node in range(2):
+            args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                    "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+                    "--max-restarts", "50", "--monitor-interval", "0.1",
+                    str(TRAIN)]  # fmt: skip
+            log_file = open(tmp / f"torchrun-{node}.log", "wb")  # noqa: SIM115
+            procs.append(
+                subprocess.Popen(
+                    args,
+                    env=env,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmp,
+                    start_new_session=True,
+                )
+            )
+            log_file.close()
+        return _measure(procs, events, kills, 120.0)
+    finally:
+        _teardown(procs, signal.SIGTERM)
+
+
+def _kelastic(tmp: Path, kills: int) -> list[float]:
+    events = tmp / "kelastic-events.jsonl"
+    job = tmp / "job.yaml"
+    job.write_text(JOB.format(train=TRAIN))
+    env = child_env(BENCH_EVENTS=str(events))
+    args = [sys.executable, "-c", "import sys; from kelastic_operator.cli import main; "
+            "sys.exit(main())", "run", str(job), "--workdir", str(tmp / "work")]  # fmt: skip
+    log_file = open(tmp / "kelastic-run.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        args, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True
+    )
+    log_file.close()
+    try:
+        return _measure([proc], events, kills, 120.0)
+    finally:
+        _teardown([proc], signal.SIGINT)
+
+
+def mttr(quick: bool) -> CaseResult:
+    result = CaseResult("recovery_mttr")
+    kills = 1 if quick else 4
+    group = "SIGKILL of 1 worker (2x2 gloo DDP) -> first step on all ranks"
+    with tempfile.TemporaryDirectory(prefix="kelastic-bench-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        for side, fn, ref in (
+            ("torchrun c10d, unshared store", _torchrun, True),
+            ("kelastic run", _kelastic, False),
+        ):
+            log(f"mttr: {side}: {kills} kills")
+            try:
+                samples = fn(tmp, kills)
+            except Exception:
+                for name in sorted(os.listdir(tmp)):
+                    if name.endswith(".log"):
+                        log(f"--- {name}:\n" + (tmp / name).read_text()[-2000:])
+                raise
+            result.rows.append(Row("recovery_mttr", group, side, "s", samples, ref=ref))
+    theirs, ours = (median(r.samples) for r in result.rows)
+    result.checks.append(
+        Check(
+            "recovery_mttr",
+            "<= 0.5x torchrun (median)",
+            f"{ours:.2f} s vs {theirs:.2f} s = {ours / theirs:.2f}x",
+            ours <= 0.5 * theirs,
+        )
+    )
+    return result

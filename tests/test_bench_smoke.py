@@ -1,0 +1,67 @@
+"""Smoke test of the benchmark suite: ``python -m bench all --quick`` keeps working.
+
+Not a timed test: it checks that every case runs and that every comparison has both
+torch's side and kelastic's measured, not how fast either is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: case -> comparison groups expected in quick mode (a prefix of the group name)
+EXPECTED = {
+    "timer_reap": ["expires() deadline -> hung child dead"],
+    "timer_throughput": [
+        "K=1 requests/s (acquire+release",
+        "K=1 client errors",
+        "K=1 server CPU",
+        "K=4 requests/s (acquire+release",
+    ],
+    "rdzv_join": ["N=2 join"],
+    "rdzv_rejoin": ["SIGKILL of a participant"],
+}
+
+
+@pytest.mark.timeout(150)
+def test_bench_all_quick(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "all", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout
+    doc = json.loads(out.read_text())
+    cases = {c["name"]: c for c in doc["cases"]}
+    assert set(cases) >= {*EXPECTED, "sidecar_footprint"}
+    for name, case in cases.items():
+        assert not case["error"], f"{name}: {case['error']}"
+    for name, groups in EXPECTED.items():
+        rows = cases[name]["rows"]
+        for prefix in groups:
+            mine = [r for r in rows if r["group"].startswith(prefix)]
+            torch_rows = [r for r in mine if r["ref"]]
+            ours = [r for r in mine if r["side"].startswith("kelastic")]
+            assert torch_rows and torch_rows[0]["samples"], f"{name} {prefix}: torch not measured"
+            assert ours and all(r["samples"] for r in ours), f"{name} {prefix}: ours not measured"
+            for row in mine:
+                line = f"| {name} | {row['group']} | {row['side']} | {len(row['samples'])} |"
+                assert line in table, f"missing table row {line}"
+    footprint = cases["sidecar_footprint"]["rows"]
+    assert {r["group"] for r in footprint} == {"idle sidecar RSS", "idle sidecar CPU (1 s samples)"}
+    assert all(r["samples"] for r in footprint)
+    assert "| case | target | this run | met |" in table
+    assert took < 120, f"the quick suite took {took:.0f} s"
