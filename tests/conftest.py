@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from kelastic_operator.local.etcd import EmbeddedEtcd
+from kelastic_operator.local.etcd import EmbeddedEtcd, etcd_binary, free_port
+from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 
 T = TypeVar("T")
 
@@ -47,3 +52,78 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or cond}")
         time.sleep(interval)
+
+
+# ------------------------------------------------------------------------------- TLS
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _issue(name: str, usage: str, san: str, cwd: Path) -> None:
+    """Key ``<name>.key`` and certificate ``<name>.crt`` signed by ``ca``."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(
+        "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd
+    )
+    (cwd / f"{name}.ext").write_text(f"extendedKeyUsage={usage}\n{san}")
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext",
+        cwd=cwd,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def tls_etcd(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """An etcd serving TLS and requiring client certificates; yields (endpoint, tls_dir)."""
+    if shutil.which("openssl") is None:
+        if os.environ.get("CI"):
+            pytest.fail("openssl is not installed (apt-get install openssl)")
+        pytest.skip("openssl is not installed")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+             "-subj", "/CN=kelastic-test-ca", cwd=pki)  # fmt: skip
+    _issue("server", "serverAuth", "subjectAltName=IP:127.0.0.1", pki)
+    _issue("client", "clientAuth", "", pki)
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    shutil.copy(pki / "ca.crt", tls_dir / "ca.crt")
+    shutil.copy(pki / "client.crt", tls_dir / "tls.crt")
+    shutil.copy(pki / "client.key", tls_dir / "tls.key")
+    port, peer = free_port(), free_port()
+    proc = subprocess.Popen(
+        [
+            str(etcd_binary()), "--name", "tls", "--data-dir", str(tmp_path / "data"),
+            "--listen-client-urls", f"https://127.0.0.1:{port}",
+            "--advertise-client-urls", f"https://127.0.0.1:{port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"tls=http://127.0.0.1:{peer}",
+            "--cert-file", str(pki / "server.crt"), "--key-file", str(pki / "server.key"),
+            "--trusted-ca-file", str(pki / "ca.crt"), "--client-cert-auth",
+            "--unsafe-no-fsync", "--heartbeat-interval", "10", "--election-timeout", "100",
+            "--log-level", "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint = f"127.0.0.1:{port}"
+    try:
+        with EtcdStore([endpoint], tls_dir=tls_dir, timeout=1) as probe:
+
+            def ready() -> bool:
+                try:
+                    probe.get("/ready")
+                    return True
+                except EtcdUnavailableError:
+                    return False
+
+            wait_for(ready, 30, interval=0.1, what="TLS etcd to serve")
+        yield endpoint, tls_dir
+    finally:
+        proc.terminate()
+        proc.wait(10)

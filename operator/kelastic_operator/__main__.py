@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kelastic import contract
@@ -32,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("KELASTIC_OPERATOR_ETCD_ENDPOINTS", ""),
         help="comma-separated host:port of the default etcd for jobs that name none "
         "($KELASTIC_OPERATOR_ETCD_ENDPOINTS)",
+    )
+    p.add_argument(
+        "--etcd-tls-dir",
+        default=env(contract.ENV_ETCD_TLS_DIR, ""),
+        help="folder with ca.crt, tls.crt, tls.key for etcd with TLS client certificates "
+        f"(${contract.ENV_ETCD_TLS_DIR}); plaintext when empty",
     )
     p.add_argument(
         "--sidecar-image",
@@ -78,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .handlers import OperatorContext, register
     from .metrics import OperatorMetrics
+    from .rendezvous_store import EtcdRendezvousStore, StoreCache
 
     settings = PodSettings(
         sidecar_image=args.sidecar_image,
@@ -85,9 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         http_port=args.sidecar_http_port,
     )
     metrics = OperatorMetrics()
+    tls_dir = Path(args.etcd_tls_dir) if args.etcd_tls_dir else None
     ctx = OperatorContext(
         api=api_client(args.kubeconfig),
         pod_settings=settings,
+        stores=StoreCache(lambda eps: EtcdRendezvousStore(eps, tls_dir=tls_dir)),
         resync_seconds=args.resync_seconds,
         metrics=metrics,
         instance=os.environ.get("POD_ID", ""),

@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from kelastic import contract
@@ -140,22 +141,40 @@ class EtcdRendezvousStore:
     """:class:`RendezvousStore` on ``pyetcd.MultiEndpointEtcd3Client``.
 
     Args:
-        endpoints: ``host:port`` strings (plaintext).
+        endpoints: ``host:port`` strings.
         timeout: seconds per call.
         time_retry: seconds an endpoint stays marked failed before it is tried again.
+        tls_dir: folder with ``ca.crt``, ``tls.crt``, ``tls.key`` (the layout of a
+            Kubernetes TLS Secret plus its CA) for an etcd that requires TLS with client
+            certificates; plaintext when None.
 
     Raises:
         ValueError: an endpoint is not ``host:port``.
+        OSError: a file of ``tls_dir`` cannot be read.
     """
 
     def __init__(
-        self, endpoints: Sequence[str], timeout: float = 5.0, time_retry: float = 2.0
+        self,
+        endpoints: Sequence[str],
+        timeout: float = 5.0,
+        time_retry: float = 2.0,
+        tls_dir: Path | None = None,
     ) -> None:
+        import grpc
         import pyetcd
 
         self.endpoints = tuple(endpoints)
+        creds = None
+        if tls_dir is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=(tls_dir / "ca.crt").read_bytes(),
+                private_key=(tls_dir / "tls.key").read_bytes(),
+                certificate_chain=(tls_dir / "tls.crt").read_bytes(),
+            )
         eps = [
-            pyetcd.Endpoint(host, port, secure=False, time_retry=time_retry)
+            pyetcd.Endpoint(
+                host, port, secure=creds is not None, creds=creds, time_retry=time_retry
+            )
             for host, port in (parse_endpoint(e) for e in self.endpoints)
         ]
         self._client = pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout, failover=True)

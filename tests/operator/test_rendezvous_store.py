@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,23 @@ def test_event_body_names_the_job() -> None:
     assert (body["type"], body["reason"], len(body["message"])) == ("Warning", "PodFailed", 1024)
     assert body["metadata"]["name"].startswith("j.")
     assert body["lastTimestamp"] == "2026-01-01T00:00:00Z"
+
+
+def test_the_operator_talks_to_an_etcd_that_requires_client_certificates(
+    tls_etcd: tuple[str, Path],
+) -> None:
+    endpoint, tls_dir = tls_etcd
+    prefix = contract.job_prefix("default", "tls", "u1")
+    store = EtcdRendezvousStore([endpoint], timeout=3, time_retry=0.5, tls_dir=tls_dir)
+    try:
+        store.mark_departing(prefix, ["tls-1"], contract.DEPARTURE_SCALE_DOWN)
+        store.delete_prefix(prefix)
+        assert store.read(prefix, 1).round is None
+    finally:
+        store.close()
+    plain = EtcdRendezvousStore([endpoint], timeout=1, time_retry=0.5)
+    try:
+        with pytest.raises(RendezvousStoreError, match="failed"):
+            plain.delete_prefix(prefix)
+    finally:
+        plain.close()
