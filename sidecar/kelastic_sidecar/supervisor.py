@@ -219,6 +219,11 @@ class Supervisor:
     # ------------------------------------------------------------------------ main loop
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._phase in ("succeeded", "failed", "removed"):
+            # Finishing with the real outcome (leave, report, tell the launcher): the
+            # kubelet stops a native sidecar as soon as the trainer exits; let it finish.
+            log.info("received %s while finishing (%s)", signal_name(signum), self._phase)
+            return
         raise SidecarShutdown(signum)
 
     def _run(self) -> int:
@@ -637,6 +642,7 @@ class Supervisor:
         return code
 
     def _finish_exhausted(self, failure: Failure) -> int:
+        self._phase = "failed"
         assert self.handler is not None
         reason = failure.as_dict()
         reason["max_restarts"] = self.cfg.max_restarts
