@@ -40,7 +40,7 @@ def test_worker_failures_spend_the_budget_then_the_job_fails_with_root_cause(
     assert "job FAILED" in out
     assert "budget spent" in out and "root cause: worker_failure: rank 3" in out
     # The root cause is also the trainer container's termination message.
-    termlogs = list((tmp_path / "runs").glob("steps-*/pods/steps-*/termination-log"))
+    termlogs = list((tmp_path / "runs").glob("steps-*/pods/steps-*/trainer.termination-log"))
     assert len(termlogs) == 2
     assert all("ValueError: bad batch at step 3" in t.read_text() for t in termlogs)
     assert run.strays() == []

@@ -18,26 +18,13 @@ What it maps, since every Pod shares this machine:
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kelastic import contract
-from kelastic_operator.local.containers import (
-    base_env,
-    container_env,
-    local_argv,
-    mount_map,
-    start_process,
-)
-from kelastic_operator.local.etcd import free_port
+from kelastic_operator.local.pods import LocalContainer, LocalPod
 
 from .harness import K8sApi
 
@@ -49,27 +36,13 @@ def _now() -> str:
 
 
 @dataclass
-class _Container:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    termination_log: Path
-    sidecar: bool
-    image: str = ""
+class _Tracked:
+    """A Pod the kubelet runs."""
 
-
-@dataclass
-class _LocalPod:
-    namespace: str
-    name: str
+    pod: LocalPod
     uid: str
-    dir: Path
-    containers: list[_Container] = field(default_factory=list)
+    namespace: str
     done: bool = False
-
-    @property
-    def main(self) -> list[_Container]:
-        return [c for c in self.containers if not c.sidecar]
 
 
 class LocalKubelet:
@@ -94,7 +67,7 @@ class LocalKubelet:
         self.workdir = workdir
         self.images = images or {}
         self.stop_grace = stop_grace
-        self.pods: dict[tuple[str, str], _LocalPod] = {}
+        self.pods: dict[tuple[str, str], _Tracked] = {}
         self.warnings: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="local-kubelet", daemon=True)
@@ -121,7 +94,7 @@ class LocalKubelet:
     def log(self, namespace: str, pod: str, container: str) -> str:
         """What a container of a Pod wrote (stdout and stderr)."""
         local = self.pods.get((namespace, pod))
-        for c in local.containers if local else []:
+        for c in local.pod.containers if local else []:
             if c.name == container:
                 return c.log.read_text(errors="replace") if c.log.exists() else ""
         return ""
@@ -161,50 +134,35 @@ class LocalKubelet:
 
     # ------------------------------------------------------------------ pod lifecycle
 
-    def _volumes(self, spec: Obj, pod_dir: Path) -> dict[str, Path]:
-        out: dict[str, Path] = {}
-        for vol in spec.get("volumes") or []:
-            claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
-            folder = self.workdir / "pvc" / claim if claim else pod_dir / "volumes" / vol["name"]
-            folder.mkdir(parents=True, exist_ok=True)
-            out[vol["name"]] = folder
-        return out
-
     def _start(self, obj: Obj) -> None:
-        meta, spec = obj["metadata"], obj["spec"]
+        meta = obj["metadata"]
         ns, name = meta.get("namespace", "default"), meta["name"]
-        pod_dir = self.workdir / ns / name
-        pod_dir.mkdir(parents=True, exist_ok=True)
-        local = _LocalPod(ns, name, meta.get("uid", ""), pod_dir)
+        local = _Tracked(
+            LocalPod(
+                obj,
+                self.workdir / ns / name,
+                shared_dir=self.workdir / "pvc",
+                cwd=lambda c: self.images.get(str(c.get("image")), self.workdir),
+                warn=self.warnings.append,
+            ),
+            uid=meta.get("uid", ""),
+            namespace=ns,
+        )
         self.pods[(ns, name)] = local
-        volumes = self._volumes(spec, pod_dir)
-        fields = {
-            "metadata.name": name,
-            "metadata.namespace": ns,
-            "metadata.uid": local.uid,
-            "status.podIP": "127.0.0.1",
-            "spec.nodeName": "local",
-        }
-        for k, v in (meta.get("labels") or {}).items():
-            fields[f"metadata.labels['{k}']"] = str(v)
-        sidecars = [
-            c for c in spec.get("initContainers") or [] if c.get("restartPolicy") == "Always"
-        ]
         try:
-            for c in sidecars:
-                local.containers.append(self._run(c, volumes, fields, pod_dir, sidecar=True))
-            for c in spec.get("containers") or []:
-                local.containers.append(self._run(c, volumes, fields, pod_dir, sidecar=False))
+            local.pod.start()
         except (OSError, ValueError) as exc:
             self.warnings.append(f"{ns}/{name}: cannot start: {exc}")
             self._kill(local)
             self._patch(local, {"phase": "Failed", "reason": "StartError", "message": str(exc)})
             return
-        statuses = [
-            {"name": c.name, "ready": True, "restartCount": 0, "image": c.image,
-             "imageID": f"local://{c.image}", "state": {"running": {"startedAt": _now()}}}
-            for c in local.containers
-        ]  # fmt: skip
+
+        def running(c: LocalContainer) -> Obj:
+            return {
+                "name": c.name, "ready": True, "restartCount": 0, "image": c.image,
+                "imageID": f"local://{c.image}", "state": {"running": {"startedAt": _now()}},
+            }  # fmt: skip
+
         self._patch(
             local,
             {
@@ -217,53 +175,24 @@ class LocalKubelet:
                     {"type": "Ready", "status": "True", "lastTransitionTime": _now()},
                     {"type": "ContainersReady", "status": "True", "lastTransitionTime": _now()},
                 ],
-                "containerStatuses": [s for s in statuses if not self._is_sidecar(local, s)],
-                "initContainerStatuses": [s for s in statuses if self._is_sidecar(local, s)],
+                "containerStatuses": [running(c) for c in local.pod.main],
+                "initContainerStatuses": [running(c) for c in local.pod.sidecars],
             },
         )
 
-    @staticmethod
-    def _is_sidecar(local: _LocalPod, status: Obj) -> bool:
-        return any(c.sidecar and c.name == status["name"] for c in local.containers)
-
-    def _run(
-        self, c: Obj, volumes: dict[str, Path], fields: dict[str, str], pod_dir: Path,
-        *, sidecar: bool,
-    ) -> _Container:  # fmt: skip
-        mounts = mount_map(c, volumes)
-        env = container_env(c, mounts, fields, self.warnings.append)
-        termination_log = pod_dir / f"{c['name']}.termination-log"
-        env[contract.ENV_TERMINATION_LOG] = str(termination_log)
-        if contract.ENV_HTTP_PORT in env or c.get("command") == ["kelastic-sidecar"]:
-            env[contract.ENV_HTTP_PORT] = str(free_port())
-            env[contract.ENV_HTTP_HOST] = "127.0.0.1"
-        argv = local_argv([str(x) for x in (c.get("command") or []) + (c.get("args") or [])])
-        cwd = self.images.get(str(c.get("image")), self.workdir)
-        log = pod_dir / f"{c['name']}.log"
-        with open(log, "ab") as out:
-            proc = start_process(argv, base_env(env), cwd, out, subprocess.STDOUT)
-        return _Container(c["name"], proc, log, termination_log, sidecar, str(c.get("image", "")))
-
-    def _check(self, local: _LocalPod) -> None:
-        if any(c.proc.poll() is None for c in local.main):
+    def _check(self, local: _Tracked) -> None:
+        if not local.pod.main_done():
             return
-        self._terminate([c for c in local.containers if c.sidecar])
+        local.pod.stop_sidecars(self.stop_grace)
         local.done = True
         statuses = []
-        for c in local.main:
-            code = c.proc.returncode
-            exit_code = code if code >= 0 else 128 - code
-            message = ""
-            with contextlib.suppress(OSError):
-                message = c.termination_log.read_text(errors="replace")
-            if not message and exit_code != 0:  # FallbackToLogsOnError
-                with contextlib.suppress(OSError):
-                    message = "\n".join(c.log.read_text(errors="replace").splitlines()[-80:])
+        for c in local.pod.main:
+            code = c.exit_code or 0
             statuses.append(
                 {"name": c.name, "ready": False, "restartCount": 0, "image": c.image,
                  "imageID": f"local://{c.image}", "state": {"terminated": {
-                     "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                     "message": message[-4096:], "finishedAt": _now()}}}
+                     "exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                     "message": c.termination_message(), "finishedAt": _now()}}}
             )  # fmt: skip
         ok = all(s["state"]["terminated"]["exitCode"] == 0 for s in statuses)
         self._patch(
@@ -277,36 +206,18 @@ class LocalKubelet:
             },
         )
 
-    def _terminate(self, containers: list[_Container]) -> None:
-        live = [c for c in containers if c.proc.poll() is None]
-        for c in live:
-            with contextlib.suppress(ProcessLookupError):
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace
-        for c in live:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
-
-    def _kill(self, local: _LocalPod) -> None:
+    def _kill(self, local: _Tracked) -> None:
         """Stop a Pod's processes: main containers first, then sidecars (Kubernetes' order)."""
-        self._terminate(local.main)
-        self._terminate([c for c in local.containers if c.sidecar])
-        for c in local.containers:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(c.proc.pid, signal.SIGKILL)
+        local.pod.stop(self.stop_grace)
         local.done = True
-        self.pods.pop((local.namespace, local.name), None)
+        self.pods.pop((local.namespace, local.pod.name), None)
 
-    def _patch(self, local: _LocalPod, status: Obj) -> None:
+    def _patch(self, local: _Tracked, status: Obj) -> None:
         code, body = self.api.request(
             "PATCH",
-            f"/api/v1/namespaces/{local.namespace}/pods/{local.name}/status",
+            f"/api/v1/namespaces/{local.namespace}/pods/{local.pod.name}/status",
             {"status": status},
             "application/merge-patch+json",
         )
         if code >= 300 and code != 404:
-            self.warnings.append(f"status of {local.namespace}/{local.name}: {code} {body}")
+            self.warnings.append(f"status of {local.namespace}/{local.pod.name}: {code} {body}")

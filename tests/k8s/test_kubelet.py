@@ -67,7 +67,7 @@ def test_pods_run_and_report_exit_codes_and_termination_messages(
         assert ok["podIP"] == "127.0.0.1"
         assert ok["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
         # The native sidecar was stopped once the main container finished.
-        side = kubelet.pods[("default", "ok")].containers[0]
+        side = kubelet.pods[("default", "ok")].pod.containers[0]
         assert side.sidecar and side.proc.poll() is not None
         assert kubelet.warnings == []
 
@@ -76,7 +76,7 @@ def test_deleting_a_pod_kills_its_processes(k8s_api: K8sApi, tmp_path: Path) -> 
     with LocalKubelet(k8s_api, tmp_path / "kubelet", stop_grace=2) as kubelet:
         k8s_api.create(_pod("long", SIDECAR_LOOP, sidecar=True))
         wait_until(lambda: _status(k8s_api, "long").get("phase") == "Running", 30, what="run")
-        pids = [c.proc.pid for c in kubelet.pods[("default", "long")].containers]
+        pids = [c.proc.pid for c in kubelet.pods[("default", "long")].pod.containers]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
         code, _ = k8s_api.request("DELETE", "/api/v1/namespaces/default/pods/long")
         assert code == 200

