@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from typing import Any, cast
 
 import kopf
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -328,7 +329,9 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
             try:
                 with ctx.metrics.time_reconcile():  # duration, outcome, errors by kind
                     due = await asyncio.to_thread(reconciler.reconcile_once)
-            except (ApiException, OSError) as exc:
+            except (ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
+                # urllib3's errors (e.g. MaxRetryError: the API server is unreachable) are
+                # not OSErrors: an outage, not a bug.
                 log.warning("%s/%s: reconcile failed: %s", namespace, name, exc)
                 due = 1.0
             except Exception:  # a bug must not stop the job's reconciling for good

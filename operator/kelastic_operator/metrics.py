@@ -12,6 +12,9 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+#: ``kind`` values of ``kelastic_operator_reconcile_errors_total``.
+ERROR_KINDS = ("api", "crash")
+
 
 class OperatorMetrics:
     """Counters and gauges of one operator instance.
@@ -39,6 +42,12 @@ class OperatorMetrics:
             ["kind"],
             registry=self.registry,
         )
+        # Every label value exists from the start (at 0): a series born at 1 hides its first
+        # increase from rate()/increase(), so one failed pass would never show on a graph.
+        for outcome in ("ok", "error"):
+            self.reconciles.labels(outcome)
+        for kind in ERROR_KINDS:
+            self.reconcile_errors.labels(kind)
         self.reconcile_duration = Histogram(
             "kelastic_operator_reconcile_duration_seconds",
             "Seconds per reconcile pass of one ElasticJob",
@@ -113,7 +122,12 @@ class OperatorMetrics:
 def _error_kind(exc: Exception) -> str:
     """``api`` for a Kubernetes API or OS/network error, ``crash`` for anything else (a bug).
 
-    By class name, so that this module need not import ``kubernetes`` (which reads
-    KUBECONFIG when first imported)."""
-    api = isinstance(exc, OSError) or any(c.__name__ == "ApiException" for c in type(exc).__mro__)
+    The API server being unreachable is an ``api`` error too: the ``kubernetes`` client lets
+    urllib3's own errors through (``MaxRetryError`` after a refused connection), and those
+    are not ``OSError``. By class name and module, so that this module need not import
+    ``kubernetes`` (which reads KUBECONFIG when first imported)."""
+    api = isinstance(exc, OSError) or any(
+        c.__name__ == "ApiException" or c.__module__ == "urllib3.exceptions"
+        for c in type(exc).__mro__
+    )
     return "api" if api else "crash"

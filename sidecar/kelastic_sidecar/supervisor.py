@@ -142,6 +142,7 @@ class Supervisor:
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
         self._watch_stop = threading.Event()
+        self._rdzv_queued = threading.Event()  # an ("rdzv", None) event waits in the queue
         self._last_failure: Failure | None = None
         self._spent = 0
         self._acquired_at_start = 0  # timer acquires before the current attempt
@@ -286,7 +287,7 @@ class Supervisor:
     def _wait_control(self, msg_type: str) -> Message:
         """Block until the launcher sends ``msg_type``; other events are dropped."""
         while True:
-            kind, payload = self._events.get()
+            kind, payload = self._next_event()
             if kind == "control" and payload.get("type") == msg_type:
                 return dict(payload)
 
@@ -379,10 +380,10 @@ class Supervisor:
         watcher = threading.Thread(target=self._watch_rendezvous, name="rdzv-watch", daemon=True)
         watcher.start()
         # A change may have happened between the round completing and the watch starting.
-        self._events.put(("rdzv", None))
+        self._queue_check()
         try:
             while True:
-                kind, payload = self._events.get()
+                kind, payload = self._next_event()
                 if kind == "reaped":
                     self._on_reaped(payload)
                 elif kind == "rdzv":
@@ -408,7 +409,24 @@ class Supervisor:
                 self._watch_stop.wait(0.5)
                 changed = True
             if (changed or handler.lease_lost) and not self._watch_stop.is_set():
-                self._events.put(("rdzv", None))
+                self._queue_check()
+
+    def _queue_check(self) -> None:
+        """Queue a rendezvous check unless one already waits: a check reads the current
+        state, so a second one adds nothing, and while etcd is down (each check then takes
+        the store's whole timeout, and the watch fails faster) the repeats would bury the
+        workers' exits behind them."""
+        if not self._rdzv_queued.is_set():
+            self._rdzv_queued.set()
+            self._events.put(("rdzv", None))
+
+    def _next_event(self, timeout: float | None = None) -> tuple[str, Any]:
+        """The next event (``queue.Empty`` after ``timeout`` s); a rendezvous check taken
+        off the queue lets the next change queue another."""
+        kind, payload = self._events.get(timeout=timeout)
+        if kind == "rdzv":
+            self._rdzv_queued.clear()
+        return kind, payload
 
     def _check_round(
         self, handler: EtcdRendezvousHandler, info: RendezvousInfo
@@ -565,7 +583,7 @@ class Supervisor:
         deadline = time.monotonic() + self.cfg.stop_grace + 10.0
         while (left := deadline - time.monotonic()) > 0:
             try:
-                kind, payload = self._events.get(timeout=left)
+                kind, payload = self._next_event(timeout=left)
             except queue.Empty:
                 break
             if kind == "control" and payload.get("type") == MSG_DISCONNECTED:

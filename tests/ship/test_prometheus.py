@@ -11,7 +11,31 @@ dashboard query and every alert expression is checked against what it scraped.
 - Prometheus (Debian's package) on loopback with a 1 s scrape interval, the alert rules
   loaded, and the scrape jobs named and labelled as the chart's ServiceMonitor/PodMonitor do.
 
-Every /metrics also passes ``promtool check metrics``.
+Every /metrics also passes ``promtool check metrics``. In that run the restart budget is
+spent (2/2) and a hung worker is reaped, so ``KelasticRestartBudgetNearlySpent`` and
+``KelasticHangReaped`` return data and fire; the four other alerts must stay quiet there.
+
+A second test (``test_prometheus_fires_every_alert_on_real_failures``) drives each of those
+four failures for real, with real processes, and checks that the chart's alert expression
+returns data and that Prometheus fires the alert:
+
+- ``KelasticRendezvousStuck``: a job with ``minReplicas: 2`` started with one node; it waits
+  in rendezvous (``kelastic_rendezvous_in_progress`` 1);
+- ``KelasticEtcdUnreachable``: another job's sidecar reaches etcd through a TCP proxy
+  (:mod:`tests.ship.tcpproxy`) that is cut while its worker trains; its watch of the
+  rendezvous fails and ``kelastic_etcd_errors_total`` rises;
+- ``KelasticJobFailing``: the waiting job gets its second node; rank 0 raises on every
+  attempt, the budget (``maxRestarts: 1``) is spent, the sidecars report the job failed in
+  etcd and the operator (reading the same etcd keys: the local run is given the
+  ElasticJob's uid) sets phase Failed;
+- ``kelastic_operator_reconcile_errors_total`` (a dashboard query; its series exist at 0
+  from the start): the operator reaches the API emulator through a TCP proxy that is then
+  cut, so its reconcile passes fail, counted as kind ``api``, none as ``crash``;
+- ``KelasticOperatorDown``: the operator process is stopped; ``up`` goes 0.
+
+The alerts are loaded from the chart's rule file with one substitution, so that they fire
+within seconds: every ``for: <N>m`` becomes ``for: <N>s`` (minutes read as seconds);
+expressions, labels and annotations are the chart's, byte for byte.
 """
 
 from __future__ import annotations
@@ -30,18 +54,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
 from kelastic_operator import crd
 from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
 from kelastic_operator.local.faults import Fault
-from kelastic_operator.local.runner import LocalOptions, LocalRunner
+from kelastic_operator.local.runner import ENV_LOCAL_RUN, LocalOptions, LocalRunner
 from kelastic_operator.model import ElasticJob, load_manifest
 from tests.conftest import wait_for
 from tests.k8s.harness import K8sApi
 from tests.localrun import write_job
 
+from .tcpproxy import TcpProxy
 from .tools import CHART, ROOT, ToolMissing, helm_binary, render, system_tool
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,13 +76,10 @@ NAMESPACE = "default"
 DIGITS = ROOT / "examples/digits/elasticjob.yaml"
 RATE_INTERVAL = "20s"  # what Grafana's $__rate_interval is at a 1 s scrape interval and more
 
-# Metrics that have no series until something fails (labelled counters start empty), each
-# with what it takes. Everything else the dashboard and the alerts name must have data.
-NEEDS_A_FAILURE = {
-    "kelastic_operator_reconcile_errors_total": "a failed reconcile pass (API error or bug)",
-}
-# Alert expressions that return nothing while the system is healthy (they are still
-# evaluated here, and their series checked): why each one stays empty in these runs.
+RULES = CHART / "rules" / "kelastic.rules.yaml"
+
+# Alert expressions that return nothing while the system is healthy (the healthy run checks
+# that they stay empty, and their series exist); the failure test drives each of them.
 QUIET_ALERTS = {
     "KelasticJobFailing": "needs an ElasticJob in phase Failed",
     "KelasticRendezvousStuck": "needs a node waiting in rendezvous (these runs are past it)",
@@ -149,11 +172,11 @@ def _tools() -> None:
 
 
 def _start_operator(
-    api: K8sApi, etcd: EmbeddedEtcd, workdir: Path, manifest: Path
+    api: K8sApi, etcd: EmbeddedEtcd, workdir: Path, manifest: Path, api_url: str | None = None
 ) -> tuple[subprocess.Popen[bytes], int, Path]:
     """The operator, started with the chart's rendered command and arguments (etcd, metrics
     port and peering swapped for local ones), reconciling ``manifest`` (no kubelet: its Pods
-    stay Pending)."""
+    stay Pending). ``api_url``: where it reaches the API (default: the emulator itself)."""
     api.kubectl("apply", "-f", str(ROOT / crd.CRD_FILE))
     (dep,) = [o for o in render() if o["kind"] == "Deployment"]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -166,9 +189,15 @@ def _start_operator(
         "--standalone",
         "--resync-seconds=1",
     ]
+    env = {**api.env(), "POD_ID": "kelastic-operator-test"}
+    if api_url is not None:
+        config = api.kubeconfig_dict()
+        config["clusters"][0]["cluster"]["server"] = api_url
+        kubeconfig = workdir / "operator-kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(config))
+        env["KUBECONFIG"] = str(kubeconfig)
     env = {
-        **api.env(),
-        "POD_ID": "kelastic-operator-test",
+        **env,
         "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("operator", "worker_lib", "sidecar")),
     }
     log_path = workdir / "operator.log"
@@ -221,8 +250,44 @@ def _grafana(expr: str, job: str) -> str:
 
 
 def _alerts() -> list[dict[str, Any]]:
-    rules = yaml.safe_load((CHART / "rules" / "kelastic.rules.yaml").read_text())
+    rules = yaml.safe_load(RULES.read_text())
     return [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+
+
+def _fast_rules(dest: Path) -> Path:
+    """The chart's rule file with every ``for: <N>m`` read as ``for: <N>s``; nothing else
+    changes (checked: the parsed rules are equal once ``for`` is set aside)."""
+    text = RULES.read_text()
+    fast, count = re.subn(r"^(\s+for: )(\d+)m$", r"\g<1>\2s", text, flags=re.MULTILINE)
+    chart, scaled = yaml.safe_load(text), yaml.safe_load(fast)
+    assert count == sum("for" in r for g in chart["groups"] for r in g["rules"]) > 0
+
+    def without_for(doc: dict[str, Any]) -> Any:
+        return [[{k: v for k, v in r.items() if k != "for"} for r in g["rules"]]
+                for g in doc["groups"]]  # fmt: skip
+
+    assert without_for(chart) == without_for(scaled)
+    dest.write_text(fast)
+    return dest
+
+
+def _firing(prom: Prometheus, alert: str, labels: dict[str, str]) -> bool:
+    """Whether Prometheus fires ``alert`` for a series carrying ``labels``."""
+    sel = {"alertname": alert, "alertstate": "firing", **labels}
+    return prom.has_data("ALERTS{" + ",".join(f'{k}="{v}"' for k, v in sel.items()) + "}")
+
+
+def _wait_alert(prom: Prometheus, alert: str, labels: dict[str, str], timeout: float) -> None:
+    """Wait until the chart's expression of ``alert`` returns a series carrying ``labels``,
+    then until Prometheus fires the alert (its ``for:`` read as seconds) for it."""
+    (rule,) = [r for r in _alerts() if r["alert"] == alert]
+
+    def data() -> bool:
+        result = prom.query(rule["expr"])["result"]
+        return any(labels.items() <= r["metric"].items() for r in result)
+
+    wait_for(data, timeout, 0.25, what=f"{alert}: {rule['expr']} to return {labels}")
+    wait_for(lambda: _firing(prom, alert, labels), timeout, 0.25, what=f"{alert} to fire")
 
 
 def _metric_names(expr: str) -> set[str]:
@@ -294,8 +359,7 @@ def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
             60,
             what="the sidecars",
         )
-        rules = tmp_path / "rules.yaml"
-        rules.write_text((CHART / "rules" / "kelastic.rules.yaml").read_text())
+        rules = _fast_rules(tmp_path / "rules.yaml")
         sidecars = [
             {
                 "targets": [f"127.0.0.1:{p.http_port}"],
@@ -359,17 +423,14 @@ def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
             prom.close()
         _stop(operator)
     assert "Traceback" not in operator_log.read_text(errors="replace")
+    assert not _strays([runner.run_id]), "processes left behind"
 
 
 def _check_queries(prom: Prometheus, job: str) -> None:
-    # Every dashboard query returns data (those naming only NEEDS_A_FAILURE metrics aside).
+    # Every dashboard query returns data (the reconcile errors' rate is 0 here: its series
+    # exist from the start; test_prometheus_fires_every_alert_on_real_failures sees it rise).
     empty = [(n, e) for n, e in _dashboard_queries() if not prom.has_data(_grafana(e, job))]
-    allowed = {
-        (n, e)
-        for n, e in empty
-        if _metric_names(e) & set(NEEDS_A_FAILURE) and not _metric_names(e) - set(NEEDS_A_FAILURE)
-    }
-    assert set(empty) <= allowed, f"dashboard queries without data: {sorted(set(empty) - allowed)}"
+    assert not empty, f"dashboard queries without data: {empty}"
     # The template variables resolve to this run.
     namespaces = prom.query("group by (namespace) (kelastic_world_size)")["result"]
     assert [r["metric"] for r in namespaces] == [{"namespace": NAMESPACE}]
@@ -386,15 +447,15 @@ def _check_queries(prom: Prometheus, job: str) -> None:
             assert data == [], (alert["alert"], data)
         else:
             assert data, f"{alert['alert']}: {alert['expr']} returned nothing"
+            assert _firing(prom, alert["alert"], {"elasticjob": job}), alert["alert"]
         for name in _metric_names(alert["expr"]):
-            exists = prom.has_data(f'count({{__name__="{name}"}})')
-            assert exists or name in NEEDS_A_FAILURE, name
+            assert prom.has_data(f'count({{__name__="{name}"}})'), name
         assert alert["annotations"]["runbook"]
 
-    # Every metric the dashboard names exists unless it needs a failure.
+    # Every metric the dashboard names exists.
     dash_names = set().union(*(_metric_names(e) for _, e in _dashboard_queries()))
     missing = {n for n in dash_names if not prom.has_data(f'count({{__name__="{n}"}})')}
-    assert missing <= set(NEEDS_A_FAILURE), missing
+    assert not missing, missing
 
     # The numbers make sense.
     world = prom.query(f'max(kelastic_world_size{{elasticjob="{job}"}})')["result"]
@@ -406,3 +467,183 @@ def _check_queries(prom: Prometheus, job: str) -> None:
     assert 0 < goodput < 1
     phase = prom.query(f'kelastic_operator_job_phase{{namespace="{NAMESPACE}",job="{job}"}} == 1')
     assert [r["metric"]["phase"] for r in phase["result"]] == ["Pending"]
+
+
+class _Run:
+    """A ``LocalRunner`` on a thread (run dirs under ``workdir``), its output collected."""
+
+    def __init__(self, job: ElasticJob, manifest_dir: Path, workdir: Path, **options: Any) -> None:
+        self.lines: list[str] = []
+        self.result: list[int] = []
+        self.runner = LocalRunner(
+            job,
+            manifest_dir,
+            LocalOptions(workdir=workdir, stop_grace=2, status_interval=2, **options),
+            say=lambda line: self.lines.append(f"[kelastic] {line}"),
+            echo=lambda line, _err: self.lines.append(line),
+        )
+        self.thread = threading.Thread(
+            target=lambda: self.result.append(self.runner.run()), daemon=True
+        )
+        self.thread.start()
+
+    def phase(self, index: int) -> str | None:
+        """The ``/status`` phase of replica ``index`` as the runner last polled it."""
+        pods = list(self.runner.pods)
+        return pods[index].status.get("phase") if len(pods) > index else None
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-60:])
+
+    def stop(self) -> None:
+        """Interrupt the run (if still running) and wait for it to stop everything."""
+        self.runner.interrupt()
+        self.thread.join(60)
+
+
+def test_prometheus_fires_every_alert_on_real_failures(
+    tmp_path: Path, k8s_api: K8sApi, etcd_server: EmbeddedEtcd
+) -> None:
+    """Each alert the healthy run leaves quiet, driven by a real failure (module doc)."""
+    _tools()
+    stop = tmp_path / "stop"
+    failing_manifest = write_job(
+        tmp_path / "failing.yaml", name="failing", replicas=2, min_replicas=2,
+        max_restarts=1, env={"STEPS_FAIL_RANK": "0", "STEPS_FAIL_AT": "3"},
+    )  # fmt: skip
+    cut_manifest = write_job(
+        tmp_path / "etcdcut.yaml", name="etcdcut", replicas=1, max_restarts=1,
+        env={"STEPS_STOP_FILE": str(stop)},
+    )  # fmt: skip
+    api_proxy = TcpProxy(urllib.parse.urlsplit(k8s_api.url).netloc)
+    etcd_proxy = TcpProxy(etcd_server.endpoint)
+    operator: subprocess.Popen[bytes] | None = None
+    runs: list[_Run] = []
+    prom: Prometheus | None = None
+    try:
+        operator, operator_port, operator_log = _start_operator(
+            k8s_api, etcd_server, tmp_path, failing_manifest, f"http://{api_proxy.endpoint}"
+        )
+        # The local run of "failing" plays the ElasticJob the operator reconciles: the same
+        # uid, so the same etcd keys (its sidecars' reports reach the operator).
+        failing = load_manifest(failing_manifest)
+        uid = k8s_api.kubectl("get", "elasticjob", "failing", "-o", "jsonpath={.metadata.uid}")
+        failing.metadata.uid = str(uid.stdout).strip()
+        assert failing.metadata.uid
+        # One node of the two it needs: it waits in rendezvous.
+        failing_run = _Run(
+            failing, tmp_path, tmp_path / "failing", replicas=1, etcd=[etcd_server.endpoint]
+        )
+        runs.append(failing_run)
+        cut_run = _Run(
+            load_manifest(cut_manifest), tmp_path, tmp_path / "etcdcut", etcd=[etcd_proxy.endpoint]
+        )
+        runs.append(cut_run)
+        wait_for(
+            lambda: all(r.runner.pods and r.runner.pods[0].http_port for r in runs),
+            60,
+            what="the sidecars",
+        )
+        sidecars = [
+            {
+                "targets": [f"127.0.0.1:{r.runner.pods[0].http_port}"],
+                "labels": {
+                    "namespace": NAMESPACE,
+                    "elasticjob": r.runner.job.metadata.name,
+                    "pod": r.runner.pods[0].name,
+                },
+            }
+            for r in runs
+        ]
+        operators = [
+            {"targets": [f"127.0.0.1:{operator_port}"], "labels": {"namespace": "kelastic-system"}}
+        ]
+        prom = Prometheus(
+            tmp_path / "prometheus",
+            [
+                {"job_name": "kelastic-sidecar", "static_configs": sidecars},
+                {
+                    "job_name": "kelastic-operator",
+                    "honor_labels": True,
+                    "static_configs": operators,
+                },
+            ],
+            _fast_rules(tmp_path / "rules.yaml"),
+        )
+        job_labels = {"namespace": NAMESPACE}
+
+        # etcd cut from a training sidecar: its rendezvous watch fails, the counter rises.
+        wait_for(lambda: cut_run.phase(0) == "running", 60, 0.2, what="etcdcut to train\n"
+                 + cut_run.output())  # fmt: skip
+        etcd_proxy.cut()
+        # Meanwhile "failing" has waited in rendezvous since it started.
+        _wait_alert(prom, "KelasticRendezvousStuck", {**job_labels, "elasticjob": "failing"}, 60)
+        assert failing_run.phase(0) == "rendezvous"
+        _wait_alert(
+            prom,
+            "KelasticEtcdUnreachable",
+            {**job_labels, "elasticjob": "etcdcut", "pod": "etcdcut-0"},
+            60,
+        )
+        assert cut_run.phase(0) == "running"  # the workers train on without etcd
+
+        # The second node arrives; rank 0 raises on every attempt: 1 restart, then the job
+        # fails, and the operator reads the sidecars' reports.
+        failing_run.runner.add_replica()
+        _wait_alert(prom, "KelasticJobFailing", {**job_labels, "elasticjob": "failing"}, 90)
+        failing_run.thread.join(60)
+        assert failing_run.result == [1], failing_run.output()
+        status = json.loads(k8s_api.kubectl("get", "elasticjob", "failing", "-o", "json").stdout)
+        assert status["status"]["phase"] == "Failed", status["status"]
+        assert "budget spent" in status["status"]["lastFailure"]["message"], status["status"]
+
+        # The operator loses the API server: its reconcile passes fail.
+        api_proxy.cut()
+        (errors,) = [e for n, e in _dashboard_queries() if "reconcile_errors" in e]
+
+        def api_errors() -> bool:
+            assert prom is not None
+            result = prom.query(_grafana(errors, "failing"))["result"]
+            return any(r["metric"] == {"kind": "api"} and float(r["value"][1]) > 0 for r in result)
+
+        wait_for(api_errors, 60, 0.25, what=f"{errors} to show kind api above 0")
+        # ... and none of them counts as a crash (a bug): an unreachable API is an API error.
+        crashes = 'kelastic_operator_reconcile_errors_total{job="kelastic-operator",kind="crash"}'
+        assert prom.has_data(f"{crashes} == 0"), operator_log.read_text(errors="replace")[-4000:]
+
+        # The operator stops: nothing up in its scrape job.
+        _stop(operator)
+        operator = None
+        _wait_alert(prom, "KelasticOperatorDown", {}, 60)
+
+        # Every alert the healthy run leaves quiet was driven above.
+        assert set(QUIET_ALERTS) == {
+            "KelasticRendezvousStuck", "KelasticEtcdUnreachable", "KelasticJobFailing",
+            "KelasticOperatorDown",
+        }  # fmt: skip
+        # Without etcd, the node still notices its workers finishing (leaving the rendezvous
+        # and reporting then wait on etcd until their timeouts: the run is stopped instead).
+        stop.touch()
+        wait_for(lambda: cut_run.phase(0) == "succeeded", 30, 0.2, what="etcdcut to finish")
+    finally:
+        for run in runs:
+            run.stop()
+        if prom is not None:
+            prom.close()
+        if operator is not None:
+            _stop(operator)
+        api_proxy.close()
+        etcd_proxy.close()
+    assert not _strays([r.runner.run_id for r in runs]), "processes left behind"
+
+
+def _strays(run_ids: list[str]) -> list[str]:
+    """Processes a local run started (marked with its run id) that still exist."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get(ENV_LOCAL_RUN) in run_ids:
+                found.append(f"{proc.pid}: {' '.join(proc.info['cmdline'] or [])}")
+        except psutil.Error:
+            continue
+    return found
