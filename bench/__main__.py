@@ -28,9 +28,11 @@ CASES: dict[str, tuple[str, str, float, float]] = {
     "rdzv_scale": ("bench.rdzv_cases", "scale", 400, 120),
     "sidecar_footprint": ("bench.footprint", "footprint", 150, 40),
     "recovery_mttr": ("bench.mttr", "mttr", 420, 240),
+    "hang_recovery": ("bench.hang", "hang", 300, 150),
+    "goodput": ("bench.goodput", "goodput", 420, 200),
 }
 #: left out of ``all --quick`` (each starts real DDP jobs); run them by name
-NOT_QUICK = {"rdzv_scale", "recovery_mttr"}
+NOT_QUICK = {"rdzv_scale", "recovery_mttr", "hang_recovery", "goodput"}
 
 
 def _run_child(name: str, quick: bool, out: str, window: float | None) -> int:

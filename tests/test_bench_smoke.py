@@ -65,3 +65,21 @@ def test_bench_all_quick(tmp_path: Path) -> None:
     assert all(r["samples"] for r in footprint)
     assert "| case | target | this run | met |" in table
     assert took < 120, f"the quick suite took {took:.0f} s"
+
+
+def test_slow_cases_selectable_by_name() -> None:
+    """The DDP-job cases (a minute or more each, far from the 20 s a smoke case may take
+    on a loaded 2-core machine) run in ``all`` and by name, not in ``--quick``."""
+    from bench.__main__ import CASES, NOT_QUICK
+
+    for name in ("recovery_mttr", "hang_recovery", "goodput"):
+        assert name in CASES and name in NOT_QUICK
+
+
+def test_goodput_productive_time() -> None:
+    from bench.goodput import productive_time
+
+    steps = [{"t0": 0.0, "t1": 1.0}, {"t0": 1.5, "t1": 3.0}, {"t0": 5.0, "t1": 6.0}]
+    assert productive_time(steps, 0.5, 2.0) == 1.0  # 0.5 of the first, 0.5 of the second
+    assert productive_time(steps, 0.0, 10.0) == 3.5
+    assert productive_time([], 0.0, 10.0) == 0.0
