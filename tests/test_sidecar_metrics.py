@@ -15,8 +15,14 @@ from tests.conftest import wait_for
 
 
 def _samples(metrics: SidecarMetrics) -> dict[str, float]:
+    """``name`` (or ``name{label=value}`` for labelled series) -> value."""
     text = generate_latest(metrics.registry).decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
 
 
 def test_timer_counters_are_exported_from_the_live_server(tmp_path: Path) -> None:
@@ -35,7 +41,12 @@ def test_timer_counters_are_exported_from_the_live_server(tmp_path: Path) -> Non
         assert samples["kelastic_timer_requests_total"] == 1
         assert samples["kelastic_timer_bad_requests_total"] == 1
         assert samples["kelastic_workers_reaped_total"] == 0
+        before = _samples(metrics)
+        assert before["kelastic_restarts_total{cause=hang}"] == 0  # exists before the first
+        assert before["kelastic_downtime_seconds_total{cause=node_lost}"] == 0
         metrics.restarts.labels(cause="hang").inc()
-        assert _samples(metrics)["kelastic_restarts_total"] == 1
+        after = _samples(metrics)
+        assert after["kelastic_restarts_total{cause=hang}"] == 1
+        assert after["kelastic_restarts_total{cause=worker_failure}"] == 0
     finally:
         server.stop()

@@ -14,7 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_PEER, CAUSE_SCALE, CAUSE_WORKER_FAILURE
 from .timer_server import TimerStats
+
+#: The ``cause`` label values of the restart and downtime counters.
+CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_PEER)
 
 
 class TimerCollector(Collector):
@@ -179,3 +183,8 @@ class SidecarMetrics:
             registry=r,
         )
         self.etcd_errors = Counter("kelastic_etcd_errors_total", "Failed calls to etcd", registry=r)
+        # Every cause exists from the start (at 0): a series born at 1 hides its first
+        # increase from rate()/increase(), so a job's first restart would not show.
+        for cause in CAUSES:
+            self.restarts.labels(cause=cause)
+            self.downtime.labels(cause=cause)
