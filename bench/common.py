@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -238,3 +239,17 @@ class LineReader:
             self._queue.put(None)
             raise RuntimeError(f"pid {self.proc.pid} exited (code {self.proc.poll()})")
         return line
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The JSON-lines events a benchmark trainer appended to ``path`` (none if missing).
+
+    A line that does not parse (the writer was killed mid-line) is skipped.
+    """
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out

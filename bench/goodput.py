@@ -21,8 +21,8 @@ from pathlib import Path
 
 import psutil
 
-from .common import CaseResult, Check, Row, child_env, log, median
-from .hang import TRAIN, dump_logs, kill_workers, read_events, start_kelastic, stop_session
+from .common import CaseResult, Check, Row, child_env, log, median, read_events
+from .hang import TRAIN, dump_logs, kill_workers, start_kelastic, stop_session
 from .hang import wait_generation as _wait
 
 

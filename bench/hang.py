@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, CaseResult, Check, Row, child_env, log, median
+from .common import REPO, CaseResult, Check, Row, child_env, log, median, read_events
 
 TRAIN = REPO / "bench" / "_step_train.py"
 #: the trainer's ``expires(after=...)``: a hung worker is reaped this long after its step began
@@ -52,18 +52,6 @@ spec:
           image: bench
           command: ["python", "{train}"]
 """
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    import json
-
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 def fresh_generation(path: Path, known: set[int], world: int) -> list[dict[str, Any]] | None:

@@ -11,7 +11,6 @@ row (each kill costs one restart of the budget).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, CaseResult, Check, Row, child_env, log, median
+from .common import REPO, CaseResult, Check, Row, child_env, log, median, read_events
 
 TRAIN = REPO / "bench" / "_mttr_train.py"
 
@@ -49,17 +48,11 @@ spec:
 """
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _wait_generation(path: Path, known_pids: set[int], timeout: float) -> list[dict[str, Any]]:
     """Wait until all 4 ranks reported a first step from a pid not in ``known_pids``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        fresh = {e["rank"]: e for e in _events(path) if e["pid"] not in known_pids}
+        fresh = {e["rank"]: e for e in read_events(path) if e["pid"] not in known_pids}
         if len(fresh) == 4:
             return list(fresh.values())
         time.sleep(0.02)
