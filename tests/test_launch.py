@@ -260,10 +260,21 @@ def wait_ready(run_dir: Path, attempt: int, local_ranks: list[int]) -> None:
         wait_for(partial(contains, path, "ready"), timeout=30, what=f"local_rank {lr} ready")
 
 
-class Env:
-    """Per-test world: short run dir (socket paths are limited to 108 bytes), marker."""
+#: Launcher options of the "warm" worlds: a zygote that preloads two cheap stdlib modules
+#: (the torch preload is exercised in tests/test_warm_start.py).
+WARM_ARGS = ("--warm-start", "--preload", "json,decimal")
 
-    def __init__(self, base: Path, tmp_path: Path) -> None:
+
+class Env:
+    """Per-test world: short run dir (socket paths are limited to 108 bytes), marker.
+
+    A ``warm`` world starts every launcher with :data:`WARM_ARGS`: each test using
+    the ``world`` fixture runs both ways, so warm workers must behave exactly like cold
+    ones (env, logs, exits, error files, stops, signals, no strays).
+    """
+
+    def __init__(self, base: Path, tmp_path: Path, warm: bool = False) -> None:
+        self.warm = warm
         self.run_dir = base / "run"
         self.run_dir.mkdir()
         self.out_dir = tmp_path
@@ -289,7 +300,8 @@ class Env:
         return self.supervisor
 
     def launch(self, *args: str, nproc: int = 2, cmd: list[str] | None = None) -> Launcher:
-        argv = ["--nproc-per-node", str(nproc), "--stop-grace", "1", *args, "--"]
+        warm = WARM_ARGS if self.warm else ()
+        argv = ["--nproc-per-node", str(nproc), "--stop-grace", "1", *warm, *args, "--"]
         argv += cmd or [sys.executable, str(self.worker)]
         launcher = Launcher(self.env, self.run_dir, self.out_dir, *argv)
         self.launchers.append(launcher)
@@ -316,10 +328,10 @@ class Env:
             self.supervisor.close()
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[Env]:
+@pytest.fixture(params=["cold", "warm"])
+def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
     base = Path(tempfile.mkdtemp(prefix="kl-", dir="/tmp"))
-    env = Env(base, tmp_path)
+    env = Env(base, tmp_path, warm=request.param == "warm")
     try:
         yield env
     finally:
@@ -327,10 +339,10 @@ def world(tmp_path: Path) -> Iterator[Env]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def expect_exits(sup: Supervisor, n: int) -> dict[int, dict[str, Any]]:
+def expect_exits(sup: Supervisor, n: int, timeout: float = 30.0) -> dict[int, dict[str, Any]]:
     exits = {}
     for _ in range(n):
-        msg = sup.expect("exited")
+        msg = sup.expect("exited", timeout)
         exits[msg["local_rank"]] = msg
     return exits
 
@@ -413,6 +425,8 @@ def test_happy_path_two_workers(world: Env) -> None:
     assert launcher.wait() == 0
     assert launcher.termination_log.read_text() == "job succeeded"
     stdout, stderr = launcher.stdout(), launcher.stderr()
+    assert stderr.count(") pid ") == 2
+    assert stderr.count(" (warm)") == (2 if world.warm else 0)
     for rank in (2, 3):
         assert f"[{rank}]: out line from rank {rank}\n" in stdout
         assert f"[{rank}]: err line from rank {rank}\n" in stderr
@@ -509,6 +523,8 @@ def test_stop_escalates_to_sigkill_then_second_attempt(world: Env) -> None:
     sup.send({"type": "shutdown", "exitcode": 0, "summary": "done"})
     assert launcher.wait() == 0
     assert marker_procs(world.marker) == []
+    # The zygote outlives the stop of attempt 1 and forks attempt 2's workers too.
+    assert launcher.stderr().count(" (warm)") == (4 if world.warm else 0)
 
 
 def test_shutdown_while_running_stops_workers_and_truncates_summary(world: Env) -> None:

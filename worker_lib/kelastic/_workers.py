@@ -20,9 +20,10 @@ torch's behaviour:
 All children are reaped in one place, :func:`reap_children` (``waitpid(-1)``), called
 from the launcher's main loop; ``Popen.wait``/``poll`` are never used.
 
-A later "warm start" (workers forked from a pre-imported process) only needs another
-way to produce a :class:`Worker`'s pid and pipe fds in :meth:`Worker.start`; tee, reaping
-and termination are independent of how the process was created. Stdlib only, Linux.
+Warm start (:mod:`kelastic._warm`: workers forked by a zygote that imported torch) is
+another way to produce a :class:`Worker`'s pid in :meth:`Worker.start` (a
+:data:`Spawner`); tee, reaping and termination do not depend on how the process was
+created. Stdlib only, Linux.
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ from kelastic import contract
 
 __all__ = [
     "TAIL_LINES",
+    "Spawner",
     "Worker",
     "WorkerGroup",
     "WorkerSpec",
     "become_subreaper",
+    "child_preexec",
     "list_children",
     "reap_children",
 ]
@@ -68,6 +71,12 @@ TEE_LINE_MAX_BYTES = 64 * 1024
 KILL_TIMEOUT = 10.0
 
 _PR_SET_PDEATHSIG = 1
+
+#: Starts a worker another way than ``subprocess`` (warm start): called with the spec and
+#: the write ends of the stdout and stderr pipes (the caller closes its copies), it
+#: returns the pid of a child of this process that is its own process group leader, or
+#: ``None`` to have the worker started with ``subprocess`` instead.
+Spawner = Callable[["WorkerSpec", int, int], "int | None"]
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -103,8 +112,13 @@ def become_subreaper() -> bool:
     return True
 
 
-def _child_preexec(parent_pid: int) -> None:
-    """Runs in the forked child before exec: die with the launcher (PR_SET_PDEATHSIG)."""
+def child_preexec(parent_pid: int) -> None:
+    """Runs in a forked child before exec: die with the launcher (``PR_SET_PDEATHSIG``).
+
+    Args:
+        parent_pid: the launcher's pid; the child SIGKILLs itself if its parent is
+            already another process (the launcher died before ``prctl``).
+    """
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         # The launcher may have died between fork and prctl: then nobody will signal us.
@@ -290,6 +304,8 @@ class Worker:
         self.pid: int | None = None
         self.returncode: int | None = None
         self.spawn_error: str | None = None
+        #: Whether a spawner (warm start) made the process, not ``subprocess``.
+        self.warm = False
         #: Set once the launcher sent the ``exited`` message.
         self.reported = False
         #: The last :data:`TAIL_LINES` lines of stderr.
@@ -298,12 +314,17 @@ class Worker:
         self._tees: list[_Tee] = []
         self._group_gone = False
 
-    def start(self, cmd: list[str]) -> None:
+    def start(self, cmd: list[str], spawner: Spawner | None = None) -> None:
         """Spawn ``cmd`` for this worker; on failure set ``spawn_error`` (never raises).
 
         The child runs in a new session (its pid is its process group id) with
         ``PR_SET_PDEATHSIG=SIGKILL``, stdin from ``/dev/null`` and stdout/stderr on
         pipes read by two tee threads.
+
+        Args:
+            cmd: the command line (for ``subprocess``).
+            spawner: tried first when given (warm start); ``subprocess`` starts ``cmd``
+                if it returns ``None``.
         """
         spec = self.spec
         fds: list[int] = []
@@ -321,15 +342,18 @@ class Worker:
                 _Tee(out_r, spec.log_dir / contract.STDOUT_LOG_NAME, STDOUT_SINK, None, spec),
                 _Tee(err_r, spec.log_dir / contract.STDERR_LOG_NAME, STDERR_SINK, self.tail, spec),
             ]
-            self._popen = subprocess.Popen(
-                cmd,
-                env=spec.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out_w,
-                stderr=err_w,
-                start_new_session=True,
-                preexec_fn=functools.partial(_child_preexec, os.getpid()),
-            )
+            pid = spawner(spec, out_w, err_w) if spawner is not None else None
+            if pid is None:
+                self._popen = subprocess.Popen(
+                    cmd,
+                    env=spec.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_w,
+                    stderr=err_w,
+                    start_new_session=True,
+                    preexec_fn=functools.partial(child_preexec, os.getpid()),
+                )
+                pid = self._popen.pid
         except OSError as e:
             for tee in tees:
                 tee.discard()
@@ -347,7 +371,8 @@ class Worker:
             return
         os.close(out_w)
         os.close(err_w)
-        self.pid = self._popen.pid
+        self.pid = pid
+        self.warm = self._popen is None
         self._tees = tees
         for tee in tees:
             tee.start()
@@ -408,27 +433,38 @@ class WorkerGroup:
     Args:
         attempt: the supervisor's attempt number.
         specs: one spec per local rank.
+        keep: pids of the launcher's own helpers (the warm-start zygote), which are
+            never taken for stray descendants of the workers.
     """
 
-    def __init__(self, attempt: int, specs: Iterable[WorkerSpec]) -> None:
+    def __init__(
+        self, attempt: int, specs: Iterable[WorkerSpec], keep: frozenset[int] = frozenset()
+    ) -> None:
         self.attempt = attempt
+        self._keep = keep
         self.workers: dict[int, Worker] = {s.local_rank: Worker(s) for s in specs}
         #: Set once a stop began: exits are then expected and not reported.
         self.stopping = False
         #: Set once :meth:`terminate` finished.
         self.stopped = False
 
-    def start(self, cmd: list[str]) -> None:
-        """Spawn every worker (from the calling thread, which must outlive them)."""
+    def start(self, cmd: list[str], spawner: Spawner | None = None) -> None:
+        """Spawn every worker (from the calling thread, which must outlive them).
+
+        Args:
+            cmd: the command line.
+            spawner: see :meth:`Worker.start`.
+        """
         for worker in self.workers.values():
-            worker.start(cmd)
+            worker.start(cmd, spawner)
             if worker.pid is not None:
                 logger.info(
-                    "attempt %d: started local_rank %d (rank %s) pid %d",
+                    "attempt %d: started local_rank %d (rank %s) pid %d%s",
                     self.attempt,
                     worker.spec.local_rank,
                     worker.spec.label,
                     worker.pid,
+                    " (warm)" if worker.warm else "",
                 )
 
     @property
@@ -461,6 +497,8 @@ class WorkerGroup:
         own = {w.pid for w in self.workers.values() if w.pid is not None}
         strays: list[int] = []
         for pid in list_children(os.getpid()):
+            if pid in self._keep:
+                continue
             try:
                 if os.getpgid(pid) in own:
                     continue

@@ -106,6 +106,11 @@ WORKER_ENV_NAMES: Final = (
 
 DEFAULT_ROLE: Final = "default"
 
+# --------------------------------------------------------------------- launcher env
+# Defaults of ``python -m kelastic.launch`` options (the flags win).
+ENV_WARM_START: Final = "KELASTIC_WARM_START"  # "1"/"true": fork workers from a zygote
+ENV_PRELOAD: Final = "KELASTIC_PRELOAD"  # comma-separated modules the zygote imports
+
 # ---------------------------------------------------------------------- sidecar env
 # Set by the operator on the sidecar container (downward API where possible), and by
 # local mode on the sidecar process.

@@ -12,6 +12,11 @@ the sidecar's supervisor asks:
   reply ``stopped``;
 - ``shutdown``: stop, write the summary to the termination log, exit with the code given.
 
+With ``--warm-start`` the workers are forked by a zygote process that imported torch
+(and DDP's lazy imports) while the node joined the rendezvous, instead of starting a
+new interpreter each attempt; see :mod:`kelastic._warm`. Anything that keeps a command
+from starting warm is logged and the workers start cold.
+
 If the sidecar goes away or sends a malformed message, or the launcher gets
 SIGTERM/SIGINT/SIGHUP/SIGQUIT, it stops the workers, writes a summary to the termination
 log and exits (1, or 128+signum). Worker semantics follow torch elastic's
@@ -48,6 +53,7 @@ from kelastic._control import (
     encode_message,
     parse_message,
 )
+from kelastic._warm import DEFAULT_PRELOAD, Zygote, ZygoteError, parse_python_command
 from kelastic._workers import (
     Worker,
     WorkerGroup,
@@ -175,6 +181,10 @@ class LaunchConfig:
         run_dir: the shared run directory (control socket, logs, timer FIFO).
         stop_grace: seconds between SIGTERM and SIGKILL when stopping workers.
         connect_timeout: seconds to keep retrying the connection to the sidecar.
+        warm_start: fork the workers from a zygote that preloaded ``preload``.
+        preload: modules the zygote imports (warm start).
+        warm_start_timeout: seconds an assignment waits for the zygote's preload before
+            its workers start cold.
     """
 
     cmd: list[str]
@@ -182,6 +192,9 @@ class LaunchConfig:
     run_dir: Path
     stop_grace: float
     connect_timeout: float
+    warm_start: bool = False
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    warm_start_timeout: float = 600.0
 
 
 def _signal_name(num: int) -> str:
@@ -226,6 +239,7 @@ class Launcher:
         #: One-paragraph description of the first failure of the latest failed attempt.
         self._root_cause: str | None = None
         self._root_cause_attempt: int | None = None
+        self._zygote: Zygote | None = None
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -234,7 +248,9 @@ class Launcher:
         Never raises (an internal error stops the workers and returns 1).
         """
         with self._signals:
-            become_subreaper()
+            subreaper = become_subreaper()
+            if self.config.warm_start:
+                self._start_zygote(subreaper)
             try:
                 try:
                     self._connect()
@@ -263,10 +279,73 @@ class Launcher:
         if group is not None and not group.stopped:
             self._reap()
             group.terminate(self.config.stop_grace, self._wait_during_stop)
+        if self._zygote is not None:
+            self._zygote.close(reap=True)
         self._reap()
         write_termination_log(exit_.summary)
         logger.info("exiting with code %d", exit_.code)
         return exit_.code
+
+    # ------------------------------------------------------------------ warm start
+    def _start_zygote(self, subreaper: bool) -> None:
+        if not subreaper:
+            logger.warning(
+                "warm start needs PR_SET_CHILD_SUBREAPER (Linux), which failed: workers start cold"
+            )
+            return
+        try:
+            command = parse_python_command(self.config.cmd, os.environ.get("PATH"))
+        except ValueError as e:
+            logger.warning("warm start is off for this command (%s): workers start cold", e)
+            return
+        zygote = Zygote(command, self.config.preload, os.environ)
+        try:
+            zygote.start()
+        except ZygoteError as e:
+            logger.warning("warm start is off: %s; workers start cold", e)
+            return
+        self._zygote = zygote
+
+    def _drop_zygote(self, reason: str) -> None:
+        zygote = self._zygote
+        if zygote is None:
+            return
+        logger.warning("warm start is off from now on: %s; workers start cold", reason)
+        zygote.close()
+        self._zygote = None
+
+    def _await_zygote(self) -> None:
+        """Wait (handling signals) until the zygote preloaded, failed or timed out."""
+        zygote = self._zygote
+        if zygote is None or zygote.ready:
+            return
+        timeout = self.config.warm_start_timeout
+        deadline = time.monotonic() + timeout
+        logger.info("waiting for the warm-start zygote to finish preloading")
+        while True:
+            if time.monotonic() >= deadline:
+                self._drop_zygote(f"the zygote was not ready within {timeout:g}s")
+                return
+            try:
+                if zygote.wait_ready(deadline - time.monotonic(), self._signals.fileno()):
+                    return
+            except ZygoteError as e:
+                self._drop_zygote(str(e))
+                return
+            self._on_signals(self._signals.drain())
+            self._reap()
+            if self._term_signal is not None:
+                raise self._signal_exit()
+
+    def _spawn_warm(self, spec: WorkerSpec, stdout_fd: int, stderr_fd: int) -> int | None:
+        zygote = self._zygote
+        if zygote is None or not zygote.ready:
+            return None
+        try:
+            return zygote.spawn(spec.env, os.getcwd(), stdout_fd, stderr_fd)
+        except ZygoteError as e:
+            self._drop_zygote(f"local_rank {spec.local_rank}: {e}")
+            return None
 
     # --------------------------------------------------------------------- connect
     def _connect(self) -> None:
@@ -418,9 +497,12 @@ class Launcher:
             }
             label = entry.env.get(contract.RANK) or str(entry.local_rank)
             specs.append(WorkerSpec(entry.local_rank, label, env, log_dir))
-        group = WorkerGroup(msg.attempt, specs)
+        self._await_zygote()
+        zygote = self._zygote
+        keep = frozenset({zygote.pid}) if zygote is not None and zygote.pid else frozenset()
+        group = WorkerGroup(msg.attempt, specs, keep)
         self._group = group
-        group.start(self.config.cmd)
+        group.start(self.config.cmd, self._spawn_warm if zygote is not None else None)
         self._send(
             {
                 "type": contract.MSG_STARTED,
@@ -536,8 +618,12 @@ class Launcher:
         group = self._group
         for pid, returncode in reap_children():
             worker = group.by_pid(pid) if group is not None else None
+            zygote = self._zygote
             if worker is not None:
                 worker.set_reaped(returncode)
+            elif zygote is not None and pid == zygote.pid:
+                zygote.set_reaped(returncode)
+                self._drop_zygote(f"the zygote (pid {pid}) exited with returncode {returncode}")
             else:
                 logger.debug("reaped descendant %d (returncode %d)", pid, returncode)
 
@@ -589,6 +675,14 @@ def _pos_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
     return value
+
+
+def _module_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise argparse.ArgumentTypeError(f"not a module name: {name!r}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -646,6 +740,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the sidecar's control socket (default 300)",
     )
     parser.add_argument(
+        "--warm-start",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(contract.ENV_WARM_START, "").lower() in ("1", "true", "yes"),
+        help="fork the workers from a zygote process that imported the --preload modules "
+        "once, instead of starting a new interpreter each attempt (restarts skip `import "
+        "torch`); the command must be `python [-u] [-B] script|-m module|-c code ...`, "
+        "else the workers start cold (default $" + contract.ENV_WARM_START + " or off)",
+    )
+    parser.add_argument(
+        "--preload",
+        type=_module_list,
+        default=os.environ.get(contract.ENV_PRELOAD) or ",".join(DEFAULT_PRELOAD),
+        metavar="MOD[,MOD...]",
+        help="modules the warm-start zygote imports before forking workers (default $"
+        + contract.ENV_PRELOAD
+        + " or "
+        + ",".join(DEFAULT_PRELOAD)
+        + ")",
+    )
+    parser.add_argument(
+        "--warm-start-timeout",
+        type=_nonneg_float,
+        default="600",
+        metavar="SECONDS",
+        help="how long the first workers wait for the zygote's preload before they start "
+        "cold (default 600)",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("KELASTIC_LOG_LEVEL", "INFO").upper(),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -677,6 +799,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchConfig]:
         run_dir=args.run_dir if args.run_dir is not None else contract.run_dir(),
         stop_grace=args.stop_grace,
         connect_timeout=args.connect_timeout,
+        warm_start=args.warm_start,
+        preload=args.preload,
+        warm_start_timeout=args.warm_start_timeout,
     )
     return args, config
 
