@@ -40,3 +40,22 @@ def test_digits_survives_a_kill_and_a_hang_and_reaches_90_percent(tmp_path: Path
     assert acc and acc[-1] >= 0.90, out
     assert "job succeeded" in out
     assert run.strays() == []
+
+
+@pytest.mark.slow
+def test_digits_with_warm_start_restarts_from_the_zygote(tmp_path: Path) -> None:
+    """``--warm-start``: the restarted workers are forked by the zygote and training resumes."""
+    args = ("--warm-start", "--fault", "kill:rank=1,after=3", "--status-interval", "1")
+    run = KelasticRun(MANIFEST, *args, workdir=tmp_path / "runs")
+    assert run.wait(600) == 0, run.output
+    out = run.output
+    assert "warm start: workers fork from a process that preloads torch, " in out
+    assert "warm start is off" not in out  # no fallback to cold start was logged
+    assert re.search(r"restart 1/3: worker_failure: rank 1 on digits-\d", out), out
+    assert "resumed from checkpoint" in out
+    # Every worker of both attempts was forked warm (2 replicas x 2 workers per attempt).
+    after_restart = out.split("restart 1/3", 1)[1]
+    assert re.search(r"restarts 1/3, 4 warm-started workers", after_restart), out
+    acc = [float(x) for x in re.findall(r"final test accuracy (\d\.\d+)", out)]
+    assert acc and acc[-1] >= 0.90, out
+    assert run.strays() == []

@@ -33,6 +33,10 @@ def test_defaults_min_and_max_to_replicas() -> None:
     job = parse_job(_job())
     assert (job.spec.min_nodes, job.spec.max_nodes) == (2, 2)
     assert job.spec.rendezvous.lease_ttl_seconds == 10
+    assert job.spec.warm_start.enabled is False
+    assert job.spec.warm_start.preload == [
+        "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -45,6 +49,8 @@ def test_defaults_min_and_max_to_replicas() -> None:
         ({"template": {"spec": {"containers": []}}}, "containers must list the trainer"),
         ({"template": {"spec": {"containers": [{"name": "t"}]}}}, "needs a command"),
         ({"bogus": 1}, "spec.bogus: Extra inputs are not permitted"),
+        ({"warmStart": {"preload": ["torch", "os;rm"]}}, "spec.warmStart.preload.1"),
+        ({"warmStart": {"enabled": "maybe"}}, "spec.warmStart.enabled"),
     ],
 )
 def test_bad_specs_are_rejected_clearly(spec: dict[str, object], message: str) -> None:

@@ -30,6 +30,7 @@ from kelastic._warm import PythonCommand, parse_python_command
 from kelastic._zygote import recv_message, send_message
 from tests.conftest import wait_for
 from tests.test_launch import (
+    MARKER,
     Env,
     _gone,
     assign,
@@ -84,6 +85,13 @@ PROBE = textwrap.dedent(
         "pid": os.getpid(),
         "preloaded": "decimal" in sys.modules,
         "rank": os.environ.get("RANK"),
+        # what ps, psutil and other tools see
+        "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\0").decode().split("\0"),
+        "environ": dict(
+            e.decode().split("=", 1)
+            for e in open("/proc/self/environ", "rb").read().split(b"\0")
+            if b"=" in e
+        ),
     }
     print(json.dumps(info), flush=True)
     atexit.register(lambda: print("atexit ran", flush=True))
@@ -172,6 +180,10 @@ def test_warm_worker_looks_like_a_cold_one(world: Env, kind: str) -> None:
     assert info["cwd"] == os.getcwd()
     assert info["stdin"] == "/dev/null"
     assert info["rank"] == "2"
+    assert info["cmdline"] == cmd
+    environ = info["environ"]
+    assert (environ["RANK"], environ["LOCAL_RANK"], environ[MARKER]) == ("2", "0", world.marker)
+    assert "KELASTIC_ZYGOTE_ENV_PAD" not in environ
     # Its own session and process group; the launcher is its parent (it reaps it).
     assert info["pgid"] == info["sid"] == info["pid"] == exited["pid"]
     assert info["ppid"] == launcher.pid
@@ -376,7 +388,8 @@ def test_ddp_in_workers_forked_from_a_torch_zygote(warm_world: Env) -> None:
     except AssertionError as e:
         logs = [log_file(world.run_dir, 0, lr, contract.STDERR_LOG_NAME) for lr in (0, 1)]
         text = "\n".join(p.read_text() for p in logs if p.exists())
-        raise AssertionError(f"{e}\nworker stderr:\n{text}\nlauncher:\n{launcher.stderr()}")
+        detail = f"worker stderr:\n{text}\nlauncher:\n{launcher.stderr()}"
+        raise AssertionError(f"{e}\n{detail}") from None
     assert {lr: m["exitcode"] for lr, m in exits.items()} == {0: 0, 1: 0}, exits
     for lr in (0, 1):
         out = log_file(world.run_dir, 0, lr, contract.STDOUT_LOG_NAME).read_text()

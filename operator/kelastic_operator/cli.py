@@ -75,6 +75,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="SIGTERM-to-SIGKILL grace for workers (default 5)",
     )
     run.add_argument(
+        "--warm-start",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fork restarted workers from a process that already imported torch "
+        "(default: spec.warmStart.enabled)",
+    )
+    run.add_argument(
         "--status-interval",
         type=float,
         default=10.0,
@@ -116,6 +123,9 @@ def _run(args: argparse.Namespace) -> int:
         faults = [Fault.parse(f) for f in args.fault]
     except (ManifestError, ValueError) as exc:
         return _usage_error(err, str(exc))
+    if args.warm_start is not None:
+        warm = job.spec.warm_start.model_copy(update={"enabled": args.warm_start})
+        job = job.model_copy(update={"spec": job.spec.model_copy(update={"warm_start": warm})})
     spec = job.spec
     if args.replicas is not None and not spec.min_nodes <= args.replicas <= spec.max_nodes:
         return _usage_error(

@@ -8,10 +8,18 @@ Field names are the camelCase of the Kubernetes resource.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 from kelastic import contract
 
@@ -65,6 +73,24 @@ class RendezvousSpec(_Model):
         le=300,
         alias="leaseTTLSeconds",
         description="seconds (integer) a node stays alive in etcd without a keep-alive",
+    )
+
+
+class WarmStartSpec(_Model):
+    """Warm start of the workers (``spec.warmStart``): see ``kelastic.launch --warm-start``.
+
+    The launcher forks every worker of every attempt from one process that imported
+    ``preload`` while the node joined the rendezvous, so a restart skips the
+    interpreter start and ``import torch``. The trainer's command must be ``python
+    [-u] [-B] script|-m module|-c code ...``; other commands start cold (logged).
+    """
+
+    enabled: bool = Field(default=False, description="fork workers from a preloaded zygote")
+    preload: list[Annotated[str, StringConstraints(pattern=contract.MODULE_NAME_PATTERN)]] = Field(
+        default_factory=lambda: list(contract.DEFAULT_PRELOAD),
+        max_length=256,
+        description="modules the zygote imports before forking workers",
+        json_schema_extra={"default": list(contract.DEFAULT_PRELOAD)},
     )
 
 
@@ -195,6 +221,12 @@ class ElasticJobSpec(_Model):
     rendezvous: RendezvousSpec = Field(
         default_factory=RendezvousSpec,
         description="where and how the nodes meet",
+        json_schema_extra={"default": {}},
+    )
+    warm_start: WarmStartSpec = Field(
+        default_factory=WarmStartSpec,
+        alias="warmStart",
+        description="fork restarted workers from a process that already imported torch",
         json_schema_extra={"default": {}},
     )
     template: dict[str, Any] = Field(

@@ -12,7 +12,8 @@ selectors, tolerations, volumes, env, init containers — are kept):
 - the shared ``emptyDir`` ``kelastic-run`` at ``/var/run/kelastic`` in both containers,
   and ``shareProcessNamespace: true`` (the sidecar's timer server signals hung workers);
 - the trainer's command wrapped by the launcher:
-  ``python -m kelastic.launch --nproc-per-node N -- <command> <args>`` (args folded in);
+  ``python -m kelastic.launch --nproc-per-node N -- <command> <args>`` (args folded in),
+  with ``--warm-start --preload <modules>`` when ``spec.warmStart.enabled``;
 - ``terminationMessagePath``/``Policy`` so the launcher's root-cause summary reaches the
   Pod status; ``restartPolicy: Never``; ``automountServiceAccountToken: false``;
 - labels (job name, replica index, job uid) and a controller owner reference to the job.
@@ -27,7 +28,7 @@ from typing import Any
 from kelastic import contract
 
 from .labels import LABEL_INDEX, LABEL_JOB, LABEL_UID, SIDECAR_CONTAINER, pod_name
-from .model import API_GROUP, API_VERSION, KIND, TRAINER_CONTAINER, ElasticJobSpec
+from .model import API_GROUP, API_VERSION, KIND, TRAINER_CONTAINER, ElasticJobSpec, WarmStartSpec
 
 #: Where a ``rendezvous.tlsSecret`` is mounted in the sidecar.
 ETCD_TLS_MOUNT = "/etc/kelastic/etcd-tls"
@@ -157,8 +158,19 @@ def sidecar_container(
     }
 
 
-def launcher_command(container: dict[str, Any], nproc: int, python: str = "python") -> list[str]:
+def launcher_command(
+    container: dict[str, Any],
+    nproc: int,
+    python: str = "python",
+    warm_start: WarmStartSpec | None = None,
+) -> list[str]:
     """The trainer's command wrapped by the launcher, its ``args`` folded in.
+
+    Args:
+        container: the trainer container (``command`` and ``args`` are read).
+        nproc: workers per node.
+        python: the interpreter that runs ``-m kelastic.launch``.
+        warm_start: adds ``--warm-start --preload ...`` when enabled.
 
     Raises:
         PodBuildError: the container has no command (a list of strings).
@@ -167,8 +179,11 @@ def launcher_command(container: dict[str, Any], nproc: int, python: str = "pytho
     if not isinstance(command, list) or not command:
         raise PodBuildError(f"container {container.get('name')!r} needs a command to wrap")
     args = container.get("args") or []
+    warm: list[str] = []
+    if warm_start is not None and warm_start.enabled:
+        warm = ["--warm-start", "--preload", ",".join(warm_start.preload)]
     return [
-        python, "-m", "kelastic.launch", "--nproc-per-node", str(nproc), "--",
+        python, "-m", "kelastic.launch", "--nproc-per-node", str(nproc), *warm, "--",
         *(str(c) for c in command), *(str(a) for a in args),
     ]  # fmt: skip
 
@@ -218,7 +233,9 @@ def build_pod(
     if not containers:
         raise PodBuildError("template.spec.containers must list the trainer container")
     trainer = containers[_trainer_index(containers)]
-    trainer["command"] = launcher_command(trainer, spec.nproc_per_node, settings.python)
+    trainer["command"] = launcher_command(
+        trainer, spec.nproc_per_node, settings.python, spec.warm_start
+    )
     trainer.pop("args", None)
     env = list(trainer.get("env") or [])
     have = {e.get("name") for e in env if isinstance(e, dict)}

@@ -183,6 +183,14 @@ class SidecarMetrics:
             registry=r,
         )
         self.etcd_errors = Counter("kelastic_etcd_errors_total", "Failed calls to etcd", registry=r)
+        self.worker_starts = Counter(
+            "kelastic_worker_starts_total",
+            "Workers started, by how: warm (forked by the warm-start zygote) or cold",
+            ["start"],
+            registry=r,
+        )
+        for start in ("warm", "cold"):
+            self.worker_starts.labels(start=start)
         # Every cause exists from the start (at 0): a series born at 1 hides its first
         # increase from rate()/increase(), so a job's first restart would not show.
         for cause in CAUSES:

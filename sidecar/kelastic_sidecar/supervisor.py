@@ -138,6 +138,7 @@ class Supervisor:
         self._attempt = 0
         self._nproc = config.nproc_per_node
         self._pids: dict[int, int] = {}  # local rank -> pid
+        self._warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
         self._reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
@@ -177,6 +178,7 @@ class Supervisor:
             "attempt_progress_count": stats.acquired - self._acquired_at_start,
             "last_progress_age_s": (time.time() - last) if last else None,
             "timers_active": stats.active,
+            "workers_warm": self._warm,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
         }
 
@@ -503,6 +505,10 @@ class Supervisor:
             return None  # late news from an earlier attempt
         if mtype == contract.MSG_STARTED:
             pids = msg.get("pids") or {}
+            warm = msg.get("warm")
+            self._warm = min(warm, len(pids)) if isinstance(warm, int) and warm > 0 else 0
+            self.metrics.worker_starts.labels(start="warm").inc(self._warm)
+            self.metrics.worker_starts.labels(start="cold").inc(len(pids) - self._warm)
             for local_rank, pid in pids.items():
                 self._pids[int(local_rank)] = int(pid)
                 try:

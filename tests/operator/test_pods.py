@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from kelastic import contract
-from kelastic_operator.model import ElasticJobSpec, load_manifest
+from kelastic.launch import parse_args
+from kelastic_operator.model import ElasticJobSpec, WarmStartSpec, load_manifest
 from kelastic_operator.pods import (
     ETCD_TLS_MOUNT,
     PodBuildError,
@@ -184,6 +185,24 @@ def test_job_endpoints_win_and_none_at_all_is_an_error() -> None:
 def test_launcher_command_needs_a_command() -> None:
     with pytest.raises(PodBuildError, match="needs a command"):
         launcher_command({"name": "t"}, 1)
+
+
+def test_warm_start_flags_reach_the_launcher() -> None:
+    spec = digits_spec().model_copy(
+        update={"warm_start": WarmStartSpec(enabled=True, preload=["torch", "mylib.model"])}
+    )
+    command = containers(build_pod("digits", "default", UID, spec, 0, SETTINGS))["trainer"][
+        "command"
+    ]
+    split = command.index("--")
+    assert command[:split][-3:] == ["--warm-start", "--preload", "torch,mylib.model"]
+    # the launcher's own parser takes them as such
+    _, config = parse_args(command[command.index("kelastic.launch") + 1 :])
+    assert (config.warm_start, config.preload) == (True, ("torch", "mylib.model"))
+    assert config.cmd == command[split + 1 :]
+    # disabled (the default): no flag at all
+    cold = containers(build_pod("digits", "default", UID, digits_spec(), 0, SETTINGS))["trainer"]
+    assert "--warm-start" not in cold["command"]
 
 
 def test_built_pods_validate_strictly_against_kubernetes_1_33(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ def test_the_sidecar_exports_every_listed_metric() -> None:
         "kelastic_wall_seconds_total",
         "kelastic_timer_acquires_total",
         "kelastic_etcd_errors_total",
+        "kelastic_worker_starts_total",
         "kelastic_restart_budget_spent",
     ):
         assert name in names, name

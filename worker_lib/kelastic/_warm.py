@@ -30,8 +30,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kelastic import contract
 from kelastic._workers import child_preexec
-from kelastic._zygote import recv_message, send_message
+from kelastic._zygote import ENV_PAD, recv_message, send_message
 
 __all__ = [
     "DEFAULT_PRELOAD",
@@ -43,12 +44,15 @@ __all__ = [
 
 logger = logging.getLogger("kelastic.launch")
 
-#: Modules the zygote imports by default: torch, and what the first
-#: ``DistributedDataParallel(...)`` imports lazily (``torch._dynamo`` pulls in sympy
-#: and inductor: about as long as ``import torch`` itself).
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+#: Modules the zygote imports by default (see :data:`kelastic.contract.DEFAULT_PRELOAD`).
+DEFAULT_PRELOAD = contract.DEFAULT_PRELOAD
 #: Seconds to wait for the zygote's answer to one spawn request.
 SPAWN_TIMEOUT = 30.0
+#: Empty arguments and padding bytes added to the zygote's command line and environment:
+#: room for a worker's ``/proc/<pid>/cmdline`` and ``environ`` (see
+#: :func:`kelastic._zygote.show_as`).
+ARGV_PAD = 4096
+ENV_PAD_BYTES = 32 * 1024
 
 _PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?$")
 
@@ -143,12 +147,19 @@ class Zygote:
         command: the worker command; its interpreter runs the zygote.
         preload: modules to import before forking.
         env: the zygote's environment (the launcher's).
+        title: the worker command line as given (what ``ps`` shows for a worker).
     """
 
     def __init__(
-        self, command: PythonCommand, preload: Sequence[str], env: Mapping[str, str]
+        self,
+        command: PythonCommand,
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        title: Sequence[str] = (),
     ) -> None:
         self.command = command
+        #: The command line the workers show in ``/proc/<pid>/cmdline``.
+        self.title = tuple(title)
         self.preload = tuple(preload)
         self._env = dict(env)
         self._sock: socket.socket | None = None
@@ -177,8 +188,9 @@ class Zygote:
                     "from kelastic._zygote import main; main()",
                     str(theirs.fileno()),
                     *self.preload,
+                    *[""] * ARGV_PAD,
                 ],
-                env=self._env,
+                env={**self._env, ENV_PAD: "-" * ENV_PAD_BYTES},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
@@ -255,6 +267,7 @@ class Zygote:
             "cwd": cwd,
             "unbuffered": command.unbuffered or bool(env.get("PYTHONUNBUFFERED")),
             "dont_write_bytecode": command.dont_write_bytecode,
+            "title": list(self.title),
         }
         try:
             send_message(sock, request, (stdout_fd, stderr_fd))

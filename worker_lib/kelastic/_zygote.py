@@ -29,7 +29,9 @@ subreaper: ``PR_SET_CHILD_SUBREAPER``), so the launcher reaps it with
 that the launcher is still its parent. Then it moves the pipes onto fds 1 and 2 and
 ``/dev/null`` onto 0, replaces ``os.environ`` with the worker's env, changes directory,
 sets ``sys.argv``/``sys.path[0]`` the way the interpreter would, re-seeds numpy's
-global generator (``random`` re-seeds itself after a fork), and unwinds out of the
+global generator (``random`` re-seeds itself after a fork), makes
+``/proc/<pid>/cmdline`` and ``/proc/<pid>/environ`` show the worker's command and
+environment (:func:`show_as`), and unwinds out of the
 zygote's loop to run the program at top level, so that exit status, uncaught
 exceptions, ``atexit`` handlers and non-daemon threads behave as in ``python
 train.py``.
@@ -64,7 +66,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_MESSAGE_BYTES", "ChildJob", "main", "recv_message", "send_message"]
+__all__ = [
+    "ENV_PAD",
+    "MAX_MESSAGE_BYTES",
+    "ChildJob",
+    "main",
+    "recv_message",
+    "send_message",
+    "show_as",
+]
 
 #: Largest control packet (bytes); the worker's env dominates it.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -206,6 +216,61 @@ def _become_worker(request: dict[str, Any], fds: list[int], report_w: int, launc
     if numpy is not None:  # a fresh process seeds numpy's global generator from the OS
         with contextlib.suppress(Exception):
             numpy.random.seed()
+    show_as(request.get("title") or [], request["env"])
+
+
+def _proc_areas() -> tuple[int, int, int, int] | None:
+    """``(arg_start, arg_end, env_start, env_end)`` of this process (``/proc/self/stat``)."""
+    try:
+        with open("/proc/self/stat", "rb") as fp:
+            stat = fp.read()
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        areas = tuple(int(x) for x in fields[45:49])  # fields 48-51 of proc(5)
+    except (OSError, ValueError):
+        return None
+    if len(areas) != 4 or not 0 < areas[0] < areas[1] <= areas[2] < areas[3]:
+        return None
+    return areas[0], areas[1], areas[2], areas[3]
+
+
+def _fill(start: int, end: int, entries: Sequence[bytes]) -> int:
+    """Overwrite memory ``[start, end)`` with NUL-terminated ``entries`` (as many as fit)."""
+    buf = bytearray(end - start)
+    pos = written = 0
+    for entry in entries:
+        if b"\0" in entry or pos + len(entry) + 1 > len(buf):
+            break
+        buf[pos : pos + len(entry)] = entry
+        pos += len(entry) + 1
+        written += 1
+    ctypes.memmove(start, bytes(buf), len(buf))
+    return written
+
+
+def show_as(argv: Sequence[str], env: dict[str, str]) -> bool:
+    """Make ``/proc/self/cmdline`` and ``/proc/self/environ`` show ``argv`` and ``env``.
+
+    A forked worker would otherwise show the zygote's command line and environment to
+    ``ps``, ``psutil`` and every tool that finds a rank by its ``RANK`` variable. Both
+    files read fixed areas of the initial stack (``arg_start..arg_end`` and
+    ``env_start..env_end`` in ``/proc/self/stat``); they are overwritten in place, as
+    ``setproctitle`` does (the launcher pads the zygote's argv and environment so the
+    worker's usually fit; what does not fit is left out: environment entries that
+    differ from the zygote's come first). The C library's ``environ`` no longer
+    points there once ``os.environ`` was replaced.
+
+    Returns:
+        Whether the areas could be found and written.
+    """
+    areas = _proc_areas()
+    if areas is None:
+        return False
+    arg_start, arg_end, env_start, env_end = areas
+    _fill(arg_start, arg_end, [os.fsencode(a) for a in argv])
+    inherited = _ZYGOTE_ENV
+    entries = sorted(env.items(), key=lambda kv: inherited.get(kv[0]) == kv[1])
+    _fill(env_start, env_end, [os.fsencode(f"{k}={v}") for k, v in entries])
+    return True
 
 
 def _spawn(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> ChildJob | None:
@@ -327,9 +392,21 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> ChildJob | None:
             return job
 
 
+#: The zygote's environment as it started (without the padding), see :func:`show_as`.
+_ZYGOTE_ENV: dict[str, str] = {}
+#: Variable the launcher adds to the zygote's environment to make room for a worker's
+#: (removed from ``os.environ`` at start).
+ENV_PAD = "KELASTIC_ZYGOTE_ENV_PAD"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``kelastic._zygote <socket fd> <module>...``: serve, and in a worker run its job."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    """``kelastic._zygote <socket fd> <module>...``: serve, and in a worker run its job.
+
+    Empty arguments are ignored (the launcher pads the command line with them).
+    """
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a]
+    os.environ.pop(ENV_PAD, None)
+    _ZYGOTE_ENV.update(os.environ)
     sock = socket.socket(fileno=int(args[0]))
     job = serve(sock, args[1:])
     if job is None:

@@ -110,6 +110,12 @@ DEFAULT_ROLE: Final = "default"
 # Defaults of ``python -m kelastic.launch`` options (the flags win).
 ENV_WARM_START: Final = "KELASTIC_WARM_START"  # "1"/"true": fork workers from a zygote
 ENV_PRELOAD: Final = "KELASTIC_PRELOAD"  # comma-separated modules the zygote imports
+#: Modules the warm-start zygote imports by default: torch, and what the first
+#: ``DistributedDataParallel(...)`` imports lazily (``torch._dynamo`` pulls in sympy and
+#: inductor: about as long as ``import torch`` itself).
+DEFAULT_PRELOAD: Final = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+#: A Python module name (what ``--preload`` and ``spec.warmStart.preload`` accept).
+MODULE_NAME_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 # ---------------------------------------------------------------------- sidecar env
 # Set by the operator on the sidecar container (downward API where possible), and by
@@ -215,7 +221,8 @@ class Keys:
 # ------------------------------------------------------------- control socket (JSON lines)
 # launcher -> supervisor
 MSG_HELLO: Final = "hello"  # {"type", "pid", "nproc"}
-MSG_STARTED: Final = "started"  # {"type", "attempt", "pids": {local_rank: pid}}
+MSG_STARTED: Final = "started"  # {"type", "attempt", "pids": {local_rank: pid}, "warm": n}
+#                                  warm: how many of them a warm-start zygote forked
 MSG_EXITED: Final = "exited"  # {"type", "attempt", "local_rank", "pid", "exitcode",
 #                                  "signal", "error", "tail"}
 MSG_STOPPED: Final = "stopped"  # {"type", "attempt"}: all workers of attempt are gone

@@ -30,6 +30,7 @@ import argparse
 import errno
 import logging
 import os
+import re
 import select
 import selectors
 import signal
@@ -298,7 +299,7 @@ class Launcher:
         except ValueError as e:
             logger.warning("warm start is off for this command (%s): workers start cold", e)
             return
-        zygote = Zygote(command, self.config.preload, os.environ)
+        zygote = Zygote(command, self.config.preload, os.environ, self.config.cmd)
         try:
             zygote.start()
         except ZygoteError as e:
@@ -508,6 +509,7 @@ class Launcher:
                 "type": contract.MSG_STARTED,
                 "attempt": msg.attempt,
                 "pids": {str(r): p for r, p in group.pids.items()},
+                "warm": sum(1 for w in group.workers.values() if w.warm),
             }
         )
         self._report_exits()  # workers that failed to start
@@ -680,7 +682,7 @@ def _pos_int(text: str) -> int:
 def _module_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     for name in names:
-        if not all(part.isidentifier() for part in name.split(".")):
+        if not re.match(contract.MODULE_NAME_PATTERN, name):
             raise argparse.ArgumentTypeError(f"not a module name: {name!r}")
     return names
 

@@ -154,6 +154,11 @@ class LocalRunner:
                 f"{self.spec.max_nodes}), restart budget {self.spec.max_restarts}, "
                 f"etcd {','.join(endpoints)}, run dir {self.workdir}"
             )
+            if self.spec.warm_start.enabled:
+                self.say(
+                    "warm start: workers fork from a process that preloads "
+                    + (", ".join(self.spec.warm_start.preload) or "nothing")
+                )
             for _ in range(self.replicas):
                 self.add_replica()
             injector = FaultInjector(
@@ -339,9 +344,13 @@ class LocalRunner:
         ]
         steps = sum(int(s.get("progress_count") or 0) for s in statuses)
         prog = f", {steps} timed steps, last {min(ages):.1f}s ago" if ages else ""
+        warm = ""
+        if self.spec.warm_start.enabled:
+            forked = sum(int(s.get("workers_warm") or 0) for s in statuses)
+            warm = f", {forked} warm-started workers"
         return (
             f"status: {len(self.pods)} replicas [{phases}], round {self._seen['round']}, "
-            f"restarts {self._seen['spent']}/{self.spec.max_restarts}{prog}"
+            f"restarts {self._seen['spent']}/{self.spec.max_restarts}{warm}{prog}"
         )
 
     # ----------------------------------------------------------------------- finish
