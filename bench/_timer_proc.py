@@ -1,7 +1,8 @@
 """A timer server in its own process, driven over stdin/stdout by the timer benchmarks.
 
 ``python -m bench._timer_proc torch FIFO MAX_INTERVAL`` runs torch's ``FileTimerServer``;
-``python -m bench._timer_proc kelastic FIFO`` runs the sidecar's ``TimerServer``.
+``python -m bench._timer_proc kelastic FIFO`` runs the sidecar's ``TimerServer``
+(``kelastic-norelease``: without ``process_mrelease`` after its kills).
 It prints ``ready`` once requests can be written, then answers stdin commands:
 ``watch PID`` -> ``ok`` (kelastic only signals watched pids; torch ignores it),
 ``stats`` -> a JSON object with the number of requests read, ``quit``.
@@ -68,7 +69,7 @@ def main() -> int:
             record(pid)
             os.kill(pid, sig)
 
-        ours = TimerServer(fifo, kill=kill)
+        ours = TimerServer(fifo, kill=kill, release=impl != "kelastic-norelease")
         ours.start()
         server = ours
 

@@ -150,7 +150,7 @@ def _reap_latencies(
             children.append(_fork_hung(server.fifo, max_wait))
             unreaped.add(children[-1][0])
             pipes.add(children[-1][1])
-        if impl == "kelastic":
+        if impl.startswith("kelastic"):
             server.command("watch " + " ".join(str(pid) for pid, _ in children))
         start = time.time() + 0.3  # every child has entered expires() by then
         for i, (pid, pipe_w) in enumerate(children):
@@ -191,10 +191,13 @@ def _reap_latencies(
     return latencies, to_kill, failed
 
 
-def _kill_floor(count: int) -> list[float]:
+def _kill_floor(count: int, release: bool = False) -> list[float]:
     """The same kind of child (forked from this torch-importing process), killed directly:
     the part of the latency that is the kernel tearing the process down plus the pidfd
-    wake-up, which no timer server can remove."""
+    wake-up, which no timer server can remove (``release``: then ``process_mrelease``
+    from here, as the kelastic server does)."""
+    from kelastic_sidecar.memory_release import release_memory
+
     samples = []
     for _ in range(count):
         pid = os.fork()
@@ -212,6 +215,8 @@ def _kill_floor(count: int) -> list[float]:
             poller.register(fd, select.POLLIN)
             killed = time.time()
             os.kill(pid, signal.SIGKILL)
+            if release:
+                release_memory(pid)
             poller.poll(5000)
             samples.append(time.time() - killed)
         finally:
@@ -228,15 +233,17 @@ def reap(quick: bool) -> CaseResult:
     result = CaseResult("timer_reap")
     group = "expires() deadline -> hung child dead"
     group_kill = "expires() deadline -> kill sent (server's own clock)"
-    torch01, ours, torch10 = (
+    torch01, ours, plain, torch10 = (
         "torch FileTimerServer max_interval=0.1",
         "kelastic TimerServer",
+        "kelastic TimerServer without process_mrelease",
         "torch FileTimerServer default (10 s)",
     )
     chunks = 1 if quick else 4
     plan = [
         (torch01, "torch", 0.1, 8 if quick else 10, 0.13),
         (ours, "kelastic", None, 10 if quick else 15, 0.05),
+        (plain, "kelastic-norelease", None, 5 if quick else 8, 0.05),
     ]
     dead: dict[str, list[float]] = {}
     killed: dict[str, list[float]] = {}
@@ -267,11 +274,12 @@ def reap(quick: bool) -> CaseResult:
         ms = [x * 1000 for x in killed[side]]
         result.rows.append(Row("timer_reap", group_kill, side, "ms", ms, ref=side == torch01))
     _torch_timer()  # the floor's children carry torch like the hung ones
-    floor = _kill_floor(5 if quick else 20)
-    result.rows.append(
-        Row("timer_reap", "floor: kill(SIGKILL) -> child dead, no server", "kernel + harness",
-            "ms", [x * 1000 for x in floor])
-    )  # fmt: skip
+    for release, side in ((False, "kernel + harness"), (True, "same + process_mrelease")):
+        floor = _kill_floor(5 if quick else 20, release)
+        result.rows.append(
+            Row("timer_reap", "floor: kill(SIGKILL) -> child dead, no server", side,
+                "ms", [x * 1000 for x in floor])
+        )  # fmt: skip
     mine = next(r for r in result.rows if r.side == ours and r.group == group)
     theirs = next(r for r in result.rows if r.ref and r.group == group)
     mine_k = next(r for r in result.rows if r.side == ours and r.group == group_kill)

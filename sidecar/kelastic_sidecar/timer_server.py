@@ -49,9 +49,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from signal import SIGKILL
 from typing import Final, NamedTuple
 
 from kelastic.timer import MAX_SCOPE_LEN, WIRE_VERSION
+
+from .memory_release import release_memory
 
 __all__ = ["ReapEvent", "TimerServer", "TimerStats"]
 
@@ -241,6 +244,9 @@ class TimerServer:
         max_timers: most timers held at once; acquires of new timers beyond it are
             dropped and counted in ``dropped_capacity``.
         kill: sends a signal to a pid (``os.kill``; injectable for tests).
+        release: after a SIGKILL, free the victim's memory from this thread
+            (:func:`~kelastic_sidecar.memory_release.release_memory`), so it is gone
+            sooner.
 
     Attributes:
         last_acquire_time: ``time.time()`` of the last stored acquire, or None; a
@@ -257,6 +263,7 @@ class TimerServer:
         on_reap: Callable[[ReapEvent], None] | None = None,
         max_timers: int = 65536,
         kill: Callable[[int, int], None] = os.kill,
+        release: bool = True,
     ) -> None:
         if max_timers < 1:
             raise ValueError(f"max_timers must be >= 1, got {max_timers}")
@@ -265,6 +272,7 @@ class TimerServer:
         self._on_reap = on_reap
         self._max_timers = max_timers
         self._kill = kill
+        self._release = release
         self._lock = threading.Lock()  # guards everything below it
         self._timers: dict[tuple[int, str], _Timer] = {}
         self._heap: list[tuple[float, int, int, str]] = []  # (deadline, seq, pid, scope)
@@ -427,7 +435,12 @@ class TimerServer:
             elif fd == wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
-        for event in self._expire(time.time()):
+        events = self._expire(time.time())
+        if self._release:
+            for event in events:  # every kill of the batch was sent: now free the memory
+                if event.signal == SIGKILL:
+                    release_memory(event.pid)
+        for event in events:
             if self._on_reap is None:
                 continue
             try:
