@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -520,3 +522,39 @@ def test_the_fifo_is_grown_so_bursts_do_not_fail_torch_clients(tmp_path: Path) -
         assert size == min(FIFO_PIPE_SIZE, limit) > 65536
     finally:
         server.stop()
+
+
+AS_NOBODY = """
+    import os, time
+    from kelastic.timer import expires
+    os.setgid(65534)
+    os.setuid(65534)  # the trainer runs as another user than the sidecar
+    with expires(after=0.3, scope="other_user"):
+        time.sleep(120)
+"""
+
+
+def test_a_worker_of_another_user_can_use_the_fifo(rec: Recorder) -> None:
+    assert os.getuid() == 0, "the test suite runs as root (CI) to switch users"
+    run_dir = Path(tempfile.mkdtemp(prefix="kl-run-", dir="/tmp"))
+    run_dir.chmod(0o755)  # like the emptyDir: every user of the Pod reaches it
+    fifo = run_dir / "timer.fifo"
+    old = os.umask(0o077)  # a strict umask must not lock other users out
+    srv = TimerServer(fifo, on_reap=rec.on_reap, kill=rec.kill)
+    try:
+        srv.start()
+    finally:
+        os.umask(old)
+    try:
+        assert fifo.stat().st_mode & 0o777 == 0o622
+        proc = spawn(fifo, AS_NOBODY)
+        srv.watch_pid(proc.pid)
+        try:
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            finish(proc)
+        wait_for(lambda: rec.events, timeout=10, what="on_reap")
+        assert rec.events[0].scope_id == "other_user"
+    finally:
+        srv.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -10,7 +10,9 @@ selectors, tolerations, volumes, env, init containers — are kept):
   API, etcd endpoints (and a TLS secret mount), min/max nodes, workers per node, the
   restart budget, rendezvous timeouts, the lease TTL, the HTTP port;
 - the shared ``emptyDir`` ``kelastic-run`` at ``/var/run/kelastic`` in both containers,
-  and ``shareProcessNamespace: true`` (the sidecar's timer server signals hung workers);
+  and ``shareProcessNamespace: true`` (the sidecar's timer server signals hung workers:
+  it runs as the trainer's user, or as root with only CAP_KILL when that is unknown, see
+  :func:`sidecar_security_context`);
 - the trainer's command wrapped by the launcher:
   ``python -m kelastic.launch --nproc-per-node N -- <command> <args>`` (args folded in),
   with ``--warm-start --preload <modules>`` when ``spec.warmStart.enabled``;
@@ -127,10 +129,61 @@ def _run_mount() -> dict[str, Any]:
     return {"name": contract.RUN_VOLUME_NAME, "mountPath": contract.DEFAULT_RUN_DIR}
 
 
+def sidecar_security_context(pod_spec: dict[str, Any], trainer: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar's ``securityContext``: able to signal the trainer's workers.
+
+    The sidecar's timer server kills hung workers in the trainer container (shared
+    process namespace), which Linux allows only to the same user or with CAP_KILL. So
+    the sidecar runs as the trainer's user when the template names it (the trainer
+    container's ``runAsUser``/``runAsGroup``, else the Pod's), with every capability
+    dropped. When it does not, the trainer runs as its image's user, which the operator
+    cannot know (GPU images often run as root): the sidecar then runs as root with only
+    CAP_KILL, unless the Pod asks for ``runAsNonRoot`` (set ``runAsUser`` on the trainer
+    in such namespaces; the sidecar then keeps its image's user, 65532). The run
+    volume's FIFO and control socket are writable by every user of the Pod.
+
+    Args:
+        pod_spec: the template's Pod spec.
+        trainer: the trainer container.
+
+    Returns:
+        A container ``securityContext``.
+    """
+    pod_sc = pod_spec.get("securityContext") or {}
+    own_sc = trainer.get("securityContext") or {}
+    user = own_sc.get("runAsUser", pod_sc.get("runAsUser"))
+    group = own_sc.get("runAsGroup", pod_sc.get("runAsGroup"))
+    context: dict[str, Any] = {"allowPrivilegeEscalation": False}
+    if isinstance(user, int):
+        context["runAsUser"] = user
+        if isinstance(group, int):
+            context["runAsGroup"] = group
+        context["runAsNonRoot"] = user != 0
+        context["capabilities"] = {"drop": ["ALL"], **({"add": ["KILL"]} if user == 0 else {})}
+    elif own_sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+        context["runAsNonRoot"] = True
+        context["capabilities"] = {"drop": ["ALL"]}
+    else:
+        context.update(
+            runAsUser=0, runAsNonRoot=False, capabilities={"drop": ["ALL"], "add": ["KILL"]}
+        )
+    return context
+
+
 def sidecar_container(
-    name: str, uid: str, spec: ElasticJobSpec, settings: PodSettings
+    name: str,
+    uid: str,
+    spec: ElasticJobSpec,
+    settings: PodSettings,
+    security_context: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The kelastic sidecar as a native sidecar (init container, ``restartPolicy: Always``).
+
+    Args:
+        name, uid: the job's name and uid.
+        spec: the job's spec.
+        settings: operator-wide settings.
+        security_context: see :func:`sidecar_security_context` (none when ``None``).
 
     Raises:
         PodBuildError: no etcd endpoint.
@@ -155,6 +208,7 @@ def sidecar_container(
         "volumeMounts": mounts,
         "resources": copy.deepcopy(settings.sidecar_resources),
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        **({"securityContext": security_context} if security_context is not None else {}),
     }
 
 
@@ -263,7 +317,9 @@ def build_pod(
             }
         )
     init = [c for c in pspec.get("initContainers") or [] if c.get("name") != SIDECAR_CONTAINER]
-    init.append(sidecar_container(name, uid, spec, settings))
+    init.append(
+        sidecar_container(name, uid, spec, settings, sidecar_security_context(pspec, trainer))
+    )
     pspec.update(
         {
             "containers": containers,

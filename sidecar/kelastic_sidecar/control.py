@@ -63,7 +63,9 @@ class ControlServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with unix_address(self.path) as address:
             listener.bind(address)
-        os.chmod(self.path, 0o660)
+        # Any user of the Pod may connect: the trainer need not run as the sidecar's
+        # user, and only the Pod's containers see the run volume.
+        os.chmod(self.path, 0o666)
         listener.listen(4)
         self._listener = listener
         threading.Thread(target=self._accept_loop, name="control-accept", daemon=True).start()

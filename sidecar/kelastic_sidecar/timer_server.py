@@ -306,6 +306,9 @@ class TimerServer:
             with contextlib.suppress(FileNotFoundError):
                 self.fifo_path.unlink()
             os.mkfifo(self.fifo_path)
+            # Writable by any user of the Pod (the trainer may run as another user than
+            # the sidecar; only the Pod's containers see the run volume). Not umask's.
+            os.chmod(self.fifo_path, 0o622)
             fds: list[int] = []
             try:
                 fds.append(os.open(self.fifo_path, os.O_RDONLY | os.O_NONBLOCK))

@@ -225,3 +225,37 @@ def test_built_pods_validate_strictly_against_kubernetes_1_33(tmp_path: Path) ->
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed for resource pod/") == 3, result.stdout
+
+
+@pytest.mark.parametrize(
+    ("pod_sc", "trainer_sc", "expected"),
+    [
+        # the trainer's user is known: the sidecar runs as it, no capability
+        ({}, {"runAsUser": 1000, "runAsGroup": 1000},
+         {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
+          "capabilities": {"drop": ["ALL"]}}),
+        ({"runAsUser": 1001}, {}, {"runAsUser": 1001, "runAsNonRoot": True,
+                                   "capabilities": {"drop": ["ALL"]}}),
+        ({"runAsUser": 1001}, {"runAsUser": 7}, {"runAsUser": 7, "runAsNonRoot": True,
+                                                 "capabilities": {"drop": ["ALL"]}}),
+        # root trainer: root sidecar that may only kill
+        ({}, {"runAsUser": 0}, {"runAsUser": 0, "runAsNonRoot": False,
+                                "capabilities": {"drop": ["ALL"], "add": ["KILL"]}}),
+        # unknown (the image's user): root with CAP_KILL can signal any user
+        ({}, {}, {"runAsUser": 0, "runAsNonRoot": False,
+                  "capabilities": {"drop": ["ALL"], "add": ["KILL"]}}),
+        # unknown but non-root required: the sidecar keeps its image's user
+        ({"runAsNonRoot": True}, {}, {"runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}),
+    ],
+)  # fmt: skip
+def test_sidecar_can_signal_the_trainers_workers(
+    pod_sc: dict[str, Any], trainer_sc: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    spec = digits_spec()
+    template = copy.deepcopy(spec.template)
+    template["spec"]["securityContext"] = pod_sc
+    template["spec"]["containers"][0]["securityContext"] = trainer_sc
+    spec = spec.model_copy(update={"template": template})
+    pod = build_pod("digits", "default", UID, spec, 0, SETTINGS)
+    sidecar = containers(pod)["kelastic-sidecar"]
+    assert sidecar["securityContext"] == {"allowPrivilegeEscalation": False, **expected}
