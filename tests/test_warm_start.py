@@ -238,6 +238,23 @@ def test_failed_preload_starts_cold(warm_world: Env) -> None:
     assert " (warm)" not in err
 
 
+def test_a_preload_that_initialises_cuda_is_refused(warm_world: Env) -> None:
+    # CUDA cannot be initialised on this CPU-only machine: the module stands in for one
+    # that would, as torch reports it.
+    (warm_world.out_dir / "kl_cuda_init.py").write_text(
+        "import torch\ntorch.cuda.is_initialized = lambda: True\n"
+    )
+    warm_world.env["PYTHONPATH"] = str(warm_world.out_dir)
+    probe = warm_world.out_dir / "probe.py"
+    probe.write_text(PROBE)
+    args = ("--preload", "kl_cuda_init")
+    exited, _, launcher = _run_one(warm_world, [PY, str(probe)], *args)
+    assert exited["exitcode"] == 0  # started cold
+    err = launcher.stderr()
+    assert "a preload module initialised CUDA" in err
+    assert " (warm)" not in err
+
+
 def test_zygote_death_between_attempts_falls_back_to_cold(warm_world: Env) -> None:
     sup, launcher = warm_world.start(nproc=1)
     sup.send(assign(attempt=0, nproc=1))

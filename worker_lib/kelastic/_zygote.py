@@ -344,13 +344,41 @@ def _read_pid(fd: int) -> int | None:
     return int.from_bytes(data, "little") if len(data) == 4 else None
 
 
+#: torch's switch that makes ``torch.cuda.is_available()`` ask NVML instead of
+#: initialising the CUDA driver (set while preloading: see :func:`_preload`).
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 def _preload(modules: Sequence[str]) -> str | None:
-    """Import ``modules``; the first failure as text, or ``None``."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except BaseException as e:  # SystemExit from an import too
-            return f"import {name} failed: {type(e).__name__}: {e}"
+    """Import ``modules``; the first failure as text, or ``None``.
+
+    CUDA does not survive ``fork``: a worker forked after CUDA was initialised cannot
+    use the GPU. Preloading asks torch to answer ``torch.cuda.is_available()`` from NVML
+    (no driver initialisation), and fails if a module initialised CUDA anyway.
+    """
+    had = os.environ.get(_NVML_CHECK)
+    os.environ[_NVML_CHECK] = "1"
+    try:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except BaseException as e:  # SystemExit from an import too
+                return f"import {name} failed: {type(e).__name__}: {e}"
+    finally:
+        if had is None:
+            del os.environ[_NVML_CHECK]
+        else:
+            os.environ[_NVML_CHECK] = had
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        initialized = bool(cuda is not None and cuda.is_initialized())
+    except Exception:
+        initialized = False
+    if initialized:
+        return (
+            "a preload module initialised CUDA, which forked workers could not use "
+            "(CUDA does not survive fork): preload only modules that do not touch the GPU"
+        )
     return None
 
 
