@@ -10,6 +10,9 @@ LABEL_JOB = "kelastic.dev/job-name"
 LABEL_INDEX = "kelastic.dev/replica-index"
 #: Label holding the ElasticJob's uid (tells reruns of a same-named job apart).
 LABEL_UID = "kelastic.dev/job-uid"
+#: Annotation holding :func:`~kelastic_operator.pods.pod_spec_hash` of the spec a Pod was
+#: built from: a Pod whose hash differs from the job's is replaced (spec change).
+ANNOTATION_SPEC_HASH = "kelastic.dev/pod-spec-hash"
 #: The kelastic sidecar's container name (a native sidecar: an init container).
 SIDECAR_CONTAINER = "kelastic-sidecar"
 

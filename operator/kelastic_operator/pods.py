@@ -18,18 +18,28 @@ selectors, tolerations, volumes, env, init containers — are kept):
   with ``--warm-start --preload <modules>`` when ``spec.warmStart.enabled``;
 - ``terminationMessagePath``/``Policy`` so the launcher's root-cause summary reaches the
   Pod status; ``restartPolicy: Never``; ``automountServiceAccountToken: false``;
-- labels (job name, replica index, job uid) and a controller owner reference to the job.
+- labels (job name, replica index, job uid), the spec's digest
+  (:func:`pod_spec_hash`) as an annotation, and a controller owner reference to the job.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from kelastic import contract
 
-from .labels import LABEL_INDEX, LABEL_JOB, LABEL_UID, SIDECAR_CONTAINER, pod_name
+from .labels import (
+    ANNOTATION_SPEC_HASH,
+    LABEL_INDEX,
+    LABEL_JOB,
+    LABEL_UID,
+    SIDECAR_CONTAINER,
+    pod_name,
+)
 from .model import API_GROUP, API_VERSION, KIND, TRAINER_CONTAINER, ElasticJobSpec, WarmStartSpec
 
 #: Where a ``rendezvous.tlsSecret`` is mounted in the sidecar.
@@ -351,6 +361,29 @@ def build_pod(
             }
         ],
     }
-    if tmeta.get("annotations"):
-        metadata["annotations"] = dict(tmeta["annotations"])
+    metadata["annotations"] = {
+        **(tmeta.get("annotations") or {}),
+        ANNOTATION_SPEC_HASH: pod_spec_hash(spec),
+    }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pspec}
+
+
+#: Spec fields that do not shape the Pods: changing them replaces no Pod (``replicas``
+#: is scaling; the rest is the operator's own policy).
+_NOT_IN_POD = frozenset(
+    {"replicas", "pending_timeout_seconds", "cleanup_policy", "pod_replacement"}
+)
+
+
+def pod_spec_hash(spec: ElasticJobSpec) -> str:
+    """A digest of what in ``spec`` shapes the job's Pods (template, workers per node,
+    min/max nodes, restart budget, rendezvous settings, warm start): 16 hex characters.
+
+    Stored on each Pod (:data:`~kelastic_operator.labels.ANNOTATION_SPEC_HASH`); the
+    operator replaces the Pods whose digest differs from the job's (see
+    :func:`kelastic_operator.reconcile.reconcile`). Scaling (``replicas``) and the
+    operator's policies do not change it.
+    """
+    shaping = spec.model_dump(mode="json", by_alias=True, exclude=set(_NOT_IN_POD))
+    text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

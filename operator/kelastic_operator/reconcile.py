@@ -16,6 +16,10 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    deleted Pod is replaced at once, without spending the replacement budget, once it is
    gone); Pods beyond ``target`` are deleted — Pods stuck Pending first, then the highest
    index first — and their nodes removed from rendezvous at once.
+   A Pod built from an older spec (its :data:`ANNOTATION_SPEC_HASH` differs from the
+   job's :func:`~kelastic_operator.pods.pod_spec_hash`: the template or another field
+   that shapes Pods changed, not ``replicas``) is deleted, all such Pods at once, with
+   a departure notice (no restart spent), and re-created from the new spec once gone.
 5. A failed Pod is deleted (and re-created by rule 4 on a later pass) after an exponential
    backoff: ``min(maxBackoffSeconds, backoffSeconds * 2**replacements)`` seconds after it
    failed; each deletion spends one replacement. Its node leaves rendezvous at once.
@@ -44,7 +48,7 @@ from typing import Any
 
 from kelastic import contract
 
-from .labels import pod_index, selector
+from .labels import ANNOTATION_SPEC_HASH, pod_index, selector
 from .model import (
     CONDITION_TYPES,
     TERMINAL_PHASES,
@@ -53,12 +57,15 @@ from .model import (
     ElasticJobStatus,
     LastFailure,
 )
+from .pods import pod_spec_hash
 
 #: The sidecar's termination message for a failed *job* (budget spent, rendezvous closed)
 #: starts with this; any other failure is the Pod's own and the Pod is replaced.
 JOB_FAILED_PREFIX = contract.JOB_FAILED_PREFIX
 #: :class:`DeletePod` reason of a failed Pod deleted to be replaced (counted as a replacement).
 REPLACE_REASON = "replacing a failed pod"
+#: :class:`DeletePod` reason of a Pod built from an older spec (rule 4d).
+UPDATE_REASON = "pod spec changed"
 #: Pod phases in which a Pod still runs or may run.
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
 
@@ -117,6 +124,8 @@ class PodView:
         created: creationTimestamp; deleting: it has a deletionTimestamp.
         trainer: how the trainer container ended, when it did.
         reason, message: the Pod's own ``status.reason``/``status.message`` (``Evicted``...).
+        spec_hash: the digest of the spec it was built from (None: built by an operator
+            that did not record it).
     """
 
     name: str
@@ -128,6 +137,7 @@ class PodView:
     trainer: Termination | None = None
     reason: str = ""
     message: str = ""
+    spec_hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +275,7 @@ def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodV
         trainer=term,
         reason=str(status.get("reason") or ""),
         message=str(status.get("message") or ""),
+        spec_hash=(meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
     )
 
 
@@ -570,6 +581,32 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
                 next_at = ready_at if next_at is None else min(next_at, ready_at)
                 wakeups.append(ready_at)
     st.next_replacement_time = format_time(next_at) if next_at else None
+
+    # 4d. a spec change: replace every Pod built from an older spec, all at once (any
+    # Pod change restarts the whole worker group anyway; one at a time would restart it
+    # once per Pod). They leave on purpose: no restart is spent.
+    current = pod_spec_hash(spec)
+    outdated = [
+        p
+        for p in live
+        if p.phase in ACTIVE_PHASES
+        and p.spec_hash is not None
+        and p.spec_hash != current
+        and p.name not in gone
+    ]
+    if outdated and not finishing:
+        for pod in outdated:
+            plan.delete.append(DeletePod(pod.name, UPDATE_REASON))
+            plan.depart_nodes.append(pod.name)
+            if pod.name not in plan.remove_nodes:
+                plan.remove_nodes.append(pod.name)
+        plan.events.append(
+            Event(
+                "Normal",
+                "UpdatingPods",
+                f"spec changed: replacing {', '.join(p.name for p in outdated)}",
+            )
+        )
 
     # 4c. create missing Pods at the lowest free indices (a Pod being deleted, or failed
     # and being replaced, keeps its slot until it is gone)

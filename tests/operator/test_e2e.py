@@ -317,3 +317,43 @@ def test_pods_stuck_pending_shrink_the_job_and_it_grows_back(
                T, what="the pod re-created when growing back")  # fmt: skip
     assert status_of(k8s_api, "elastic")["targetReplicas"] == 3
     assert any(r == "GrowingBack" for r, _ in events(k8s_api, "elastic"))
+
+
+def test_a_template_change_replaces_the_pods_without_spending_restarts(
+    k8s_api: K8sApi, operator: OperatorContext, etcd_server: EmbeddedEtcd
+) -> None:
+    doc = yaml.safe_load(failing_job("roll"))
+    k8s_api.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    wait_until(lambda: set(pods(k8s_api)) == {"roll-0", "roll-1"}, T, what="2 pods")
+    first = {n: p["metadata"]["uid"] for n, p in pods(k8s_api).items()}
+    hashes = {p["metadata"]["annotations"]["kelastic.dev/pod-spec-hash"]
+              for p in pods(k8s_api).values()}  # fmt: skip
+    for name in first:
+        set_pod_status(k8s_api, name, "Running", ready=True)
+    wait_until(lambda: status_of(k8s_api, "roll").get("readyReplicas") == 2, T, what="running")
+
+    # kubectl scale is not a spec change of the Pods: nothing is replaced
+    k8s_api.kubectl("scale", "ej/roll", "--replicas=3")
+    wait_until(lambda: "roll-2" in pods(k8s_api), T, what="the third pod")
+    assert {n: pods(k8s_api)[n]["metadata"]["uid"] for n in first} == first
+
+    # a new env var in the trainer: every Pod is replaced, built from the new template
+    trainer = doc["spec"]["template"]["spec"]["containers"][0]
+    trainer.setdefault("env", []).append({"name": "LEARNING_RATE", "value": "0.5"})
+    doc["spec"]["replicas"] = 3
+    k8s_api.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+    def replaced() -> bool:
+        now = pods(k8s_api)
+        return set(now) == {"roll-0", "roll-1", "roll-2"} and all(
+            now[n]["metadata"]["uid"] != uid for n, uid in first.items()
+        ) and all(p["metadata"]["annotations"]["kelastic.dev/pod-spec-hash"] not in hashes
+                  for p in now.values())  # fmt: skip
+
+    wait_until(replaced, T, what="pods rebuilt from the new template")
+    env = pods(k8s_api)["roll-0"]["spec"]["containers"][0]["env"]
+    assert {"name": "LEARNING_RATE", "value": "0.5"} in env
+    assert any(r == "UpdatingPods" for r, _ in events(k8s_api, "roll"))
+    assert status_of(k8s_api, "roll").get("replacements", 0) == 0
+    k8s_api.kubectl("delete", "ej", "roll", "--wait=false")
+    wait_until(lambda: not pods(k8s_api), T, what="its pods gone")

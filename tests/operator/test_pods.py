@@ -21,6 +21,7 @@ from kelastic_operator.pods import (
     PodSettings,
     build_pod,
     launcher_command,
+    pod_spec_hash,
 )
 from kelastic_sidecar.config import SidecarConfig
 
@@ -160,7 +161,7 @@ def test_the_users_fields_are_kept() -> None:
     assert {"name": "data", "mountPath": "/data"} in c["trainer"]["volumeMounts"]
     assert [v["name"] for v in p["volumes"]] == ["data", "kelastic-run", "kelastic-etcd-tls"]
     assert pod["metadata"]["labels"]["team"] == "ml"
-    assert pod["metadata"]["annotations"] == {"note": "x"}
+    assert pod["metadata"]["annotations"]["note"] == "x"
     env = {e["name"]: e.get("value") for e in c["kelastic-sidecar"]["env"]}
     assert env[contract.ENV_ETCD_TLS_DIR] == ETCD_TLS_MOUNT
     assert {"name": "kelastic-etcd-tls", "mountPath": ETCD_TLS_MOUNT, "readOnly": True} in c[
@@ -259,3 +260,14 @@ def test_sidecar_can_signal_the_trainers_workers(
     pod = build_pod("digits", "default", UID, spec, 0, SETTINGS)
     sidecar = containers(pod)["kelastic-sidecar"]
     assert sidecar["securityContext"] == {"allowPrivilegeEscalation": False, **expected}
+
+
+def test_pods_carry_the_spec_hash_which_ignores_scaling() -> None:
+    spec = digits_spec()
+    pod = build_pod("digits", "default", UID, spec, 1, SETTINGS)
+    digest = pod["metadata"]["annotations"]["kelastic.dev/pod-spec-hash"]
+    assert digest == pod_spec_hash(spec) and len(digest) == 16
+    assert pod_spec_hash(spec.model_copy(update={"replicas": 9})) == digest
+    changed = copy.deepcopy(spec.template)
+    changed["spec"]["containers"][0]["image"] = "other:2"
+    assert pod_spec_hash(spec.model_copy(update={"template": changed})) != digest

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 from kelastic_operator.model import ElasticJobSpec, ElasticJobStatus
+from kelastic_operator.pods import pod_spec_hash
 from kelastic_operator.reconcile import (
     JOB_FAILED_PREFIX,
+    UPDATE_REASON,
     CreatePod,
     DeletePod,
     JobView,
@@ -46,7 +48,7 @@ def job(s: ElasticJobSpec | None = None, generation: int = 1, **status: Any) -> 
 
 def pod(i: int, phase: str = "Running", ready: bool = True, age: float = 1.0,
         msg: str = "", code: int | None = None, at: datetime | None = None,
-        deleting: bool = False) -> PodView:  # fmt: skip
+        deleting: bool = False, spec_hash: str | None = None) -> PodView:  # fmt: skip
     term = None
     if phase in ("Failed", "Succeeded"):
         code = code if code is not None else (0 if phase == "Succeeded" else 1)
@@ -54,6 +56,7 @@ def pod(i: int, phase: str = "Running", ready: bool = True, age: float = 1.0,
     return PodView(
         name=f"j-{i}", index=i, phase=phase, ready=ready and phase == "Running",
         created=T0 - timedelta(seconds=age), deleting=deleting, trainer=term,
+        spec_hash=spec_hash,
     )  # fmt: skip
 
 
@@ -435,3 +438,74 @@ def test_worker_group_restarts_are_announced_once() -> None:
     assert ev.type == "Warning" and "2/3 restarts spent (round 5)" in ev.message
     again = reconcile(job(**plan.status.as_patch()), [pod(0), pod(1)], T0, rdzv)
     assert not again.events
+
+
+# ------------------------------------------------------------------------ spec change
+
+
+NEW_TEMPLATE = {"spec": {"containers": [{"name": "trainer", "command": ["python", "t2.py"]}]}}
+
+
+def test_a_spec_change_replaces_every_pod_at_once_without_spending_restarts() -> None:
+    old, new = spec(), spec(template=NEW_TEMPLATE)
+    stale = pod_spec_hash(old)
+    pods = [pod(0, spec_hash=stale), pod(1, spec_hash=stale)]
+    plan = reconcile(job(new, generation=2, phase="Running", startTime="x"), pods, T0)
+    assert plan.delete == [DeletePod("j-0", UPDATE_REASON), DeletePod("j-1", UPDATE_REASON)]
+    assert plan.depart_nodes == ["j-0", "j-1"]  # planned departures: no restart spent
+    assert set(plan.remove_nodes) == {"j-0", "j-1"}
+    assert not plan.create  # re-created once gone (their slots are still taken)
+    assert [e.reason for e in plan.events if e.reason == "UpdatingPods"] == ["UpdatingPods"]
+    # next pass: both are being deleted -> nothing new until they are gone
+    going = [pod(0, spec_hash=stale, deleting=True), pod(1, spec_hash=stale, deleting=True)]
+    plan = reconcile(job(new, generation=2, phase="Restarting", startTime="x"), going, T0)
+    assert not plan.delete and not plan.create
+    # gone: re-created (by the handler, from the new spec)
+    plan = reconcile(job(new, generation=2, phase="Restarting", startTime="x"), [], T0)
+    assert plan.create == [CreatePod("j-0", 0), CreatePod("j-1", 1)]
+
+
+@pytest.mark.parametrize(
+    ("change", "replaced"),
+    [
+        ({"replicas": 3}, False),  # scaling is not a spec change of the Pods
+        ({"cleanupPolicy": "All"}, False),
+        ({"podReplacement": {"maxReplacements": 9}}, False),
+        ({"pendingTimeoutSeconds": 5}, False),
+        ({"nprocPerNode": 2}, True),
+        ({"maxRestarts": 7}, True),
+        ({"warmStart": {"enabled": True}}, True),
+        ({"rendezvous": {"leaseTTLSeconds": 3}}, True),
+    ],
+)
+def test_which_spec_changes_replace_pods(change: dict[str, Any], replaced: bool) -> None:
+    stale = pod_spec_hash(spec())
+    pods = [pod(0, spec_hash=stale), pod(1, spec_hash=stale)]
+    plan = reconcile(job(spec(**change), generation=2, phase="Running"), pods, T0)
+    assert bool([d for d in plan.delete if d.reason == UPDATE_REASON]) is replaced
+
+
+def test_pods_without_a_spec_hash_and_failed_or_finishing_jobs_are_left_alone() -> None:
+    new = spec(template=NEW_TEMPLATE)
+    stale = pod_spec_hash(spec())
+    # Pods of an operator that did not record the hash: an upgrade rolls nothing
+    plan = reconcile(job(new, phase="Running"), [pod(0), pod(1)], T0)
+    assert not plan.delete
+    # a finishing job (a Pod succeeded) is not disturbed
+    done = [pod(0, phase="Succeeded", spec_hash=stale), pod(1, spec_hash=stale)]
+    plan = reconcile(job(new, phase="Running"), done, T0)
+    assert not [d for d in plan.delete if d.reason == UPDATE_REASON]
+    # a failed Pod is left to the replacement rule (its backoff and budget)
+    failed = [pod(0, phase="Failed", spec_hash=stale), pod(1, spec_hash=stale)]
+    plan = reconcile(job(new, phase="Running"), failed, T0)
+    assert plan.delete == [DeletePod("j-1", UPDATE_REASON)]
+    assert plan.status.next_replacement_time is not None
+    # current Pods stay
+    current = [pod(0, spec_hash=pod_spec_hash(new)), pod(1, spec_hash=pod_spec_hash(new))]
+    assert not reconcile(job(new, phase="Running"), current, T0).delete
+
+
+def test_pod_view_reads_the_spec_hash() -> None:
+    obj = {"metadata": {"name": "j-3", "annotations": {"kelastic.dev/pod-spec-hash": "abc"}}}
+    view = pod_view("j", obj)
+    assert view is not None and view.spec_hash == "abc"
