@@ -74,26 +74,12 @@ def _timed_join(joins: list[Callable[[], Any]]) -> float:
     return max(ends) - t0
 
 
-_CALLS = ("read", "get", "cas", "put", "grant_lease", "wait_change", "delete", "_refresh")
-
-
-def _count_calls(store: Any, counts: dict[str, int]) -> None:
-    """Count the etcd calls made through ``store`` (instance attributes shadow its methods;
-    the handler and its backend call them through the same object)."""
-    for name in _CALLS:
-        fn = getattr(store, name)
-
-        def wrapped(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
-            counts[_name] = counts.get(_name, 0) + 1
-            out = _fn(*args, **kwargs)
-            if _name == "cas" and not out[0]:
-                counts["cas_failed"] = counts.get("cas_failed", 0) + 1
-            return out
-
-        setattr(store, name, wrapped)
-
-
 def _ours_join(endpoint: str, n: int, counts: dict[str, int] | None = None) -> float:
+    """min = max = ``n`` handlers (threads) join one round; seconds until the last joined.
+
+    ``counts``, when given, receives the etcd requests sent during the join, by
+    operation (the stores' :meth:`~kelastic_sidecar.etcd_store.EtcdStore.request_counts`).
+    """
     from kelastic.contract import Keys, job_prefix
     from kelastic_sidecar.etcd_store import EtcdStore
     from kelastic_sidecar.rendezvous import EtcdRendezvousHandler, RendezvousSettings
@@ -106,10 +92,14 @@ def _ours_join(endpoint: str, n: int, counts: dict[str, int] | None = None) -> f
     try:
         for i, store in enumerate(stores):
             store.get("/warm-up")  # the channel is connected, as in a running sidecar
-            if counts is not None:
-                _count_calls(store, counts)
             handlers.append(EtcdRendezvousHandler(store, Keys(prefix), f"node-{i}", settings))
-        return _timed_join([h.next_rendezvous for h in handlers])
+        before = [store.request_counts() for store in stores]
+        took = _timed_join([h.next_rendezvous for h in handlers])
+        if counts is not None:  # the etcd requests each store sent during the join
+            for store, was in zip(stores, before, strict=True):
+                for name, count in store.request_counts().items():
+                    counts[name] = counts.get(name, 0) + count - was.get(name, 0)
+        return took
     finally:
         for h in handlers:
             with contextlib.suppress(Exception):
@@ -221,9 +211,11 @@ def join(quick: bool) -> CaseResult:
             ours = result.rows[-2]
             ours.extra["etcd_calls_per_node"] = per_node
             ours.note = (
-                f"N={n}: {total:.1f} etcd calls per node until joined "
+                f"N={n}: {total:.1f} etcd requests per node until joined "
                 f"(CAS {per_node.get('cas', 0)}, of which failed {per_node.get('cas_failed', 0)};"
-                f" reads {per_node.get('read', 0)}; watches {per_node.get('wait_change', 0)})"
+                f" reads {per_node.get('read', 0)}; alive put+read {per_node.get('put_read', 0)};"
+                f" watches {per_node.get('wait_change', 0)};"
+                f" lease grants {per_node.get('grant_lease', 0)})"
             )
     n = ns[-1]
     ours = next(r for r in result.rows if r.group.startswith(f"N={n} ") and "kelastic h" in r.side)

@@ -16,6 +16,8 @@ def test_key_layout_matches_design() -> None:
     assert keys.master(3) == "/kelastic/ns/digits/u1/rounds/3/master"
     assert keys.restarts == "/kelastic/ns/digits/u1/restarts"
     assert keys.report("digits-1") == "/kelastic/ns/digits/u1/reports/digits-1"
+    assert keys.departing("digits-1") == "/kelastic/ns/digits/u1/rdzv/departing/digits-1"
+    assert keys.joining("digits-1") == "/kelastic/ns/digits/u1/rdzv/joining/digits-1"
 
 
 @pytest.mark.parametrize("parts", [("", "j", "u"), ("n", "a/b", "u"), ("n", "j", "")])

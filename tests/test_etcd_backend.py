@@ -306,3 +306,31 @@ def test_torchrun_with_kelastic_etcd_backend(etcd_endpoint: str, tmp_path: Path)
     assert all(p.returncode == 0 for p in procs), "\n----\n".join(o[-3000:] for o in outputs)
     results = sorted((tmp_path / f"rank{r}").read_text() for r in range(2))
     assert results == ["3 2", "3 2"]
+
+
+def test_lost_set_state_returns_the_current_state_without_another_request(
+    store: EtcdStore, backend: EtcdRendezvousBackend
+) -> None:
+    first = backend.set_state(b"s1")
+    assert first is not None and first[2]
+    assert backend.set_state(b"s2", first[1]) is not None  # moves the token on
+    before = store.request_counts()
+    lost = backend.set_state(b"s3", first[1])  # a stale token
+    assert lost is not None
+    assert lost[0] == b"s2" and lost[2] is False
+    assert lost[1] == backend.get_state()[1]  # type: ignore[index]
+    after = store.request_counts()
+    assert after["cas"] - before.get("cas", 0) == 1
+    assert after.get("get", 0) - before.get("get", 0) == 1  # only the check just above
+
+
+def test_set_state_and_read(
+    store: EtcdStore, backend: EtcdRendezvousBackend, job_prefix: str
+) -> None:
+    store.put(job_prefix + "rdzv/alive/a", b"x")
+    ok, snap = backend.set_state_and_read(b"s1", None, [job_prefix + "rdzv/alive/"])
+    assert ok
+    assert snap.values[backend.key][0] == b"s1"
+    assert job_prefix + "rdzv/alive/a" in snap.values
+    ok, snap = backend.set_state_and_read(b"s2", None, [])
+    assert not ok and snap.values[backend.key][0] == b"s1"

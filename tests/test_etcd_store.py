@@ -410,3 +410,77 @@ def test_tls_with_client_certificate(tls_etcd: tuple[str, Path]) -> None:
     for kwargs in ({"tls_dir": only_ca}, {}):
         with EtcdStore([endpoint], timeout=1, **kwargs) as s, pytest.raises(EtcdUnavailableError):
             s.get("/tls/k")
+
+
+# ------------------------------------------------- one-request compare-and-set and writes
+
+
+def test_failed_cas_returns_current_value_in_the_same_request(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    key = job_prefix + "state"
+    ok, _, rev = store.cas(key, b"v1", None)
+    assert ok
+    before = store.request_counts()
+    ok, current, current_rev = store.cas(key, b"v2", rev - 1)  # a stale token
+    assert (ok, current, current_rev) == (False, b"v1", rev)
+    after = store.request_counts()
+    spent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert {k: n for k, n in spent.items() if n} == {"cas": 1, "cas_failed": 1}
+
+
+def test_cas_read_reads_other_items_in_the_same_transaction(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    key, alive = job_prefix + "state", job_prefix + "alive/"
+    store.put(alive + "a", b"payload")
+    ok, snap = store.cas_read(key, b"v1", None, [alive], keys_only=[alive])
+    assert ok
+    assert snap.values[key][0] == b"v1"
+    assert snap.values[alive + "a"][0] == b""  # keys only
+    assert snap.revision == snap.values[key][1]  # read after the write
+    store.put(alive + "b", b"x")
+    ok, snap = store.cas_read(key, b"v2", None, [alive])  # loses: the key exists
+    assert not ok
+    assert snap.values[key][0] == b"v1"
+    assert {k for k in snap.values if k.startswith(alive)} == {alive + "a", alive + "b"}
+    assert snap.values[alive + "a"][0] == b"payload"
+
+
+def test_cas_read_require_and_delete(store: EtcdStore, job_prefix: str) -> None:
+    key, other = job_prefix + "state", job_prefix + "req/x"
+    store.put(other, b"1")
+    other_rev = store.get(other)[1]  # type: ignore[index]
+    ok, _ = store.cas_read(key, b"v1", None, require={other: other_rev + 1}, delete=[other])
+    assert not ok  # the required revision does not match: nothing written or deleted
+    assert store.get(key) is None and store.get(other) is not None
+    ok, _ = store.cas_read(key, b"v1", None, require={job_prefix + "missing": 0})
+    assert ok  # 0: the required key must not exist
+    rev = store.get(key)[1]  # type: ignore[index]
+    ok, snap = store.cas_read(key, b"v2", rev, [job_prefix + "req/"], require={other: other_rev},
+                              delete=[other])  # fmt: skip
+    assert ok
+    assert store.get(other) is None and other not in snap.values
+
+
+def test_put_read_writes_with_a_lease_and_reads_after(store: EtcdStore, job_prefix: str) -> None:
+    lease = store.grant_lease(5)
+    a, b = job_prefix + "alive/a", job_prefix + "joining/a"
+    snap = store.put_read({a: b"1", b: b"2"}, [job_prefix + "alive/", b], lease=lease.id)
+    assert snap.values[a][0] == b"1" and snap.values[b][0] == b"2"
+    assert snap.revision == snap.values[a][1] == snap.values[b][1]  # one transaction
+    lease.revoke()
+    assert store.get(a) is None and store.get(b) is None  # both bound to the lease
+    with pytest.raises(EtcdLeaseNotFoundError):
+        store.put_read({a: b"1"}, [a], lease=lease.id)
+    assert store.get(a) is None
+
+
+def test_wait_change_sees_a_deletion_made_before_the_call(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    store.put(job_prefix + "alive/x", b"1")
+    since = store.read([job_prefix + "alive/"]).revision
+    store.delete(job_prefix + "alive/x")
+    store.put(job_prefix + "unrelated", b"1")  # the revision moves on
+    assert store.wait_change([job_prefix + "alive/"], since, 20) is True

@@ -45,7 +45,9 @@ from typing import TYPE_CHECKING, Any
 from kelastic.contract import ENV_ETCD_TLS_DIR
 
 if TYPE_CHECKING:  # the etcd client (grpc) loads on first use: torch imports this module
-    from .etcd_store import EtcdStore
+    from collections.abc import Mapping, Sequence
+
+    from .etcd_store import EtcdStore, Snapshot
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
@@ -120,6 +122,43 @@ class EtcdRendezvousBackend:
         if value is None:
             return None
         return value, revision, ok
+
+    def set_state_and_read(
+        self,
+        state: bytes,
+        token: int | None,
+        read: Sequence[str],
+        *,
+        keys_only: Sequence[str] = (),
+        require: Mapping[str, int] | None = None,
+        delete: Sequence[str] = (),
+    ) -> tuple[bool, Snapshot]:
+        """:meth:`set_state`, also reading ``read`` in the same etcd transaction.
+
+        One request whatever the outcome: a writer that lost gets the current state (and
+        the other keys) from it, without reading again.
+
+        Args:
+            state: the bytes to write.
+            token: the ``mod_revision`` the state must still have; ``None``: write only
+                if no state exists.
+            read: further keys and prefixes (ending with ``/``) to read.
+            keys_only: items of ``read`` to read without their values (``b""``).
+            require: further keys -> the ``mod_revision`` each must have (``0``: must
+                not exist) for the write to happen.
+            delete: keys deleted together with the write.
+
+        Returns:
+            ``(ok, snapshot)``: whether ``state`` was written, and the state key (when
+            it exists) plus the items of ``read``, consistent at one revision (after
+            the write when there was one).
+
+        Raises:
+            EtcdUnavailableError: etcd did not answer within the store's timeout.
+        """
+        return self._store.cas_read(
+            self._key, state, token, read, keys_only=keys_only, require=require, delete=delete
+        )
 
 
 # ------------------------------------------------------------------------ torch adapter

@@ -23,13 +23,14 @@ that by comparing the value it finds with the value it meant to write.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -134,6 +135,33 @@ def _range(key_or_prefix: str) -> tuple[bytes, bytes]:
         raise ValueError("an etcd key or prefix must not be empty")
     raw = key_or_prefix.encode()
     return (raw, _prefix_end(raw)) if key_or_prefix.endswith("/") else (raw, b"")
+
+
+def _items(keys_or_prefixes: Sequence[str]) -> list[str]:
+    """The keys and prefixes of a read, a single string being one item."""
+    return [keys_or_prefixes] if isinstance(keys_or_prefixes, str) else list(keys_or_prefixes)
+
+
+def _range_ops(items: Sequence[str], keys_only: Sequence[str] = ()) -> list[Any]:
+    """One transaction range operation per key or prefix (see :func:`_range`); those also
+    in ``keys_only`` come back without their values."""
+    ops = []
+    for item in items:
+        key, end = _range(item)
+        request = etcdrpc.RangeRequest(key=key, range_end=end, keys_only=item in keys_only)
+        ops.append(etcdrpc.RequestOp(request_range=request))
+    return ops
+
+
+def _snapshot(resp: Any) -> Snapshot:
+    """The keys that the range operations of a transaction response found."""
+    values: dict[str, tuple[bytes, int]] = {}
+    for op in resp.responses:
+        if op.WhichOneof("response") != "response_range":
+            continue
+        for kv in op.response_range.kvs:
+            values[kv.key.decode()] = (bytes(kv.value), int(kv.mod_revision))
+    return Snapshot(int(resp.header.revision), values)
 
 
 class _StreamEnded(grpc.RpcError):  # type: ignore[misc]
@@ -283,6 +311,7 @@ class EtcdStore:
             )
         self._current = random.randrange(len(self._endpoints))
         self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
         self._closed = threading.Event()
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 
@@ -300,6 +329,21 @@ class EtcdStore:
     def endpoints(self) -> tuple[str, ...]:
         """The ``host:port`` of every configured member."""
         return tuple(e.netloc for e in self._endpoints)
+
+    def request_counts(self) -> dict[str, int]:
+        """How many requests this store sent to etcd, by operation (instrumentation).
+
+        Keys are the operation names (``"read"``, ``"get"``, ``"cas"``, ``"put"``,
+        ``"put_read"``, ``"grant_lease"``, ``"keep_alive"``, ``"wait_change"``, ...);
+        each try counts, retries included; a watch stream counts once. ``"cas_failed"``
+        counts compare-and-sets that did not write.
+        """
+        with self._lock:
+            return dict(self._counts)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
 
     # ------------------------------------------------------------------ call machinery
 
@@ -333,6 +377,7 @@ class EtcdStore:
                 raise EtcdUnavailableError(
                     ep.netloc, f"{what}: no answer within {budget:.1f}s (last error: {last})"
                 )
+            self._count(what.partition("(")[0])
             try:
                 return fn(ep, left)
             except grpc.RpcError as exc:
@@ -373,24 +418,16 @@ class EtcdStore:
         resp = self._call(f"get_prefix({prefix!r})", lambda ep, t: ep.kv.Range(req, timeout=t))
         return {kv.key.decode(): (bytes(kv.value), int(kv.mod_revision)) for kv in resp.kvs}
 
-    def read(self, keys_or_prefixes: Sequence[str]) -> Snapshot:
+    def read(self, keys_or_prefixes: Sequence[str], *, keys_only: Sequence[str] = ()) -> Snapshot:
         """Read several keys and prefixes atomically (one transaction, one revision).
 
-        An item ending with ``/`` is a prefix, anything else an exact key.
+        An item ending with ``/`` is a prefix, anything else an exact key. Items also
+        listed in ``keys_only`` are read without their values (``b""`` in the snapshot).
         """
-        items = [keys_or_prefixes] if isinstance(keys_or_prefixes, str) else keys_or_prefixes
-        ops = []
-        for item in items:
-            key, end = _range(item)
-            request = etcdrpc.RangeRequest(key=key, range_end=end)
-            ops.append(etcdrpc.RequestOp(request_range=request))
-        req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
-        resp = self._call(f"read({list(items)!r})", lambda ep, t: ep.kv.Txn(req, timeout=t))
-        values: dict[str, tuple[bytes, int]] = {}
-        for op in resp.responses:
-            for kv in op.response_range.kvs:
-                values[kv.key.decode()] = (bytes(kv.value), int(kv.mod_revision))
-        return Snapshot(int(resp.header.revision), values)
+        items = _items(keys_or_prefixes)
+        req = etcdrpc.TxnRequest(compare=[], success=_range_ops(items, keys_only), failure=[])
+        resp = self._call(f"read({items!r})", lambda ep, t: ep.kv.Txn(req, timeout=t))
+        return _snapshot(resp)
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         """Write ``value`` at ``key``, bound to ``lease`` (an id) when given.
@@ -401,36 +438,114 @@ class EtcdStore:
         req = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease or 0)
         self._call(f"put({key!r})", lambda ep, t: ep.kv.Put(req, timeout=t))
 
+    def put_read(
+        self,
+        puts: Mapping[str, bytes],
+        read: Sequence[str],
+        lease: int | None = None,
+        *,
+        keys_only: Sequence[str] = (),
+    ) -> Snapshot:
+        """Write keys (bound to ``lease`` when given), then read, in one transaction: one
+        request instead of :meth:`put` calls and a :meth:`read`.
+
+        Args:
+            puts: key -> the bytes written there.
+            read: keys and prefixes (ending with ``/``) read after the writes.
+            lease: the lease id the keys are bound to.
+            keys_only: items of ``read`` read without their values (``b""``).
+
+        Returns:
+            the items of ``read`` as of the writes (them included), at their revision.
+
+        Raises:
+            EtcdLeaseNotFoundError: the lease has expired or was revoked (nothing written).
+        """
+        writes = [
+            etcdrpc.RequestOp(
+                request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease or 0)
+            )
+            for key, value in puts.items()
+        ]
+        reads = _range_ops(_items(read), keys_only)
+        req = etcdrpc.TxnRequest(compare=[], success=[*writes, *reads], failure=[])
+        resp = self._call(f"put_read({list(puts)!r})", lambda ep, t: ep.kv.Txn(req, timeout=t))
+        return _snapshot(resp)
+
     def cas(
         self, key: str, value: bytes, expected_mod_revision: int | None
     ) -> tuple[bool, bytes | None, int]:
-        """Compare-and-set in one etcd transaction.
+        """Compare-and-set in one etcd transaction (one request, even when it fails).
 
         Writes ``value`` if the key's ``mod_revision`` equals ``expected_mod_revision``,
         or, when that is ``None``, only if the key does not exist.
 
         Returns:
             ``(ok, current value, current mod_revision)``: after a successful write the
-            value written and its new revision; otherwise what the key holds now
-            (``None`` and ``0`` when it does not exist).
+            value written and its new revision; otherwise what the key holds now, read
+            in the same transaction (``None`` and ``0`` when it does not exist).
+
+        A try whose outcome is unknown (connection lost mid-call) is retried; when the
+        retry finds exactly ``value`` in place, the first try is taken to have won.
+        """
+        ok, snap = self.cas_read(key, value, expected_mod_revision)
+        current, revision = snap.values.get(key, (None, 0))
+        return ok, current, revision
+
+    def cas_read(
+        self,
+        key: str,
+        value: bytes,
+        expected_mod_revision: int | None,
+        read: Sequence[str] = (),
+        *,
+        keys_only: Sequence[str] = (),
+        require: Mapping[str, int] | None = None,
+        delete: Sequence[str] = (),
+    ) -> tuple[bool, Snapshot]:
+        """Compare-and-set ``key`` and read ``key`` and ``read``, all in one transaction.
+
+        Both outcomes come back in the one request: a writer that lost learns the
+        current value (and the other items) without another round trip.
+
+        Args:
+            key: the key compared and written.
+            value: the bytes written when the comparison holds.
+            expected_mod_revision: the ``mod_revision`` the key must have; ``None``:
+                the key must not exist.
+            read: further keys and prefixes (ending with ``/``) read in the same
+                transaction, after the write when there was one.
+            keys_only: items of ``read`` read without their values (``b""``).
+            require: further keys -> the ``mod_revision`` each must have (``0``: must
+                not exist) for the write to happen.
+            delete: keys deleted together with the write (not when it fails).
+
+        Returns:
+            ``(ok, snapshot)``: whether ``value`` was written, and ``key`` (when it
+            exists) plus the items of ``read`` as of the transaction's revision.
 
         A try whose outcome is unknown (connection lost mid-call) is retried; when the
         retry finds exactly ``value`` in place, the first try is taken to have won.
         """
         raw = key.encode()
-        compare = etcdrpc.Compare(
-            key=raw,
-            target=etcdrpc.Compare.MOD,
-            result=etcdrpc.Compare.EQUAL,
-            mod_revision=expected_mod_revision or 0,
-        )
-        read_back = etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=raw))
-        write = etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=raw, value=value))
-        req = etcdrpc.TxnRequest(
-            compare=[compare],
-            success=[write, read_back],
-            failure=[read_back],
-        )
+        wanted = {key: expected_mod_revision or 0, **(require or {})}
+        compares = [
+            etcdrpc.Compare(
+                key=name.encode(),
+                target=etcdrpc.Compare.MOD,
+                result=etcdrpc.Compare.EQUAL,
+                mod_revision=revision,
+            )
+            for name, revision in wanted.items()
+        ]
+        items = [key, *(item for item in _items(read) if item != key)]
+        reads = _range_ops(items, keys_only)
+        writes = [etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=raw, value=value))]
+        writes += [
+            etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=name.encode()))
+            for name in delete
+        ]
+        req = etcdrpc.TxnRequest(compare=compares, success=[*writes, *reads], failure=reads)
         attempts = 0
 
         def txn(ep: _Endpoint, left: float) -> Any:
@@ -439,10 +554,12 @@ class EtcdStore:
             return ep.kv.Txn(req, timeout=left)
 
         resp = self._call(f"cas({key!r})", txn)
-        kvs = resp.responses[-1].response_range.kvs
-        current, revision = (bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else (None, 0)
-        ok = bool(resp.succeeded) or (attempts > 1 and current == value)
-        return ok, current, revision
+        snap = _snapshot(resp)
+        current = snap.values.get(key)
+        ok = bool(resp.succeeded) or (attempts > 1 and current is not None and current[0] == value)
+        if not ok:
+            self._count("cas_failed")
+        return ok, snap
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""
@@ -508,6 +625,12 @@ class EtcdStore:
         change between that read and this call is seen at once. Opens one etcd watch
         stream and closes it before returning (no thread or stream outlives the call).
 
+        etcd serves a watch that starts at a past revision from a catch-up loop that
+        runs every 100 ms, so the watches start now, and once etcd has created them one
+        range request asks for keys written after ``since_revision``. Deletions in
+        between come from watches that start at ``since_revision + 1`` (deletions only),
+        up to 100 ms late.
+
         Returns:
             True when a change (or a compaction past ``since_revision``) was seen,
             False when ``timeout`` passed without one.
@@ -519,13 +642,22 @@ class EtcdStore:
         items = [keys_or_prefixes] if isinstance(keys_or_prefixes, str) else list(keys_or_prefixes)
         if not items:
             raise ValueError("nothing to watch")
-        requests = []
+        requests, checks = [], []
         for item in items:
             key, end = _range(item)
-            create = etcdrpc.WatchCreateRequest(
-                key=key, range_end=end, start_revision=since_revision + 1
+            now = etcdrpc.WatchCreateRequest(key=key, range_end=end)
+            deletions = etcdrpc.WatchCreateRequest(
+                key=key,
+                range_end=end,
+                start_revision=since_revision + 1,
+                filters=[etcdrpc.WatchCreateRequest.NOPUT],
             )
-            requests.append(etcdrpc.WatchRequest(create_request=create))
+            requests += [etcdrpc.WatchRequest(create_request=c) for c in (now, deletions)]
+            written = etcdrpc.RangeRequest(
+                key=key, range_end=end, keys_only=True, min_mod_revision=since_revision + 1
+            )
+            checks.append(etcdrpc.RequestOp(request_range=written))
+        check = etcdrpc.TxnRequest(compare=[], success=checks, failure=[])
         deadline = time.monotonic() + timeout
         failing_since: float | None = None
         delay = _BACKOFF_FIRST
@@ -538,8 +670,9 @@ class EtcdStore:
             if left <= 0:
                 return False
             ep = self._endpoint()
+            self._count("wait_change")
             try:
-                return self._watch_once(ep, requests, left)
+                return self._watch_once(ep, requests, check, left)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code != grpc.StatusCode.UNAVAILABLE:
@@ -556,9 +689,11 @@ class EtcdStore:
                 self._closed.wait(delay)
                 delay = min(delay * 2, _BACKOFF_MAX)
 
-    @staticmethod
-    def _watch_once(ep: _Endpoint, requests: list[Any], timeout: float) -> bool:
+    def _watch_once(self, ep: _Endpoint, requests: list[Any], check: Any, timeout: float) -> bool:
         """One watch stream: True on an event, False at the deadline.
+
+        Once etcd created every watch, ``check`` (a transaction of range requests) runs:
+        True when it finds a key.
 
         The request iterator ends after the create requests (a half-close); etcd keeps
         the watches until the stream is cancelled, which ``finally`` does.
@@ -568,11 +703,21 @@ class EtcdStore:
             EtcdUnavailableError: etcd cancelled the watch for a reason other than
                 compaction.
         """
+        deadline = time.monotonic() + timeout
         call = ep.watch.Watch(iter(requests), timeout=timeout)
+        pending = len(requests)
         try:
             for resp in call:
                 if resp.events:
                     return True
+                if resp.created:
+                    pending -= 1
+                    if not pending:
+                        self._count("read")
+                        left = max(deadline - time.monotonic(), 0.001)
+                        found = ep.kv.Txn(check, timeout=left)
+                        if any(op.response_range.kvs for op in found.responses):
+                            return True
                 if resp.canceled:
                     if resp.compact_revision:
                         return True  # history gone: the caller must re-read anyway

@@ -25,6 +25,15 @@ Differences from torch, each for a reason (DESIGN.md, "Rendezvous"):
 - graceful departures (:meth:`EtcdRendezvousHandler.leave`, and the exit before a
   re-rendezvous) are recorded for the current round, so peers can tell a node that
   left from one that died (:meth:`EtcdRendezvousHandler.check_round`).
+- few etcd requests per join, so that many nodes can join at once: every write is one
+  transaction that also returns the view after it (after a lost compare-and-set, what
+  the winner wrote), so no read follows a write; a joining node writes a *join
+  request* (``rdzv/joining/<node>``, bound to its lease) together with its alive key,
+  and whoever writes the state for its own join applies the pending requests of the
+  others too (:func:`~kelastic_sidecar.rendezvous_state.admit_requests`), in the same
+  transaction, which deletes them and fails if one was withdrawn meanwhile. A node
+  withdraws its request before it acts on its own join timeout. The requests only
+  save writes: each node still writes its own join if nobody admitted it first.
 
 The state machine is pure: :class:`~kelastic_sidecar.rendezvous_state.RendezvousState`
 plus the transition and step functions of :mod:`kelastic_sidecar.rendezvous_state`,
@@ -49,7 +58,13 @@ from typing import Any
 from kelastic.contract import Keys
 
 from .etcd_backend import EtcdRendezvousBackend
-from .etcd_store import EtcdLeaseNotFoundError, EtcdStore, EtcdUnavailableError, Lease
+from .etcd_store import (
+    EtcdLeaseNotFoundError,
+    EtcdStore,
+    EtcdUnavailableError,
+    Lease,
+    Snapshot,
+)
 from .rendezvous_state import (
     CLOSED,
     DEPARTURE_REJOIN,
@@ -72,6 +87,7 @@ from .rendezvous_state import (
     RendezvousTimeoutError,
     RoundCheck,
     Step,
+    admit_requests,
     close_step,
     decode_state,
     encode_state,
@@ -116,6 +132,8 @@ class _Operation:
     deadline: float  # time.monotonic()
     need_alive: bool
     untimed: bool = False  # the last step waits without a deadline (redundant node)
+    request_join: bool = False  # hold a join request while running (next_rendezvous)
+    admit: bool = False  # our writes apply the other nodes' join requests too
 
 
 @dataclass(frozen=True)
@@ -127,6 +145,7 @@ class _View:
     alive: frozenset[str]
     revision: int  # store revision of the read
     departing: dict[str, str]  # node -> reason of the operator's departure notices
+    joining: dict[str, int]  # node -> mod_revision of its pending join request
 
 
 class EtcdRendezvousHandler:
@@ -155,6 +174,13 @@ class EtcdRendezvousHandler:
         self.settings = settings
         self._backend = EtcdRendezvousBackend(store, keys.rdzv_state, name="kelastic")
         self._watch = [keys.rdzv_state, keys.alive_prefix, keys.departing_prefix]
+        # Join requests: a joining node announces itself here (bound to its lease), and
+        # whoever writes the state for its own join applies the others' requests too.
+        self._joining_prefix = keys.joining_prefix
+        self._joining_key = keys.joining(node)
+        self._reads = [*self._watch, self._joining_prefix]
+        self._names_only = [keys.alive_prefix, self._joining_prefix]  # values unused
+        self._join_requested = False  # our request was written in this next_rendezvous
         self._lease: Lease | None = None
         self._lease_lock = threading.Lock()
         self._shut_down = False
@@ -184,18 +210,28 @@ class EtcdRendezvousHandler:
         started = time.monotonic()
         with self._op_lock:
             timeout = self.settings.join_timeout
-            self._run(
-                "exit",
-                functools.partial(exit_step, node=self.node, settings=self.settings),
-                timeout,
-                need_alive=True,
-            )
-            view = self._run(
-                "join",
-                functools.partial(join_step, node=self.node, settings=self.settings),
-                timeout,
-                need_alive=True,
-            )
+            self._join_requested = False
+            view: _View | None = None
+            try:
+                view = self._run(
+                    "exit",
+                    functools.partial(exit_step, node=self.node, settings=self.settings),
+                    timeout,
+                    need_alive=True,
+                    request_join=True,  # written with the alive key: one request less
+                )
+                view = self._run(
+                    "join",
+                    functools.partial(join_step, node=self.node, settings=self.settings),
+                    timeout,
+                    need_alive=True,
+                    request_join=True,
+                    admit=True,
+                    view=view,  # what the exit finished on is current: no need to read again
+                )
+            finally:
+                if self._join_requested and (view is None or self.node in view.joining):
+                    self._withdraw_join_request()
             self._advance(view.revision)  # the caller knows the round as of this read
         state = view.state
         order = state.ranked()
@@ -319,8 +355,12 @@ class EtcdRendezvousHandler:
         with self._cursor_lock:
             self._cursor = max(self._cursor, revision)
 
-    def _ensure_alive(self) -> None:
-        """Hold a live lease and write our alive key bound to it."""
+    def _ensure_alive(self, request_join: bool = False) -> _View:
+        """Hold a live lease and write our alive key bound to it; the view right after.
+
+        With ``request_join``, our join request is written too. The writes and the read
+        are one etcd transaction.
+        """
         with self._lease_lock:
             if self._shut_down:
                 raise RendezvousError(f"{self.node}: the rendezvous handler was shut down")
@@ -338,48 +378,102 @@ class EtcdRendezvousHandler:
                     if lease is not None:
                         log.warning("%s: lease %x lost; taking a new one", self.node, lease.id)
                     lease = self._lease = self._store.grant_lease(self.settings.lease_ttl)
+                puts = {self._keys.alive(self.node): value}
+                if request_join:
+                    puts[self._joining_key] = b"join"
                 try:
-                    self._store.put(self._keys.alive(self.node), value, lease=lease.id)
-                    return
+                    snap = self._store.put_read(
+                        puts, self._reads, lease=lease.id, keys_only=self._names_only
+                    )
+                    self._join_requested = self._join_requested or request_join
+                    return self._view(snap)
                 except EtcdLeaseNotFoundError:
                     lease.stop_keep_alive()
                     self._lease = None
             raise RendezvousError(f"{self.node}: cannot keep an etcd lease alive")
 
     def _read(self) -> _View:
-        snap = self._store.read(self._watch)
-        alive = frozenset(
-            key[len(self._keys.alive_prefix) :]
-            for key in snap.values
-            if key.startswith(self._keys.alive_prefix)
-        )
-        departing = {
-            key[len(self._keys.departing_prefix) :]: raw.decode(errors="replace")
-            for key, (raw, _) in snap.values.items()
-            if key.startswith(self._keys.departing_prefix)
-        }
+        return self._view(self._store.read(self._reads, keys_only=self._names_only))
+
+    def _view(self, snap: Snapshot) -> _View:
+        """The view of a snapshot of the state key, the alive, departing and joining keys."""
+        alive: set[str] = set()
+        departing: dict[str, str] = {}
+        joining: dict[str, int] = {}
+        alive_prefix, departing_prefix = self._keys.alive_prefix, self._keys.departing_prefix
+        for key, (raw, revision) in snap.values.items():
+            if key.startswith(alive_prefix):
+                alive.add(key[len(alive_prefix) :])
+            elif key.startswith(self._joining_prefix):
+                joining[key[len(self._joining_prefix) :]] = revision
+            elif key.startswith(departing_prefix):
+                departing[key[len(departing_prefix) :]] = raw.decode(errors="replace")
         got = snap.values.get(self._keys.rdzv_state)
         if got is None:
             state, token = RendezvousState(run_id=self.settings.run_id), None
         else:
             state = decode_state(got[0], run_id=self.settings.run_id, where=self._keys.rdzv_state)
             token = got[1]
-        return _View(state, token, alive, snap.revision, departing)
+        return _View(state, token, frozenset(alive), snap.revision, departing, joining)
 
-    def _write(self, view: _View, new: RendezvousState) -> bool:
-        """Compare-and-set ``new`` over ``view``; False when someone wrote first."""
-        result = self._backend.set_state(encode_state(new), view.token)
-        return result is not None and result[2]
+    def _write(
+        self, view: _View, new: RendezvousState, admitted: tuple[str, ...] = ()
+    ) -> tuple[bool, _View]:
+        """Compare-and-set ``new`` over ``view``: (whether it was written, the view after).
+
+        One etcd transaction: the view after the write, or after a lost write what the
+        winner wrote, comes back with it, so no read follows. The join requests of
+        ``admitted`` (applied in ``new``) must still be those of ``view`` and are
+        deleted with the write, and so is ours once ``new`` lists us.
+        """
+        require = {self._joining_prefix + n: view.joining[n] for n in admitted}
+        delete = list(require)
+        listed = new.participants.keys() | new.wait_list | new.redundancy_list
+        if self.node in view.joining and self.node in listed:
+            delete.append(self._joining_key)
+        ok, snap = self._backend.set_state_and_read(
+            encode_state(new),
+            view.token,
+            self._reads[1:],
+            keys_only=self._names_only,
+            require=require,
+            delete=delete,
+        )
+        return ok, self._view(snap)
+
+    def _request_join(self) -> _View:
+        """Write our join request (bound to our lease); the view right after."""
+        lease = self._lease
+        snap = self._store.put_read(
+            {self._joining_key: b"join"},
+            self._reads,
+            lease=lease.id if lease is not None else None,
+            keys_only=self._names_only,
+        )
+        self._join_requested = True
+        return self._view(snap)
+
+    def _withdraw_join_request(self) -> None:
+        """Delete our join request (best effort: it goes with our lease anyway).
+
+        It is not written again in this :meth:`next_rendezvous`.
+        """
+        try:
+            self._store.delete(self._joining_key)
+        except EtcdUnavailableError as exc:
+            log.warning("%s: cannot withdraw the join request (%s)", self.node, exc)
 
     def _sync(self) -> _View:
         """Read the state and write back the removal of dead nodes, if any."""
+        view = self._read()
         while True:
-            view = self._read()
             clean, dead = sanitize(view.state, view.alive, self.settings, view.departing)
             if not dead:
                 return view
-            if self._write(view, clean):
-                self._log_dead(view.state, dead)
+            before = view.state
+            ok, view = self._write(view, clean)
+            if ok:
+                self._log_dead(before, dead)
 
     def _log_dead(self, state: RendezvousState, dead: tuple[str, ...]) -> None:
         log.warning(
@@ -394,8 +488,18 @@ class EtcdRendezvousHandler:
         timeout: float,
         *,
         need_alive: bool = False,
+        request_join: bool = False,
+        admit: bool = False,
+        view: _View | None = None,
     ) -> _View:
         """Drive ``step_fn`` until it finishes: read, sanitize, decide, write or wait.
+
+        Starts from ``view`` when given (a current view), else from a fresh read; each
+        write's transaction returns the next view, so only waits are followed by a read.
+        With ``request_join`` our join request is written first (once per
+        :meth:`next_rendezvous`) and withdrawn before a timeout is acted on; with
+        ``admit`` our writes apply the other nodes' join requests too
+        (:func:`~kelastic_sidecar.rendezvous_state.admit_requests`).
 
         An etcd outage is ridden out until the operation's deadline (for a redundant
         node, for ``timeout`` seconds of outage); then its error propagates.
@@ -408,11 +512,18 @@ class EtcdRendezvousHandler:
             EtcdUnavailableError: etcd stayed unreachable, see above.
         """
         op = _Operation(what, step_fn, timeout, time.monotonic() + timeout, need_alive)
+        op.request_join, op.admit = request_join, admit
         outage_since: float | None = None
         while True:
             try:
-                view = self._turn(op)
+                if view is None:
+                    if need_alive and self._lease is None:  # a first join: no need to look
+                        view = self._ensure_alive(request_join and not self._join_requested)
+                    else:
+                        view = self._read()
+                view, finished = self._turn(op, view)
             except EtcdUnavailableError as exc:
+                view = None
                 now = time.monotonic()
                 if outage_since is None:
                     outage_since = now
@@ -425,15 +536,21 @@ class EtcdRendezvousHandler:
             if outage_since is not None:
                 log.info("%s: %s: etcd reachable again", self.node, what)
                 outage_since = None
-            if view is not None:
+            if finished and view is not None:
                 return view
 
-    def _turn(self, op: _Operation) -> _View | None:
-        """One read-decide-act cycle of ``op``; the view once the step finishes."""
-        view = self._read()
+    def _turn(self, op: _Operation, view: _View) -> tuple[_View | None, bool]:
+        """One decide-act cycle of ``op`` on ``view``.
+
+        Returns:
+            ``(view, True)`` once the step finishes; else ``(next view, False)``, the
+            next view being ``None`` when it must be read afresh (after a wait).
+        """
+        wants_request = op.request_join and not self._join_requested
         if op.need_alive and (self.node not in view.alive or self.lease_lost):
-            self._ensure_alive()
-            return None
+            return self._ensure_alive(wants_request), False
+        if wants_request:
+            return self._request_join(), False
         state, dead = sanitize(view.state, view.alive, self.settings, view.departing)
         mono = time.monotonic()
         clock = Clock(
@@ -441,22 +558,34 @@ class EtcdRendezvousHandler:
             timed_out=mono > op.deadline,
             rollback_over=mono > op.deadline + ROLLBACK_PERIOD,
         )
+        if op.request_join and clock.timed_out and self.node in view.joining:
+            self._withdraw_join_request()  # first, so that nobody admits us any more
+            return None, False
         step = op.step_fn(state, clock)
         op.untimed = step.untimed
         if step.action is Action.WRITE and step.state is not None and step.state != state:
-            if self._write(view, step.state):
+            new: RendezvousState = step.state
+            admitted: tuple[str, ...] = ()
+            if op.admit and not clock.timed_out:
+                requests = [n for n in view.joining if n != self.node and n in view.alive]
+                new, admitted = admit_requests(new, requests, clock, settings=self.settings)
+            ok, after = self._write(view, new, admitted)
+            if ok:
                 if dead:
                     self._log_dead(view.state, dead)
                 log.info("%s: %s", self.node, step.note)
+                if admitted:
+                    log.info("%s: admitted %s with it", self.node, ", ".join(admitted))
                 if step.restart_timer:
                     op.deadline = time.monotonic() + op.timeout
-            return None  # look again at what we (or the winner) wrote
+            return after, False  # look again at what we (or the winner) wrote
         if dead:
-            if self._write(view, state):
+            ok, after = self._write(view, state)
+            if ok:
                 self._log_dead(view.state, dead)
-            return None
+            return after, False
         if step.action is Action.FINISH:
-            return view
+            return view, True
         if step.action is Action.ERROR_CLOSED:
             reason = state.closed_reason
             raise RendezvousClosedError(
@@ -471,14 +600,15 @@ class EtcdRendezvousHandler:
                 f"min {self.settings.min_nodes}/max {self.settings.max_nodes} nodes, "
                 f"complete={state.complete})"
             )
-        self._wait(view.revision, step, op.deadline)
-        return None
+        self._wait(op, view.revision, step)
+        return None, False
 
-    def _wait(self, revision: int, step: Step, deadline: float) -> None:
+    def _wait(self, op: _Operation, revision: int, step: Step) -> None:
+        """Wait for a change after ``revision``, or until the step's or the op's deadline."""
         limits = [MAX_WAIT]
         if not step.untimed:
             mono = time.monotonic()
-            end = deadline if mono <= deadline else deadline + ROLLBACK_PERIOD
+            end = op.deadline if mono <= op.deadline else op.deadline + ROLLBACK_PERIOD
             limits.append(end - mono)
         if step.wake_at is not None:
             limits.append(step.wake_at - time.time())

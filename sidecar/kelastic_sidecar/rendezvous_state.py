@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import logging
 import math
@@ -158,6 +159,7 @@ class RoundCheck:
 # ----------------------------------------------------------------------------- state
 
 
+@functools.lru_cache(maxsize=4096)
 def name_order(node: str) -> tuple[tuple[str | int, ...], str]:
     """Sort key of node names: digit runs compare as numbers (``job-2`` < ``job-10``).
 
@@ -547,6 +549,41 @@ def join_step(
     if state.deadline <= clock.now:
         return _write(mark_complete(state), f"completed round {state.round} (last call over)")
     return Step(Action.WAIT, wake_at=state.deadline)
+
+
+def admit_requests(
+    state: RendezvousState,
+    requesters: Iterable[str],
+    clock: Clock,
+    *,
+    settings: RendezvousSettings,
+) -> tuple[RendezvousState, tuple[str, ...]]:
+    """Apply the pending join requests of other nodes to ``state``, as each would itself.
+
+    A node that joins announces it (a join request in etcd) before it writes the state;
+    whoever writes the state for its own join applies the other requests too, so that
+    many nodes joining at once need a few writes, not one each. For each requester not
+    yet in the state (participants, wait or redundancy list), in :func:`name_order`,
+    this applies what :func:`join_step` would write for it when not timed out: join the
+    forming round (the round completes at ``max_nodes``; later ones go to the
+    redundancy list), or wait for the next round. A requester withdraws its request
+    before it acts on its own timeout, so the requester's own clock is not needed.
+    Nothing is applied to a closed rendezvous.
+
+    Returns:
+        the new state and the requesters applied (in the order applied).
+    """
+    admitted: list[str] = []
+    for node in sorted(set(requesters), key=name_order):
+        if state.closed:
+            break
+        if node in state.participants or node in state.wait_list or node in state.redundancy_list:
+            continue
+        step = join_step(state, Clock(now=clock.now), node=node, settings=settings)
+        if step.action is Action.WRITE and step.state is not None:
+            state = step.state
+            admitted.append(node)
+    return state, tuple(admitted)
 
 
 def exit_step(

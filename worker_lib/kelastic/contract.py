@@ -199,6 +199,16 @@ class Keys:
         re-rendezvous without spending the restart budget."""
         return self.departing_prefix + node
 
+    @property
+    def joining_prefix(self) -> str:
+        """Prefix of join requests, one per node waiting to join the current round."""
+        return self.prefix + "rdzv/joining/"
+
+    def joining(self, node: str) -> str:
+        """Join request of ``node`` (bound to its lease): whoever writes the rendezvous
+        state next admits it in the same transaction, which deletes the request."""
+        return self.joining_prefix + node
+
     def master(self, round_: int) -> str:
         """``{"addr", "port"}`` of the round's c10d store, written by group rank 0."""
         return f"{self.prefix}rounds/{round_}/master"

@@ -1,0 +1,185 @@
+"""Joining in few etcd requests: join requests applied by other writers, and writes that
+return the next view (a lost compare-and-set needs no read after it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from kelastic_sidecar.rendezvous import RendezvousTimeoutError
+from kelastic_sidecar.rendezvous_state import (
+    Clock,
+    RendezvousState,
+    admit_requests,
+    mark_closed,
+)
+from tests.conftest import wait_for
+from tests.test_rendezvous import RUN, Cluster, join_all, settings
+
+NOW = 1000.0
+
+
+@pytest.fixture
+def cluster(etcd_endpoint: str, job_prefix: str) -> Iterator[Cluster]:
+    c = Cluster(etcd_endpoint, job_prefix)
+    yield c
+    c.close()
+
+
+def _spent(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0)}
+
+
+# ====================================================================== pure state machine
+
+
+def test_admit_requests_joins_the_forming_round_in_name_order() -> None:
+    s = settings(min_nodes=2, max_nodes=3, last_call_timeout=30)
+    state = RendezvousState(RUN, participants={"job-1": 0})
+    new, admitted = admit_requests(state, ["job-10", "job-2", "job-3"], Clock(NOW), settings=s)
+    assert admitted == ("job-2", "job-3", "job-10")
+    assert new.complete  # job-3 brought it to max_nodes
+    assert set(new.participants) == {"job-1", "job-2", "job-3"}
+    assert new.redundancy_list == {"job-10"}  # the round was full when its turn came
+
+
+def test_admit_requests_starts_the_last_call_at_min_nodes() -> None:
+    s = settings(min_nodes=2, max_nodes=4, last_call_timeout=30)
+    new, admitted = admit_requests(RendezvousState(RUN), ["b", "a"], Clock(NOW), settings=s)
+    assert admitted == ("a", "b")
+    assert not new.complete and new.deadline == NOW + 30
+
+
+def test_admit_requests_puts_late_nodes_on_the_wait_list() -> None:
+    s = settings(min_nodes=1, max_nodes=3)
+    state = RendezvousState(RUN, complete=True, participants={"a": 0})
+    new, admitted = admit_requests(state, ["b"], Clock(NOW), settings=s)
+    assert admitted == ("b",) and new.wait_list == {"b"} and new.participants == {"a": 0}
+
+
+def test_admit_requests_skips_listed_nodes_and_a_closed_rendezvous() -> None:
+    s = settings(min_nodes=3, max_nodes=3)
+    state = RendezvousState(RUN, participants={"a": 0}, redundancy_list=frozenset({"r"}))
+    state = dataclasses.replace(state, wait_list=frozenset({"w"}))
+    new, admitted = admit_requests(state, ["a", "r", "w"], Clock(NOW), settings=s)
+    assert admitted == () and new == state
+    closed = mark_closed(RendezvousState(RUN), {"why": "test"})
+    assert admit_requests(closed, ["a"], Clock(NOW), settings=s) == (closed, ())
+
+
+# =========================================================================== on etcd
+
+
+def _joining(c: Cluster) -> set[str]:
+    prefix = c.keys.joining_prefix
+    return {k[len(prefix) :] for k in c.admin.get_prefix(prefix)}
+
+
+def test_a_lone_join_takes_four_requests(cluster: Cluster) -> None:
+    node = cluster.node("a", settings(min_nodes=1, max_nodes=1))
+    store = node._store
+    before = store.request_counts()
+    info = node.next_rendezvous()
+    assert info.group_world_size == 1
+    # lease, alive key + join request + read, the write (its view says: complete)
+    assert _spent(before, store.request_counts()) == {"grant_lease": 1, "put_read": 1, "cas": 1}
+    assert _joining(cluster) == set()  # the request went with the write
+
+
+def test_a_lost_write_returns_the_winners_view_without_a_read(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=3)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    a._ensure_alive()
+    b._ensure_alive()
+    view = a._read()
+    view_b = b._read()
+    ok, winner = b._write(view_b, dataclasses.replace(view_b.state, participants={"b": 0}))
+    assert ok
+    store = a._store
+    before = store.request_counts()
+    ok, after = a._write(view, dataclasses.replace(view.state, participants={"a": 0}))
+    assert not ok
+    assert after.state == winner.state and after.token == winner.token
+    assert after.alive == {"a", "b"}
+    assert _spent(before, store.request_counts()) == {"cas": 1, "cas_failed": 1}
+
+
+def test_a_writer_admits_pending_join_requests(cluster: Cluster) -> None:
+    s = settings(min_nodes=2, max_nodes=2)
+    a, b, ghost = cluster.node("a", s), cluster.node("b", s), cluster.node("ghost", s)
+    b._ensure_alive(request_join=True)  # b asked to join (its join op is not running)
+    ghost._ensure_alive(request_join=True)
+    ghost.shutdown()  # its request went with its lease
+    assert _joining(cluster) == {"b"}
+    info = a.next_rendezvous()  # a's own write admits b: the round is complete at once
+    assert info.participants == ("a", "b")
+    assert cluster.state().complete
+    assert _joining(cluster) == set()  # b's request was consumed by the write
+
+
+def test_a_withdrawn_request_is_not_admitted(cluster: Cluster) -> None:
+    s = settings(min_nodes=1, max_nodes=3)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    a._ensure_alive()
+    b._ensure_alive(request_join=True)
+    view = a._read()
+    assert set(view.joining) == {"b"}
+    b._withdraw_join_request()  # b timed out between a's read and a's write
+    new = dataclasses.replace(view.state, participants={"a": 0, "b": 0})
+    ok, after = a._write(view, new, admitted=("b",))
+    assert not ok  # b's request is not the one a saw any more
+    assert "b" not in after.state.participants
+
+
+def test_many_nodes_join_with_few_writes(cluster: Cluster) -> None:
+    s = settings(min_nodes=8, max_nodes=8, last_call_timeout=30)
+    nodes = [cluster.node(f"job-{i}", s) for i in range(8)]
+    infos = join_all(nodes)
+    assert {i.participants for i in infos} == {tuple(f"job-{i}" for i in range(8))}
+    assert sorted(i.group_rank for i in infos) == list(range(8))
+    assert _joining(cluster) == set()
+    writes = sum(
+        n.request_counts().get("cas", 0) - n.request_counts().get("cas_failed", 0)
+        for n in (h._store for h in nodes)
+    )
+    assert 1 <= writes <= 8  # one state write per node at most, often fewer
+
+
+def test_a_timed_out_join_withdraws_its_request(cluster: Cluster) -> None:
+    lonely = cluster.node("lonely", settings(min_nodes=2, max_nodes=2, join_timeout=0.5))
+    with pytest.raises(RendezvousTimeoutError):
+        lonely.next_rendezvous()
+    assert _joining(cluster) == set()
+    late = cluster.node("late", settings(min_nodes=1, max_nodes=1))
+    info = late.next_rendezvous()
+    assert info.participants == ("late",)  # the withdrawn node was not admitted
+    wait_for(lambda: "lonely" not in cluster.state().participants, what="lonely gone")
+
+
+def test_a_pending_request_is_withdrawn_once_at_the_timeout(cluster: Cluster) -> None:
+    import functools
+    import threading
+
+    from kelastic_sidecar.rendezvous_state import join_step
+
+    s = settings(min_nodes=2, max_nodes=2)
+    node = cluster.node("slow", s)
+    node._ensure_alive(request_join=True)  # the request is pending, nobody listed us
+    assert _joining(cluster) == {"slow"}
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            step = functools.partial(join_step, node="slow", settings=s)
+            node._run("join", step, 0.0, need_alive=True, request_join=True, admit=True)
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)  # a deadline for a hang, not a timing check
+    assert not thread.is_alive(), "the timed-out join did not end"
+    assert len(outcome) == 1 and isinstance(outcome[0], RendezvousTimeoutError)
+    assert _joining(cluster) == set()  # withdrawn, and not written again
