@@ -484,3 +484,32 @@ def test_wait_change_sees_a_deletion_made_before_the_call(
     store.delete(job_prefix + "alive/x")
     store.put(job_prefix + "unrelated", b"1")  # the revision moves on
     assert store.wait_change([job_prefix + "alive/"], since, 20) is True
+
+
+def test_failed_calls_and_lease_refreshes_are_reported(etcd_endpoint: str) -> None:
+    """Every failed call reaches ``on_error`` (the sidecar's etcd_errors metric), the
+    lease keep-alive's refreshes included."""
+    from tests.ship.tcpproxy import TcpProxy
+
+    errors: list[EtcdUnavailableError] = []
+    with TcpProxy(etcd_endpoint) as proxy:
+        store = EtcdStore([proxy.endpoint], timeout=0.5)
+        store.on_error = errors.append
+        try:
+            lease = store.grant_lease(5)
+            assert not errors
+            proxy.cut()
+            with pytest.raises(EtcdUnavailableError):
+                store.get("/kl-test/x")
+            assert any(str(e).count("get(") for e in errors), errors
+            # the keep-alive (every ttl/3 s) fails on its own and says so
+            wait_for(lambda: any("keep_alive(" in str(e) for e in errors), timeout=15,
+                     what="a failed lease refresh reported")  # fmt: skip
+            assert store.request_counts()["errors"] == len(errors)
+            lease.stop_keep_alive()
+        finally:
+            store.close()
+    n = len(errors)
+    with pytest.raises(EtcdUnavailableError):
+        store.get("/kl-test/x")  # closed: not an etcd failure
+    assert len(errors) == n

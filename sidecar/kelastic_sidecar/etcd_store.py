@@ -312,6 +312,9 @@ class EtcdStore:
         self._current = random.randrange(len(self._endpoints))
         self._lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
+        #: Called with each :class:`EtcdUnavailableError` a call raises (a lease refresh
+        #: and a watch included), e.g. to count it in a metric; exceptions are logged.
+        self.on_error: Callable[[EtcdUnavailableError], None] | None = None
         self._closed = threading.Event()
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 
@@ -336,7 +339,8 @@ class EtcdStore:
         Keys are the operation names (``"read"``, ``"get"``, ``"cas"``, ``"put"``,
         ``"put_read"``, ``"grant_lease"``, ``"keep_alive"``, ``"wait_change"``, ...);
         each try counts, retries included; a watch stream counts once. ``"cas_failed"``
-        counts compare-and-sets that did not write.
+        counts compare-and-sets that did not write, ``"errors"`` the calls that failed
+        (:class:`EtcdUnavailableError`).
         """
         with self._lock:
             return dict(self._counts)
@@ -356,14 +360,38 @@ class EtcdStore:
             if self._endpoints[self._current] is failed:
                 self._current = (self._current + 1) % len(self._endpoints)
 
+    def _report(self, exc: EtcdUnavailableError) -> None:
+        """Count a failed call and tell :attr:`on_error` (not after :meth:`close`)."""
+        if self._closed.is_set():
+            return
+        self._count("errors")
+        hook = self.on_error
+        if hook is not None:
+            try:
+                hook(exc)
+            except Exception:
+                log.exception("etcd store: on_error hook failed")
+
     def _call(
         self, what: str, fn: Callable[[_Endpoint, float], T], timeout: float | None = None
     ) -> T:
         """Run ``fn(endpoint, seconds_left)`` until it succeeds or the deadline passes.
 
         ``UNAVAILABLE`` is retried on the next endpoint after a short backoff; every
-        other failure, and the deadline, raise :class:`EtcdUnavailableError`.
+        other failure, and the deadline, raise :class:`EtcdUnavailableError` (reported
+        to :attr:`on_error` first).
         """
+        try:
+            return self._call_once(what, fn, timeout)
+        except EtcdLeaseNotFoundError:
+            raise  # an answer, not a failure to reach etcd
+        except EtcdUnavailableError as exc:
+            self._report(exc)
+            raise
+
+    def _call_once(
+        self, what: str, fn: Callable[[_Endpoint, float], T], timeout: float | None
+    ) -> T:
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         delay = _BACKOFF_FIRST
@@ -639,6 +667,15 @@ class EtcdStore:
             EtcdUnavailableError: the watch could not be (re-)established for
                 ``self.timeout`` seconds.
         """
+        try:
+            return self._wait_change(keys_or_prefixes, since_revision, timeout)
+        except EtcdUnavailableError as exc:
+            self._report(exc)
+            raise
+
+    def _wait_change(
+        self, keys_or_prefixes: Sequence[str], since_revision: int, timeout: float
+    ) -> bool:
         items = [keys_or_prefixes] if isinstance(keys_or_prefixes, str) else list(keys_or_prefixes)
         if not items:
             raise ValueError("nothing to watch")

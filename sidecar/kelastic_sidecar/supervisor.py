@@ -111,6 +111,8 @@ class Supervisor:
             on_reap=lambda ev: self._events.put(("reaped", ev)),
         )
         self.metrics = SidecarMetrics(self.timer.stats)
+        # Every failed etcd call counts, the lease keep-alive's and the watches' included.
+        self.store.on_error = lambda exc: self.metrics.etcd_errors.inc()
         self.metrics.budget_max.set(config.max_restarts)
         self.control = ControlServer(
             contract.control_socket_path(config.run_dir),
@@ -406,7 +408,6 @@ class Supervisor:
             try:
                 changed = handler.wait_for_change(1.0)
             except (RendezvousError, EtcdUnavailableError) as exc:
-                self.metrics.etcd_errors.inc()
                 log.warning("watching the rendezvous failed: %s", exc)
                 self._watch_stop.wait(0.5)
                 changed = True
@@ -436,7 +437,6 @@ class Supervisor:
         try:
             check = handler.check_round(info)
         except (RendezvousError, EtcdUnavailableError) as exc:
-            self.metrics.etcd_errors.inc()
             log.warning("checking round %d failed: %s", info.round, exc)
             return None
         if check.healthy:
@@ -565,7 +565,8 @@ class Supervisor:
                 failure.round, failure.cause, failure.node, failure.as_dict()
             )
         except (EtcdUnavailableError, RestartRecordError) as exc:
-            self.metrics.etcd_errors.inc()
+            if isinstance(exc, RestartRecordError):  # a corrupt record (failed calls count
+                self.metrics.etcd_errors.inc()  # through the store's on_error)
             log.error("cannot record the restart in etcd: %s", exc)
             return False
         self._spent = charge.count
