@@ -13,6 +13,7 @@ import pytest
 from kelastic.contract import Keys
 from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from kelastic_sidecar.rendezvous import (
+    LEAVE_OUTAGE_TIMEOUT,
     EtcdRendezvousHandler,
     RendezvousClosedError,
     RendezvousError,
@@ -581,6 +582,26 @@ def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> 
     finally:
         b.shutdown()
         b_store.close()
+        proxy.down()
+
+
+def test_leave_gives_up_soon_when_etcd_is_away(cluster: Cluster, etcd_endpoint: str) -> None:
+    """A departure rides out an etcd outage for LEAVE_OUTAGE_TIMEOUT s, not close_timeout."""
+    s = settings(min_nodes=1, max_nodes=1, close_timeout=60)
+    proxy = _Proxy(etcd_endpoint)
+    proxy.up()
+    store = EtcdStore([proxy.endpoint], timeout=0.5)
+    handler = EtcdRendezvousHandler(store, cluster.keys, "a", s)
+    try:
+        handler.next_rendezvous()
+        proxy.down()
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailableError):
+            handler.leave("shutdown")
+        assert LEAVE_OUTAGE_TIMEOUT <= time.monotonic() - started < 30  # not 60
+    finally:
+        handler.shutdown()
+        store.close()
         proxy.down()
 
 

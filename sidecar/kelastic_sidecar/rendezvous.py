@@ -119,6 +119,9 @@ __all__ = [
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
+#: Seconds :meth:`EtcdRendezvousHandler.leave` rides out an etcd outage.
+LEAVE_OUTAGE_TIMEOUT = 5.0
+
 # --------------------------------------------------------------------------- handler
 
 
@@ -293,8 +296,14 @@ class EtcdRendezvousHandler:
         ``participant_left``, not ``participant_lost``. Keeps the lease (see
         :meth:`shutdown`).
 
+        A departure is a courtesy to the peers (without it they count the node lost
+        when its lease expires): an etcd outage is ridden out for at most
+        :data:`LEAVE_OUTAGE_TIMEOUT` seconds, so a node that stops while etcd is down
+        does not hang on to its Pod for the whole ``close_timeout``.
+
         Raises:
             RendezvousTimeoutError: not done within ``close_timeout``.
+            EtcdUnavailableError: etcd stayed unreachable, see above.
         """
         if not reason:
             raise ValueError("a departure needs a reason")
@@ -302,7 +311,12 @@ class EtcdRendezvousHandler:
             step = functools.partial(
                 leave_step, node=self.node, settings=self.settings, reason=reason
             )
-            self._run("leave", step, self.settings.close_timeout)
+            self._run(
+                "leave",
+                step,
+                self.settings.close_timeout,
+                outage_timeout=min(self.settings.close_timeout, LEAVE_OUTAGE_TIMEOUT),
+            )
 
     def close(self, reason: dict[str, Any]) -> None:
         """Close the rendezvous for the whole job; ``reason`` (a JSON object) is stored.
@@ -491,6 +505,7 @@ class EtcdRendezvousHandler:
         request_join: bool = False,
         admit: bool = False,
         view: _View | None = None,
+        outage_timeout: float | None = None,
     ) -> _View:
         """Drive ``step_fn`` until it finishes: read, sanitize, decide, write or wait.
 
@@ -502,7 +517,8 @@ class EtcdRendezvousHandler:
         (:func:`~kelastic_sidecar.rendezvous_state.admit_requests`).
 
         An etcd outage is ridden out until the operation's deadline (for a redundant
-        node, for ``timeout`` seconds of outage); then its error propagates.
+        node, for ``timeout`` seconds of outage; with ``outage_timeout``, for at most
+        that many seconds of outage); then its error propagates.
 
         Returns:
             the view the step finished on.
@@ -529,6 +545,8 @@ class EtcdRendezvousHandler:
                     outage_since = now
                     log.warning("%s: %s: etcd unavailable (%s); retrying", self.node, what, exc)
                 limit = outage_since + timeout if op.untimed else op.deadline
+                if outage_timeout is not None:
+                    limit = min(limit, outage_since + outage_timeout)
                 if now >= limit:
                     raise
                 time.sleep(min(0.5, limit - now))
