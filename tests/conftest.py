@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -38,6 +40,27 @@ def job_prefix() -> str:
     from kelastic.contract import job_prefix as make
 
     return make("test", "job", uuid.uuid4().hex[:12])
+
+
+@pytest.fixture
+def pod_run_dir() -> Iterator[Path]:
+    """A run dir every user can reach, like the Pod's emptyDir (for cross-user tests)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="kl-run-", dir="/tmp"))
+    run_dir.chmod(0o755)
+    try:
+        yield run_dir
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def strict_umask() -> Iterator[None]:
+    """Run the block under umask 077: what a process creates must not depend on it."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def wait_for(

@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +18,7 @@ import pytest
 from kelastic.contract import TORCHELASTIC_TIMER_FILE
 from kelastic.timer import FifoTimerClient
 from kelastic_sidecar.timer_server import ReapEvent, TimerServer
-from tests.conftest import wait_for
+from tests.conftest import strict_umask, wait_for
 
 
 class Recorder:
@@ -534,17 +532,12 @@ AS_NOBODY = """
 """
 
 
-def test_a_worker_of_another_user_can_use_the_fifo(rec: Recorder) -> None:
+def test_a_worker_of_another_user_can_use_the_fifo(rec: Recorder, pod_run_dir: Path) -> None:
     assert os.getuid() == 0, "the test suite runs as root (CI) to switch users"
-    run_dir = Path(tempfile.mkdtemp(prefix="kl-run-", dir="/tmp"))
-    run_dir.chmod(0o755)  # like the emptyDir: every user of the Pod reaches it
-    fifo = run_dir / "timer.fifo"
-    old = os.umask(0o077)  # a strict umask must not lock other users out
+    fifo = pod_run_dir / "timer.fifo"
     srv = TimerServer(fifo, on_reap=rec.on_reap, kill=rec.kill)
-    try:
+    with strict_umask():
         srv.start()
-    finally:
-        os.umask(old)
     try:
         assert fifo.stat().st_mode & 0o777 == 0o622
         proc = spawn(fifo, AS_NOBODY)
@@ -557,4 +550,3 @@ def test_a_worker_of_another_user_can_use_the_fifo(rec: Recorder) -> None:
         assert rec.events[0].scope_id == "other_user"
     finally:
         srv.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)

@@ -49,22 +49,22 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import importlib
 import json
 import os
 import runpy
 import select
-import signal
 import socket
 import sys
 import time
 import traceback
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kelastic._workers import child_preexec
 
 __all__ = [
     "ENV_PAD",
@@ -82,8 +82,6 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 REPARENT_TIMEOUT = 10.0
 #: Seconds the zygote waits for a new worker to report its pid.
 PID_REPORT_TIMEOUT = 10.0
-
-_PR_SET_PDEATHSIG = 1
 
 
 def send_message(sock: socket.socket, obj: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -170,15 +168,6 @@ class ChildJob:
             exec(compile(self.target, "<string>", "exec"), main.__dict__)
 
 
-def _prctl() -> Callable[..., int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn: Callable[..., int] = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    return fn
-
-
 def _become_worker(request: dict[str, Any], fds: list[int], report_w: int, launcher: int) -> None:
     """In the worker (grandchild of the zygote): detach, wait for the launcher, set up."""
     os.setsid()
@@ -190,11 +179,7 @@ def _become_worker(request: dict[str, Any], fds: list[int], report_w: int, launc
             os.write(2, b"kelastic zygote: worker was not reparented to the launcher\n")
             os._exit(1)
         time.sleep(0.0002)
-    prctl = _prctl()
-    if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != launcher:  # the launcher died between the check and prctl
-        os._exit(1)
+    child_preexec(launcher)  # PR_SET_PDEATHSIG now that the launcher is our parent
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
