@@ -186,3 +186,16 @@ def test_an_existing_etcd_is_used_and_keeps_the_job_record(
     assert run.strays() == []
     # the etcd we were given is not ours to stop (its /health may be slow on a loaded machine)
     wait_for(etcd_server.healthy, 30, what="the given etcd to stay up")
+
+
+def test_root_cause_prefers_the_stopped_worker_of_the_latest_round() -> None:
+    from kelastic_operator.local.runner import root_cause
+
+    peer = {"round": 3, "time": 10.0, "summary": "hang: rank 1 on j-0", "stopped": False}
+    hung = {"round": 3, "time": 10.2, "summary": "hang: rank 2 on j-1", "stopped": True}
+    old = {"round": 2, "time": 1.0, "summary": "worker_failure: rank 0 on j-0"}
+    assert root_cause([peer, hung, old]) == "hang: rank 2 on j-1"
+    assert root_cause([peer, old]) == "hang: rank 1 on j-0"  # else the earliest
+    later = {**peer, "time": 11.0, "summary": "hang: rank 3 on j-1"}
+    assert root_cause([later, peer]) == "hang: rank 1 on j-0"
+    assert root_cause([]) == "see the sidecar logs"

@@ -550,3 +550,24 @@ def test_a_worker_of_another_user_can_use_the_fifo(rec: Recorder, pod_run_dir: P
         assert rec.events[0].scope_id == "other_user"
     finally:
         srv.stop()
+
+
+def test_reap_records_whether_the_worker_was_stopped(
+    server: TimerServer, fifo: Path, rec: Recorder
+) -> None:
+    """A stopped worker (state T) is told apart from one sleeping (S), e.g. blocked in a
+    collective on it."""
+    stopped = spawn(fifo, HUNG.format(scope="stopped").replace("time.sleep(120)",
+                    "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"))  # fmt: skip
+    sleeping = spawn(fifo, HUNG.format(scope="sleeping"))
+    for proc in (stopped, sleeping):
+        server.watch_pid(proc.pid)
+    try:
+        for proc in (stopped, sleeping):
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        finish(stopped)
+        finish(sleeping)
+    wait_for(rec.has_events(2), timeout=10, what="two reaps")
+    states = {e.scope_id: e.state for e in rec.events}
+    assert states == {"stopped": "T", "sleeping": "S"}

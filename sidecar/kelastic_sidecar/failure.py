@@ -43,6 +43,9 @@ class Failure:
         message: the exception message from the worker's error file, or a description.
         tail: last lines of the worker's stderr (most recent last).
         time: Unix time (seconds) it was observed.
+        stopped: a hung worker that was stopped (SIGSTOP, a debugger) when it was
+            reaped: it held its peers up, whose timers expire too while they wait for
+            it in a collective; the better root cause of a round's hangs.
     """
 
     cause: str
@@ -55,6 +58,7 @@ class Failure:
     message: str = ""
     tail: tuple[str, ...] = field(default_factory=tuple)
     time: float = field(default_factory=time.time)
+    stopped: bool = False
 
     def summary(self) -> str:
         """One line naming the cause, e.g.

@@ -488,6 +488,14 @@ class Supervisor:
         log.info("round %d: %s (%s)", info.round, check.reason, nodes)
         return _RoundEnd("restart", reason=reason)
 
+    def _stopped_worker(self) -> tuple[int, ReapEvent] | None:
+        """``(local_rank, reap)`` of a worker of this attempt reaped while stopped."""
+        for local_rank, pid in sorted(self._pids.items()):
+            reap = self._reaped.get(pid)
+            if reap is not None and reap.state in ("T", "t"):
+                return local_rank, reap
+        return None
+
     def _on_reaped(self, ev: ReapEvent) -> None:
         self._reaped[ev.pid] = ev
         log.warning(
@@ -540,8 +548,19 @@ class Supervisor:
         reap = self._reaped.get(pid) if isinstance(pid, int) else None
         error = msg.get("error") or {}
         message = str(error.get("message") or "") if isinstance(error, dict) else ""
+        tail = tuple(str(x) for x in msg.get("tail") or ())
+        if reap is not None and reap.state not in ("T", "t"):
+            # Workers blocked in a collective on a stopped peer are reaped with it: name
+            # the stopped one of this node, whichever exit was reported first.
+            culprit = self._stopped_worker()
+            if culprit is not None:
+                local_rank, reap = culprit
+                exitcode, sig, tail = None, reap.signal, ()
+        stopped = reap is not None and reap.state in ("T", "t")
         if reap is not None:
             message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
+            if stopped:
+                message += " (it was stopped, not waiting on a peer)"
         failure = Failure(
             cause=CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE,
             node=self.cfg.node,
@@ -551,7 +570,8 @@ class Supervisor:
             exitcode=int(exitcode) if exitcode is not None else None,
             signal=int(sig) if sig is not None else None,
             message=message,
-            tail=tuple(str(x) for x in msg.get("tail") or ()),
+            tail=tail,
+            stopped=stopped,
         )
         log.error("round %d failed: %s", info.round, failure.summary())
         return _RoundEnd("failed", failure)

@@ -85,6 +85,10 @@ class ReapEvent:
         signal: the signal sent.
         expiration_time: the timer's deadline, seconds since the epoch.
         reaped_at: when the signal was sent, seconds since the epoch.
+        state: the worker's process state just before the signal (``/proc/<pid>/stat``):
+            ``T`` stopped, ``t`` stopped by a tracer, ``D`` uninterruptible sleep, ``S``
+            sleeping (e.g. blocked in a collective on a hung peer), ``R`` running;
+            empty when unknown. A stopped worker is the one that held its peers up.
     """
 
     pid: int
@@ -92,6 +96,18 @@ class ReapEvent:
     signal: int
     expiration_time: float
     reaped_at: float
+    state: str = ""
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` from ``/proc/<pid>/stat`` (``""`` if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            stat = fp.read()
+    except OSError:
+        return ""
+    fields = stat[stat.rfind(b")") + 2 :].split(maxsplit=1)
+    return fields[0].decode(errors="replace") if fields else ""
 
 
 @dataclass
@@ -575,6 +591,7 @@ class TimerServer:
             scopes,
         )
         event: ReapEvent | None = None
+        state = process_state(pid)  # before the signal changes it
         try:
             self._kill(pid, timer.signal)
         except ProcessLookupError:
@@ -585,7 +602,9 @@ class TimerServer:
             self._stats.kill_failed += 1
         else:
             self._stats.reaped += 1
-            event = ReapEvent(pid, scope_id, timer.signal, timer.expiration_time, time.time())
+            event = ReapEvent(
+                pid, scope_id, timer.signal, timer.expiration_time, time.time(), state
+            )
         self._clear_pid(pid)
         return event
 

@@ -43,6 +43,20 @@ from .pods import LocalContainer, LocalPod
 ENV_LOCAL_RUN = "KELASTIC_LOCAL_RUN"
 
 
+def root_cause(failures: list[dict[str, Any]]) -> str:
+    """The summary that best explains a restart, from the sidecars' ``last_failure``.
+
+    Among the failures of the latest round: a hung worker that was stopped (its peers'
+    timers expire too, while they wait for it), then the earliest.
+    """
+    if not failures:
+        return "see the sidecar logs"
+    latest = max(int(f.get("round", -1)) for f in failures)
+    pool = [f for f in failures if int(f.get("round", -1)) == latest]
+    pool.sort(key=lambda f: (not f.get("stopped"), float(f.get("time") or 0)))
+    return str(pool[0].get("summary") or "see the sidecar logs")
+
+
 @dataclass
 class LocalOptions:
     """Options of ``kelastic run``.
@@ -312,29 +326,31 @@ class LocalRunner:
         if not statuses:
             return
         spent = max(int(s.get("restarts_spent") or 0) for s in statuses)
-        if spent > self._seen["spent"]:
-            failures = [s["last_failure"] for s in statuses if s.get("last_failure")]
-            failures.sort(key=lambda f: f.get("time", 0))
-            cause = failures[0]["summary"] if failures else "see the sidecar logs"
-            for f in failures:
-                if f.get("round") == max(x.get("round", -1) for x in failures):
-                    cause = f["summary"]
-                    break
-            self.say(f"restart {spent}/{self.spec.max_restarts}: {cause}")
-            self._seen["spent"] = spent
         running = [
             s for s in statuses if s.get("phase") == "running" and s.get("round") is not None
         ]
-        if running:
-            rnd = max(int(s["round"]) for s in running)
-            if rnd != self._seen["round"]:
-                ws = next(s.get("world_size") for s in running if s["round"] == rnd)
-                nodes = next(s.get("group_world_size") for s in running if s["round"] == rnd)
-                self._seen["round"] = rnd
-                self.say(
-                    f"round {rnd}: world size {ws} ({nodes} nodes x {self.spec.nproc_per_node}),"
-                    f" restarts {spent}/{self.spec.max_restarts}"
-                )
+        rnd = max(int(s["round"]) for s in running) if running else None
+        if spent > self._seen["spent"]:
+            # The nodes report their failures within moments of each other: wait until
+            # each did (or a new round runs, or a second passed) to name the root cause.
+            failures = [s["last_failure"] for s in statuses if s.get("last_failure")]
+            latest = max((int(f.get("round", -1)) for f in failures), default=-1)
+            each = all(int((s.get("last_failure") or {}).get("round", -2)) == latest
+                       for s in statuses)  # fmt: skip
+            since = self._seen.setdefault("spent_at", time.monotonic())
+            moved_on = rnd is not None and rnd != self._seen["round"]
+            if each or moved_on or time.monotonic() - since >= 1.0:
+                self.say(f"restart {spent}/{self.spec.max_restarts}: {root_cause(failures)}")
+                self._seen["spent"] = spent
+                del self._seen["spent_at"]
+        if rnd is not None and rnd != self._seen["round"]:
+            ws = next(s.get("world_size") for s in running if s["round"] == rnd)
+            nodes = next(s.get("group_world_size") for s in running if s["round"] == rnd)
+            self._seen["round"] = rnd
+            self.say(
+                f"round {rnd}: world size {ws} ({nodes} nodes x {self.spec.nproc_per_node}),"
+                f" restarts {spent}/{self.spec.max_restarts}"
+            )
 
     def _status_line(self) -> str:
         statuses = [p.status for p in self.pods if p.status]
