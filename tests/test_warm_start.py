@@ -215,6 +215,29 @@ def test_uncaught_exception_exits_1_with_traceback(world: Env) -> None:
     assert exited["tail"][-1] == "KeyError: 'nope'"
 
 
+FINALIZED = textwrap.dedent(
+    r"""
+    import os, sys
+
+    class Held:
+        def __del__(self):
+            os.write(1, f"finalizing={sys.is_finalizing()}\n".encode())
+
+    held = Held()
+    """
+)
+
+
+def test_program_globals_live_until_the_interpreter_exits(world: Env) -> None:
+    """As in ``python script.py``, what the program's globals hold is destroyed during
+    interpreter finalisation (a gloo process group destroyed earlier can deadlock)."""
+    script = world.out_dir / "held.py"
+    script.write_text(FINALIZED)
+    exited, out, _ = _run_one(world, [PY, str(script)])
+    assert exited["exitcode"] == 0
+    assert out == "finalizing=True\n"
+
+
 # --------------------------------------------------------------------- fallbacks
 def test_not_a_python_command_starts_cold(warm_world: Env) -> None:
     exited, out, launcher = _run_one(warm_world, ["/bin/sh", "-c", "echo hello from sh"])

@@ -47,10 +47,13 @@ such commands cold). Stdlib only; Linux.
 from __future__ import annotations
 
 import array
+import builtins
 import contextlib
 import ctypes
 import gc
 import importlib
+import importlib.machinery
+import io
 import json
 import os
 import runpy
@@ -60,6 +63,7 @@ import sys
 import time
 import traceback
 import types
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,21 +154,40 @@ class ChildJob:
     argv: list[str]
 
     def run(self) -> None:
-        """Run the program as ``__main__``; its exceptions and ``SystemExit`` propagate."""
+        """Run the program in a fresh ``__main__`` module, as the interpreter would.
+
+        The module stays ``sys.modules["__main__"]`` until the interpreter exits, so
+        what its globals hold is destroyed during finalisation, as for ``python
+        script.py`` (``runpy.run_path``'s temporary module would free it when the
+        program returns; a gloo process group freed then can deadlock: its destructor
+        joins a thread that waits for the GIL). Exceptions and ``SystemExit`` propagate.
+        """
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
         if self.kind == "script":
             path = self.target
             sys.argv = [path, *self.argv]
             sys.path[0] = os.path.dirname(os.path.realpath(path))
-            runpy.run_path(path, run_name="__main__")
+            if os.path.isdir(path) or zipfile.is_zipfile(path):  # a __main__.py inside
+                main.__dict__.update(runpy.run_path(path, run_name="__main__"))
+                return
+            with io.open_code(path) as fp:
+                code = compile(fp.read(), path, "exec")
+            main.__dict__.update(
+                __file__=path,
+                __cached__=None,
+                __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+            )
+            exec(code, main.__dict__)
         elif self.kind == "module":
-            sys.argv = ["-m", *self.argv]  # run_module puts the module's file in argv[0]
+            sys.argv = ["-m", *self.argv]  # the module's file replaces argv[0]
             sys.path[0] = os.getcwd()
-            runpy.run_module(self.target, run_name="__main__", alter_sys=True)
+            # What `python -m` itself runs: the module's code in sys.modules["__main__"].
+            runpy._run_module_as_main(self.target, alter_argv=True)  # type: ignore[attr-defined]
         else:
             sys.argv = ["-c", *self.argv]
             sys.path[0] = ""
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
             exec(compile(self.target, "<string>", "exec"), main.__dict__)
 
 
