@@ -5,8 +5,9 @@ the first ``DistributedDataParallel(...)`` (``torch._dynamo``, sympy, ...): abou
 each on an idle core, several seconds when a node's workers all start at once. With
 ``python -m kelastic.launch --warm-start``, the launcher starts this process once; it
 imports the *preload* modules and then, for every worker of every attempt, forks a
-child that turns into the worker: ``python train.py args`` runs with ``runpy`` in a
-process that already holds the imported modules (copy-on-write), so a restart costs
+child that turns into the worker: ``python train.py args`` runs in a fresh ``__main__``
+module (:meth:`ChildJob.run`) of a process that already holds the imported modules
+(copy-on-write), so a restart costs
 a fork instead of an interpreter start. This is the "zygote" of Android and of
 Instagram's prefork servers; the same trick as torch's ``DataLoader`` fork workers.
 
