@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .common import CaseResult, child_env, log, table
 
@@ -41,7 +42,7 @@ def _run_child(name: str, quick: bool, out: str, window: float | None) -> int:
 
     module, func, _, _ = CASES[name]
     started = time.monotonic()
-    kwargs = {"quick": quick}
+    kwargs: dict[str, Any] = {"quick": quick}
     if window is not None and name == "sidecar_footprint":
         kwargs["window"] = window
     try:

@@ -18,6 +18,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -85,7 +86,7 @@ def _rank1_worker(roots: list[subprocess.Popen[bytes]]) -> psutil.Process | None
 
 def _run(
     procs: list[subprocess.Popen[bytes]], events: Path, duration: float, every: float
-) -> dict[str, float]:
+) -> dict[str, Any]:
     generation = _wait(events, set(), 4, 120.0)
     start = max(e["t"] for e in generation)
     end = start + duration
@@ -129,7 +130,7 @@ def _run(
         "steps": float(sum(1 for e in steps if start < e["t1"] <= end)),
         "kills": float(len(kills)),
         "skipped_kills": float(skipped),
-        "recoveries": recoveries,  # type: ignore[dict-item]
+        "recoveries": recoveries,
     }
 
 
@@ -137,7 +138,7 @@ def goodput(quick: bool) -> CaseResult:
     result = CaseResult("goodput")
     duration, every = (36.0, 12.0) if quick else (120.0, 20.0)
     group = f"SIGKILL of 1 worker every {every:.0f} s for {duration:.0f} s (2x2 gloo DDP)"
-    measured: dict[str, dict[str, float]] = {}
+    measured: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kelastic-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
         try:

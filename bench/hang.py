@@ -62,7 +62,9 @@ def fresh_generation(path: Path, known: set[int], world: int) -> list[dict[str, 
     return list(fresh.values()) if len(fresh) == world else None
 
 
-def wait_generation(path: Path, known: set[int], world: int, timeout: float) -> list[dict]:
+def wait_generation(
+    path: Path, known: set[int], world: int, timeout: float
+) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         generation = fresh_generation(path, known, world)
@@ -120,7 +122,7 @@ def start_kelastic(
 
 
 def _rank_pid(generation: list[dict[str, Any]], rank: int) -> int:
-    return next(e["pid"] for e in generation if e["rank"] == rank)
+    return int(next(e["pid"] for e in generation if e["rank"] == rank))
 
 
 def _torchrun(tmp: Path, hangs: int, settle: float) -> tuple[list[float], list[str]]:
@@ -158,7 +160,7 @@ def _torchrun(tmp: Path, hangs: int, settle: float) -> tuple[list[float], list[s
             os.kill(_rank_pid(generation, 1), signal.SIGSTOP)
             stopped_at = time.time()
             deadline = time.monotonic() + 90.0
-            while (generation := fresh_generation(events, known, 2)) is None:
+            while (fresh := fresh_generation(events, known, 2)) is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError("torchrun did not resume within 90 s after a hang")
                 if proc.poll() is not None:  # the outer relaunch
@@ -171,6 +173,7 @@ def _torchrun(tmp: Path, hangs: int, settle: float) -> tuple[list[float], list[s
                     kill_workers(events)
                     proc = launch()
                 time.sleep(0.02)
+            generation = fresh
             known |= {e["pid"] for e in generation}
             samples.append(max(e["t"] for e in generation) - stopped_at)
             log(f"hang: torchrun {i + 1}/{hangs}: resumed after {samples[-1]:.2f} s")

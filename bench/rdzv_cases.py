@@ -230,7 +230,9 @@ def join(quick: bool) -> CaseResult:
 # ------------------------------------------------------------------- re-rendezvous
 
 
-def _start_node(impl: str, name: str, endpoint: str, run_id: str, conf: dict[str, Any]):
+def _start_node(
+    impl: str, name: str, endpoint: str, run_id: str, conf: dict[str, Any]
+) -> tuple[subprocess.Popen[str], LineReader]:
     args = [sys.executable, "-m", "bench._rdzv_node", impl, name, endpoint, run_id]
     args += [str(conf["min"]), str(conf["max"]), str(conf["ttl"]), str(conf["last_call"])]
     proc = subprocess.Popen(

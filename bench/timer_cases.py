@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ class _Server:
 
 
 @contextlib.contextmanager
-def _server(impl: str, max_interval: float | None, tmp: Path):
+def _server(impl: str, max_interval: float | None, tmp: Path) -> Iterator[_Server]:
     fifo = str(tmp / f"timer-{impl}-{max_interval}.fifo")
     reap_log = tmp / f"reaps-{impl}-{max_interval}.log"
     args = [sys.executable, "-m", "bench._timer_proc", impl, fifo]
@@ -393,7 +394,9 @@ def throughput(quick: bool) -> CaseResult:
     result = CaseResult("timer_throughput")
     ks = (1, 4) if quick else (1, 4, 16)
     reps, duration = (1, 0.5) if quick else (3, 2.0)
-    sides = [("torch FileTimerServer max_interval=0.1", "torch", 0.1, True)]
+    sides: list[tuple[str, str, float | None, bool]] = [
+        ("torch FileTimerServer max_interval=0.1", "torch", 0.1, True)
+    ]
     sides.append(("kelastic TimerServer", "kelastic", None, False))
     raw: dict[tuple[str, int], list[dict[str, float]]] = {}
     with contextlib.ExitStack() as stack:
