@@ -287,6 +287,10 @@ class Supervisor:
                 self._down_cause = end.reason or CAUSE_PEER
                 self.metrics.restarts.labels(cause=self._down_cause).inc()
                 log.info("round %d: restarting the worker group (%s)", info.round, end.reason)
+                stopped = self._stopped_failure(info)
+                if stopped is not None:  # a peer restarted first, but it was waiting on ours
+                    self._last_failure = stopped
+                    log.error("round %d: %s", info.round, stopped.summary())
 
     def _wait_control(self, msg_type: str) -> Message:
         """Block until the launcher sends ``msg_type``; other events are dropped."""
@@ -488,12 +492,26 @@ class Supervisor:
         log.info("round %d: %s (%s)", info.round, check.reason, nodes)
         return _RoundEnd("restart", reason=reason)
 
-    def _stopped_worker(self) -> tuple[int, ReapEvent] | None:
-        """``(local_rank, reap)`` of a worker of this attempt reaped while stopped."""
+    def _stopped_failure(self, info: RendezvousInfo) -> Failure | None:
+        """The hang of a worker of this attempt that was reaped while stopped, if any.
+
+        Its peers' timers expire too while they wait for it in a collective, so it is
+        the root cause of the round's hangs, whichever exit is reported first.
+        """
         for local_rank, pid in sorted(self._pids.items()):
             reap = self._reaped.get(pid)
             if reap is not None and reap.state in ("T", "t"):
-                return local_rank, reap
+                return Failure(
+                    cause=CAUSE_HANG,
+                    node=self.cfg.node,
+                    round=info.round,
+                    rank=info.group_rank * self._nproc + local_rank,
+                    local_rank=local_rank,
+                    signal=reap.signal,
+                    message=f"timer {reap.scope_id!r} expired; reaped by the timer server "
+                    "(it was stopped, not waiting on a peer)",
+                    stopped=True,
+                )
         return None
 
     def _on_reaped(self, ev: ReapEvent) -> None:
@@ -549,18 +567,15 @@ class Supervisor:
         error = msg.get("error") or {}
         message = str(error.get("message") or "") if isinstance(error, dict) else ""
         tail = tuple(str(x) for x in msg.get("tail") or ())
-        if reap is not None and reap.state not in ("T", "t"):
+        if reap is not None:
             # Workers blocked in a collective on a stopped peer are reaped with it: name
             # the stopped one of this node, whichever exit was reported first.
-            culprit = self._stopped_worker()
+            culprit = self._stopped_failure(info)
             if culprit is not None:
-                local_rank, reap = culprit
-                exitcode, sig, tail = None, reap.signal, ()
-        stopped = reap is not None and reap.state in ("T", "t")
+                log.error("round %d failed: %s", info.round, culprit.summary())
+                return _RoundEnd("failed", culprit)
         if reap is not None:
             message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
-            if stopped:
-                message += " (it was stopped, not waiting on a peer)"
         failure = Failure(
             cause=CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE,
             node=self.cfg.node,
@@ -571,7 +586,6 @@ class Supervisor:
             signal=int(sig) if sig is not None else None,
             message=message,
             tail=tail,
-            stopped=stopped,
         )
         log.error("round %d failed: %s", info.round, failure.summary())
         return _RoundEnd("failed", failure)

@@ -455,17 +455,17 @@ class TimerServer:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
         events = self._expire(time.time())
-        if self._release:
-            for event in events:  # every kill of the batch was sent: now free the memory
-                if event.signal == SIGKILL:
-                    release_memory(event.pid)
-        for event in events:
+        for event in events:  # first, so the reaps are known before the exits arrive
             if self._on_reap is None:
                 continue
             try:
                 self._on_reap(event)
             except Exception:
                 log.exception("timer server: on_reap callback failed for %s", event)
+        if self._release:
+            for event in events:  # every kill of the batch was sent: now free the memory
+                if event.signal == SIGKILL:
+                    release_memory(event.pid)
 
     def _sleep_ms(self) -> int | None:
         """Milliseconds until the earliest live deadline (capped), None if no timers."""
