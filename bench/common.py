@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,3 +254,89 @@ def read_events(path: Path) -> list[dict[str, Any]]:
         with contextlib.suppress(ValueError):
             out.append(json.loads(line))
     return out
+
+
+#: The ElasticJob that ``kelastic run`` gets in the DDP benchmarks (hang, goodput, mttr).
+JOB = """\
+apiVersion: kelastic.dev/v1alpha1
+kind: ElasticJob
+metadata:
+  name: bench-{name}
+spec:
+  replicas: {replicas}
+  minReplicas: {replicas}
+  maxReplicas: {replicas}
+  nprocPerNode: {nproc}
+  maxRestarts: {max_restarts}
+  rendezvous:
+    lastCallTimeoutSeconds: 1
+    leaseTTLSeconds: 5
+  template:
+    spec:
+      containers:
+        - name: trainer
+          image: bench
+          command: ["python", "{train}"]
+"""
+
+
+def spawn_logged(
+    args: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path
+) -> subprocess.Popen[bytes]:
+    """Start ``args`` in its own session, stdout and stderr to ``log_path``."""
+    with open(log_path, "wb") as log_file:
+        return subprocess.Popen(
+            list(args),
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+
+def start_kelastic(
+    tmp: Path,
+    name: str,
+    train: Path,
+    replicas: int,
+    nproc: int,
+    events: Path,
+    *,
+    warm: bool = False,
+    max_restarts: int = 100,
+) -> subprocess.Popen[bytes]:
+    """``kelastic run`` of :data:`JOB` with ``train`` (events to ``events``), in ``tmp``."""
+    job = tmp / f"{name}.yaml"
+    job.write_text(
+        JOB.format(name=name, replicas=replicas, nproc=nproc, max_restarts=max_restarts,
+                   train=train)
+    )  # fmt: skip
+    env = child_env(BENCH_EVENTS=str(events))
+    env.pop("TORCHELASTIC_TIMER_FILE", None)
+    env.pop("BENCH_TIMER", None)
+    cli = "import sys; from kelastic_operator.cli import main; sys.exit(main())"
+    args = [sys.executable, "-c", cli, "run", str(job), "--workdir", str(tmp / f"work-{name}"),
+            "--warm-start" if warm else "--no-warm-start"]  # fmt: skip
+    return spawn_logged(args, env, tmp / f"kelastic-{name}.log", tmp)
+
+
+def start_torchrun_pair(
+    tmp: Path, name: str, train: Path, env: dict[str, str], max_restarts: int
+) -> list[subprocess.Popen[bytes]]:
+    """Two ``torchrun`` agents x 2 workers on localhost, c10d rendezvous, unshared store."""
+    from kelastic_operator.local.etcd import free_port
+
+    port = free_port()
+    run_id = uuid.uuid4().hex[:8]
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    procs = []
+    for node in range(2):
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+                "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+                str(train)]  # fmt: skip
+        procs.append(spawn_logged(args, env, tmp / f"torchrun-{name}-{node}.log", tmp))
+    return procs

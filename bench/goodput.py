@@ -13,48 +13,33 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from .common import CaseResult, Check, Row, child_env, log, median, read_events
-from .hang import TRAIN, dump_logs, kill_workers, start_kelastic, stop_session
+from .common import (
+    CaseResult,
+    Check,
+    Row,
+    child_env,
+    log,
+    median,
+    read_events,
+    start_kelastic,
+    start_torchrun_pair,
+)
+from .hang import TRAIN, dump_logs, kill_workers, stop_session
 from .hang import wait_generation as _wait
 
 
 def _start_torchrun(tmp: Path, events: Path) -> list[subprocess.Popen[bytes]]:
-    from kelastic_operator.local.etcd import free_port
-
-    port = free_port()
-    run_id = uuid.uuid4().hex[:8]
-    env = child_env(BENCH_EVENTS=str(events), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = child_env(BENCH_EVENTS=str(events))
     env.pop("TORCHELASTIC_TIMER_FILE", None)
     env.pop("TORCHELASTIC_ENABLE_FILE_TIMER", None)
-    procs = []
-    for node in range(2):
-        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
-                "--max-restarts", "100", "--monitor-interval", "0.1",
-                str(TRAIN)]  # fmt: skip
-        with open(tmp / f"torchrun-goodput-{node}.log", "wb") as log_file:
-            procs.append(
-                subprocess.Popen(
-                    args,
-                    env=env,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    cwd=tmp,
-                    start_new_session=True,
-                )
-            )
-    return procs
+    return start_torchrun_pair(tmp, "goodput", TRAIN, env, max_restarts=100)
 
 
 def productive_time(steps: list[dict[str, float]], start: float, end: float) -> float:
@@ -153,7 +138,7 @@ def goodput(quick: bool) -> CaseResult:
                 kill_workers(events)
             log(f"goodput: kelastic run, 2 replicas: {duration:.0f} s")
             events = tmp / "kelastic-goodput.jsonl"
-            proc = start_kelastic(tmp, "goodput", 2, 2, events)
+            proc = start_kelastic(tmp, "goodput", TRAIN, 2, 2, events)
             try:
                 measured["kelastic"] = _run([proc], events, duration, every)
             finally:

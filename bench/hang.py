@@ -25,33 +25,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, CaseResult, Check, Row, child_env, log, median, read_events
+from .common import (
+    REPO,
+    CaseResult,
+    Check,
+    Row,
+    child_env,
+    log,
+    median,
+    read_events,
+    spawn_logged,
+    start_kelastic,
+)
 
 TRAIN = REPO / "bench" / "_step_train.py"
 #: the trainer's ``expires(after=...)``: a hung worker is reaped this long after its step began
 STEP_TIMEOUT = 2.0
-
-JOB = """\
-apiVersion: kelastic.dev/v1alpha1
-kind: ElasticJob
-metadata:
-  name: bench-{name}
-spec:
-  replicas: {replicas}
-  minReplicas: {replicas}
-  maxReplicas: {replicas}
-  nprocPerNode: {nproc}
-  maxRestarts: 100
-  rendezvous:
-    lastCallTimeoutSeconds: 1
-    leaseTTLSeconds: 5
-  template:
-    spec:
-      containers:
-        - name: trainer
-          image: bench
-          command: ["python", "{train}"]
-"""
 
 
 def fresh_generation(path: Path, known: set[int], world: int) -> list[dict[str, Any]] | None:
@@ -99,28 +88,6 @@ def stop_session(proc: subprocess.Popen[bytes], sig: int, graceful: bool = True)
         proc.wait(5)
 
 
-def start_kelastic(
-    tmp: Path, name: str, replicas: int, nproc: int, events: Path, warm: bool = False
-) -> subprocess.Popen[bytes]:
-    job = tmp / f"{name}.yaml"
-    job.write_text(JOB.format(name=name, replicas=replicas, nproc=nproc, train=TRAIN))
-    env = child_env(BENCH_EVENTS=str(events))
-    env.pop("TORCHELASTIC_TIMER_FILE", None)
-    env.pop("BENCH_TIMER", None)
-    cli = "import sys; from kelastic_operator.cli import main; sys.exit(main())"
-    args = [sys.executable, "-c", cli, "run", str(job), "--workdir", str(tmp / f"work-{name}"),
-            "--warm-start" if warm else "--no-warm-start"]  # fmt: skip
-    with open(tmp / f"kelastic-{name}.log", "wb") as log_file:
-        return subprocess.Popen(
-            args,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            cwd=tmp,
-            start_new_session=True,
-        )
-
-
 def _rank_pid(generation: list[dict[str, Any]], rank: int) -> int:
     return int(next(e["pid"] for e in generation if e["rank"] == rank))
 
@@ -136,15 +103,7 @@ def _torchrun(tmp: Path, hangs: int, settle: float) -> tuple[list[float], list[s
     notes: list[str] = []
 
     def launch() -> subprocess.Popen[bytes]:
-        with open(tmp / f"torchrun-hang-{len(launches)}.log", "wb") as log_file:
-            proc = subprocess.Popen(
-                args,
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=tmp,
-                start_new_session=True,
-            )
+        proc = spawn_logged(args, env, tmp / f"torchrun-hang-{len(launches)}.log", tmp)
         launches.append(proc)
         return proc
 
@@ -187,7 +146,7 @@ def _torchrun(tmp: Path, hangs: int, settle: float) -> tuple[list[float], list[s
 def _kelastic(tmp: Path, hangs: int, settle: float, warm: bool) -> list[float]:
     name = "hang-warm" if warm else "hang"
     events = tmp / f"kelastic-{name}.jsonl"
-    proc = start_kelastic(tmp, name, 1, 2, events, warm)
+    proc = start_kelastic(tmp, name, TRAIN, 1, 2, events, warm=warm)
     samples = []
     try:
         generation = wait_generation(events, set(), 2, 120.0)

@@ -17,38 +17,25 @@ import functools
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from .common import REPO, CaseResult, Check, Row, child_env, log, median, read_events
+from .common import (
+    REPO,
+    CaseResult,
+    Check,
+    Row,
+    child_env,
+    log,
+    median,
+    read_events,
+    start_kelastic,
+    start_torchrun_pair,
+)
 
 TRAIN = REPO / "bench" / "_mttr_train.py"
-
-JOB = """\
-apiVersion: kelastic.dev/v1alpha1
-kind: ElasticJob
-metadata:
-  name: bench-mttr
-spec:
-  replicas: 2
-  minReplicas: 2
-  maxReplicas: 2
-  nprocPerNode: 2
-  maxRestarts: 50
-  rendezvous:
-    lastCallTimeoutSeconds: 1
-    leaseTTLSeconds: 5
-  template:
-    spec:
-      containers:
-        - name: trainer
-          image: bench
-          command: ["python", "{train}"]
-"""
 
 
 def _wait_generation(path: Path, known_pids: set[int], timeout: float) -> list[dict[str, Any]]:
@@ -115,52 +102,21 @@ def _measure(
 
 
 def _torchrun(tmp: Path, kills: int) -> list[float]:
-    from kelastic_operator.local.etcd import free_port
-
     events = tmp / "torch-events.jsonl"
-    port = free_port()
-    run_id = uuid.uuid4().hex[:8]
-    env = child_env(BENCH_EVENTS=str(events), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = child_env(BENCH_EVENTS=str(events))
     env.pop("TORCHELASTIC_TIMER_FILE", None)
     procs = []
     try:
-        for node in range(2):
-            args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                    "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-                    "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
-                    "--max-restarts", "50", "--monitor-interval", "0.1",
-                    str(TRAIN)]  # fmt: skip
-            log_file = open(tmp / f"torchrun-{node}.log", "wb")  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(
-                    args,
-                    env=env,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    cwd=tmp,
-                    start_new_session=True,
-                )
-            )
-            log_file.close()
+        procs = start_torchrun_pair(tmp, "mttr", TRAIN, env, max_restarts=50)
         return _measure(procs, events, kills, 120.0)
     finally:
         _teardown(procs, signal.SIGTERM)
 
 
 def _kelastic(tmp: Path, kills: int, warm: bool = False) -> list[float]:
-    events = tmp / f"kelastic-{'warm' if warm else 'cold'}-events.jsonl"
-    job = tmp / "job.yaml"
-    job.write_text(JOB.format(train=TRAIN))
-    env = child_env(BENCH_EVENTS=str(events))
-    args = [sys.executable, "-c", "import sys; from kelastic_operator.cli import main; "
-            "sys.exit(main())", "run", str(job), "--workdir", str(tmp / "work"),
-            "--warm-start" if warm else "--no-warm-start"]  # fmt: skip
-    log_file = open(tmp / f"kelastic-run-{'warm' if warm else 'cold'}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        args, env=env, stdout=log_file, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True
-    )
-    log_file.close()
+    side = "warm" if warm else "cold"
+    events = tmp / f"kelastic-{side}-events.jsonl"
+    proc = start_kelastic(tmp, f"mttr-{side}", TRAIN, 2, 2, events, warm=warm, max_restarts=50)
     try:
         return _measure([proc], events, kills, 120.0)
     finally:
