@@ -574,7 +574,8 @@ def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> 
         early = Joiner(cluster.node("a", s))
         wait_for(lambda: cluster.admin.get(cluster.keys.rdzv_state) is not None, 20)
         wait_for(lambda: "a" in cluster.state().participants, 20, what="a joined")
-        time.sleep(1.5)  # b has failed several etcd calls by now (0.5 s timeout each)
+        wait_for(lambda: b_store.request_counts().get("errors", 0) >= 2, 20,
+                 what="b failing its etcd calls")  # fmt: skip
         assert not late.done() and not early.done()
         proxy.up()
         infos = [early.result(), late.result()]
