@@ -51,6 +51,7 @@ def kelastic_node(argv: list[str]) -> None:
         lease_ttl=ttl,
     )
     handler = EtcdRendezvousHandler(store, keys, name, settings)
+    handler.open()  # the session (lease, watch), opened when the sidecar starts
     emit(ev="ready")
 
     def rendezvous_forever() -> None:

@@ -287,7 +287,7 @@ def test_fails_over_to_a_live_endpoint(
             assert got is not None and got[0] == str(i).encode()
 
 
-class _Proxy:
+class OutageProxy:
     """A TCP proxy on a fixed port that can be cut and restored (an etcd outage)."""
 
     def __init__(self, target: str) -> None:
@@ -352,7 +352,7 @@ class _Proxy:
 
 
 def test_recovers_after_an_outage(etcd_endpoint: str, job_prefix: str) -> None:
-    proxy = _Proxy(etcd_endpoint)
+    proxy = OutageProxy(etcd_endpoint)
     proxy.up()
     try:
         with EtcdStore([proxy.endpoint], timeout=1.0) as s:

@@ -183,3 +183,31 @@ def test_a_pending_request_is_withdrawn_once_at_the_timeout(cluster: Cluster) ->
     assert not thread.is_alive(), "the timed-out join did not end"
     assert len(outcome) == 1 and isinstance(outcome[0], RendezvousTimeoutError)
     assert _joining(cluster) == set()  # withdrawn, and not written again
+
+
+def test_an_open_session_spends_no_grant_or_stream_per_round(cluster: Cluster) -> None:
+    """``open()`` grants the lease and creates the watch once; rounds and waits reuse them."""
+    import threading
+
+    s = settings(min_nodes=2, max_nodes=2, last_call_timeout=30)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    store = a._store
+    a.open()
+    a.open()  # idempotent
+    assert _spent({}, store.request_counts()) == {"grant_lease": 1, "watch": 1}
+    before = store.request_counts()
+    infos: list[object] = []
+    joining = threading.Thread(target=lambda: infos.append(a.next_rendezvous()), daemon=True)
+    joining.start()  # a waits for b on its watch
+    wait_for(lambda: "a" in cluster.state().participants, what="a to join and wait")
+    info_b = b.next_rendezvous()
+    joining.join(30)
+    assert len(infos) == 1 and info_b.participants == ("a", "b")
+    for _ in range(3):  # the supervisor's watch loop
+        assert a.check_round(info_b).healthy
+        a.wait_for_change(0.05)
+    spent = _spent(before, store.request_counts())
+    assert "grant_lease" not in spent and "watch" not in spent and "wait_change" not in spent
+    b.shutdown()  # b's lease goes: a's waiting watch hears the alive key deleted
+    wait_for(lambda: a.wait_for_change(1.0), 10, what="a to see b's lease gone")
+    assert not a.check_round(info_b).healthy

@@ -36,7 +36,7 @@ from kelastic_sidecar.rendezvous_state import (
     sanitize,
 )
 from tests.conftest import wait_for
-from tests.test_etcd_store import _Proxy
+from tests.test_etcd_store import OutageProxy
 
 RUN = "run-1"
 
@@ -564,7 +564,7 @@ def test_wait_for_change_is_event_driven(cluster: Cluster) -> None:
 def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> None:
     """A node cut off from etcd keeps trying until its join deadline, then joins."""
     s = settings(min_nodes=2, max_nodes=2, join_timeout=60)
-    proxy = _Proxy(etcd_endpoint)
+    proxy = OutageProxy(etcd_endpoint)
     proxy.up()
     b_store = EtcdStore([proxy.endpoint], timeout=0.5)
     try:
@@ -589,7 +589,7 @@ def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> 
 def test_leave_gives_up_soon_when_etcd_is_away(cluster: Cluster, etcd_endpoint: str) -> None:
     """A departure rides out an etcd outage for LEAVE_OUTAGE_TIMEOUT s, not close_timeout."""
     s = settings(min_nodes=1, max_nodes=1, close_timeout=60)
-    proxy = _Proxy(etcd_endpoint)
+    proxy = OutageProxy(etcd_endpoint)
     proxy.up()
     store = EtcdStore([proxy.endpoint], timeout=0.5)
     handler = EtcdRendezvousHandler(store, cluster.keys, "a", s)

@@ -6,14 +6,16 @@ an endpoint dead for 300 s after one failed call and whose shared watch thread o
 the calls that use it. Instead every call here has one deadline (``timeout`` seconds,
 retries included), errors surface as :class:`EtcdUnavailableError` naming the endpoint,
 and each :meth:`EtcdStore.wait_change` opens its own watch stream and closes it before
-returning.
+returning (a node that waits again and again keeps one stream open instead:
+:class:`~kelastic_sidecar.etcd_watch.Watcher`).
 
 Semantics used by the rendezvous (see DESIGN.md, "Rendezvous"):
 
 - compare-and-set on a key's ``mod_revision`` in one etcd transaction (:meth:`EtcdStore.cas`);
 - leases with a background keep-alive (:class:`Lease`); keys bound to a lease vanish
   when it expires or is revoked;
-- event-driven waiting with etcd watches (:meth:`EtcdStore.wait_change`).
+- event-driven waiting with etcd watches (:meth:`EtcdStore.wait_change`, and
+  :class:`~kelastic_sidecar.etcd_watch.Watcher` on a long-lived stream).
 
 A call that fails with ``UNAVAILABLE`` (connection refused, leader change, server
 overloaded) is retried on the next endpoint with a short backoff until its deadline. A
@@ -333,11 +335,17 @@ class EtcdStore:
         """The ``host:port`` of every configured member."""
         return tuple(e.netloc for e in self._endpoints)
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed.is_set()
+
     def request_counts(self) -> dict[str, int]:
         """How many requests this store sent to etcd, by operation (instrumentation).
 
         Keys are the operation names (``"read"``, ``"get"``, ``"cas"``, ``"put"``,
-        ``"put_read"``, ``"grant_lease"``, ``"keep_alive"``, ``"wait_change"``, ...);
+        ``"put_read"``, ``"grant_lease"``, ``"keep_alive"``, ``"wait_change"``,
+        ``"watch"`` (a :class:`~kelastic_sidecar.etcd_watch.Watcher`'s stream), ...);
         each try counts, retries included; a watch stream counts once. ``"cas_failed"``
         counts compare-and-sets that did not write, ``"errors"`` the calls that failed
         (:class:`EtcdUnavailableError`).
@@ -644,11 +652,19 @@ class EtcdStore:
     # --------------------------------------------------------------------------- watches
 
     def wait_change(
-        self, keys_or_prefixes: Sequence[str], since_revision: int, timeout: float
+        self,
+        keys_or_prefixes: Sequence[str],
+        since_revision: int,
+        timeout: float,
+        *,
+        deletions_only: Sequence[str] = (),
     ) -> bool:
         """Block until any of the keys changes after ``since_revision``, or ``timeout`` s.
 
-        An item ending with ``/`` is a prefix, anything else an exact key. Pass the
+        An item ending with ``/`` is a prefix, anything else an exact key. For the
+        items of ``deletions_only`` only a deletion (or lease expiry) counts: a waiter
+        that must notice a peer's liveness key vanish is not woken by every peer that
+        announces itself. Pass the
         ``revision`` of a :class:`Snapshot` (or a ``mod_revision``) read before: a
         change between that read and this call is seen at once. Opens one etcd watch
         stream and closes it before returning (no thread or stream outlives the call).
@@ -668,33 +684,41 @@ class EtcdStore:
                 ``self.timeout`` seconds.
         """
         try:
-            return self._wait_change(keys_or_prefixes, since_revision, timeout)
+            return self._wait_change(keys_or_prefixes, since_revision, timeout, deletions_only)
         except EtcdUnavailableError as exc:
             self._report(exc)
             raise
 
     def _wait_change(
-        self, keys_or_prefixes: Sequence[str], since_revision: int, timeout: float
+        self,
+        keys_or_prefixes: Sequence[str],
+        since_revision: int,
+        timeout: float,
+        deletions_only: Sequence[str],
     ) -> bool:
         items = [keys_or_prefixes] if isinstance(keys_or_prefixes, str) else list(keys_or_prefixes)
-        if not items:
+        gone = [deletions_only] if isinstance(deletions_only, str) else list(deletions_only)
+        if not items and not gone:
             raise ValueError("nothing to watch")
-        requests, checks = [], []
-        for item in items:
+        creates, checks = [], []
+        for item in [*items, *gone]:
             key, end = _range(item)
-            now = etcdrpc.WatchCreateRequest(key=key, range_end=end)
-            deletions = etcdrpc.WatchCreateRequest(
-                key=key,
-                range_end=end,
-                start_revision=since_revision + 1,
-                filters=[etcdrpc.WatchCreateRequest.NOPUT],
+            if item in items:  # puts: a watch from now, and a range check for the gap
+                creates.append(etcdrpc.WatchCreateRequest(key=key, range_end=end))
+                written = etcdrpc.RangeRequest(
+                    key=key, range_end=end, keys_only=True, min_mod_revision=since_revision + 1
+                )
+                checks.append(etcdrpc.RequestOp(request_range=written))
+            creates.append(
+                etcdrpc.WatchCreateRequest(
+                    key=key,
+                    range_end=end,
+                    start_revision=since_revision + 1,
+                    filters=[etcdrpc.WatchCreateRequest.NOPUT],
+                )
             )
-            requests += [etcdrpc.WatchRequest(create_request=c) for c in (now, deletions)]
-            written = etcdrpc.RangeRequest(
-                key=key, range_end=end, keys_only=True, min_mod_revision=since_revision + 1
-            )
-            checks.append(etcdrpc.RequestOp(request_range=written))
-        check = etcdrpc.TxnRequest(compare=[], success=checks, failure=[])
+        requests = [etcdrpc.WatchRequest(create_request=c) for c in creates]
+        check = etcdrpc.TxnRequest(compare=[], success=checks, failure=[]) if checks else None
         deadline = time.monotonic() + timeout
         failing_since: float | None = None
         delay = _BACKOFF_FIRST
@@ -726,11 +750,13 @@ class EtcdStore:
                 self._closed.wait(delay)
                 delay = min(delay * 2, _BACKOFF_MAX)
 
-    def _watch_once(self, ep: _Endpoint, requests: list[Any], check: Any, timeout: float) -> bool:
+    def _watch_once(
+        self, ep: _Endpoint, requests: list[Any], check: Any | None, timeout: float
+    ) -> bool:
         """One watch stream: True on an event, False at the deadline.
 
-        Once etcd created every watch, ``check`` (a transaction of range requests) runs:
-        True when it finds a key.
+        Once etcd created every watch, ``check`` (a transaction of range requests, if
+        any) runs: True when it finds a key.
 
         The request iterator ends after the create requests (a half-close); etcd keeps
         the watches until the stream is cancelled, which ``finally`` does.
@@ -749,7 +775,7 @@ class EtcdStore:
                     return True
                 if resp.created:
                     pending -= 1
-                    if not pending:
+                    if not pending and check is not None:
                         self._count("read")
                         left = max(deadline - time.monotonic(), 0.001)
                         found = ep.kv.Txn(check, timeout=left)

@@ -65,6 +65,7 @@ from .etcd_store import (
     Lease,
     Snapshot,
 )
+from .etcd_watch import Watcher
 from .rendezvous_state import (
     CLOSED,
     DEPARTURE_REJOIN,
@@ -177,16 +178,27 @@ class EtcdRendezvousHandler:
         self.node = node
         self.settings = settings
         self._backend = EtcdRendezvousBackend(store, keys.rdzv_state, name="kelastic")
-        self._watch = [keys.rdzv_state, keys.alive_prefix, keys.departing_prefix]
+        # What a waiting node must notice: a state write, a departure notice, and a
+        # lease gone (its alive key deleted); a peer's alive key appearing changes
+        # nothing by itself (its join request and state write follow).
+        self._watch = [keys.rdzv_state, keys.departing_prefix]
+        self._watch_gone = [keys.alive_prefix]
         # Join requests: a joining node announces itself here (bound to its lease), and
         # whoever writes the state for its own join applies the others' requests too.
         self._joining_prefix = keys.joining_prefix
         self._joining_key = keys.joining(node)
-        self._reads = [*self._watch, self._joining_prefix]
+        self._reads = [
+            keys.rdzv_state,
+            keys.alive_prefix,
+            keys.departing_prefix,
+            self._joining_prefix,
+        ]
         self._names_only = [keys.alive_prefix, self._joining_prefix]  # values unused
         self._join_requested = False  # our request was written in this next_rendezvous
         self._lease: Lease | None = None
         self._lease_lock = threading.Lock()
+        self._announced = False  # our alive key was written at least once
+        self._watcher: Watcher | None = None  # created by open()
         self._shut_down = False
         self._op_lock = threading.Lock()  # one state-changing operation at a time
         self._cursor = 0  # store revision up to which wait_for_change has reported
@@ -199,6 +211,40 @@ class EtcdRendezvousHandler:
         """True when this node's lease was lost (expired, or revoked by :meth:`shutdown`)."""
         lease = self._lease
         return lease is not None and lease.lost
+
+    def open(self) -> None:
+        """Open this node's etcd session ahead of the first rendezvous.
+
+        etcd's session pattern (``concurrency.NewSession``, and ``clientv3``'s one watch
+        stream per client): the lease that carries the node's liveness is granted once
+        and kept alive in the background, and the watch a waiting node needs (the
+        state, departure notices, alive keys deleted) is created once on a long-lived
+        stream (:class:`~kelastic_sidecar.etcd_watch.Watcher`). Every round then
+        reuses both, so no rendezvous waits for a grant or opens a stream. Call it when
+        the node starts (the sidecar does so while its trainer container starts).
+        Optional: :meth:`next_rendezvous` opens what is missing itself. Idempotent;
+        nothing is written but the lease.
+
+        Raises:
+            RendezvousError: the handler was shut down.
+            EtcdUnavailableError: etcd stayed unreachable for the store's timeout.
+        """
+        with self._lease_lock:
+            if self._shut_down:
+                raise RendezvousError(f"{self.node}: the rendezvous handler was shut down")
+            if self._lease is None or self._lease.lost:
+                self._lease = self._store.grant_lease(self.settings.lease_ttl)
+            if self._watcher is None:
+                self._watcher = Watcher(self._store, self._watch, deletions=self._watch_gone)
+
+    def _waiter(self) -> Watcher:
+        """The session's watcher, created on first use when :meth:`open` was not called."""
+        with self._lease_lock:
+            if self._shut_down:
+                raise RendezvousError(f"{self.node}: the rendezvous handler was shut down")
+            if self._watcher is None:
+                self._watcher = Watcher(self._store, self._watch, deletions=self._watch_gone)
+            return self._watcher
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Exit the current round if in one, then join the next and wait until it completes.
@@ -270,7 +316,8 @@ class EtcdRendezvousHandler:
         return evaluate_round(view.state, info, self.node, lease_lost=lease_lost)
 
     def wait_for_change(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds until the state or any alive key changes.
+        """Block up to ``timeout`` seconds until the state changes, an alive key goes or
+        a departure notice is written (a peer's alive key appearing does not count).
 
         Changes are counted from the state last returned by :meth:`next_rendezvous` or
         :meth:`check_round`, or reported by this method, so none is missed between a
@@ -284,7 +331,7 @@ class EtcdRendezvousHandler:
         if since == 0:
             since = self._store.read([self._keys.rdzv_state]).revision
             self._advance(since)
-        changed = self._store.wait_change(self._watch, since, timeout)
+        changed = self._waiter().wait(since, timeout)
         if changed:
             self._advance(self._store.read([self._keys.rdzv_state]).revision)
         return changed
@@ -345,7 +392,7 @@ class EtcdRendezvousHandler:
         return dict(state.closed_reason or {})
 
     def shutdown(self) -> None:
-        """Stop the keep-alive and revoke the lease: the alive key vanishes at once.
+        """Close the watch, stop the keep-alive and revoke the lease: the alive key vanishes.
 
         Does not change the state: peers see this node as lost unless it called
         :meth:`leave` before. Final: a later :meth:`next_rendezvous` raises
@@ -354,7 +401,9 @@ class EtcdRendezvousHandler:
         """
         with self._lease_lock:
             self._shut_down = True
-            lease = self._lease
+            lease, watcher = self._lease, self._watcher
+        if watcher is not None:
+            watcher.close()
         if lease is None:
             return
         try:
@@ -401,6 +450,7 @@ class EtcdRendezvousHandler:
                         puts, self._reads, lease=lease.id, keys_only=self._names_only
                     )
                     self._join_requested = self._join_requested or request_join
+                    self._announced = True
                     return self._view(snap)
                 except EtcdLeaseNotFoundError:
                     lease.stop_keep_alive()
@@ -534,7 +584,7 @@ class EtcdRendezvousHandler:
         while True:
             try:
                 if view is None:
-                    if need_alive and self._lease is None:  # a first join: no need to look
+                    if need_alive and not self._announced:  # a first join: no need to look
                         view = self._ensure_alive(request_join and not self._join_requested)
                     else:
                         view = self._read()
@@ -632,4 +682,4 @@ class EtcdRendezvousHandler:
         if step.wake_at is not None:
             limits.append(step.wake_at - time.time())
         timeout = max(min(limits), 0.0) + 0.005  # a hair past the deadline being waited for
-        self._store.wait_change(self._watch, revision, timeout)
+        self._waiter().wait(revision, timeout)

@@ -233,13 +233,6 @@ class Supervisor:
 
     def _run(self) -> int:
         self._phase = "waiting_for_launcher"
-        hello = self._wait_control("hello")
-        self._nproc = int(hello.get("nproc") or self._nproc)
-        if self._nproc != self.cfg.nproc_per_node:
-            log.warning(
-                "launcher runs %d workers per node, the job says %d; using the launcher's",
-                self._nproc, self.cfg.nproc_per_node,
-            )  # fmt: skip
         settings = RendezvousSettings(
             run_id=self.cfg.job_uid,
             min_nodes=self.cfg.min_nodes,
@@ -250,6 +243,17 @@ class Supervisor:
             lease_ttl=self.cfg.lease_ttl,
         )
         self.handler = EtcdRendezvousHandler(self.store, self.keys, self.cfg.node, settings)
+        try:  # the etcd session (lease, watch) is ready before the trainer container is
+            self.handler.open()
+        except EtcdUnavailableError as exc:
+            log.warning("etcd unavailable at start (%s); the rendezvous will retry", exc)
+        hello = self._wait_control("hello")
+        self._nproc = int(hello.get("nproc") or self._nproc)
+        if self._nproc != self.cfg.nproc_per_node:
+            log.warning(
+                "launcher runs %d workers per node, the job says %d; using the launcher's",
+                self._nproc, self.cfg.nproc_per_node,
+            )  # fmt: skip
         while True:
             try:
                 info = self._rendezvous()
