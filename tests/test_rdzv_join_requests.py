@@ -199,7 +199,9 @@ def test_an_open_session_spends_no_grant_or_stream_per_round(cluster: Cluster) -
     infos: list[object] = []
     joining = threading.Thread(target=lambda: infos.append(a.next_rendezvous()), daemon=True)
     joining.start()  # a waits for b on its watch
-    wait_for(lambda: "a" in cluster.state().participants, what="a to join and wait")
+    state_key = cluster.keys.rdzv_state
+    wait_for(lambda: cluster.admin.get(state_key), what="a to join and wait")
+    assert "a" in cluster.state().participants
     info_b = b.next_rendezvous()
     joining.join(30)
     assert len(infos) == 1 and info_b.participants == ("a", "b")
