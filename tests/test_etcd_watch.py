@@ -239,3 +239,30 @@ def _changed(watcher: Watcher, since: int) -> bool:
         return watcher.wait(since, 0.5)
     except EtcdUnavailableError:
         return False
+
+
+def test_the_value_of_a_lone_put_comes_with_the_event(store: EtcdStore, job_prefix: str) -> None:
+    state, alive = job_prefix + "state", job_prefix + "alive/"
+    watcher = Watcher(store, [state, job_prefix + "notes/"], deletions=[alive])
+    try:
+        since = store.read([state]).revision
+        assert watcher.value_if_only_change(state, since) is None  # nothing yet
+        store.put(job_prefix + "unwatched", b"x")
+        store.put(state, b"v1")
+        store.put(state, b"v2")
+        assert watcher.wait(since, 30)
+        wait_for(lambda: watcher.value_if_only_change(state, since), 10, what="v2's event")
+        value, revision = watcher.value_if_only_change(state, since) or (b"", 0)
+        assert value == b"v2" and revision == store.read([state]).revision
+        assert watcher.value_if_only_change(state, revision) is None  # nothing newer
+        store.put(job_prefix + "notes/a", b"1")  # another watched change after it
+        wait_for(lambda: watcher.wait(revision, 0), 10, what="the note's event")
+        assert watcher.value_if_only_change(state, since) is None  # read instead
+        mark = store.read([state]).revision
+        store.delete(state)  # a deletion of the key itself is not a value
+        wait_for(lambda: watcher.wait(mark, 0), 10, what="the deletion's event")
+        assert watcher.value_if_only_change(state, mark) is None
+        with pytest.raises(KeyError):
+            watcher.value_if_only_change(job_prefix + "notes/", since)  # a prefix
+    finally:
+        watcher.close()

@@ -205,6 +205,9 @@ def test_an_open_session_spends_no_grant_or_stream_per_round(cluster: Cluster) -
     info_b = b.next_rendezvous()
     joining.join(30)
     assert len(infos) == 1 and info_b.participants == ("a", "b")
+    # a announced itself and wrote its join; b's write completed the round, and a
+    # learnt it from the watch event: no read
+    assert _spent(before, store.request_counts()) == {"put_read": 1, "cas": 1}
     for _ in range(3):  # the supervisor's watch loop
         assert a.check_round(info_b).healthy
         a.wait_for_change(0.05)
@@ -213,3 +216,29 @@ def test_an_open_session_spends_no_grant_or_stream_per_round(cluster: Cluster) -
     b.shutdown()  # b's lease goes: a's waiting watch hears the alive key deleted
     wait_for(lambda: a.wait_for_change(1.0), 10, what="a to see b's lease gone")
     assert not a.check_round(info_b).healthy
+
+
+def test_a_waiting_node_follows_state_writes_without_reads(cluster: Cluster) -> None:
+    """Each peer's join wakes the waiting node; the state comes with the watch event, so
+    it goes on waiting, and finishes, without reading."""
+    import threading
+
+    s = settings(min_nodes=3, max_nodes=3, last_call_timeout=30)
+    a, b, c = (cluster.node(n, s) for n in "abc")
+    for node in (a, b, c):
+        node.open()
+    store = a._store
+    before = store.request_counts()
+    infos: list[object] = []
+    joining = threading.Thread(target=lambda: infos.append(a.next_rendezvous()), daemon=True)
+    joining.start()
+    state_key = cluster.keys.rdzv_state
+    wait_for(lambda: cluster.admin.get(state_key), what="a to join and wait")
+    b_joins = threading.Thread(target=b.next_rendezvous, daemon=True)
+    b_joins.start()  # b's write wakes a: still 2 of 3, a keeps waiting
+    wait_for(lambda: len(cluster.state().participants) == 2, what="b to join")
+    info_c = c.next_rendezvous()
+    joining.join(30)
+    b_joins.join(30)
+    assert len(infos) == 1 and info_c.participants == ("a", "b", "c")
+    assert _spent(before, store.request_counts()) == {"put_read": 1, "cas": 1}

@@ -571,3 +571,30 @@ def test_reap_records_whether_the_worker_was_stopped(
     wait_for(rec.has_events(2), timeout=10, what="two reaps")
     states = {e.scope_id: e.state for e in rec.events}
     assert states == {"stopped": "T", "sleeping": "S"}
+
+
+def test_poll_wakes_at_or_before_the_deadline_and_the_rest_is_slept(fifo: Path) -> None:
+    """poll() counts whole milliseconds: rounding up would kill up to 1 ms late."""
+    from kelastic_sidecar.timer_server import FINE_SLEEP, _Request
+
+    server = TimerServer(fifo, kill=lambda pid, sig: None)  # not started: no thread
+    deadline = time.time() + 0.0405  # not on a whole millisecond
+    with server._lock:
+        server._apply(_Request(os.getpid(), "s", deadline, signal.SIGKILL))
+    before = time.time()
+    ms = server._sleep_ms()
+    assert ms is not None and before + ms / 1000 <= deadline
+    with server._lock:
+        server._timers.clear()
+        server._heap.clear()
+        soon = time.time() + FINE_SLEEP / 2
+        server._apply(_Request(os.getpid(), "s", soon, signal.SIGKILL))
+    server._sleep_to_deadline()
+    assert time.time() >= soon  # slept to it: the expiry check that follows finds it due
+    with server._lock:
+        server._timers.clear()
+        server._heap.clear()
+        later = time.time() + 5.0
+        server._apply(_Request(os.getpid(), "t", later, signal.SIGKILL))
+    server._sleep_to_deadline()  # far off: poll() waits for it, not a sleep
+    assert time.time() < later

@@ -42,6 +42,8 @@ from .etcd_store import (
 
 log = logging.getLogger("kelastic_sidecar.etcd")
 
+_PUT: int = etcdrpc.kv_pb2.Event.PUT  # an event's type; the other one is DELETE
+
 
 class Watcher:
     """Watches ``changes`` (any put or deletion) and ``deletions`` (deletions only).
@@ -71,6 +73,11 @@ class Watcher:
             raise ValueError("nothing to watch")
         self._store = store
         self._ranges = [(*_range(item), only_deletions) for item, only_deletions in items]
+        # Per exact key of ``changes``: its latest put (value, mod_revision), and the
+        # latest revision of any other event, for :meth:`value_if_only_change`.
+        exact = [item.encode() for item, only in items if not only and not item.endswith("/")]
+        self._puts: dict[bytes, tuple[bytes, int]] = {}
+        self._latest_other: dict[bytes, int] = dict.fromkeys(exact, 0)
         self._cond = threading.Condition()
         self._covered_from: int | None = None
         self._latest = 0  # the highest mod_revision of an event seen
@@ -136,6 +143,29 @@ class Watcher:
                 if left <= 0:
                     return False
                 self._cond.wait(left)
+
+    def value_if_only_change(self, key: str, since_revision: int) -> tuple[bytes, int] | None:
+        """``(value, mod_revision)`` of ``key`` when every change seen after
+        ``since_revision`` was a put of ``key``; else ``None`` (read instead).
+
+        ``key`` must be an exact key of ``changes``. A waiter woken by a write of that
+        key learns the value from the event, with no read: when a round completes, its
+        nodes need not all read the state at once. Events still in flight are not
+        known, as with any read.
+
+        Raises:
+            KeyError: ``key`` is not an exact key of ``changes``.
+        """
+        raw = key.encode()
+        with self._cond:
+            latest_other = self._latest_other[raw]
+            covered = self._covered_from
+            got = self._puts.get(raw)
+        if covered is None or since_revision < covered or latest_other > since_revision:
+            return None
+        if got is None or got[1] <= since_revision:
+            return None
+        return got
 
     def close(self) -> None:
         """Cancel the stream and stop the thread; waits then raise. Idempotent."""
@@ -234,6 +264,14 @@ class Watcher:
         with self._cond:
             if i is not None:
                 self._resume[i] = max(self._resume[i], revision + 1)
+            for ev in events:
+                rev, key = int(ev.kv.mod_revision), bytes(ev.kv.key)
+                is_put = ev.type == _PUT
+                if is_put and key in self._latest_other and rev > self._puts.get(key, (b"", 0))[1]:
+                    self._puts[key] = (bytes(ev.kv.value), rev)
+                for exact, other in self._latest_other.items():
+                    if exact != key or not is_put:
+                        self._latest_other[exact] = max(other, rev)
             if revision > self._latest:
                 self._latest = revision
                 self._cond.notify_all()

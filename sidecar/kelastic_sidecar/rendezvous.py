@@ -52,7 +52,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kelastic.contract import Keys
@@ -151,6 +151,9 @@ class _View:
     revision: int  # store revision of the read
     departing: dict[str, str]  # node -> reason of the operator's departure notices
     joining: dict[str, int]  # node -> mod_revision of its pending join request
+    # The state came from a watch event, the rest from an earlier read: good for
+    # finishing an operation, not for deciding a write (see EtcdRendezvousHandler._wait).
+    partial: bool = False
 
 
 class EtcdRendezvousHandler:
@@ -277,7 +280,8 @@ class EtcdRendezvousHandler:
                     need_alive=True,
                     request_join=True,
                     admit=True,
-                    view=view,  # what the exit finished on is current: no need to read again
+                    # what the exit finished on is current: no need to read again
+                    view=None if view.partial else view,
                 )
             finally:
                 if self._join_requested and (view is None or self.node in view.joining):
@@ -621,12 +625,7 @@ class EtcdRendezvousHandler:
         if wants_request:
             return self._request_join(), False
         state, dead = sanitize(view.state, view.alive, self.settings, view.departing)
-        mono = time.monotonic()
-        clock = Clock(
-            now=time.time(),
-            timed_out=mono > op.deadline,
-            rollback_over=mono > op.deadline + ROLLBACK_PERIOD,
-        )
+        clock = self._clock(op)
         if op.request_join and clock.timed_out and self.node in view.joining:
             self._withdraw_join_request()  # first, so that nobody admits us any more
             return None, False
@@ -669,17 +668,59 @@ class EtcdRendezvousHandler:
                 f"min {self.settings.min_nodes}/max {self.settings.max_nodes} nodes, "
                 f"complete={state.complete})"
             )
-        self._wait(op, view.revision, step)
-        return None, False
+        finished = self._wait(op, view, step)
+        return finished, finished is not None
 
-    def _wait(self, op: _Operation, revision: int, step: Step) -> None:
-        """Wait for a change after ``revision``, or until the step's or the op's deadline."""
-        limits = [MAX_WAIT]
-        if not step.untimed:
-            mono = time.monotonic()
-            end = op.deadline if mono <= op.deadline else op.deadline + ROLLBACK_PERIOD
-            limits.append(end - mono)
-        if step.wake_at is not None:
-            limits.append(step.wake_at - time.time())
-        timeout = max(min(limits), 0.0) + 0.005  # a hair past the deadline being waited for
-        self._waiter().wait(revision, timeout)
+    @staticmethod
+    def _clock(op: _Operation) -> Clock:
+        mono = time.monotonic()
+        return Clock(
+            now=time.time(),
+            timed_out=mono > op.deadline,
+            rollback_over=mono > op.deadline + ROLLBACK_PERIOD,
+        )
+
+    def _wait(self, op: _Operation, view: _View, step: Step) -> _View | None:
+        """Wait for a change after ``view``, or until the step's or the op's deadline.
+
+        While every change is a write of the state alone, its value comes with the
+        watch event and no read is needed: the step is taken on it, and the wait goes
+        on while it says wait. Neither waiting nor finishing needs the dead-node check
+        that precedes a write (a deletion of an alive key is a change of another key;
+        a finished join is checked by :meth:`check_round`), so the alive keys of
+        ``view`` need not be current for them. When a round completes, its nodes thus
+        do not all read the state at once.
+
+        Returns:
+            the view the operation finishes on (built from the event); ``None`` when
+            the caller must read: a timeout, another change, or a step that writes.
+        """
+        watcher = self._waiter()
+        while True:
+            limits = [MAX_WAIT]
+            if not step.untimed:
+                mono = time.monotonic()
+                end = op.deadline if mono <= op.deadline else op.deadline + ROLLBACK_PERIOD
+                limits.append(end - mono)
+            if step.wake_at is not None:
+                limits.append(step.wake_at - time.time())
+            timeout = max(min(limits), 0.0) + 0.005  # a hair past the deadline waited for
+            if not watcher.wait(view.revision, timeout):
+                return None
+            got = watcher.value_if_only_change(self._keys.rdzv_state, view.revision)
+            if got is None:
+                return None
+            state = decode_state(got[0], run_id=self.settings.run_id, where=self._keys.rdzv_state)
+            # joining: a finished join was admitted by a write that consumed its request
+            view = replace(
+                view, state=state, token=got[1], revision=got[1], joining={}, partial=True
+            )
+            clock = self._clock(op)
+            if clock.timed_out:
+                return None  # the timeout is handled on a full read
+            step = op.step_fn(state, clock)
+            op.untimed = step.untimed
+            if step.action is Action.FINISH:
+                return view
+            if step.action is not Action.WAIT:
+                return None

@@ -12,7 +12,10 @@ Differences from torch, each for a reason:
 - Event-driven: one thread polls the FIFO and a self-pipe, with a timeout that ends at
   the earliest deadline (a heap with lazy deletion); no polling interval. The sleep is
   capped at :data:`MAX_SLEEP` seconds so that a step of the wall clock (deadlines are
-  ``time.time()`` values) is noticed. The self-pipe only wakes the thread for
+  ``time.time()`` values) is noticed. ``poll`` counts whole milliseconds, so it is
+  asked to wake at or before the deadline and the last fraction of a millisecond is
+  slept with ``time.sleep`` (nanosecond resolution): the kill leaves on time, not up
+  to 1 ms late. The self-pipe only wakes the thread for
   :meth:`TimerServer.stop`: watch/forget never make a deadline earlier, so they need
   no wakeup (a forgotten timer's heap entry is skipped when reached).
 - The server never kills itself after a reap and keeps serving.
@@ -68,6 +71,8 @@ MAX_SIGNAL: Final = 64
 MAX_PID: Final = 2**31 - 1
 #: Longest single sleep of the server thread, seconds.
 MAX_SLEEP: Final = 10.0
+#: A deadline this close (seconds) after ``poll`` returns is slept to precisely.
+FINE_SLEEP: Final = 0.002
 #: One warning is logged per this many bad lines (and per this many unknown-pid expiries).
 LOG_EVERY: Final = 1000
 #: How many ``{"`` positions of a bad line are tried as the start of a glued request.
@@ -454,6 +459,7 @@ class TimerServer:
             elif fd == wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
+        self._sleep_to_deadline()
         events = self._expire(time.time())
         for event in events:  # first, so the reaps are known before the exits arrive
             if self._on_reap is None:
@@ -468,14 +474,22 @@ class TimerServer:
                     release_memory(event.pid)
 
     def _sleep_ms(self) -> int | None:
-        """Milliseconds until the earliest live deadline (capped), None if no timers."""
+        """Whole milliseconds until the earliest live deadline, rounded down (capped at
+        :data:`MAX_SLEEP`); None if no timers. :meth:`_sleep_to_deadline` sleeps the rest."""
         with self._lock:
             while self._heap and not self._is_live(self._heap[0]):
                 heapq.heappop(self._heap)
             if not self._heap:
                 return None
             delay = min(self._heap[0][0] - time.time(), MAX_SLEEP)
-        return max(0, math.ceil(delay * 1000))
+        return max(0, math.floor(delay * 1000))
+
+    def _sleep_to_deadline(self) -> None:
+        """Sleep until the earliest deadline when it is at most :data:`FINE_SLEEP` s away."""
+        with self._lock:
+            gap = self._heap[0][0] - time.time() if self._heap else 0.0
+        if 0.0 < gap <= FINE_SLEEP:
+            time.sleep(gap)
 
     # ------------------------------------------------- table (all with _lock held)
 
