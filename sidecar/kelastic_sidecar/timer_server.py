@@ -598,16 +598,10 @@ class TimerServer:
             log.info("timer server: timers %s of pid %d expired with signal 0", scopes, pid)
             return None
         scope_id, timer = chosen
-        log.warning(
-            "timer server: reaping pid %d with signal %d; expired timers: %s",
-            pid,
-            timer.signal,
-            scopes,
-        )
         event: ReapEvent | None = None
         state = process_state(pid)  # before the signal changes it
         try:
-            self._kill(pid, timer.signal)
+            self._kill(pid, timer.signal)  # first: logging can wait, the deadline cannot
         except ProcessLookupError:
             log.info("timer server: pid %d is already gone", pid)
             self._watched.discard(pid)
@@ -616,6 +610,13 @@ class TimerServer:
             self._stats.kill_failed += 1
         else:
             self._stats.reaped += 1
+            log.warning(
+                "timer server: reaped pid %d with signal %d (state %s); expired timers: %s",
+                pid,
+                timer.signal,
+                state or "?",
+                scopes,
+            )
             event = ReapEvent(
                 pid, scope_id, timer.signal, timer.expiration_time, time.time(), state
             )
