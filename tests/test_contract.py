@@ -77,3 +77,31 @@ def test_unix_sockets_work_at_paths_longer_than_sun_path(tmp_path: Path) -> None
         s.close()
     with unix_address(tmp_path / "short.sock") as address:
         assert address == str(tmp_path / "short.sock")
+
+
+def test_the_operator_reads_what_the_sidecar_writes() -> None:
+    """The etcd values cross packages as JSON: the operator's parser is fed the
+    sidecar's own encoders, so a renamed field fails here, not on a cluster."""
+    from kelastic_operator.rendezvous_store import view_from_keys
+    from kelastic_sidecar.failure import Failure
+    from kelastic_sidecar.rendezvous_state import RendezvousState, encode_state, mark_complete
+    from kelastic_sidecar.restart_budget import RestartRecord, encode_record
+    from kelastic_sidecar.supervisor import node_report
+
+    prefix = contract.job_prefix("ns", "j", "u1")
+    keys = contract.Keys(prefix)
+    state = mark_complete(RendezvousState("u1", round=4, participants={"j-0": 0, "j-1": 1}))
+    failure = Failure(cause="worker_failure", node="j-0", round=4, rank=1, exitcode=3)
+    kv = {
+        keys.rdzv_state: encode_state(state),
+        keys.restarts: encode_record(RestartRecord(count=2, last_round=3)),
+        keys.report("j-0"): node_report(
+            "failed", "j-0", f"{contract.JOB_FAILED_PREFIX} after 2 restarts: boom", failure
+        ),
+        keys.report("j-1"): node_report("succeeded", "j-1", "done"),
+        keys.report("j-2"): node_report("failed", "j-2", "rendezvous failed: timeout"),
+    }
+    view = view_from_keys(prefix, kv, nproc_per_node=4)
+    assert (view.round, view.world_size, view.restarts_spent) == (4, 8, 2)
+    assert set(view.failed_reports) == {"j-0"}  # a node's own failure is not the job's
+    assert view.succeeded_nodes == frozenset({"j-1"})

@@ -664,15 +664,9 @@ class Supervisor:
             log.warning("leaving the rendezvous failed: %s", exc)
 
     def _report(self, outcome: str, summary: str, failure: Failure | None = None) -> None:
-        doc = {
-            "outcome": outcome,
-            "node": self.cfg.node,
-            "summary": summary,
-            "failure": failure.as_dict() if failure else None,
-            "time": time.time(),
-        }
+        doc = node_report(outcome, self.cfg.node, summary, failure)
         try:
-            self.store.put(self.keys.report(self.cfg.node), json.dumps(doc).encode())
+            self.store.put(self.keys.report(self.cfg.node), doc)
         except EtcdUnavailableError as exc:
             log.error("cannot write the node report to etcd: %s", exc)
 
@@ -746,3 +740,22 @@ class Supervisor:
         self._report("failed", text)
         self._shutdown_launcher(EXIT_FAILED, text)
         return EXIT_FAILED
+
+
+def node_report(outcome: str, node: str, summary: str, failure: Failure | None = None) -> bytes:
+    """The node's final report, as stored at :meth:`kelastic.contract.Keys.report`.
+
+    A JSON object: ``outcome`` (``"succeeded"``, ``"failed"`` or ``"removed"``), ``node``,
+    ``summary`` (one line; a failed *job* starts with
+    :data:`kelastic.contract.JOB_FAILED_PREFIX`), ``failure`` (:meth:`Failure.as_dict`
+    or null) and ``time`` (``time.time()``). The operator reads ``outcome`` and
+    ``summary`` (``kelastic_operator.rendezvous_store.view_from_keys``).
+    """
+    doc = {
+        "outcome": outcome,
+        "node": node,
+        "summary": summary,
+        "failure": failure.as_dict() if failure else None,
+        "time": time.time(),
+    }
+    return json.dumps(doc).encode()
