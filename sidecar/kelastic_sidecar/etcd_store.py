@@ -652,19 +652,11 @@ class EtcdStore:
     # --------------------------------------------------------------------------- watches
 
     def wait_change(
-        self,
-        keys_or_prefixes: Sequence[str],
-        since_revision: int,
-        timeout: float,
-        *,
-        deletions_only: Sequence[str] = (),
+        self, keys_or_prefixes: Sequence[str], since_revision: int, timeout: float
     ) -> bool:
         """Block until any of the keys changes after ``since_revision``, or ``timeout`` s.
 
-        An item ending with ``/`` is a prefix, anything else an exact key. For the
-        items of ``deletions_only`` only a deletion (or lease expiry) counts: a waiter
-        that must notice a peer's liveness key vanish is not woken by every peer that
-        announces itself. Pass the
+        An item ending with ``/`` is a prefix, anything else an exact key. Pass the
         ``revision`` of a :class:`Snapshot` (or a ``mod_revision``) read before: a
         change between that read and this call is seen at once. Opens one etcd watch
         stream and closes it before returning (no thread or stream outlives the call).
@@ -684,41 +676,33 @@ class EtcdStore:
                 ``self.timeout`` seconds.
         """
         try:
-            return self._wait_change(keys_or_prefixes, since_revision, timeout, deletions_only)
+            return self._wait_change(keys_or_prefixes, since_revision, timeout)
         except EtcdUnavailableError as exc:
             self._report(exc)
             raise
 
     def _wait_change(
-        self,
-        keys_or_prefixes: Sequence[str],
-        since_revision: int,
-        timeout: float,
-        deletions_only: Sequence[str],
+        self, keys_or_prefixes: Sequence[str], since_revision: int, timeout: float
     ) -> bool:
         items = [keys_or_prefixes] if isinstance(keys_or_prefixes, str) else list(keys_or_prefixes)
-        gone = [deletions_only] if isinstance(deletions_only, str) else list(deletions_only)
-        if not items and not gone:
+        if not items:
             raise ValueError("nothing to watch")
-        creates, checks = [], []
-        for item in [*items, *gone]:
+        requests, checks = [], []
+        for item in items:
             key, end = _range(item)
-            if item in items:  # puts: a watch from now, and a range check for the gap
-                creates.append(etcdrpc.WatchCreateRequest(key=key, range_end=end))
-                written = etcdrpc.RangeRequest(
-                    key=key, range_end=end, keys_only=True, min_mod_revision=since_revision + 1
-                )
-                checks.append(etcdrpc.RequestOp(request_range=written))
-            creates.append(
-                etcdrpc.WatchCreateRequest(
-                    key=key,
-                    range_end=end,
-                    start_revision=since_revision + 1,
-                    filters=[etcdrpc.WatchCreateRequest.NOPUT],
-                )
+            now = etcdrpc.WatchCreateRequest(key=key, range_end=end)
+            deletions = etcdrpc.WatchCreateRequest(
+                key=key,
+                range_end=end,
+                start_revision=since_revision + 1,
+                filters=[etcdrpc.WatchCreateRequest.NOPUT],
             )
-        requests = [etcdrpc.WatchRequest(create_request=c) for c in creates]
-        check = etcdrpc.TxnRequest(compare=[], success=checks, failure=[]) if checks else None
+            requests += [etcdrpc.WatchRequest(create_request=c) for c in (now, deletions)]
+            written = etcdrpc.RangeRequest(
+                key=key, range_end=end, keys_only=True, min_mod_revision=since_revision + 1
+            )
+            checks.append(etcdrpc.RequestOp(request_range=written))
+        check = etcdrpc.TxnRequest(compare=[], success=checks, failure=[])
         deadline = time.monotonic() + timeout
         failing_since: float | None = None
         delay = _BACKOFF_FIRST
@@ -750,13 +734,11 @@ class EtcdStore:
                 self._closed.wait(delay)
                 delay = min(delay * 2, _BACKOFF_MAX)
 
-    def _watch_once(
-        self, ep: _Endpoint, requests: list[Any], check: Any | None, timeout: float
-    ) -> bool:
+    def _watch_once(self, ep: _Endpoint, requests: list[Any], check: Any, timeout: float) -> bool:
         """One watch stream: True on an event, False at the deadline.
 
-        Once etcd created every watch, ``check`` (a transaction of range requests, if
-        any) runs: True when it finds a key.
+        Once etcd created every watch, ``check`` (a transaction of range requests) runs:
+        True when it finds a key.
 
         The request iterator ends after the create requests (a half-close); etcd keeps
         the watches until the stream is cancelled, which ``finally`` does.
@@ -775,7 +757,7 @@ class EtcdStore:
                     return True
                 if resp.created:
                     pending -= 1
-                    if not pending and check is not None:
+                    if not pending:
                         self._count("read")
                         left = max(deadline - time.monotonic(), 0.001)
                         found = ep.kv.Txn(check, timeout=left)
