@@ -251,9 +251,14 @@ def test_the_value_of_a_lone_put_comes_with_the_event(store: EtcdStore, job_pref
         store.put(state, b"v1")
         store.put(state, b"v2")
         assert watcher.wait(since, 30)
-        wait_for(lambda: watcher.value_if_only_change(state, since), 10, what="v2's event")
-        value, revision = watcher.value_if_only_change(state, since) or (b"", 0)
-        assert value == b"v2" and revision == store.read([state]).revision
+        head = store.read([state]).revision
+        got = wait_for(
+            lambda: (v := watcher.value_if_only_change(state, since)) and v[1] == head and v,
+            10,
+            what="v2's event",
+        )
+        value, revision = got
+        assert value == b"v2"
         assert watcher.value_if_only_change(state, revision) is None  # nothing newer
         store.put(job_prefix + "notes/a", b"1")  # another watched change after it
         wait_for(lambda: watcher.wait(revision, 0), 10, what="the note's event")
