@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kelastic_sidecar.rendezvous import RendezvousTimeoutError
+from kelastic_sidecar.rendezvous import EtcdRendezvousHandler, RendezvousTimeoutError
 from kelastic_sidecar.rendezvous_state import (
+    MAX_ADMITTED_PER_WRITE,
     Clock,
     RendezvousState,
     admit_requests,
@@ -57,6 +58,19 @@ def test_admit_requests_puts_late_nodes_on_the_wait_list() -> None:
     state = RendezvousState(RUN, complete=True, participants={"a": 0})
     new, admitted = admit_requests(state, ["b"], Clock(NOW), settings=s)
     assert admitted == ("b",) and new.wait_list == {"b"} and new.participants == {"a": 0}
+
+
+def test_admit_requests_applies_at_most_limit_requests() -> None:
+    """etcd refuses a transaction of more than --max-txn-ops (128) compares or operations,
+    and each admitted request costs the write one of each."""
+    s = settings(min_nodes=1, max_nodes=300, last_call_timeout=30)
+    requesters = [f"job-{i}" for i in range(250)]
+    new, admitted = admit_requests(RendezvousState(RUN), requesters, Clock(NOW), settings=s)
+    assert len(admitted) == MAX_ADMITTED_PER_WRITE <= 128 - 8
+    assert admitted == tuple(f"job-{i}" for i in range(MAX_ADMITTED_PER_WRITE))  # name order
+    assert set(new.participants) == set(admitted)
+    _, three = admit_requests(RendezvousState(RUN), requesters, Clock(NOW), settings=s, limit=3)
+    assert three == ("job-0", "job-1", "job-2")
 
 
 def test_admit_requests_skips_listed_nodes_and_a_closed_rendezvous() -> None:
@@ -242,3 +256,39 @@ def test_a_waiting_node_follows_state_writes_without_reads(cluster: Cluster) -> 
     b_joins.join(30)
     assert len(infos) == 1 and info_c.participants == ("a", "b", "c")
     assert _spent(before, store.request_counts()) == {"put_read": 1, "cas": 1}
+
+
+def test_a_write_never_exceeds_etcds_transaction_limit(cluster: Cluster) -> None:
+    """129 pending join requests: the writer applies MAX_ADMITTED_PER_WRITE of them (etcd
+    refuses more than 128 compares or operations in one transaction), the rest join by
+    their own writes; no etcd call fails."""
+    import functools
+    import threading
+
+    from kelastic_sidecar.rendezvous_state import join_step
+
+    n = 130
+    s = settings(min_nodes=n, max_nodes=n, last_call_timeout=30, join_timeout=60)
+    nodes = [cluster.node(f"job-{i:03d}", s) for i in range(n)]
+    for node in nodes[1:]:  # each has asked to join and finished its exit step
+        node._ensure_alive(request_join=True)
+    views: dict[str, object] = {}
+
+    def join(node: EtcdRendezvousHandler) -> None:  # next_rendezvous's join op
+        step = functools.partial(join_step, node=node.node, settings=s)
+        view = node._run("join", step, 60, need_alive=True, request_join=True, admit=True)
+        views[node.node] = view.state
+
+    first = threading.Thread(target=join, args=(nodes[0],), daemon=True)
+    first.start()
+    wait_for(lambda: cluster.admin.get(cluster.keys.rdzv_state), what="the first write")
+    assert len(cluster.state().participants) == 1 + MAX_ADMITTED_PER_WRITE
+    rest = [threading.Thread(target=join, args=(node,), daemon=True) for node in nodes[1:]]
+    for thread in rest:
+        thread.start()
+    for thread in (first, *rest):
+        thread.join(60)
+    final = cluster.state()
+    assert final.complete and len(final.participants) == n
+    assert len(views) == n
+    assert sum(node._store.request_counts().get("errors", 0) for node in nodes) == 0

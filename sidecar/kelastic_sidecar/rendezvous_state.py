@@ -31,6 +31,11 @@ STATE_VERSION = 1
 ROLLBACK_PERIOD = 5.0
 #: Longest single wait, seconds: a safety net under the event-driven wake-ups.
 MAX_WAIT = 30.0
+#: Most join requests one state write applies (:func:`admit_requests`). Each costs the
+#: write's etcd transaction a compare and a delete, and etcd refuses a transaction with
+#: more than ``--max-txn-ops`` (default 128) compares or operations; the rest are applied
+#: by the next write.
+MAX_ADMITTED_PER_WRITE = 100
 
 #: Departure reason recorded when a participant exits a round to re-rendezvous.
 DEPARTURE_REJOIN = "rejoin"
@@ -557,6 +562,7 @@ def admit_requests(
     clock: Clock,
     *,
     settings: RendezvousSettings,
+    limit: int = MAX_ADMITTED_PER_WRITE,
 ) -> tuple[RendezvousState, tuple[str, ...]]:
     """Apply the pending join requests of other nodes to ``state``, as each would itself.
 
@@ -568,14 +574,15 @@ def admit_requests(
     forming round (the round completes at ``max_nodes``; later ones go to the
     redundancy list), or wait for the next round. A requester withdraws its request
     before it acts on its own timeout, so the requester's own clock is not needed.
-    Nothing is applied to a closed rendezvous.
+    Nothing is applied to a closed rendezvous, and at most ``limit`` requests per call
+    (see :data:`MAX_ADMITTED_PER_WRITE`).
 
     Returns:
         the new state and the requesters applied (in the order applied).
     """
     admitted: list[str] = []
     for node in sorted(set(requesters), key=name_order):
-        if state.closed:
+        if state.closed or len(admitted) >= limit:
             break
         if node in state.participants or node in state.wait_list or node in state.redundancy_list:
             continue
