@@ -94,8 +94,8 @@ def _ours_join(endpoint: str, n: int, counts: dict[str, int] | None = None) -> f
             store.get("/warm-up")  # the channel is connected, as in a running sidecar
             handlers.append(EtcdRendezvousHandler(store, Keys(prefix), f"node-{i}", settings))
         before = [store.request_counts() for store in stores]
-        for h in handlers:  # the session (lease), opened when a sidecar starts, as torch's
-            h.open()  # side connects its TCPStore first; its grant is in ``counts``
+        for h in handlers:  # the session (lease, watch), opened when a sidecar starts, as
+            h.open()  # torch's side connects its TCPStore first; both are in ``counts``
         took = _timed_join([h.next_rendezvous for h in handlers])
         if counts is not None:  # the etcd requests each store sent during the join
             for store, was in zip(stores, before, strict=True):
