@@ -237,8 +237,7 @@ class EtcdRendezvousHandler:
                 raise RendezvousError(f"{self.node}: the rendezvous handler was shut down")
             if self._lease is None or self._lease.lost:
                 self._lease = self._store.grant_lease(self.settings.lease_ttl)
-            if self._watcher is None:
-                self._watcher = Watcher(self._store, self._watch, deletions=self._watch_gone)
+        self._waiter()
 
     def _waiter(self) -> Watcher:
         """The session's watcher, created on first use when :meth:`open` was not called."""

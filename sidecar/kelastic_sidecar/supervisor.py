@@ -578,7 +578,6 @@ class Supervisor:
             if culprit is not None:
                 log.error("round %d failed: %s", info.round, culprit.summary())
                 return _RoundEnd("failed", culprit)
-        if reap is not None:
             message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
         failure = Failure(
             cause=CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE,
