@@ -34,6 +34,19 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "World Size", "type": "integer", "jsonPath": ".status.worldSize"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restartsSpent"},
+    {
+        "name": "Reason",
+        "type": "string",
+        "description": "why the job failed (the Failed condition's reason)",
+        "jsonPath": '.status.conditions[?(@.type=="Failed")].reason',
+    },
+    {
+        "name": "Message",
+        "type": "string",
+        "priority": 1,
+        "description": "the root cause of the failure (kubectl get -o wide)",
+        "jsonPath": '.status.conditions[?(@.type=="Failed")].message',
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

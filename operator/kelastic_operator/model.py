@@ -203,8 +203,18 @@ class ElasticJobSpec(_Model):
         gt=0,
         alias="pendingTimeoutSeconds",
         description=(
-            "seconds a Pod may stay Pending before the operator shrinks the job towards "
-            "minReplicas (it grows back later)"
+            "seconds a Pod may stay unschedulable (PodScheduled=False, reason "
+            "Unschedulable) before the operator shrinks the job towards minReplicas (it "
+            "grows back later)"
+        ),
+    )
+    start_timeout_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        alias="startTimeoutSeconds",
+        description=(
+            "seconds a scheduled Pod may take to start (image pull, volume mounts) before "
+            "it counts as stuck like an unschedulable one"
         ),
     )
     cleanup_policy: Literal["None", "Running", "All"] = Field(
@@ -386,6 +396,15 @@ class ElasticJobStatus(_Status):
         alias="nextReplacementTime",
         description="no failed Pod is replaced before this (backoff)",
         json_schema_extra=_TIME,
+    )
+    counted_failures: list[str] | None = Field(
+        default=None,
+        alias="countedFailures",
+        max_length=10000,
+        description=(
+            "failed Pods (name@failure time) whose replacement is counted in replacements "
+            "but that are not gone yet: a deletion retried later is not counted twice"
+        ),
     )
     target_replicas: int | None = Field(
         default=None,

@@ -371,7 +371,13 @@ def build_pod(
 #: Spec fields that do not shape the Pods: changing them replaces no Pod (``replicas``
 #: is scaling; the rest is the operator's own policy).
 _NOT_IN_POD = frozenset(
-    {"replicas", "pending_timeout_seconds", "cleanup_policy", "pod_replacement"}
+    {
+        "replicas",
+        "pending_timeout_seconds",
+        "start_timeout_seconds",
+        "cleanup_policy",
+        "pod_replacement",
+    }
 )
 
 

@@ -23,8 +23,11 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
 5. A failed Pod is deleted (and re-created by rule 4 on a later pass) after an exponential
    backoff: ``min(maxBackoffSeconds, backoffSeconds * 2**replacements)`` seconds after it
    failed; each deletion spends one replacement. Its node leaves rendezvous at once.
-6. Pods Pending for more than ``pendingTimeoutSeconds`` shrink ``target`` towards
-   ``minReplicas`` (one step per stuck Pod; the stuck Pods go). One timeout after the
+6. Pods stuck Pending shrink ``target`` towards ``minReplicas`` (one step per stuck Pod;
+   the stuck Pods go). Stuck means unschedulable (the scheduler's ``PodScheduled=False``,
+   reason ``Unschedulable``; or not scheduled at all) for ``pendingTimeoutSeconds``, or
+   scheduled but still starting (image pull, ``ContainerCreating``) for the longer
+   ``startTimeoutSeconds``. One timeout after the
    last resize, ``target`` grows back to ``replicas``. A spec change (new generation)
    resets ``target`` to ``replicas``.
 7. Phase otherwise: Restarting while failed Pods wait to be replaced, or while fewer than
@@ -126,6 +129,10 @@ class PodView:
         reason, message: the Pod's own ``status.reason``/``status.message`` (``Evicted``...).
         spec_hash: the digest of the spec it was built from (None: built by an operator
             that did not record it).
+        scheduled: the scheduler bound it to a Node (``PodScheduled=True``); a Pending Pod
+            that is scheduled is starting (image pull, ``ContainerCreating``).
+        unschedulable_since: when the scheduler reported it ``Unschedulable``
+            (``PodScheduled=False``), None otherwise.
     """
 
     name: str
@@ -138,6 +145,8 @@ class PodView:
     reason: str = ""
     message: str = ""
     spec_hash: str | None = None
+    scheduled: bool = False
+    unschedulable_since: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +259,14 @@ def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodV
         for c in status.get("conditions") or []
         if isinstance(c, dict)
     )
+    scheduled, unschedulable_since = bool((pod.get("spec") or {}).get("nodeName")), None
+    for c in status.get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == "PodScheduled":
+            scheduled = scheduled or c.get("status") == "True"
+            if c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                unschedulable_since = parse_time(c.get("lastTransitionTime")) or parse_time(
+                    meta.get("creationTimestamp")
+                )
     term: Termination | None = None
     for cs in status.get("containerStatuses") or []:
         if not isinstance(cs, dict) or cs.get("name") != trainer:
@@ -276,6 +293,8 @@ def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodV
         reason=str(status.get("reason") or ""),
         message=str(status.get("message") or ""),
         spec_hash=(meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
+        scheduled=scheduled,
+        unschedulable_since=unschedulable_since,
     )
 
 
@@ -318,6 +337,30 @@ def _is_newer(failure: LastFailure, old: LastFailure | None) -> bool:
     return (failure.time or "", failure.pod) > (old.time or "", old.pod) and (
         failure.time != old.time or failure.pod != old.pod
     )
+
+
+def _failure_key(pod: PodView, now: datetime) -> str:
+    """Names one failure of one Pod: ``<pod>@<failure time>``."""
+    return f"{pod.name}@{failure_of(pod, now).time}"
+
+
+def _stuck_at(spec: ElasticJobSpec, pod: PodView, last_resize: datetime | None) -> datetime | None:
+    """When a Pending Pod counts as stuck (rule 6), None when it cannot tell yet.
+
+    Unschedulable (or not yet seen by a scheduler): ``pendingTimeoutSeconds`` after the
+    later of that and the last resize. Scheduled but still starting (image pull,
+    ``ContainerCreating``): ``startTimeoutSeconds`` after its creation, a longer timeout
+    since capacity is not what it lacks.
+    """
+    if pod.scheduled and pod.unschedulable_since is None:
+        if pod.created is None:
+            return None
+        return pod.created + timedelta(seconds=spec.start_timeout_seconds)
+    since = pod.unschedulable_since or pod.created
+    if since is None:
+        return None
+    since = max(since, last_resize) if last_resize else since
+    return since + timedelta(seconds=spec.pending_timeout_seconds)
 
 
 def _cleanup(spec: ElasticJobSpec, pods: Sequence[PodView], plan: Plan, why: str) -> None:
@@ -499,13 +542,13 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
             wakeups.append(grow_at)
     stuck, pending_deadlines = [], []
     for pod in by_phase.get("Pending", []):
-        if pod.created is None:
+        deadline = _stuck_at(spec, pod, last_resize)
+        if deadline is None:
             continue
-        since = max(pod.created, last_resize) if last_resize else pod.created
-        if now >= since + timeout:
+        if now >= deadline:
             stuck.append(pod)
         else:
-            pending_deadlines.append((pod.name, since + timeout))
+            pending_deadlines.append((pod.name, deadline))
     if stuck and target > spec.min_nodes and not finishing:
         new_target = max(spec.min_nodes, target - len(stuck))
         plan.events.append(
@@ -547,12 +590,19 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
             )
         )
 
-    # 5. replace failed Pods within the budget, with backoff
+    # 5. replace failed Pods within the budget, with backoff. A failure counted by an
+    # earlier pass whose Pod is still there (its deletion failed or is pending) is deleted
+    # again without counting it twice.
     waiting = [p for p in failed if p.name not in gone]
     budget = spec.pod_replacement.max_replacements
     next_at: datetime | None = None
+    failure_keys = {_failure_key(p, now) for p in failed}
+    counted = [k for k in old.counted_failures or [] if k in failure_keys]
     if waiting and not finishing:
         for pod in waiting:
+            if _failure_key(pod, now) in counted:
+                plan.delete.append(DeletePod(pod.name, REPLACE_REASON))
+                continue
             if st.replacements >= budget:
                 cause = st.last_failure or failure_of(pod, now)
                 phase, reason = "Failed", "ReplacementBudgetSpent"
@@ -569,6 +619,7 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
             ready_at = failed_at + timedelta(seconds=backoff_seconds(spec, st.replacements))
             if now >= ready_at:
                 st.replacements += 1
+                counted.append(_failure_key(pod, now))
                 plan.delete.append(DeletePod(pod.name, REPLACE_REASON))
                 plan.events.append(
                     Event(
@@ -581,6 +632,7 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
                 next_at = ready_at if next_at is None else min(next_at, ready_at)
                 wakeups.append(ready_at)
     st.next_replacement_time = format_time(next_at) if next_at else None
+    st.counted_failures = counted or None
 
     # 4d. a spec change: replace every Pod built from an older spec, all at once (any
     # Pod change restarts the whole worker group anyway; one at a time would restart it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -203,9 +204,16 @@ def test_a_failed_pod_leaves_rendezvous_at_once_and_is_replaced_after_backoff() 
     assert late.status.replacements == 1
     assert "PodFailed" not in [e.reason for e in late.events]
 
-    after = reconcile(job(s, **late.status.as_patch()), [pod(0)], T0 + timedelta(11))
+    # the deletion failed (or is slow): the next pass deletes again, counting nothing
+    again = reconcile(job(s, **late.status.as_patch()), [pod(0), failed], T0 + timedelta(12))
+    assert again.delete == [DeletePod("j-1", "replacing a failed pod")]
+    assert again.status.replacements == 1
+    assert "ReplacingPod" not in [e.reason for e in again.events]
+
+    after = reconcile(job(s, **again.status.as_patch()), [pod(0)], T0 + timedelta(13))
     assert after.create == [CreatePod("j-1", 1)]
     assert after.status.replacements == 1
+    assert after.status.counted_failures is None  # the Pod is gone: forgotten
 
 
 @pytest.mark.parametrize(
@@ -310,6 +318,43 @@ def test_pods_pending_past_the_timeout_shrink_towards_min_and_grow_back() -> Non
     assert p2.status.target_replicas == 4
     assert names(p2.create) == ["j-1"]
     assert not p2.delete
+
+
+def test_only_unschedulable_pods_count_as_stuck_starting_ones_get_a_longer_timeout() -> None:
+    """Pending is not stuck: a Pod the scheduler placed is starting (image pull,
+    ContainerCreating) and is left alone until startTimeoutSeconds; only Unschedulable
+    ones (or ones no scheduler has seen) shrink the job after pendingTimeoutSeconds."""
+    s = spec(replicas=4, minReplicas=1, pendingTimeoutSeconds=60, startTimeoutSeconds=600)
+    starting = dataclasses.replace(pod(1, "Pending", age=90), scheduled=True)
+    unschedulable = dataclasses.replace(
+        pod(2, "Pending", age=90), unschedulable_since=T0 - timedelta(seconds=61)
+    )
+    fresh_unschedulable = dataclasses.replace(
+        pod(3, "Pending", age=90), unschedulable_since=T0 - timedelta(seconds=10)
+    )
+    plan = reconcile(job(s), [pod(0), starting, unschedulable, fresh_unschedulable], T0)
+    assert names(plan.delete) == ["j-2"]
+    assert plan.status.target_replicas == 3
+    assert plan.requeue_after == pytest.approx(50.0)  # j-3: 60 s after it became unschedulable
+
+    late = dataclasses.replace(starting, created=T0 - timedelta(seconds=601))
+    s2 = spec(replicas=2, minReplicas=1, pendingTimeoutSeconds=60, startTimeoutSeconds=600)
+    assert not reconcile(job(s2), [pod(0), starting], T0).delete
+    plan = reconcile(job(s2), [pod(0), late], T0)
+    assert names(plan.delete) == ["j-1"]  # stuck starting past startTimeoutSeconds
+
+
+def test_pod_view_reads_the_scheduler_s_verdict() -> None:
+    base = {"metadata": {"name": "j-0", "creationTimestamp": "2026-01-01T12:00:00Z"}}
+    unsched = pod_view("j", {**base, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "lastTransitionTime": "2026-01-01T12:00:05Z"}]}})  # fmt: skip
+    assert unsched is not None and not unsched.scheduled
+    assert unsched.unschedulable_since == T0 + timedelta(seconds=5)
+    placed = pod_view("j", {**base, "spec": {"nodeName": "n1"}, "status": {"phase": "Pending"}})
+    assert placed is not None and placed.scheduled and placed.unschedulable_since is None
+    unseen = pod_view("j", {**base, "status": {"phase": "Pending"}})
+    assert unseen is not None and not unseen.scheduled and unseen.unschedulable_since is None
 
 
 def test_scale_down_with_holes_deletes_the_highest_indices() -> None:
@@ -472,6 +517,7 @@ def test_a_spec_change_replaces_every_pod_at_once_without_spending_restarts() ->
         ({"cleanupPolicy": "All"}, False),
         ({"podReplacement": {"maxReplacements": 9}}, False),
         ({"pendingTimeoutSeconds": 5}, False),
+        ({"startTimeoutSeconds": 5}, False),  # an operator policy (and a new field)
         ({"nprocPerNode": 2}, True),
         ({"maxRestarts": 7}, True),
         ({"warmStart": {"enabled": True}}, True),
