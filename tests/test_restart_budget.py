@@ -127,16 +127,18 @@ def test_history_is_capped() -> None:
     assert decode_record(encode_record(record)) == record
 
 
-def test_corrupt_record_is_a_clear_error(store: EtcdStore, keys: Keys) -> None:
+def test_corrupt_record_is_replaced_another_version_is_an_error(store: EtcdStore, keys: Keys) -> None:
     budget = RestartBudget(store, keys, 3)
     store.put(keys.restarts, b"three restarts")
     with pytest.raises(RestartRecordError, match=r"restarts: not JSON"):
         budget.read()
-    with pytest.raises(RestartRecordError):
-        budget.charge(1, "c", "n", {})
+    charge = budget.charge(1, "c", "n", {})  # a corrupt record is replaced, then charged
+    assert (charge.count, charge.charged, budget.repaired) == (1, True, 1)
     store.put(keys.restarts, json.dumps({"version": 2, "count": 1}).encode())
     with pytest.raises(RestartRecordError, match="version 2"):
         budget.read()
+    with pytest.raises(RestartRecordError, match="version 2"):  # never overwritten
+        budget.charge(2, "c", "n", {})
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ tests can pass any object with the same methods.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kelastic import contract
+from kelastic._safejson import UnsafeJSONError, loads_bounded
 
 from .reconcile import JOB_FAILED_PREFIX, RendezvousView
 
@@ -70,11 +70,12 @@ class RendezvousStore(Protocol):
 
 
 def _json(raw: bytes | None) -> Any:
+    # Bounded: a crafted value (deep nesting, a huge integer, NaN) reads as corrupt.
     if raw is None:
         return None
     try:
-        return json.loads(raw)
-    except ValueError:
+        return loads_bounded(raw, max_bytes=4 * 1024 * 1024)
+    except UnsafeJSONError:
         return None
 
 

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.contract import ENV_ETCD_TLS_DIR
 
 if TYPE_CHECKING:  # the etcd client (grpc) loads on first use: torch imports this module
@@ -164,6 +165,9 @@ class EtcdRendezvousBackend:
 # ------------------------------------------------------------------------ torch adapter
 
 
+_MAX_ENVELOPE_BYTES = 2 * 1024 * 1024
+
+
 def encode_envelope(state: bytes) -> bytes:
     """Wrap torch's (pickled) state in the versioned JSON envelope stored in etcd."""
     doc = {
@@ -175,16 +179,22 @@ def encode_envelope(state: bytes) -> bytes:
 
 
 def decode_envelope(raw: bytes, key: str) -> bytes:
-    """Unwrap :func:`encode_envelope`; raise ``ValueError`` naming ``key`` when malformed."""
+    """Unwrap :func:`encode_envelope`.
+
+    Raises:
+        ValueError: naming ``key``, when malformed: not bounded JSON (over 2 MiB, nested
+            over 32 deep, an integer over 19 digits, a non-finite number), another kind
+            or version, or no base64 ``state``. Never another exception.
+    """
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"rendezvous state at {key} is not JSON: {raw[:80]!r}") from exc
+        doc = loads_bounded(raw, max_bytes=_MAX_ENVELOPE_BYTES)
+    except UnsafeJSONError as exc:
+        raise ValueError(f"rendezvous state at {key} is not JSON ({exc}): {raw[:80]!r}") from None
     if not isinstance(doc, dict) or doc.get("kind") != _ENVELOPE_KIND:
         raise ValueError(f"rendezvous state at {key} is not a torch rendezvous state")
     if doc.get("version") != _ENVELOPE_VERSION:
         raise ValueError(
-            f"rendezvous state at {key} has version {doc.get('version')!r}; "
+            f"rendezvous state at {key} has version {doc.get('version')!r:.40}; "
             f"this kelastic reads version {_ENVELOPE_VERSION}"
         )
     payload = doc.get("state")

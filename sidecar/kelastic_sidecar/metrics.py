@@ -19,6 +19,8 @@ from .timer_server import TimerStats
 
 #: The ``cause`` label values of the restart and downtime counters.
 CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_PEER)
+#: The ``source`` label values of ``kelastic_corrupt_values_total``.
+CORRUPT_SOURCES = ("rdzv_state", "restart_record", "master_record")
 
 
 class TimerCollector(Collector):
@@ -191,6 +193,15 @@ class SidecarMetrics:
         )
         for start in ("warm", "cold"):
             self.worker_starts.labels(start=start)
+        self.corrupt_values = Counter(
+            "kelastic_corrupt_values_total",
+            "Corrupt or hostile values refused, by where they were read: rdzv_state and "
+            "restart_record (etcd; replaced with fresh ones), master_record (etcd)",
+            ["source"],
+            registry=r,
+        )
+        for source in CORRUPT_SOURCES:
+            self.corrupt_values.labels(source=source)
         # Every cause exists from the start (at 0): a series born at 1 hides its first
         # increase from rate()/increase(), so a job's first restart would not show.
         for cause in CAUSES:

@@ -15,8 +15,14 @@ admits nobody.
 
 Differences from torch, each for a reason (DESIGN.md, "Rendezvous"):
 
-- the state is JSON with a ``version`` field, validated strictly on read
-  (:func:`decode_state`); never pickle;
+- the state is JSON with a ``version`` field, validated strictly and within bounds on
+  read (:func:`decode_state`); never pickle. A corrupt state (undecodable, out of
+  bounds, ill-typed: :class:`CorruptStateError`) is logged, counted
+  (:attr:`EtcdRendezvousHandler.corrupt_states`) and read as a fresh state of a round
+  above any used before (the etcd revision, or this node's highest round + 1), which
+  the next write puts over it by compare-and-set; the round's nodes then re-form.
+  A state of another version or run is never overwritten: it raises
+  :class:`RendezvousStateError`;
 - waiting is event-driven (etcd watches on the state key and the alive prefix);
 - liveness is an etcd lease per node: a node writes ``Keys.alive(node)`` bound to its
   lease before it touches the state, and any node that reads the state removes the
@@ -79,6 +85,7 @@ from .rendezvous_state import (
     ROUND_ADVANCED,
     Action,
     Clock,
+    CorruptStateError,
     RendezvousClosedError,
     RendezvousError,
     RendezvousInfo,
@@ -109,6 +116,7 @@ __all__ = [
     "PARTICIPANT_LEFT",
     "PARTICIPANT_LOST",
     "ROUND_ADVANCED",
+    "CorruptStateError",
     "EtcdRendezvousHandler",
     "RendezvousClosedError",
     "RendezvousError",
@@ -165,6 +173,11 @@ class EtcdRendezvousHandler:
             ``keys.alive_prefix``).
         node: this node's name (the Pod name); unique in the job, no ``/``.
         settings: the rendezvous settings.
+        on_corrupt: called (on the reading thread) with each :class:`CorruptStateError`
+            met, after it is logged and counted; for a metric. Keep it quick.
+
+    Attributes:
+        corrupt_states: corrupt states read (and replaced on the next write).
 
     Thread-safe: ``check_round``/``wait_for_change`` may run in another thread than
     ``next_rendezvous``. etcd failures that outlast the store's timeout propagate as
@@ -172,7 +185,12 @@ class EtcdRendezvousHandler:
     """
 
     def __init__(
-        self, store: EtcdStore, keys: Keys, node: str, settings: RendezvousSettings
+        self,
+        store: EtcdStore,
+        keys: Keys,
+        node: str,
+        settings: RendezvousSettings,
+        on_corrupt: Callable[[CorruptStateError], None] | None = None,
     ) -> None:
         if not node or "/" in node:
             raise ValueError(f"node name must be non-empty and contain no '/': {node!r}")
@@ -206,6 +224,9 @@ class EtcdRendezvousHandler:
         self._op_lock = threading.Lock()  # one state-changing operation at a time
         self._cursor = 0  # store revision up to which wait_for_change has reported
         self._cursor_lock = threading.Lock()
+        self._on_corrupt = on_corrupt
+        self.corrupt_states = 0
+        self._max_round = -1  # highest round read from a valid state
 
     # ------------------------------------------------------------------ public API
 
@@ -480,9 +501,32 @@ class EtcdRendezvousHandler:
         if got is None:
             state, token = RendezvousState(run_id=self.settings.run_id), None
         else:
-            state = decode_state(got[0], run_id=self.settings.run_id, where=self._keys.rdzv_state)
+            try:
+                state = decode_state(
+                    got[0], run_id=self.settings.run_id, where=self._keys.rdzv_state
+                )
+            except CorruptStateError as exc:
+                state = self._replacement(exc, snap.revision)
+            else:
+                self._max_round = max(self._max_round, state.round)
             token = got[1]
         return _View(state, token, frozenset(alive), snap.revision, departing, joining)
+
+    def _replacement(self, exc: CorruptStateError, revision: int) -> RendezvousState:
+        """A fresh state to put over a corrupt one. Its round is above every round used
+        before: each round took at least one write of the state key, so rounds stay
+        below the store's revision (and below this node's highest round + 1)."""
+        self.corrupt_states += 1
+        fresh = RendezvousState(
+            run_id=self.settings.run_id, round=max(revision, self._max_round + 1)
+        )
+        log.error("%s; replacing it with a fresh state of round %d", exc, fresh.round)
+        if self._on_corrupt is not None:
+            try:
+                self._on_corrupt(exc)
+            except Exception:
+                log.exception("on_corrupt callback failed")
+        return fresh
 
     def _write(
         self, view: _View, new: RendezvousState, admitted: tuple[str, ...] = ()
@@ -709,7 +753,12 @@ class EtcdRendezvousHandler:
             got = watcher.value_if_only_change(self._keys.rdzv_state, view.revision)
             if got is None:
                 return None
-            state = decode_state(got[0], run_id=self.settings.run_id, where=self._keys.rdzv_state)
+            try:
+                state = decode_state(
+                    got[0], run_id=self.settings.run_id, where=self._keys.rdzv_state
+                )
+            except CorruptStateError:
+                return None  # a full read replaces it
             # joining: a finished join was admitted by a write that consumed its request
             view = replace(
                 view, state=state, token=got[1], revision=got[1], joining={}, partial=True

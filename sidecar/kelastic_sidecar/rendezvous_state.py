@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+from kelastic._safejson import UnsafeJSONError, loads_bounded
+
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
 
@@ -36,6 +38,18 @@ MAX_WAIT = 30.0
 #: more than ``--max-txn-ops`` (default 128) compares or operations; the rest are applied
 #: by the next write.
 MAX_ADMITTED_PER_WRITE = 100
+
+# Bounds of a decoded state (:func:`decode_state`): anything beyond is corrupt or hostile.
+#: Largest state accepted, bytes (etcd's default request limit is 1.5 MiB).
+MAX_STATE_BYTES = 2 * 1024 * 1024
+#: Highest round number (2**53: exact as a float, so every JSON reader agrees on it).
+MAX_ROUND = 2**53
+#: Highest rank of a node.
+MAX_RANK = 2**20
+#: Longest node name, run id or departure reason, characters.
+MAX_NAME_LEN = 1024
+#: Latest deadline accepted, seconds since the epoch (year 5138).
+MAX_DEADLINE = 1e11
 
 #: Departure reason recorded when a participant exits a round to re-rendezvous.
 DEPARTURE_REJOIN = "rejoin"
@@ -77,6 +91,13 @@ class RendezvousTimeoutError(RendezvousError):
 
 class RendezvousStateError(RendezvousError):
     """The state in etcd is corrupt or belongs to something else."""
+
+
+class CorruptStateError(RendezvousStateError):
+    """The state in etcd cannot be used by any reader: not bounded JSON, a missing or
+    ill-typed field, a number out of range, inconsistent contents. Unlike a state of
+    another version or run (a plain :class:`RendezvousStateError`), overwriting it with
+    a fresh state loses nothing."""
 
 
 # ---------------------------------------------------------------------- public types
@@ -253,17 +274,37 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_name(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME_LEN
+
+
 def _names(doc: Mapping[str, Any], name: str, where: str) -> frozenset[str]:
     value = doc[name]
-    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
-        raise RendezvousStateError(f"{where}: '{name}' must be a list of node names")
+    if not isinstance(value, list) or not all(_is_name(n) for n in value):
+        raise CorruptStateError(f"{where}: '{name}' must be a list of node names")
     if len(set(value)) != len(value):
-        raise RendezvousStateError(f"{where}: '{name}' lists a node twice")
+        raise CorruptStateError(f"{where}: '{name}' lists a node twice")
     return frozenset(value)
+
+
+def _deadline(value: object, where: str) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise CorruptStateError(f"{where}: 'deadline' must be a number or null")
+    if not 0 <= value <= MAX_DEADLINE:  # loads_bounded already refused NaN and infinities
+        raise CorruptStateError(f"{where}: 'deadline' {value!r} is out of range")
+    return float(value)
 
 
 def decode_state(raw: bytes, *, run_id: str | None = None, where: str = "state") -> RendezvousState:
     """Parse and strictly validate a state written by :func:`encode_state`.
+
+    Hostile input is bounded before it is parsed or used: at most
+    :data:`MAX_STATE_BYTES` bytes nested at most 32 deep, integers of at most 19 digits,
+    finite numbers only; ``round`` <= :data:`MAX_ROUND`, ranks <= :data:`MAX_RANK`,
+    ``deadline`` in ``0..MAX_DEADLINE`` seconds since the epoch, names and reasons of
+    1..:data:`MAX_NAME_LEN` characters.
 
     Args:
         raw: the bytes read from etcd.
@@ -271,66 +312,70 @@ def decode_state(raw: bytes, *, run_id: str | None = None, where: str = "state")
         where: the etcd key, for error messages.
 
     Raises:
-        RendezvousStateError: not JSON, another version, a missing/unknown/ill-typed
-            field, or inconsistent contents (e.g. a node both participant and waiting).
+        CorruptStateError: (a :class:`RendezvousStateError`) not JSON, over a bound, a
+            missing/unknown/ill-typed field, or inconsistent contents (e.g. a node both
+            participant and waiting).
+        RendezvousStateError: another version, or another run (when ``run_id`` is
+            given). Never another exception, whatever ``raw`` holds.
     """
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RendezvousStateError(f"{where}: not JSON ({exc}): {raw[:80]!r}") from exc
+        doc = loads_bounded(raw, max_bytes=MAX_STATE_BYTES)
+    except UnsafeJSONError as exc:
+        raise CorruptStateError(f"{where}: {exc}: {raw[:80]!r}") from None
     if not isinstance(doc, dict):
-        raise RendezvousStateError(f"{where}: not a JSON object: {raw[:80]!r}")
-    if doc.get("version") != STATE_VERSION:
+        raise CorruptStateError(f"{where}: not a JSON object: {raw[:80]!r}")
+    version = doc.get("version")
+    if not _is_int(version) or version < 1:
+        raise CorruptStateError(f"{where}: no state version: {raw[:80]!r}")
+    if version != STATE_VERSION:
         raise RendezvousStateError(
-            f"{where}: state version {doc.get('version')!r}, this kelastic reads {STATE_VERSION}"
+            f"{where}: state version {version}, this kelastic reads {STATE_VERSION}"
         )
     missing, unknown = _FIELDS - doc.keys(), doc.keys() - _FIELDS
     if missing or unknown:
-        raise RendezvousStateError(
-            f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
+        raise CorruptStateError(
+            f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)[:10]}"
         )
-    if not isinstance(doc["run_id"], str) or not doc["run_id"]:
-        raise RendezvousStateError(f"{where}: 'run_id' must be a non-empty string")
+    if not _is_name(doc["run_id"]):
+        raise CorruptStateError(f"{where}: 'run_id' must be a non-empty string")
     if run_id is not None and doc["run_id"] != run_id:
         raise RendezvousStateError(
             f"{where}: belongs to run {doc['run_id']!r}, not {run_id!r} (stale or shared key?)"
         )
-    if not _is_int(doc["round"]) or doc["round"] < 0:
-        raise RendezvousStateError(f"{where}: 'round' must be an integer >= 0")
+    if not _is_int(doc["round"]) or not 0 <= doc["round"] <= MAX_ROUND:
+        raise CorruptStateError(f"{where}: 'round' must be an integer in 0..{MAX_ROUND}")
     for name in ("complete", "closed"):
         if not isinstance(doc[name], bool):
-            raise RendezvousStateError(f"{where}: '{name}' must be true or false")
-    deadline = doc["deadline"]
-    if deadline is not None and (
-        not isinstance(deadline, int | float) or isinstance(deadline, bool)
-    ):
-        raise RendezvousStateError(f"{where}: 'deadline' must be a number or null")
+            raise CorruptStateError(f"{where}: '{name}' must be true or false")
+    deadline = _deadline(doc["deadline"], where)
     if doc["closed_reason"] is not None and not isinstance(doc["closed_reason"], dict):
-        raise RendezvousStateError(f"{where}: 'closed_reason' must be an object or null")
+        raise CorruptStateError(f"{where}: 'closed_reason' must be an object or null")
     participants = doc["participants"]
     if not isinstance(participants, dict) or not all(
-        isinstance(n, str) and n and _is_int(r) and r >= 0 for n, r in participants.items()
+        _is_name(n) and _is_int(r) and 0 <= r <= MAX_RANK for n, r in participants.items()
     ):
-        raise RendezvousStateError(f"{where}: 'participants' must map node names to ranks >= 0")
+        raise CorruptStateError(
+            f"{where}: 'participants' must map node names to ranks in 0..{MAX_RANK}"
+        )
     departed = doc["departed"]
     if not isinstance(departed, dict) or not all(
-        isinstance(n, str) and n and isinstance(r, str) for n, r in departed.items()
+        _is_name(n) and isinstance(r, str) and len(r) <= MAX_NAME_LEN for n, r in departed.items()
     ):
-        raise RendezvousStateError(f"{where}: 'departed' must map node names to reasons")
+        raise CorruptStateError(f"{where}: 'departed' must map node names to reasons")
     wait_list = _names(doc, "wait_list", where)
     redundancy = _names(doc, "redundancy_list", where)
     lost = _names(doc, "lost", where)
     members = set(participants)
     if members & wait_list or members & redundancy or wait_list & redundancy:
-        raise RendezvousStateError(f"{where}: a node is listed both as participant and waiting")
+        raise CorruptStateError(f"{where}: a node is listed both as participant and waiting")
     ranks = list(participants.values())
     if doc["complete"] and len(set(ranks)) != len(ranks):
-        raise RendezvousStateError(f"{where}: ranks of a complete round must be distinct")
+        raise CorruptStateError(f"{where}: ranks of a complete round must be distinct")
     return RendezvousState(
         run_id=doc["run_id"],
         round=doc["round"],
         complete=doc["complete"],
-        deadline=float(deadline) if deadline is not None else None,
+        deadline=deadline,
         closed=doc["closed"],
         closed_reason=doc["closed_reason"],
         participants=dict(participants),

@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.contract import Keys
 
 from .etcd_store import EtcdStore
@@ -39,6 +41,11 @@ _MAX_ATTEMPTS = 1000  # CAS retries; each failure means another node's write lan
 
 class RestartRecordError(RuntimeError):
     """The restart record in etcd is corrupt (or written by an incompatible version)."""
+
+
+class CorruptRecordError(RestartRecordError):
+    """The restart record cannot be used by any reader (not bounded JSON, a bad field);
+    unlike a record of another version, replacing it loses nothing readable."""
 
 
 @dataclass(frozen=True)
@@ -86,40 +93,69 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: Largest record accepted, bytes.
+MAX_RECORD_BYTES = 2 * 1024 * 1024
+#: Highest count or round accepted (2**53: exact as a float).
+_MAX_COUNT = 2**53
+#: Longest ``cause`` or ``node`` of a history entry, characters.
+_MAX_TEXT = 1024
+
+
+def _is_entry(entry: object) -> bool:
+    if not isinstance(entry, dict):
+        return False
+    round_, when = entry.get("round"), entry.get("time")
+    cause, node = entry.get("cause"), entry.get("node")
+    return (
+        _is_int(round_)
+        and 0 <= round_ <= _MAX_COUNT
+        and isinstance(cause, str)
+        and len(cause) <= _MAX_TEXT
+        and isinstance(node, str)
+        and len(node) <= _MAX_TEXT
+        and isinstance(entry.get("detail"), dict)
+        and isinstance(when, int | float)
+        and not isinstance(when, bool)
+    )
+
+
 def decode_record(raw: bytes, where: str = "restart record") -> RestartRecord:
     """Parse and validate a record.
 
+    Hostile input is bounded: at most :data:`MAX_RECORD_BYTES` bytes nested at most 32
+    deep, integers of at most 19 digits, finite numbers; ``count`` and ``last_round`` at
+    most 2**53, at most :data:`HISTORY_LIMIT` history entries.
+
     Raises:
-        RestartRecordError: not JSON, another version, or a malformed field.
+        CorruptRecordError: (a :class:`RestartRecordError`) not JSON, over a bound, or a
+            malformed field.
+        RestartRecordError: another version. Never another exception, whatever ``raw``
+            holds.
     """
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RestartRecordError(f"{where}: not JSON ({exc}): {raw[:80]!r}") from exc
+        doc = loads_bounded(raw, max_bytes=MAX_RECORD_BYTES)
+    except UnsafeJSONError as exc:
+        raise CorruptRecordError(f"{where}: {exc}: {raw[:80]!r}") from None
     if not isinstance(doc, dict):
-        raise RestartRecordError(f"{where}: not a JSON object")
-    if doc.get("version") != RECORD_VERSION:
+        raise CorruptRecordError(f"{where}: not a JSON object")
+    version = doc.get("version")
+    if not _is_int(version) or version < 1:
+        raise CorruptRecordError(f"{where}: no record version")
+    if version != RECORD_VERSION:
         raise RestartRecordError(
-            f"{where}: version {doc.get('version')!r}, this kelastic reads {RECORD_VERSION}"
+            f"{where}: version {version}, this kelastic reads {RECORD_VERSION}"
         )
     count, last_round, history = doc.get("count"), doc.get("last_round"), doc.get("history")
-    if not _is_int(count) or count < 0:
-        raise RestartRecordError(f"{where}: 'count' must be an integer >= 0")
-    if not _is_int(last_round) or last_round < -1:
-        raise RestartRecordError(f"{where}: 'last_round' must be an integer >= -1")
-    if not isinstance(history, list):
-        raise RestartRecordError(f"{where}: 'history' must be a list")
+    if not _is_int(count) or not 0 <= count <= _MAX_COUNT:
+        raise CorruptRecordError(f"{where}: 'count' must be an integer in 0..{_MAX_COUNT}")
+    if not _is_int(last_round) or not -1 <= last_round <= _MAX_COUNT:
+        raise CorruptRecordError(f"{where}: 'last_round' must be an integer in -1..{_MAX_COUNT}")
+    if not isinstance(history, list) or len(history) > HISTORY_LIMIT:
+        raise CorruptRecordError(f"{where}: 'history' must be a list of <= {HISTORY_LIMIT}")
     for entry in history:
-        if (
-            not isinstance(entry, dict)
-            or not _is_int(entry.get("round"))
-            or not isinstance(entry.get("cause"), str)
-            or not isinstance(entry.get("node"), str)
-            or not isinstance(entry.get("detail"), dict)
-            or not isinstance(entry.get("time"), int | float)
-        ):
-            raise RestartRecordError(
-                f"{where}: history entries need round, cause, node, detail, time: {entry!r}"
+        if not _is_entry(entry):
+            raise CorruptRecordError(
+                f"{where}: history entries need round, cause, node, detail, time: {entry!r:.200}"
             )
     return RestartRecord(count=count, last_round=last_round, history=tuple(history))
 
@@ -142,14 +178,29 @@ class RestartBudget:
         store: the etcd client.
         keys: the job's key layout (record at ``keys.restarts``).
         max_restarts: restarts allowed (>= 0); the job fails on restart ``max_restarts + 1``.
+        on_repair: called after a corrupt record was replaced by :meth:`charge` (for a
+            metric); keep it quick.
+
+    Raises:
+        ValueError: ``max_restarts`` < 0.
     """
 
-    def __init__(self, store: EtcdStore, keys: Keys, max_restarts: int) -> None:
+    def __init__(
+        self,
+        store: EtcdStore,
+        keys: Keys,
+        max_restarts: int,
+        on_repair: Callable[[], object] | None = None,
+    ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self._store = store
         self._key = keys.restarts
         self.max_restarts = max_restarts
+        self._known = 0  # highest count this node has read or written
+        self._on_repair = on_repair
+        #: Corrupt records replaced by :meth:`charge`.
+        self.repaired = 0
 
     def read(self) -> RestartRecord:
         """The current record (an empty one before the first charge).
@@ -159,7 +210,9 @@ class RestartBudget:
             EtcdUnavailableError: etcd did not answer.
         """
         got = self._store.get(self._key)
-        return RestartRecord() if got is None else decode_record(got[0], self._key)
+        record = RestartRecord() if got is None else decode_record(got[0], self._key)
+        self._known = max(self._known, record.count)
+        return record
 
     def charge(self, round_: int, cause: str, node: str, detail: dict[str, Any]) -> BudgetCharge:
         """Spend one restart for a failure of ``round_``, unless that round was charged.
@@ -167,9 +220,14 @@ class RestartBudget:
         Idempotent per round across all nodes (compare-and-set loop). ``detail`` must be
         JSON-serializable (e.g. the failure's root cause).
 
+        A corrupt record (:class:`CorruptRecordError`) is logged, counted in
+        :attr:`repaired` and replaced, by compare-and-set on its revision, with a fresh
+        record whose count is the highest this node has seen (never a refill beyond
+        what this node knew was spent); the charge then goes on.
+
         Raises:
             ValueError: ``round_ < 0`` or ``detail`` is not JSON-serializable.
-            RestartRecordError: the record is corrupt.
+            RestartRecordError: the record is of another version (never overwritten).
             EtcdUnavailableError: etcd did not answer.
         """
         if round_ < 0:
@@ -177,12 +235,23 @@ class RestartBudget:
         json.dumps(detail, allow_nan=False)
         for _ in range(_MAX_ATTEMPTS):
             got = self._store.get(self._key)
-            record = RestartRecord() if got is None else decode_record(got[0], self._key)
+            try:
+                record = RestartRecord() if got is None else decode_record(got[0], self._key)
+            except CorruptRecordError as exc:
+                assert got is not None
+                log.error("%s; replacing it with a fresh record of count %d", exc, self._known)
+                self.repaired += 1
+                self._store.cas(self._key, encode_record(RestartRecord(self._known)), got[1])
+                if self._on_repair is not None:
+                    self._on_repair()
+                continue
+            self._known = max(self._known, record.count)
             new = apply_charge(record, round_, cause, node, detail, time.time())
             if new is None:
                 return BudgetCharge(record.count, False, record.count > self.max_restarts)
             ok, _, _ = self._store.cas(self._key, encode_record(new), got[1] if got else None)
             if ok:
+                self._known = max(self._known, new.count)
                 exhausted = new.count > self.max_restarts
                 log.warning(
                     "restart %d of %d charged for round %d by %s (%s)%s",

@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from kelastic import contract
+from kelastic._safejson import UnsafeJSONError, loads_bounded
 
 from .config import SidecarConfig
 from .control import MSG_DISCONNECTED, ControlServer, Message
@@ -127,7 +128,12 @@ class Supervisor:
             status=self.status,
         )
         self.handler: EtcdRendezvousHandler | None = None
-        self.budget = RestartBudget(self.store, self.keys, config.max_restarts)
+        self.budget = RestartBudget(
+            self.store,
+            self.keys,
+            config.max_restarts,
+            on_repair=self.metrics.corrupt_values.labels(source="restart_record").inc,
+        )
         self._alive = True
         self._running = False
         self._phase = "starting"
@@ -242,7 +248,13 @@ class Supervisor:
             close_timeout=self.cfg.close_timeout,
             lease_ttl=self.cfg.lease_ttl,
         )
-        self.handler = EtcdRendezvousHandler(self.store, self.keys, self.cfg.node, settings)
+        self.handler = EtcdRendezvousHandler(
+            self.store,
+            self.keys,
+            self.cfg.node,
+            settings,
+            on_corrupt=lambda exc: self.metrics.corrupt_values.labels(source="rdzv_state").inc(),
+        )
         try:  # the etcd session (lease, watch) is ready before the trainer container is
             self.handler.open()
         except EtcdUnavailableError as exc:
@@ -264,6 +276,8 @@ class Supervisor:
             try:
                 master = self._master(info)
             except (TimeoutError, EtcdUnavailableError, ValueError) as exc:
+                if type(exc) is ValueError:  # decode_master refused the record
+                    self.metrics.corrupt_values.labels(source="master_record").inc()
                 log.warning("round %d: no master address (%s); re-rendezvous", info.round, exc)
                 continue
             self._start_workers(info, master)
@@ -332,10 +346,7 @@ class Supervisor:
             self.store.put(key, json.dumps({"addr": self.cfg.pod_ip, "port": port}).encode())
             return self.cfg.pod_ip, port
         raw = self.store.wait_value(key, timeout=min(self.cfg.join_timeout, 60.0))
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or not isinstance(doc.get("port"), int):
-            raise ValueError(f"corrupt master record at {key}: {raw[:200]!r}")
-        return str(doc["addr"]), int(doc["port"])
+        return decode_master(raw, key)
 
     def _start_workers(self, info: RendezvousInfo, master: tuple[str, int]) -> None:
         self._attempt += 1
@@ -739,6 +750,30 @@ class Supervisor:
         self._report("failed", text)
         self._shutdown_launcher(EXIT_FAILED, text)
         return EXIT_FAILED
+
+
+def decode_master(raw: bytes, key: str) -> tuple[str, int]:
+    """Parse a round's master record ``{"addr": str, "port": int}`` (bounded, see
+    :func:`kelastic._safejson.loads_bounded`).
+
+    Returns:
+        ``(MASTER_ADDR, MASTER_PORT)``.
+
+    Raises:
+        ValueError: the record is corrupt (not bounded JSON, an address that is not a
+            string of 1..255 characters, a port outside 1..65535); never another error.
+    """
+    try:
+        doc = loads_bounded(raw, max_bytes=4096)
+    except UnsafeJSONError as exc:
+        raise ValueError(f"corrupt master record at {key} ({exc}): {raw[:200]!r}") from None
+    addr = doc.get("addr") if isinstance(doc, dict) else None
+    port = doc.get("port") if isinstance(doc, dict) else None
+    if not isinstance(addr, str) or not 0 < len(addr) <= 255:
+        raise ValueError(f"corrupt master record at {key}: bad addr: {raw[:200]!r}")
+    if type(port) is not int or not 0 < port < 65536:
+        raise ValueError(f"corrupt master record at {key}: bad port: {raw[:200]!r}")
+    return addr, port
 
 
 def node_report(outcome: str, node: str, summary: str, failure: Failure | None = None) -> bytes:

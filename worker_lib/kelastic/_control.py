@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from kelastic import contract
+from kelastic._safejson import UnsafeJSONError, loads_bounded
 
 __all__ = [
     "Assign",
@@ -27,6 +28,11 @@ __all__ = [
     "encode_message",
     "parse_message",
 ]
+
+
+#: Bounds of decoded fields: attempts and rounds (2**53: exact as a float), local ranks.
+MAX_COUNTER: Final = 2**53
+MAX_LOCAL_RANK: Final = 4095
 
 
 class ProtocolError(Exception):
@@ -86,7 +92,7 @@ def _excerpt(line: bytes, limit: int = 200) -> str:
 
 def _int_field(obj: dict[str, Any], name: str, line: bytes, minimum: int | None = None) -> int:
     value = obj.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not isinstance(value, int) or isinstance(value, bool) or abs(value) > MAX_COUNTER:
         raise ProtocolError(
             f"{obj.get('type')!r} message needs an integer {name!r}, got {value!r}: "
             + _excerpt(line)
@@ -142,10 +148,14 @@ def _parse_assign(obj: dict[str, Any], line: bytes) -> Assign:
         if not isinstance(entry, dict):
             raise ProtocolError(f"assign workers[{i}] must be an object: " + _excerpt(line))
         local_rank = entry.get("local_rank")
-        if not isinstance(local_rank, int) or isinstance(local_rank, bool) or local_rank < 0:
+        if (
+            not isinstance(local_rank, int)
+            or isinstance(local_rank, bool)
+            or not 0 <= local_rank <= MAX_LOCAL_RANK
+        ):
             raise ProtocolError(
-                f"assign workers[{i}].local_rank must be an integer >= 0, got {local_rank!r}: "
-                + _excerpt(line)
+                f"assign workers[{i}].local_rank must be an integer in 0..{MAX_LOCAL_RANK}, "
+                f"got {local_rank!r}: " + _excerpt(line)
             )
         if local_rank in seen:
             raise ProtocolError(
@@ -167,15 +177,19 @@ def parse_message(line: bytes) -> Message:
         JSON object whose ``type`` is a string this version does not know (extra fields
         of known types are ignored, for forward compatibility).
 
+    Hostile input is bounded (:func:`kelastic._safejson.loads_bounded`): at most
+    ``contract.CONTROL_MAX_LINE`` bytes nested at most 32 deep, integers of at most 19
+    digits, finite numbers; attempts and rounds at most :data:`MAX_COUNTER`, local
+    ranks at most :data:`MAX_LOCAL_RANK`.
+
     Raises:
-        ProtocolError: not UTF-8, not JSON, not an object, no string ``type``, or a
-            known type with missing or mistyped fields.
+        ProtocolError: not UTF-8, not JSON, over a bound, not an object, no string
+            ``type``, or a known type with missing or mistyped fields. Never another
+            exception, whatever ``line`` holds.
     """
     try:
-        obj = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ProtocolError(f"control message is not UTF-8 ({e}): " + _excerpt(line)) from None
-    except (ValueError, RecursionError) as e:
+        obj = loads_bounded(line, max_bytes=contract.CONTROL_MAX_LINE)
+    except UnsafeJSONError as e:
         raise ProtocolError(f"control message is not JSON ({e}): " + _excerpt(line)) from None
     if not isinstance(obj, dict):
         raise ProtocolError("control message is not a JSON object: " + _excerpt(line))

@@ -1,0 +1,109 @@
+"""Fault matrix, hostile input (issue 11, item 2): crafted values in etcd and on the
+control socket are refused as corrupt, counted, and recovered from; no sidecar part
+crashes. Real etcd, real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kelastic_sidecar.control import MSG_DISCONNECTED, ControlServer, Message
+from kelastic_sidecar.rendezvous_state import RendezvousStateError, decode_state
+from kelastic_sidecar.restart_budget import RestartBudget, decode_record
+from tests.conftest import wait_for
+from tests.test_rendezvous import Cluster, join_all, settings
+
+DEEP = b"[" * 50_000 + b"]" * 50_000
+
+
+def _state_with(raw_state: bytes, field: str, literal: str) -> bytes:
+    doc = json.loads(raw_state)
+    doc[field] = "@@"
+    return json.dumps(doc).replace('"@@"', literal).encode()
+
+
+@pytest.fixture
+def cluster(etcd_endpoint: str, job_prefix: str) -> Iterator[Cluster]:
+    c = Cluster(etcd_endpoint, job_prefix)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "literal"),
+    [
+        ("round", "9" * 5000),  # ValueError from Python's int-digit limit, before
+        ("closed_reason", DEEP.decode()),  # RecursionError, before
+        ("deadline", "NaN"),  # accepted, then the next write failed, before
+        ("deadline", "1e999"),
+        ("participants", '{"job-0": 1000000000000000000000000000000}'),
+    ],
+    ids=["round-5000-digits", "100KB-brackets", "nan-deadline", "1e999", "rank-10e30"],
+)
+def test_crafted_state_mid_round_is_replaced_and_the_nodes_re_form(
+    cluster: Cluster, field: str, literal: str
+) -> None:
+    s = settings(min_nodes=2, max_nodes=2, last_call_timeout=0.5)
+    nodes = [cluster.node(f"job-{i}", s) for i in range(2)]
+    first = join_all(nodes)
+    raw, _ = cluster.admin.get(cluster.keys.rdzv_state) or (b"", 0)
+    cluster.admin.put(cluster.keys.rdzv_state, _state_with(raw, field, literal))
+    with pytest.raises(RendezvousStateError):
+        decode_state(cluster.admin.get(cluster.keys.rdzv_state)[0])  # type: ignore[index]
+    # The running round sees a fresh state (never an exception) and so ends; the nodes
+    # re-form in a round above every round used before, and the key holds a valid state.
+    check = nodes[0].check_round(first[0])
+    assert not check.healthy
+    assert check.reason  # e.g. round_advanced
+    again = join_all(nodes)
+    assert again[0].round > first[0].round
+    assert decode_state(cluster.admin.get(cluster.keys.rdzv_state)[0]).complete  # type: ignore[index]
+    assert sum(n.corrupt_states for n in nodes) >= 1
+
+
+def test_crafted_restart_record_is_replaced_without_refilling_the_budget(
+    cluster: Cluster,
+) -> None:
+    budget = RestartBudget(cluster.admin, cluster.keys, max_restarts=3)
+    assert budget.charge(1, "hang", "job-0", {}).count == 1
+    repairs: list[int] = []
+    budget_b = RestartBudget(cluster.admin, cluster.keys, 3, on_repair=lambda: repairs.append(1))
+    assert budget_b.read().count == 1
+    cluster.admin.put(cluster.keys.restarts, b'{"version":1,"count":' + b"9" * 5000 + b"}")
+    charge = budget_b.charge(2, "hang", "job-0", {})
+    assert (charge.count, charge.charged, repairs) == (2, True, [1])  # 1 known + this one
+    got = cluster.admin.get(cluster.keys.restarts)
+    assert got is not None and decode_record(got[0]).count == 2
+
+
+def test_hostile_control_lines_are_dropped_and_the_launcher_stays_connected(
+    pod_run_dir: Path,
+) -> None:
+    got: list[Message] = []
+    path = pod_run_dir / "control.sock"
+    server = ControlServer(path, got.append)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(path))
+            for line in (
+                DEEP,
+                b'{"type": "hello", "pid": ' + b"9" * 5000 + b"}",
+                b'{"type": "exited", "attempt": 1, "local_rank": 0, "tail": 7}',
+                b'{"type": "started", "attempt": 1, "pids": {"0": [1]}}',
+                b'{"type": "exited", "attempt": NaN, "local_rank": 0}',
+                b'{"type": "hello", "pid": 10, "nproc": 2}',
+            ):
+                conn.sendall(line + b"\n")
+            wait_for(lambda: any(m["type"] == "hello" for m in got), 30, what="the valid hello")
+            assert server.connected
+        assert got[0] == {"type": "hello", "pid": 10, "nproc": 2}
+        assert server.malformed == 5
+        wait_for(lambda: got[-1]["type"] == MSG_DISCONNECTED, 30, what="the disconnect")
+    finally:
+        server.close()

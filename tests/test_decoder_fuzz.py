@@ -1,0 +1,294 @@
+"""Hostile input to every decoder of data that crosses a trust boundary (issue 11, item 2).
+
+Each decoder must either return a value within its documented bounds or raise its own
+corrupt-input error, never anything else (``ValueError`` from Python's int-digit limit,
+``RecursionError``, ``TypeError``, ...), whatever the bytes. First the probes' crafted
+inputs, then property-based fuzzing with hypothesis: arbitrary bytes, arbitrary JSON
+values, and valid documents with one field replaced by an arbitrary JSON value. Bounded
+in time: a fixed number of examples per decoder, no deadline per example (the machine is
+shared), no example database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kelastic import contract
+from kelastic._control import ProtocolError, parse_message
+from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic_operator.rendezvous_store import view_from_keys
+from kelastic_sidecar.control import ControlProtocolError, parse_launcher_message
+from kelastic_sidecar.etcd_backend import decode_envelope, encode_envelope
+from kelastic_sidecar.rendezvous_state import (
+    MAX_RANK,
+    MAX_ROUND,
+    RendezvousState,
+    RendezvousStateError,
+    decode_state,
+    encode_state,
+)
+from kelastic_sidecar.restart_budget import (
+    RestartRecord,
+    RestartRecordError,
+    decode_record,
+    encode_record,
+)
+from kelastic_sidecar.supervisor import decode_master, node_report
+from kelastic_sidecar.timer_server import _BadRequest, _parse
+
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+HUGE = "9" * 5000
+DEEP = b"[" * 50_000 + b"]" * 50_000  # 100 KB of nested brackets
+
+# ------------------------------------------------------------------ valid documents
+
+STATE = RendezvousState(
+    run_id="run-1",
+    round=3,
+    complete=True,
+    deadline=1.7e9,
+    participants={"job-0": 0, "job-1": 1},
+    wait_list=frozenset({"job-2"}),
+    departed={"job-3": "rejoin"},
+)
+RECORD = RestartRecord(
+    count=1,
+    last_round=2,
+    history=({"round": 2, "cause": "hang", "node": "job-0", "detail": {}, "time": 1.7e9},),
+)
+STARTED = {"type": "started", "attempt": 1, "pids": {"0": 1234, "1": 1235}, "warm": 0}
+EXITED = {
+    "type": "exited",
+    "attempt": 1,
+    "local_rank": 0,
+    "pid": 1234,
+    "exitcode": 1,
+    "signal": None,
+    "error": {"message": "boom"},
+    "tail": ["line"],
+}
+ASSIGN = {
+    "type": "assign",
+    "attempt": 1,
+    "round": 2,
+    "workers": [{"local_rank": 0, "env": {"RANK": "0"}}],
+}
+FIFO_LINE = {
+    "version": 1,
+    "pid": 4242,
+    "scope_id": "step",
+    "expiration_time": 1.7e9,
+    "signal": 9,
+}
+
+# ------------------------------------------------------------------ the decoders
+
+
+def _state(raw: bytes) -> None:
+    try:
+        state = decode_state(raw)
+    except RendezvousStateError:
+        return
+    assert 0 <= state.round <= MAX_ROUND
+    assert all(0 <= r <= MAX_RANK for r in state.participants.values())
+    assert state.deadline is None or math.isfinite(state.deadline)
+    encode_state(state)  # what was accepted can be written back (no NaN, no huge ints)
+
+
+def _record(raw: bytes) -> None:
+    try:
+        record = decode_record(raw)
+    except RestartRecordError:
+        return
+    encode_record(record)
+
+
+def _envelope(raw: bytes) -> None:
+    with contextlib.suppress(ValueError):
+        decode_envelope(raw, "key")
+
+
+def _master(raw: bytes) -> None:
+    try:
+        addr, port = decode_master(raw, "key")
+    except ValueError:
+        return
+    assert isinstance(addr, str) and 0 < port < 65536
+
+
+def _report(raw: bytes) -> None:
+    keys = contract.Keys("/p/")
+    view = view_from_keys(
+        "/p/", {keys.rdzv_state: raw, keys.restarts: raw, keys.report("n"): raw}, 2
+    )
+    assert view.round is None or isinstance(view.round, int)
+
+
+def _launcher_side(raw: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        parse_message(raw)
+
+
+def _sidecar_side(raw: bytes) -> None:
+    try:
+        msg = parse_launcher_message(raw)
+    except ControlProtocolError:
+        return
+    assert isinstance(msg["type"], str)
+
+
+def _fifo(raw: bytes) -> None:
+    try:
+        request = _parse(raw)
+    except _BadRequest:
+        return
+    assert math.isfinite(request.expiration_time) and 0 < request.pid < 2**31
+
+
+DECODERS: dict[str, Callable[[bytes], None]] = {
+    "state": _state,
+    "record": _record,
+    "envelope": _envelope,
+    "master": _master,
+    "node_report": _report,
+    "control_launcher": _launcher_side,
+    "control_sidecar": _sidecar_side,
+    "fifo": _fifo,
+}
+VALID: dict[str, dict[str, Any]] = {
+    "state": json.loads(encode_state(STATE)),
+    "record": json.loads(encode_record(RECORD)),
+    "envelope": json.loads(encode_envelope(b"torch-state")),
+    "master": {"addr": "10.0.0.1", "port": 29500},
+    "node_report": json.loads(node_report("failed", "job-0", "job failed: x")),
+    "control_launcher": ASSIGN,
+    "control_sidecar": EXITED,
+    "fifo": FIFO_LINE,
+}
+
+# ------------------------------------------------------------- crafted (the probes)
+
+
+def _with(doc: dict[str, Any], field: str, literal: str) -> bytes:
+    """``doc`` with ``field`` set to a raw JSON literal (which json.dumps cannot write)."""
+    text = json.dumps({**doc, field: "@@"})
+    return text.replace('"@@"', literal).encode()
+
+
+CRAFTED = [
+    pytest.param(_with(VALID["state"], "round", HUGE), id="round-5000-digits"),
+    pytest.param(DEEP, id="nested-brackets-100KB"),
+    pytest.param(_with(VALID["state"], "closed_reason", DEEP.decode()), id="deep-reason"),
+    pytest.param(_with(VALID["state"], "deadline", "NaN"), id="deadline-nan"),
+    pytest.param(_with(VALID["state"], "deadline", "Infinity"), id="deadline-inf"),
+    pytest.param(_with(VALID["state"], "deadline", "-Infinity"), id="deadline-neg-inf"),
+    pytest.param(_with(VALID["state"], "deadline", "1e999"), id="deadline-1e999"),
+    pytest.param(
+        _with(VALID["state"], "participants", '{"a": 1000000000000000000000000000000}'),
+        id="rank-10e30",
+    ),
+    pytest.param(_with(VALID["state"], "round", "true"), id="round-bool"),
+    pytest.param(_with(VALID["state"], "version", "true"), id="version-bool"),
+]
+
+
+@pytest.mark.parametrize("raw", CRAFTED)
+def test_decode_state_refuses_crafted_values(raw: bytes) -> None:
+    with pytest.raises(RendezvousStateError):
+        decode_state(raw)
+
+
+@pytest.mark.parametrize("raw", CRAFTED)
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_every_decoder_survives_crafted_values(name: str, raw: bytes) -> None:
+    DECODERS[name](raw)
+    for field in VALID[name]:  # the same literals in every field of a valid document
+        for literal in (HUGE, "NaN", "1e999", "[" * 5000 + "]" * 5000):
+            DECODERS[name](_with(VALID[name], field, literal))
+
+
+@pytest.mark.parametrize("literal", [HUGE, "NaN", "Infinity", "1e999", "-1e999"])
+def test_record_refuses_crafted_numbers(literal: str) -> None:
+    with pytest.raises(RestartRecordError):
+        decode_record(_with(VALID["record"], "count", literal))
+
+
+def test_valid_documents_still_decode() -> None:
+    assert decode_state(encode_state(STATE)) == STATE
+    assert decode_record(encode_record(RECORD)) == RECORD
+    assert decode_master(b'{"addr": "10.0.0.1", "port": 29500}', "k") == ("10.0.0.1", 29500)
+    assert parse_launcher_message(json.dumps(STARTED).encode()) == STARTED
+    assert parse_launcher_message(json.dumps(EXITED).encode()) == EXITED
+    assert _parse(json.dumps(FIFO_LINE).encode()).pid == 4242
+
+
+def test_loads_bounded_raises_only_its_error() -> None:
+    for raw in (DEEP, HUGE.encode(), b"NaN", b"1e999", b"\xff", b'"\\ud800"x', b"{" * 40):
+        with pytest.raises(UnsafeJSONError):
+            loads_bounded(raw, max_bytes=1 << 20)
+    assert loads_bounded(b'{"a": [1, 2.5, "[{"]}', max_bytes=100) == {"a": [1, 2.5, "[{"]}
+
+
+# ------------------------------------------------------------------ hypothesis
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**40), max_value=10**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=40)
+)
+json_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=True).encode()
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+@FUZZ
+@given(raw=st.binary(max_size=400))
+def test_fuzz_bytes(name: str, raw: bytes) -> None:
+    DECODERS[name](raw)
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+@FUZZ
+@given(value=json_values)
+def test_fuzz_json_values(name: str, value: Any) -> None:
+    DECODERS[name](_dumps(value))
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+@FUZZ
+@given(data=st.data(), value=json_values, depth=st.integers(0, 60))
+def test_fuzz_one_field_of_a_valid_document(
+    name: str, data: st.DataObject, value: Any, depth: int
+) -> None:
+    doc = dict(VALID[name])
+    field = data.draw(st.sampled_from(sorted(doc)))
+    for _ in range(depth):  # nest the replacement: depth bound edges
+        value = [value]
+    doc[field] = value
+    DECODERS[name](_dumps(doc))

@@ -1,0 +1,101 @@
+"""Bounded JSON decoding for data that crosses a trust boundary (etcd values, sockets, FIFOs).
+
+:func:`json.loads` on hostile input can raise things no caller expects: ``ValueError``
+from Python's limit on integer digits (a 5000-digit number), ``RecursionError`` from
+deeply nested brackets, and it accepts ``NaN``, ``Infinity`` and ``1e999`` (which
+becomes ``inf``). :func:`loads_bounded` checks the size first, the nesting depth with a
+linear scan before parsing, and every number while parsing, and raises only
+:class:`UnsafeJSONError` (a ``ValueError``). Callers then check types and ranges of the
+fields they use and turn the error into their own corrupt-input error. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Final
+
+__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "UnsafeJSONError", "loads_bounded"]
+
+#: Deepest nesting of arrays/objects accepted by default.
+MAX_DEPTH: Final = 32
+#: Most digits of an integer literal (sign excluded) accepted by default; 2**63 has 19.
+MAX_INT_DIGITS: Final = 19
+#: Longest float literal in characters.
+_MAX_FLOAT_CHARS: Final = 64
+
+# A JSON string (with escapes), or a bracket. Strings are skipped so that brackets in them
+# do not count. A stray quote (invalid JSON) is left to json.loads to report.
+_TOKENS: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+
+
+class UnsafeJSONError(ValueError):
+    """The input is not JSON, or exceeds a size, depth or number bound."""
+
+
+def _depth_ok(raw: bytes, max_depth: int) -> bool:
+    depth = 0
+    for match in _TOKENS.finditer(raw):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > max_depth:
+                return False
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return True
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise UnsafeJSONError(f"integer of {len(text)} characters")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > _MAX_FLOAT_CHARS:
+        raise UnsafeJSONError(f"number of {len(text)} characters")
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf
+        raise UnsafeJSONError(f"number {text} is out of range")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise UnsafeJSONError(f"{name} is not a JSON number")
+
+
+def loads_bounded(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """Decode ``raw`` as JSON within bounds.
+
+    Args:
+        raw: UTF-8 bytes (or text) of one JSON document.
+        max_bytes: longest accepted input, in bytes (characters for ``str``).
+        max_depth: deepest accepted nesting of arrays and objects.
+
+    Returns:
+        The decoded value: integers have at most :data:`MAX_INT_DIGITS` digits, floats
+        are finite; ``NaN``/``Infinity`` literals are refused.
+
+    Raises:
+        UnsafeJSONError: too long, too deep, not UTF-8, not JSON, or a number out of
+            bounds. Nothing else (no ``RecursionError``, no digit-limit ``ValueError``).
+    """
+    if len(raw) > max_bytes:
+        raise UnsafeJSONError(f"{len(raw)} bytes, over the {max_bytes}-byte limit")
+    data = raw.encode("utf-8", errors="surrogatepass") if isinstance(raw, str) else raw
+    if not _depth_ok(data, max_depth):
+        raise UnsafeJSONError(f"nested deeper than {max_depth}")
+    try:
+        text = raw if isinstance(raw, str) else raw.decode("utf-8")
+        return json.loads(
+            text,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_reject_constant,
+        )
+    except UnsafeJSONError:
+        raise
+    except (ValueError, RecursionError, TypeError) as exc:  # JSONDecodeError, bad UTF-8
+        raise UnsafeJSONError(f"not JSON: {exc}") from None
