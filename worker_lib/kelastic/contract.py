@@ -84,6 +84,10 @@ TORCHELASTIC_ERROR_FILE: Final = "TORCHELASTIC_ERROR_FILE"
 TORCHELASTIC_TIMER_FILE: Final = "TORCHELASTIC_TIMER_FILE"
 #: The supervisor's round number, for logs and checkpoints (not a torch name).
 KELASTIC_ROUND: Final = "KELASTIC_ROUND"
+#: A secret per worker and attempt, set by the supervisor: kelastic's timer client sends it
+#: as the ``token`` field of each FIFO request, so the timer server can refuse requests
+#: that name the worker's pid without it (see ``kelastic_sidecar.timer_server``).
+KELASTIC_TIMER_TOKEN: Final = "KELASTIC_TIMER_TOKEN"
 
 WORKER_ENV_NAMES: Final = (
     RANK,
@@ -138,6 +142,11 @@ ENV_LEASE_TTL: Final = "KELASTIC_LEASE_TTL"  # seconds, integer
 ENV_STOP_GRACE: Final = "KELASTIC_STOP_GRACE"  # seconds between SIGTERM and SIGKILL
 ENV_HTTP_PORT: Final = "KELASTIC_HTTP_PORT"
 ENV_HTTP_HOST: Final = "KELASTIC_HTTP_HOST"
+#: Who may write the timer FIFO and connect to the control socket: "owner" (the
+#: sidecar's user), "group" (and its group), "pod" (any user that sees the run volume,
+#: which only the Pod's containers mount). Default: "pod" on Kubernetes (the trainer's
+#: user may be unknown to the operator), "owner" elsewhere (local mode).
+ENV_IPC_ACCESS: Final = "KELASTIC_IPC_ACCESS"
 
 DEFAULT_HTTP_PORT: Final = 9400
 DEFAULT_JOIN_TIMEOUT: Final = 600.0
