@@ -11,12 +11,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
 from kelastic_operator.local.etcd import EmbeddedEtcd, etcd_binary, free_port
 from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
+from tests.k8s.cluster import Client, ControlPlane
+from tests.k8s.fixtures import namespace_for, start_cluster
+from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds
+from tests.k8s.kubelet import LocalKubelet
 
 T = TypeVar("T")
 
@@ -150,3 +154,45 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# ------------------------------------------------------------- Kubernetes test cluster
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """One real control plane (etcd, kube-apiserver, controller-manager, scheduler) for the
+    whole run; see tests/k8s/fixtures.py."""
+    cluster = start_cluster(tmp_path_factory.mktemp("k8s-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def kubelet(
+    k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalKubelet]:
+    """The local kubelet running the cluster's Node ``kelastic-local`` for the whole run."""
+    with LocalKubelet(k8s_cluster, tmp_path_factory.mktemp("kubelet")) as node:
+        yield node
+
+
+@pytest.fixture
+def k8s(k8s_cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """An admin client of the test cluster defaulting to a fresh namespace of this test's
+    own; KUBECONFIG points at it for the test's duration."""
+    name = namespace_for(request.node.nodeid)
+    client = k8s_cluster.namespace(name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KUBECONFIG", str(client.kubeconfig))
+        mp.setenv("KUBECACHEDIR", str(client.cache_dir))
+        yield client
+    k8s_cluster.delete_namespace(name)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say how long the test cluster took to start, when one was started."""
+    for seconds in k8s_startup_seconds:
+        terminalreporter.write_line(f"kubernetes test cluster: ready in {seconds:.1f} s")

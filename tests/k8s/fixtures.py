@@ -1,0 +1,59 @@
+"""The test cluster's fixtures, defined once in ``tests/conftest.py`` from these helpers:
+one control plane and one local kubelet per test run, a fresh namespace per test.
+
+- ``k8s_cluster`` (session): :class:`~tests.k8s.cluster.ControlPlane` with the kelastic
+  and kopf-peering CRDs applied, the operator's namespace and RBAC of ``deploy/``.
+- ``kubelet`` (session): a :class:`~tests.k8s.kubelet.LocalKubelet` whose ``images`` a test
+  may extend (image -> working folder).
+- ``k8s`` (function): an admin :class:`~tests.k8s.cluster.Client` whose kubeconfig
+  defaults to a namespace of the test's own, deleted afterwards.
+
+A missing control plane (``scripts/build-k8s.sh`` not run) skips these tests, and fails
+them under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from .cluster import ClusterUnavailable, ControlPlane, control_plane_bin, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "deploy" / "crds"
+OPERATOR_NAMESPACE = "kelastic-system"
+OPERATOR_ACCOUNT = "kelastic-operator"
+startup_seconds: list[float] = []
+
+
+def start_cluster(workdir: Path) -> ControlPlane:
+    """Start the control plane and install what every test expects: the CRDs (ElasticJob
+    and kopf's peering ones), the operator's namespace, ServiceAccount and RBAC."""
+    try:
+        bin_dir = control_plane_bin()
+    except ClusterUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    cluster = ControlPlane(workdir, bin_dir).start()
+    startup_seconds.append(cluster.startup_seconds)
+    admin = cluster.admin
+    admin.kubectl("apply", "-f", str(CRDS))
+    admin.kubectl("apply", "-f", str(ROOT / "deploy" / "namespace.yaml"),
+                  "-f", str(ROOT / "deploy" / "rbac.yaml"))  # fmt: skip
+    wait_until(lambda: admin.kubectl("get", "elasticjobs", check=False).returncode == 0, 30,
+               what="the ElasticJob CRD to be served")  # fmt: skip
+    wait_until(lambda: admin.get("serviceaccount", OPERATOR_ACCOUNT, OPERATOR_NAMESPACE), 30,
+               what="the operator's ServiceAccount")  # fmt: skip
+    return cluster
+
+
+def namespace_for(nodeid: str) -> str:
+    """A valid, unique namespace name (<= 63 chars) for a test id."""
+    name = re.sub(r"[^a-z0-9]+", "-", nodeid.rsplit("::", 1)[-1].lower()).strip("-")[:40]
+    digest = hashlib.sha1(nodeid.encode()).hexdigest()[:8]
+    return f"t-{name}-{digest}".replace("--", "-")

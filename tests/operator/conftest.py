@@ -1,7 +1,0 @@
-"""Fixtures of the operator tests: the Kubernetes API emulator's (tests/k8s) for this folder."""
-
-from __future__ import annotations
-
-from tests.k8s.conftest import k8s_api
-
-__all__ = ["k8s_api"]
