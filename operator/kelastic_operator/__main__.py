@@ -1,11 +1,13 @@
 """``python -m kelastic_operator``: run the ElasticJob operator (kopf).
 
 In a cluster it logs in with the Pod's service account; elsewhere with ``$KUBECONFIG`` or
-``--kubeconfig``. Leader election: with ``--peering NAME`` (the default, ``kelastic``)
-several replicas coordinate through kopf's ``ClusterKopfPeering``/``KopfPeering`` object of
-that name and only the highest-priority one handles resources (give each replica a
-different ``--priority``, or rely on kopf's random tie-breaking); ``--standalone`` turns
-peering off. ``/metrics`` is served on ``--metrics-port``.
+``--kubeconfig``. Leader election: replicas campaign for the ``coordination.k8s.io`` Lease
+``--lease-name`` in ``--lease-namespace`` (client-go's semantics, see
+:mod:`kelastic_operator.leader`); only the holder runs the handlers, the others wait, and a
+SIGKILLed leader is replaced within ~12 s with the default timings. A leader that cannot
+renew in time stops acting and exits 1 (its Pod restarts and campaigns again).
+``--standalone`` runs without an election (one replica only). ``/metrics`` is served on
+``--metrics-port``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
+import socket
 import sys
+import threading
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,8 @@ from typing import Any
 from kelastic import contract
 
 from .pods import PodSettings
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,14 +60,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="watch only this namespace (repeatable); default: all namespaces",
     )
-    p.add_argument("--peering", default=env("KELASTIC_OPERATOR_PEERING", "kelastic"))
-    p.add_argument("--priority", type=int, default=int(env("KELASTIC_OPERATOR_PRIORITY", "0")))
-    p.add_argument("--standalone", action="store_true", help="no peering (one replica only)")
+    p.add_argument(
+        "--lease-name",
+        "--peering",  # the name of the kopf peering object this replaced
+        dest="lease_name",
+        default=env("KELASTIC_OPERATOR_LEASE", "kelastic-operator"),
+        help="the Lease the replicas campaign for ($KELASTIC_OPERATOR_LEASE)",
+    )
+    p.add_argument(
+        "--lease-namespace",
+        default=env("POD_NAMESPACE") or _own_namespace(),
+        help="namespace of the Lease ($POD_NAMESPACE, else the service account's namespace)",
+    )
+    p.add_argument("--lease-duration", type=float, default=10.0, help="seconds (default 10)")
+    p.add_argument("--renew-deadline", type=float, default=7.0, help="seconds (default 7)")
+    p.add_argument("--retry-period", type=float, default=2.0, help="seconds (default 2)")
+    p.add_argument("--priority", type=int, default=None, help=argparse.SUPPRESS)  # kopf peering's
+    p.add_argument(
+        "--standalone", action="store_true", help="no leader election (one replica only)"
+    )
     p.add_argument("--metrics-port", type=int, default=8080, help="0 to disable /metrics")
     p.add_argument("--resync-seconds", type=float, default=30.0)
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def _own_namespace() -> str:
+    """The namespace of the Pod's service account, ``kelastic-system`` outside a Pod."""
+    try:
+        return Path(SERVICE_ACCOUNT_NAMESPACE).read_text().strip() or "kelastic-system"
+    except OSError:
+        return "kelastic-system"
 
 
 def api_client(kubeconfig: str | None) -> Any:
@@ -74,16 +106,26 @@ def api_client(kubeconfig: str | None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the operator until SIGINT/SIGTERM; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from .leader import LeaderElectionError, LeaseSettings
+
+    try:
+        lease_settings = LeaseSettings(args.lease_duration, args.renew_deadline, args.retry_period)
+    except LeaderElectionError as exc:
+        parser.error(str(exc))
+    if args.priority is not None:
+        logging.warning("--priority is ignored: leader election uses a Lease, not kopf peering")
     if args.kubeconfig:  # the kubernetes package reads it when first imported
         os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf
     from prometheus_client import start_http_server
 
     from .handlers import OperatorContext, register
+    from .leader import LeaseElector
     from .metrics import OperatorMetrics
     from .rendezvous_store import EtcdRendezvousStore, StoreCache
 
@@ -111,22 +153,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         return kopf.login_via_client(**kwargs)
 
     kopf_settings = kopf.OperatorSettings()
-    kopf_settings.peering.priority = args.priority
-    kopf_settings.peering.mandatory = not args.standalone
     kopf_settings.posting.enabled = True
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)
-    asyncio.run(
-        kopf.operator(
-            registry=registry,
-            settings=kopf_settings,
-            standalone=args.standalone,
-            peering_name=None if args.standalone else args.peering,
-            namespaces=args.namespace,
-            clusterwide=not args.namespace,
+    stop_kopf = threading.Event()
+    shutdown = threading.Event()
+    leading = threading.Event()
+    lost = threading.Event()
+    elector_thread = None
+    if not args.standalone:
+        identity = f"{os.environ.get('POD_ID') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+        elector = LeaseElector(
+            ctx.api, args.lease_namespace, args.lease_name, identity, lease_settings
         )
-    )
+        ctx.fence = elector.is_leader
+
+        def stopped_leading() -> None:
+            lost.set()
+            stop_kopf.set()
+
+        elector_thread = threading.Thread(
+            target=elector.run, args=(leading.set, stopped_leading, shutdown), daemon=True
+        )
+        elector_thread.start()
+
+        def on_signal(signum: int, frame: object) -> None:
+            shutdown.set()
+            leading.set()  # wake the wait below
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        logging.info("waiting to lead (Lease %s/%s as %s)", args.lease_namespace,
+                     args.lease_name, identity)  # fmt: skip
+        leading.wait()
+    if not shutdown.is_set():
+        asyncio.run(
+            kopf.operator(
+                registry=registry,
+                settings=kopf_settings,
+                standalone=True,
+                namespaces=args.namespace,
+                clusterwide=not args.namespace,
+                stop_flag=stop_kopf,
+            )
+        )
+    shutdown.set()  # the elector releases the Lease
+    if elector_thread is not None:
+        elector_thread.join(10)
     ctx.stores.close()
+    if lost.is_set():
+        logging.error("exiting: this replica lost the leader election")
+        return 1
     return 0
 
 

@@ -7,15 +7,17 @@
   asks (``requeue_after``: backoff, pending timeouts) or every ``resync_seconds``;
 - **event handlers** on ElasticJobs and on Pods labelled with a job name that wake that
   job's daemon;
-- a **delete handler** (kopf's finalizer) that deletes the job's etcd prefix; Pods go by
-  owner-reference garbage collection.
+- a **delete handler** (kopf's finalizer) that deletes the job's Pods, waits until they
+  are gone (no sidecar left to write), then deletes the job's etcd prefix.
 
 One pass (:meth:`JobReconciler.reconcile_once`, synchronous, run in a thread) reads the job
 and its Pods with the official ``kubernetes`` client, reads the rendezvous view from etcd
-(optional: reconcile works without it), and applies the plan: remove nodes from
-rendezvous, delete Pods, create Pods, patch the status subresource, post Events.
-Leader election is kopf's peering (see ``__main__``): only the peer with the highest
-priority handles resources.
+(optional: reconcile works without it), and applies the plan: the status first (a patch
+conditional on the job's resourceVersion, so the accounting is stored before the actions
+it counts; a failed write means this pass does nothing), then rendezvous departures and
+removals, Pod deletions and creations, Events.
+Only the leader acts: a pass applies nothing while :attr:`OperatorContext.fence` is false
+(leader election on a Lease, :mod:`kelastic_operator.leader`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class OperatorContext:
         clock: the time source (tests may fix it).
         metrics: the operator's metrics.
         instance: this operator's name (``reportingInstance`` of its Events).
+        fence: whether this replica may act now (the leader election's
+            :meth:`~kelastic_operator.leader.LeaseElector.is_leader`); a pass that finds it
+            false writes nothing.
     """
 
     api: client.ApiClient
@@ -89,7 +94,9 @@ class OperatorContext:
     clock: Callable[[], datetime] = utcnow
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     instance: str = ""
+    fence: Callable[[], bool] = lambda: True
     _wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    _etcd_cleanup_failures: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
         """The event that wakes the daemon of job ``namespace/name`` (created on demand)."""
@@ -189,6 +196,11 @@ class JobReconciler:
         pods = self._pods(uid, trainer_name(spec.template))
         rdzv, store = self._rendezvous(spec, prefix)
         plan = reconcile(view, pods, now, rdzv)
+        if not self.ctx.fence():
+            log.warning(
+                "%s/%s: not the leader any more: nothing applied", self.namespace, self.name
+            )
+            return None
         self._apply(obj, spec, old, plan, store, prefix, now)
         self.ctx.metrics.set_phase(self.namespace, self.name, plan.status.phase, PHASES)
         return plan.requeue_after
@@ -204,6 +216,16 @@ class JobReconciler:
         now: datetime,
     ) -> None:
         uid = str(obj["metadata"]["uid"])
+        # status first, conditional on the job as observed: the accounting (replacements,
+        # failures counted) must be stored before the actions it counts. A failed write
+        # (conflict, throttling, outage) raises: this pass acts on nothing, the next one
+        # decides again from what is stored.
+        if plan.status_changed:
+            body = status_patch(old, plan.status)
+            body["metadata"] = {"resourceVersion": obj["metadata"]["resourceVersion"]}
+            self.custom.patch_namespaced_custom_object_status(
+                API_GROUP, API_VERSION, self.namespace, PLURAL, self.name, body
+            )
         if plan.depart_nodes and store is not None:
             try:
                 store.mark_departing(prefix, plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN)
@@ -248,11 +270,6 @@ class JobReconciler:
                           f"{_api_message(exc)}")
                 )  # fmt: skip
                 break
-        if plan.status_changed:
-            self.custom.patch_namespaced_custom_object_status(
-                API_GROUP, API_VERSION, self.namespace, PLURAL, self.name,
-                status_patch(old, plan.status),
-            )  # fmt: skip
         for event in plan.events:
             self._post(event, uid, now)
 
@@ -276,6 +293,32 @@ class JobReconciler:
             )  # fmt: skip
         for event in plan.events:
             self._post(event, str(obj["metadata"]["uid"]), now)
+
+    def stop_pods(self, uid: str) -> list[str]:
+        """Delete the job's Pods (the first step of deleting a job) and say which are
+        still there: the job's etcd keys may go only once no sidecar can write them again.
+
+        Returns:
+            Names of the job's Pods that still exist (being deleted or just deleted).
+
+        Raises:
+            ApiException: listing or deleting failed other than with 404.
+        """
+        listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector(self.name))
+        left = []
+        for pod in self.ctx.api.sanitize_for_serialization(listed.items):  # type: ignore[no-untyped-call]
+            meta = pod.get("metadata") or {}
+            if (meta.get("labels") or {}).get(LABEL_UID, uid) != uid:
+                continue
+            left.append(str(meta["name"]))
+            if not meta.get("deletionTimestamp"):
+                try:
+                    self.core.delete_namespaced_pod(str(meta["name"]), self.namespace)
+                    self.ctx.metrics.pods_deleted.inc()
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+        return left
 
     def delete_prefix(self, obj: dict[str, Any]) -> None:
         """Delete the job's etcd prefix (the finalizer's work).
@@ -329,7 +372,14 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
             try:
                 with ctx.metrics.time_reconcile():  # duration, outcome, errors by kind
                     due = await asyncio.to_thread(reconciler.reconcile_once)
-            except (ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
+            except ApiException as exc:
+                if exc.status == 409:  # the job changed since it was read: decide again
+                    log.debug("%s/%s: status write conflicted; reconciling again", namespace, name)
+                    due = 0.05
+                else:
+                    log.warning("%s/%s: reconcile failed: %s", namespace, name, exc)
+                    due = 1.0
+            except (OSError, urllib3.exceptions.HTTPError) as exc:
                 # urllib3's errors (e.g. MaxRetryError: the API server is unreachable) are
                 # not OSErrors: an outage, not a bug.
                 log.warning("%s/%s: reconcile failed: %s", namespace, name, exc)
@@ -350,17 +400,25 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
         ctx.wakeup(namespace or "default", str(labels[LABEL_JOB])).set()
 
     @kopf.on.delete(API_GROUP, API_VERSION, PLURAL, registry=registry)
-    async def job_deleted(
-        name: str, namespace: str | None, body: kopf.Body, retry: int, **_: Any
-    ) -> None:
+    async def job_deleted(name: str, namespace: str | None, body: kopf.Body, **_: Any) -> None:
         namespace = namespace or "default"
         reconciler = JobReconciler(ctx, namespace, name)
+        # 1. the Pods go first (their sidecars would write the keys again), then 2. the keys
+        if not ctx.fence():
+            raise kopf.TemporaryError("not the leader any more", delay=2)
+        left = await asyncio.to_thread(reconciler.stop_pods, str(body["metadata"]["uid"]))
+        if left:
+            raise kopf.TemporaryError(
+                f"waiting for {len(left)} pod(s) to stop: {', '.join(sorted(left))}", delay=1
+            )
+        key = (namespace, name)
         try:
             await asyncio.to_thread(reconciler.delete_prefix, dict(body))
         except (RendezvousStoreError, ValueError) as exc:
-            if retry + 1 < ctx.finalizer_retries:
+            failures = ctx._etcd_cleanup_failures[key] = ctx._etcd_cleanup_failures.get(key, 0) + 1
+            if failures < ctx.finalizer_retries:
                 raise kopf.TemporaryError(f"deleting the etcd keys failed: {exc}", delay=2) from exc
             log.error("%s/%s: giving up on the etcd keys: %s", namespace, name, exc)
-        finally:
-            ctx.metrics.forget(namespace, name, PHASES)
-            ctx._wakeups.pop((namespace, name), None)
+        ctx._etcd_cleanup_failures.pop(key, None)
+        ctx.metrics.forget(namespace, name, PHASES)
+        ctx._wakeups.pop(key, None)
