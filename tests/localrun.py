@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,8 @@ import psutil
 import yaml
 
 WORKERS = Path(__file__).resolve().parent / "workers"
+#: A worker's step line, as the launcher prefixes it: ``[<rank>]: step <n>``.
+STEP_LINE = re.compile(r"^\[(\d+)\]: step (\d+)$")
 
 
 def write_job(
@@ -28,13 +33,15 @@ def write_job(
     env: dict[str, str] | None = None,
     command: list[str] | None = None,
     last_call: float = 1.0,
+    lease_ttl: int = 3,
+    pod_replacement: dict[str, Any] | None = None,
 ) -> Path:
     """Write an ElasticJob manifest running ``tests/workers/steps.py`` (by default)."""
     spec: dict[str, Any] = {
         "replicas": replicas,
         "nprocPerNode": nproc,
         "maxRestarts": max_restarts,
-        "rendezvous": {"lastCallTimeoutSeconds": last_call, "leaseTTLSeconds": 3},
+        "rendezvous": {"lastCallTimeoutSeconds": last_call, "leaseTTLSeconds": lease_ttl},
         "template": {
             "spec": {
                 "containers": [
@@ -51,6 +58,8 @@ def write_job(
         spec["minReplicas"] = min_replicas
     if max_replicas is not None:
         spec["maxReplicas"] = max_replicas
+    if pod_replacement is not None:
+        spec["podReplacement"] = pod_replacement
     doc = {"apiVersion": "kelastic.dev/v1alpha1", "kind": "ElasticJob",
            "metadata": {"name": name}, "spec": spec}  # fmt: skip
     path.write_text(yaml.safe_dump(doc))
@@ -64,21 +73,25 @@ class KelasticRun:
     :meth:`strays` can find anything left behind.
     """
 
-    def __init__(self, manifest: Path, *args: str, workdir: Path) -> None:
+    def __init__(
+        self, manifest: Path, *args: str, workdir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.marker = uuid.uuid4().hex
-        env = dict(os.environ, KELASTIC_TEST_MARKER=self.marker, TERM="dumb", COLUMNS="200")
+        env = dict(env or os.environ, KELASTIC_TEST_MARKER=self.marker, TERM="dumb", COLUMNS="200")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kelastic_operator.cli", "run", str(manifest),
              "--workdir", str(workdir), "--status-interval", "2", "--stop-grace", "2", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         self.lines: list[str] = []
+        self.times: list[float] = []  # time.monotonic() each line was read
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in iter(self.proc.stdout.readline, b""):
+            self.times.append(time.monotonic())
             self.lines.append(raw.decode(errors="replace").rstrip("\n"))
 
     @property
@@ -99,6 +112,46 @@ class KelasticRun:
             ) from None
         self._reader.join(10)
         return code
+
+    def when(self, text: str) -> float | None:
+        """``time.monotonic()`` of the first line containing ``text``; None if none."""
+        for t, line in zip(list(self.times), list(self.lines), strict=False):
+            if text in line:
+                return t
+        return None
+
+    def step_times(self) -> list[float]:
+        """When each worker step line (any rank) was read, in order."""
+        pairs = zip(list(self.times), list(self.lines), strict=False)
+        return [t for t, line in pairs if STEP_LINE.match(line)]
+
+    def time_lost(self) -> float:
+        """The longest stretch (seconds) in which no worker of the job took a step,
+        between the first step and the last: the training time a fault cost."""
+        times = self.step_times()
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+
+    def restarts_charged(self) -> int:
+        """Restarts the runner reported as charged (its ``restart N/M`` lines)."""
+        found = [re.search(r"\brestart (\d+)/\d+:", line) for line in list(self.lines)]
+        return max((int(m.group(1)) for m in found if m), default=0)
+
+    def processes(self, *needles: str) -> list[psutil.Process]:
+        """Live processes of this run whose command line contains every needle."""
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                cmd = " ".join(proc.info["cmdline"] or [])
+                if (
+                    proc.pid != os.getpid()
+                    and proc.environ().get("KELASTIC_TEST_MARKER") == self.marker
+                    and all(n in cmd for n in needles)
+                    and proc.status() != psutil.STATUS_ZOMBIE
+                ):
+                    found.append(proc)
+            except psutil.Error:
+                continue
+        return found
 
     def strays(self) -> list[str]:
         """Processes (other than pytest) carrying this run's marker."""

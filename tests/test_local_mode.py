@@ -7,7 +7,6 @@ the torch DDP digits job runs in ``test_digits.py``.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -71,19 +70,6 @@ def test_hung_worker_is_reaped_by_the_timer_and_restarted(tmp_path: Path) -> Non
     assert "restart 1/3: hang: rank 0 on steps-0 (round 0) killed by SIGKILL" in out
     assert "timer 'step' expired" in out
     assert "job succeeded" in out
-
-
-def test_ctrl_c_stops_everything_and_leaves_no_stray_process(tmp_path: Path) -> None:
-    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2, env={"STEPS_IGNORE_TERM": "1"})
-    run = KelasticRun(job, workdir=tmp_path / "runs")
-    wait_for(lambda: run.has("step 5"), timeout=60, what="workers stepping")
-    pids = [p.split(":")[0] for p in run.strays()]
-    assert len(pids) >= 1 + 2 * 2 + 2 * 2  # etcd, 2 sidecars + 2 launchers, 4 workers
-    run.proc.send_signal(signal.SIGINT)
-    assert run.wait(60) == 130, run.output
-    assert "SIGINT: stopping the job" in run.output
-    assert "job interrupted" in run.output
-    assert run.strays() == []
 
 
 def test_a_new_node_joins_at_the_next_round(tmp_path: Path) -> None:

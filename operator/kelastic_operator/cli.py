@@ -8,13 +8,18 @@ operator.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.markup import escape
+if TYPE_CHECKING:
+    from rich.console import Console
 
-from .model import ManifestError, load_manifest
+# Only the standard library is imported before main() runs: a Ctrl-C during the imports
+# (rich, pydantic, the runner: most of the first second) must end in exit 130, not a
+# traceback.
 
 _RUN_EPILOG = """\
 examples:
@@ -33,6 +38,24 @@ faults (for demos and tests; each fires once, one after another in the given ord
 exit status: 0 the job succeeded, 1 it failed (root cause printed), 2 bad input,
 130 interrupted. Logs stay in the run dir printed at start.
 """
+
+
+def _seconds(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of seconds ``>= minimum`` (``> minimum``
+    unless ``inclusive``); anything else is refused as bad input (exit 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        ok = value >= minimum if inclusive else value > minimum
+        if not math.isfinite(value) or not ok:
+            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number {bound}")
+        return value
+
+    return parse
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -69,7 +92,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--stop-grace",
-        type=float,
+        type=_seconds(0.0, inclusive=True),
         default=5.0,
         metavar="SECONDS",
         help="SIGTERM-to-SIGKILL grace for workers (default 5)",
@@ -83,7 +106,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--status-interval",
-        type=float,
+        type=_seconds(0.0, inclusive=False),
         default=10.0,
         metavar="SECONDS",
         help="seconds between progress lines (default 10)",
@@ -93,7 +116,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kelastic`` console script; returns the exit status."""
+    """Entry point of the ``kelastic`` console script; returns the exit status.
+
+    A Ctrl-C before the runner takes over its signals (imports, reading the manifest)
+    returns 130 with one line on stderr, never a traceback.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("kelastic: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "version":
@@ -108,13 +143,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _usage_error(err: Console, message: str) -> int:
+    from rich.markup import escape
+
     err.print(f"[bold red]kelastic run:[/] {escape(message)}")
     return 2
 
 
 def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
     from .local.faults import Fault
     from .local.runner import LocalOptions, LocalRunner
+    from .model import ManifestError, load_manifest
 
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)

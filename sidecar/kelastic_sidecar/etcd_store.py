@@ -319,6 +319,9 @@ class EtcdStore:
         self.on_error: Callable[[EtcdUnavailableError], None] | None = None
         self._closed = threading.Event()
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+        #: ``time.monotonic()`` of the last call etcd answered (0.0: none yet), so that
+        #: a caller can tell an outage that goes on from one that is over.
+        self.last_success = 0.0
 
     @staticmethod
     def _credentials(tls_dir: Path | None) -> Any:
@@ -415,7 +418,9 @@ class EtcdStore:
                 )
             self._count(what.partition("(")[0])
             try:
-                return fn(ep, left)
+                result = fn(ep, left)
+                self.last_success = time.monotonic()
+                return result
             except grpc.RpcError as exc:
                 last = _describe(exc)
                 code = exc.code() if hasattr(exc, "code") else None

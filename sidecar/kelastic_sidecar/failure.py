@@ -17,6 +17,11 @@ from typing import Any
 CAUSE_WORKER_FAILURE = "worker_failure"  # a worker exited non-zero or was killed
 CAUSE_HANG = "hang"  # the timer server reaped a worker whose timer expired
 CAUSE_NODE_LOST = "node_lost"  # a peer's lease expired (its sidecar or machine died)
+#: A worker that never ran the program (exec failed, or exit 126/127: not executable,
+#: not found): a restart cannot help, so the job fails at once without spending the budget.
+CAUSE_START_FAILURE = "start_failure"
+#: Worker exit codes that mean "the program could not be run" (POSIX shells, execvp).
+NOT_STARTED_EXIT_CODES = frozenset({126, 127})
 CAUSE_SCALE = "scale"  # nodes joined or left; never charged to the budget
 CAUSE_PEER = "peer_restart"  # another node restarted the group; never charged
 

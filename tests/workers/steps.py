@@ -8,6 +8,9 @@ Prints ``rank=R world=W round=N restart=K`` once, then ``step S`` lines, each st
   STEPS_FAIL_AT     step at which to fail (default 3)
   STEPS_IGNORE_TERM ignore SIGTERM (to exercise SIGKILL after the grace period)
   STEPS_TIMEOUT     seconds each step's timer allows (default 5)
+  STEPS_CHECKPOINT  a file: every worker starts at the step it holds (printing
+                    ``from_step=N``), and rank 0 writes each step it finishes there
+                    (write and rename), so STEPS_MAX counts steps of the whole job
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     if os.environ.get("STEPS_IGNORE_TERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ckpt = Path(os.environ["STEPS_CHECKPOINT"]) if os.environ.get("STEPS_CHECKPOINT") else None
+    step = int(ckpt.read_text()) if ckpt is not None and ckpt.exists() else 0
     print(
         f"rank={rank} world={os.environ['WORLD_SIZE']} round={os.environ['KELASTIC_ROUND']} "
-        f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']}",
+        f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} from_step={step}",
         flush=True,
     )
     stop = os.environ.get("STEPS_STOP_FILE")
@@ -36,11 +41,14 @@ def main() -> None:
     fail_rank = int(os.environ.get("STEPS_FAIL_RANK", "-1"))
     fail_at = int(os.environ.get("STEPS_FAIL_AT", "3"))
     timeout = float(os.environ.get("STEPS_TIMEOUT", "5"))
-    step = 0
     while True:
         with expires(after=timeout, scope="step"):
             time.sleep(0.05)
         step += 1
+        if ckpt is not None and rank == 0:
+            tmp = ckpt.with_name(ckpt.name + ".tmp")
+            tmp.write_text(str(step))
+            tmp.replace(ckpt)
         print(f"step {step}", flush=True)
         if rank == fail_rank and step == fail_at:
             raise ValueError(f"bad batch at step {step}")

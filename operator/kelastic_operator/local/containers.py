@@ -4,7 +4,8 @@ Used by ``kelastic run`` (which renders each replica's sidecar and trainer itsel
 the tests' local kubelet (which runs the Pods the operator creates). There are no images:
 
 - ``command``: a leading ``python``/``python3`` is this interpreter, ``kelastic-sidecar``
-  is ``python -m kelastic_sidecar``; anything else runs as is from ``PATH``;
+  is ``python -m kelastic_sidecar``; anything else runs as is from ``PATH``
+  (:func:`local_launcher_argv` does the same for the worker command of ``kelastic run``);
 - ``workingDir`` is mapped by the caller (an image's folder has no local meaning);
 - volumes are local folders; an env value equal to or under a ``mountPath`` is rewritten
   to the folder, and the ``kelastic-run`` mount sets ``KELASTIC_RUN_DIR``;
@@ -14,6 +15,7 @@ the tests' local kubelet (which runs the Pods the operator creates). There are n
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kelastic import contract
+from kelastic._workers import child_preexec
 
 
 def local_argv(command: list[str]) -> list[str]:
@@ -38,6 +41,23 @@ def local_argv(command: list[str]) -> list[str]:
     if head == "kelastic-sidecar":
         return [sys.executable, "-m", "kelastic_sidecar", *rest]
     return [head, *rest]
+
+
+def local_launcher_argv(command: list[str]) -> list[str]:
+    """A launcher command (``python -m kelastic.launch ... -- <worker command>``) whose
+    worker command runs a leading ``python``/``python3`` with this interpreter too.
+
+    The launcher resolves the worker's program on ``PATH``: without this, a virtualenv
+    used without activating it runs ``kelastic`` with its own interpreter but the
+    workers with the system one, which lacks the job's packages. Commands without
+    ``--`` are returned unchanged.
+    """
+    argv = list(command)
+    if "--" in argv:
+        at = argv.index("--") + 1
+        if at < len(argv) and argv[at] in ("python", "python3"):
+            argv[at] = sys.executable
+    return argv
 
 
 def mount_map(container: Mapping[str, Any], volumes: Mapping[str, Path]) -> dict[str, Path]:
@@ -97,13 +117,22 @@ def start_process(
     cwd: Path,
     stdout: IO[bytes] | int,
     stderr: IO[bytes] | int,
+    *,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start one container process in its own session (so a terminal's Ctrl-C reaches
     only the runner, which stops everything in order).
 
+    Args:
+        die_with_parent: the process gets ``PR_SET_PDEATHSIG=SIGKILL`` (Linux): it is
+            killed when the *thread* that started it ends (the kernel's notion of the
+            parent), so start it from a thread that lives as long as the process
+            should: ``kelastic run`` starts everything from its main loop.
+
     Raises:
         OSError: the program cannot be started.
     """
+    preexec = functools.partial(child_preexec, os.getpid()) if die_with_parent else None
     return subprocess.Popen(
         argv,
         cwd=cwd,
@@ -112,6 +141,7 @@ def start_process(
         stdout=stdout,
         stderr=stderr,
         start_new_session=True,
+        preexec_fn=preexec,
     )
 
 

@@ -7,6 +7,7 @@ loopback ports, with a temporary data directory, and is ready when ``GET /health
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -19,6 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+
+from kelastic._workers import child_preexec
 
 
 class EtcdError(RuntimeError):
@@ -62,18 +65,26 @@ class EmbeddedEtcd:
             :meth:`stop`) when ``None``.
         fast: use test flags (no fsync, 10 ms heartbeat, 100 ms election timeout).
         log_path: file receiving etcd's own log; discarded when ``None``.
+        die_with_parent: etcd gets ``PR_SET_PDEATHSIG=SIGKILL``: it dies with the thread
+            that calls :meth:`start` (``kelastic run``'s main thread), even by SIGKILL.
 
     Use as a context manager or call :meth:`start` / :meth:`stop`.
     ``endpoint`` is ``"127.0.0.1:<client port>"``.
     """
 
     def __init__(
-        self, data_dir: Path | None = None, *, fast: bool = True, log_path: Path | None = None
+        self,
+        data_dir: Path | None = None,
+        *,
+        fast: bool = True,
+        log_path: Path | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kelastic-etcd-"))
         self.fast = fast
         self.log_path = log_path
+        self.die_with_parent = die_with_parent
         self.client_port = 0
         self.peer_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -115,8 +126,16 @@ class EmbeddedEtcd:
         try:
             # Own session: a Ctrl-C aimed at our foreground group must not kill etcd
             # before we have stopped what depends on it.
+            preexec = (
+                functools.partial(child_preexec, os.getpid()) if self.die_with_parent else None
+            )
             self.proc = subprocess.Popen(
-                args, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+                args,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=preexec,
             )
         finally:
             if log is not subprocess.DEVNULL:

@@ -86,6 +86,8 @@ class LocalPod:
             write both to ``<pod_dir>/<container>.log``.
         env: extra env for every container (after the Pod's own).
         warn: called with a line for what cannot be mapped locally.
+        die_with_parent: each container process dies with the thread that started it
+            (see :func:`~kelastic_operator.local.containers.start_process`).
     """
 
     pod: Obj
@@ -96,6 +98,7 @@ class LocalPod:
     env: dict[str, str] = field(default_factory=dict)
     warn: Callable[[str], None] = lambda line: None
     containers: list[LocalContainer] = field(default_factory=list)
+    die_with_parent: bool = False
 
     @property
     def name(self) -> str:
@@ -156,11 +159,16 @@ class LocalPod:
         argv = local_argv([str(x) for x in (c.get("command") or []) + (c.get("args") or [])])
         full_env = base_env({**env, **self.env})
         log = self.pod_dir / f"{c['name']}.log"
+        tied = self.die_with_parent
         if self.pipe(c):
-            proc = start_process(argv, full_env, self.cwd(c), subprocess.PIPE, subprocess.PIPE)
+            proc = start_process(
+                argv, full_env, self.cwd(c), subprocess.PIPE, subprocess.PIPE, die_with_parent=tied
+            )
         else:
             with open(log, "ab") as out:
-                proc = start_process(argv, full_env, self.cwd(c), out, subprocess.STDOUT)
+                proc = start_process(
+                    argv, full_env, self.cwd(c), out, subprocess.STDOUT, die_with_parent=tied
+                )
         image = str(c.get("image", ""))
         return LocalContainer(c["name"], image, proc, log, termination_log, sidecar, http_port)
 

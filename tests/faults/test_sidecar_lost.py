@@ -1,0 +1,81 @@
+"""Fault matrix: a node's sidecar SIGKILLed mid-training (issue 11, item 5).
+
+Local mode treats it as a lost Pod, as the operator does: the node leaves the
+rendezvous at once (the restart is charged to the lost node, not to the connection
+resets its peers see), the Pod is replaced within ``podReplacement``, and the job's
+result is the job's, whatever the dead Pod's launcher exited with.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+from kelastic import contract
+from tests.conftest import wait_for
+from tests.localrun import KelasticRun, write_job
+
+
+def _sidecar_of(run: KelasticRun, pod: str) -> object:
+    for proc in run.processes("kelastic_sidecar"):
+        if proc.environ().get(contract.ENV_POD_NAME) == pod:
+            return proc
+    raise AssertionError(f"no sidecar of {pod}:\n{run.output}")
+
+
+def test_a_killed_sidecar_is_a_lost_pod_replaced_and_the_job_succeeds(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, min_replicas=1, max_replicas=2, max_restarts=3,
+        env={"STEPS_MAX": "200", "STEPS_CHECKPOINT": str(ckpt)},
+        pod_replacement={"maxReplacements": 2, "backoffSeconds": 0},
+    )  # fmt: skip
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    wait_for(lambda: run.has("[1]: step 20"), 60, what="both nodes training")
+    sidecar = _sidecar_of(run, "steps-1")
+    sidecar.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
+    killed = time.monotonic()
+    assert run.wait(180) == 0, run.output
+    out = run.output
+    assert "steps-1 failed: its kelastic sidecar was killed by SIGKILL: node lost" in out
+    assert "replacing steps-1 in 0.0s (replacement 1/2)" in out
+    assert "steps-1: replaced (replacement 1)" in out
+    assert re.search(r"restart 1/3: node_lost: node on steps-1 \(round \d\)", out), out
+    assert "Connection reset" not in out
+    assert run.restarts_charged() == 1, out  # the replacement joining is a scale-up: free
+    # The replacement joined a later round of two nodes, and the job ran to its end.
+    replaced = run.when("steps-1: replaced")
+    assert replaced is not None
+    rounds = [line for t, line in zip(run.times, run.lines, strict=False) if t > replaced
+              and re.search(r"round \d+: world size 2 ", line)]  # fmt: skip
+    assert rounds, out
+    assert "job succeeded" in out
+    # Status lines never showed the dead replica running.
+    for t, line in zip(run.times, run.lines, strict=False):
+        if killed + 1.0 < t < replaced and line.startswith("[kelastic] status:"):
+            assert "[running,running]" not in line, line
+    # No checkpoint lost: every restart resumed where the last step left it.
+    starts = [int(m.group(1)) for m in re.finditer(r"from_step=(\d+)", out)]
+    assert starts[-1] > 20 and int(ckpt.read_text()) == 200
+    lost = run.time_lost()
+    print(f"\nFAULT sidecar-killed: time lost {lost:.2f}s, 1 restart charged (node_lost)")
+    assert lost < 30
+    assert run.strays() == []
+
+
+def test_a_lost_pod_past_the_replacement_budget_fails_the_job(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, min_replicas=1, max_replicas=2,
+        pod_replacement={"maxReplacements": 0},
+    )  # fmt: skip
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    wait_for(lambda: run.has("[1]: step 5"), 60, what="both nodes training")
+    _sidecar_of(run, "steps-1").send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
+    assert run.wait(120) == 1, run.output
+    assert (
+        "steps-1 failed (its kelastic sidecar was killed by SIGKILL: node lost) and the "
+        "pod replacement budget (0) is spent" in run.output
+    ), run.output
+    assert run.strays() == []
