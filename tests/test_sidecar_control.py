@@ -25,10 +25,12 @@ CONNECT_AS_NOBODY = textwrap.dedent(
 
 
 def test_a_launcher_of_another_user_can_connect(pod_run_dir: Path) -> None:
+    """With access "pod" (the default on Kubernetes); locally only the sidecar's user may
+    connect (tests/test_timer_hostile.py)."""
     assert os.getuid() == 0, "the test suite runs as root (CI) to switch users"
     got: list[dict[str, object]] = []
     path = pod_run_dir / "control.sock"
-    server = ControlServer(path, got.append)
+    server = ControlServer(path, got.append, access="pod")
     with strict_umask():
         server.start()
     try:

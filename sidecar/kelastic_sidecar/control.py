@@ -12,7 +12,8 @@ of known message types are checked (:func:`parse_launcher_message`), so the supe
 can use them without further checks.
 
 The socket is created with the same access rule as the timer FIFO
-(:func:`~kelastic_sidecar.timer_server.ipc_modes`): only the Pod's users may connect.
+(:func:`~kelastic_sidecar.timer_wire.ipc_access`, ``$KELASTIC_IPC_ACCESS``): locally
+only the sidecar's user may connect, on Kubernetes any user of the Pod.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any, Final
 from kelastic import contract
 from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.sockaddr import unix_address
+
+from .timer_wire import ipc_access, socket_mode
 
 log = logging.getLogger("kelastic_sidecar.control")
 
@@ -128,10 +131,18 @@ class ControlServer:
         path: socket path (removed and re-created on :meth:`start`).
         on_message: called from the reader thread with each decoded message (a dict with a
             string ``type``), and with ``{"type": "disconnected"}`` when a connection ends.
+        access: who may connect (``owner``, ``group``, ``pod``); default
+            :func:`~kelastic_sidecar.timer_wire.ipc_access`.
+
+    Raises:
+        ValueError: a bad ``access`` (or ``$KELASTIC_IPC_ACCESS``).
     """
 
-    def __init__(self, path: Path, on_message: Callable[[Message], None]) -> None:
+    def __init__(
+        self, path: Path, on_message: Callable[[Message], None], access: str | None = None
+    ) -> None:
         self.path = path
+        self._mode = socket_mode(access or ipc_access())
         self._on_message = on_message
         self._listener: socket.socket | None = None
         self._conn: socket.socket | None = None
@@ -151,9 +162,8 @@ class ControlServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with unix_address(self.path) as address:
             listener.bind(address)
-        # Any user of the Pod may connect: the trainer need not run as the sidecar's
-        # user, and only the Pod's containers see the run volume.
-        os.chmod(self.path, 0o666)
+        # The access mode (see the module doc), not umask's.
+        os.chmod(self.path, self._mode)
         listener.listen(4)
         self._listener = listener
         threading.Thread(target=self._accept_loop, name="control-accept", daemon=True).start()

@@ -51,6 +51,21 @@ class TimerCollector(Collector):
              s.malformed + s.oversized),
         ):  # fmt: skip
             yield CounterMetricFamily(name, doc, value=value)
+        dropped = CounterMetricFamily(
+            "kelastic_timer_requests_dropped",
+            "Timer requests dropped, by reason: unwatched (the pool of timers of unwatched "
+            "pids was full), capacity (a watched worker's own budget was full), forged "
+            "(naming a watched worker without its token), shed (queue full under a flood)",
+            labels=["reason"],
+        )
+        for reason, value in (
+            ("unwatched", s.dropped_unwatched),
+            ("capacity", s.dropped_capacity - s.dropped_unwatched),
+            ("forged", s.forged),
+            ("shed", s.shed),
+        ):
+            dropped.add_metric([reason], value)
+        yield dropped
 
 
 class GoodputClock:

@@ -31,6 +31,32 @@ Differences from torch, each for a reason:
 - Hostile input is counted and skipped: malformed lines, lines over ``PIPE_BUF`` bytes,
   and partial lines left by a writer that closed mid-line. A valid request glued after
   such a fragment is still recovered. Warnings about bad lines are rate limited.
+- Budgets: a watched pid has its own budget of ``max_timers_per_pid`` timers; timers of
+  unwatched pids share a pool of ``max_timers``. A flood of requests naming other pids
+  fills only the pool (acquires beyond it are dropped and counted in
+  ``dropped_unwatched``): it can never crowd out a watched worker's timers.
+- Fairness under a flood: each loop turn first acts on the deadlines that are due, then
+  reads at most :data:`READ_PER_TURN` bytes, applies the lines of watched pids at once
+  (found by :func:`~.timer_wire.pid_hint`, then parsed as usual) and queues the others,
+  of which it applies at most :data:`LINES_PER_TURN`. The queue holds at most
+  :data:`MAX_BACKLOG` lines; beyond, lines of unwatched pids are shed (counted in
+  ``shed``), so the pipe keeps draining and a watched worker's request is never stuck
+  behind a flood. A pid whose line was shed loses the timers it acquired before it was
+  watched, when it is watched (a shed release could otherwise leave a stale timer).
+- Who may write: the FIFO is created with the mode of ``$KELASTIC_IPC_ACCESS``
+  (:func:`~.timer_wire.ipc_access`: the sidecar's user only locally, any user of the
+  Pod on Kubernetes). A FIFO tells the reader nothing about the writer (no
+  ``SO_PEERCRED``), so what is checked beyond the mode is a *token*: the supervisor puts
+  a random ``$KELASTIC_TIMER_TOKEN`` in each worker's env and passes it with the pid to
+  :meth:`TimerServer.watch_pid`; kelastic's client sends it in each request. A request
+  naming a watched pid with another token is refused (``forged``). A request without a
+  token (torch's unmodified ``FileTimerClient``) is accepted for a watched pid until
+  that pid has sent its token once; from then on tokenless requests naming it are
+  refused and its tokenless timers dropped. What is *not* checked: a process that can
+  read the worker's environment (same user: ``/proc/<pid>/environ``; or a descendant,
+  which inherits it) can send valid requests for it, and so can anyone for a worker
+  that only ever uses torch's client; such a process could signal the worker directly
+  anyway. The token keeps out writers that do not share the worker's environment.
 - The reader holds a write end of its own FIFO, so it never sees end-of-file when
   writers come and go; writers that open the FIFO per request (torch's client) and
   writers that keep it open (kelastic's client) both work.
@@ -38,11 +64,12 @@ Differences from torch, each for a reason:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
 import heapq
-import json
+import hmac
 import logging
 import math
 import os
@@ -55,28 +82,35 @@ from pathlib import Path
 from signal import SIGKILL
 from typing import Final, NamedTuple
 
-from kelastic.timer import MAX_SCOPE_LEN, WIRE_VERSION
-
 from .memory_release import release_memory
+from .timer_wire import MAX_LINE as MAX_LINE
+from .timer_wire import MAX_PID as MAX_PID
+from .timer_wire import MAX_SIGNAL as MAX_SIGNAL
+from .timer_wire import LineSplitter, _salvage, fifo_mode, ipc_access, pid_hint
+from .timer_wire import _BadRequest as _BadRequest
+from .timer_wire import _parse as _parse
+from .timer_wire import _Request as _Request
 
 __all__ = ["ReapEvent", "TimerServer", "TimerStats"]
 
 log = logging.getLogger("kelastic_sidecar.timer")
 
-#: Longest request line in bytes, newline excluded (torch's client checks the same bound).
-MAX_LINE: Final = select.PIPE_BUF
-#: Highest signal number accepted (Linux ``SIGRTMAX``).
-MAX_SIGNAL: Final = 64
-#: Upper bound of accepted pids (above Linux's largest ``pid_max``, 2**22).
-MAX_PID: Final = 2**31 - 1
 #: Longest single sleep of the server thread, seconds.
 MAX_SLEEP: Final = 10.0
 #: A deadline this close (seconds) after ``poll`` returns is slept to precisely.
 FINE_SLEEP: Final = 0.002
 #: One warning is logged per this many bad lines (and per this many unknown-pid expiries).
 LOG_EVERY: Final = 1000
-#: How many ``{"`` positions of a bad line are tried as the start of a glued request.
-_SALVAGE_TRIES: Final = 8
+#: Most bytes read from the FIFO per loop turn (a turn then acts on due deadlines).
+READ_PER_TURN: Final = 256 * 1024
+#: Most queued lines (of unwatched pids) applied per loop turn.
+LINES_PER_TURN: Final = 512
+#: Most lines of watched pids applied at once per loop turn (more are queued).
+WATCHED_PER_TURN: Final = 1024
+#: Most lines queued; beyond, lines of unwatched pids are shed.
+MAX_BACKLOG: Final = 65536
+#: Most pids remembered as having had a line shed (then every pid counts as such).
+_MAX_SHED_PIDS: Final = 65536
 _READ_SIZE: Final = 65536
 
 
@@ -126,7 +160,11 @@ class TimerStats:
         malformed: lines skipped as malformed (bad JSON, bad fields, partial lines).
         oversized: lines skipped for exceeding ``PIPE_BUF`` bytes.
         unknown_pid: expired timers dropped because their pid was not watched.
-        dropped_capacity: acquires dropped because ``max_timers`` timers were active.
+        dropped_capacity: acquires dropped because a budget was full (the pid's own, or
+            the pool of unwatched pids).
+        dropped_unwatched: of those, acquires of unwatched pids (the pool was full).
+        forged: requests naming a watched pid refused for a wrong or missing token.
+        shed: lines of unwatched pids dropped unread because the queue was full.
         expired: timers that reached their deadline (watched pid or not).
         reaped: successful kills.
         active: timers in the table now.
@@ -141,115 +179,31 @@ class TimerStats:
     oversized: int = 0
     unknown_pid: int = 0
     dropped_capacity: int = 0
+    dropped_unwatched: int = 0
+    forged: int = 0
+    shed: int = 0
     expired: int = 0
     reaped: int = 0
     active: int = 0
     kill_failed: int = 0
 
 
-class _Request(NamedTuple):
-    pid: int
-    scope_id: str
-    expiration_time: float
-    signal: int
-
-
 class _Timer(NamedTuple):
     expiration_time: float
     signal: int
     seq: int  # identifies the heap entry that belongs to this timer
+    token: str | None = None  # the token its request carried
 
 
-class _BadRequest(ValueError):
-    pass
+@dataclass
+class _Watch:
+    token: str | None  # the worker's token; None: not checked
+    proven: bool = False  # the worker sent its token: tokenless requests are refused
 
 
 def _joined(thread: threading.Thread, timeout: float) -> bool:
     thread.join(timeout)
     return not thread.is_alive()
-
-
-def _reject_constant(name: str) -> float:
-    raise _BadRequest(f"{name} is not a valid number")
-
-
-def _parse(line: bytes) -> _Request:
-    """Decode and validate one request line (newline excluded).
-
-    Raises:
-        _BadRequest: (a ``ValueError``) with the reason.
-    """
-    try:
-        obj = json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise _BadRequest(f"not JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise _BadRequest("not a JSON object")
-    version, pid, scope_id = obj.get("version"), obj.get("pid"), obj.get("scope_id")
-    expiration_time, signal = obj.get("expiration_time"), obj.get("signal")
-    # type(x) is int: bool is a subclass of int and must not pass as one.
-    if type(version) is not int or version != WIRE_VERSION:
-        raise _BadRequest(f"unsupported version {version!r}")
-    if type(pid) is not int or not 0 < pid <= MAX_PID:
-        raise _BadRequest(f"bad pid {pid!r}")
-    if not isinstance(scope_id, str) or len(scope_id) > MAX_SCOPE_LEN:
-        raise _BadRequest(f"scope_id must be a string of at most {MAX_SCOPE_LEN} characters")
-    if not isinstance(expiration_time, (int, float)) or isinstance(expiration_time, bool):
-        raise _BadRequest(f"bad expiration_time {expiration_time!r}")
-    try:
-        deadline = float(expiration_time)  # an int may be too large for a float
-    except OverflowError:
-        raise _BadRequest("expiration_time out of range") from None
-    if not math.isfinite(deadline):
-        raise _BadRequest(f"expiration_time not finite: {deadline}")
-    if type(signal) is not int or not 0 <= signal <= MAX_SIGNAL:
-        raise _BadRequest(f"bad signal {signal!r}")
-    return _Request(pid, scope_id, deadline, signal)
-
-
-def _salvage(line: bytes) -> _Request | None:
-    """Find a valid request glued after garbage (e.g. a partial line of a dead writer).
-
-    A request written by ``json.dumps`` starts with ``{"`` and contains ``{"`` nowhere
-    else that could start a valid object, so the candidates are tried from the right.
-    """
-    end = len(line)
-    for _ in range(_SALVAGE_TRIES):
-        start = line.rfind(b'{"', 1, end)
-        if start < 0:
-            return None
-        try:
-            return _parse(line[start:])
-        except _BadRequest:
-            end = start + 1
-    return None
-
-
-class _LineSplitter:
-    """Splits the FIFO byte stream into lines, bounding memory at ``MAX_LINE`` bytes.
-
-    A line over ``MAX_LINE`` bytes is reported as oversized with only its last
-    ``MAX_LINE`` bytes, in which a request glued after the garbage can still be found.
-    """
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._overflow = False
-
-    def feed(self, data: bytes) -> list[tuple[bytes, bool]]:
-        """Add ``data``; return the completed ``(line, oversized)`` pairs, newline removed."""
-        self._buf += data
-        out: list[tuple[bytes, bool]] = []
-        while (newline := self._buf.find(b"\n")) >= 0:
-            line = bytes(self._buf[:newline])
-            del self._buf[: newline + 1]
-            oversized = self._overflow or len(line) > MAX_LINE
-            self._overflow = False
-            out.append((line[-MAX_LINE:], oversized))
-        if len(self._buf) > MAX_LINE:  # discard until the next newline, keeping a tail
-            self._overflow = True
-            del self._buf[:-MAX_LINE]
-        return out
 
 
 class TimerServer:
@@ -262,19 +216,23 @@ class TimerServer:
         fifo_path: where to create the FIFO (a stale file there is replaced).
         on_reap: called on the server thread, outside the lock, after each successful
             kill; keep it quick (requests wait meanwhile). Exceptions are logged.
-        max_timers: most timers held at once; acquires of new timers beyond it are
-            dropped and counted in ``dropped_capacity``.
+        max_timers: most timers of unwatched pids held at once (a shared pool); acquires
+            of new timers beyond it are dropped and counted in ``dropped_unwatched``.
+        max_timers_per_pid: most timers of one watched pid held at once; acquires of new
+            timers beyond it are dropped and counted in ``dropped_capacity``.
         kill: sends a signal to a pid (``os.kill``; injectable for tests).
         release: after a SIGKILL, free the victim's memory from this thread
             (:func:`~kelastic_sidecar.memory_release.release_memory`), so it is gone
             sooner.
+        access: who may write the FIFO (``owner``, ``group``, ``pod``); default
+            :func:`~kelastic_sidecar.timer_wire.ipc_access` (``$KELASTIC_IPC_ACCESS``).
 
     Attributes:
         last_acquire_time: ``time.time()`` of the last stored acquire, or None; a
             "training progress" signal for the supervisor.
 
     Raises:
-        ValueError: ``max_timers`` < 1.
+        ValueError: ``max_timers`` or ``max_timers_per_pid`` < 1, or a bad ``access``.
     """
 
     def __init__(
@@ -283,22 +241,33 @@ class TimerServer:
         *,
         on_reap: Callable[[ReapEvent], None] | None = None,
         max_timers: int = 65536,
+        max_timers_per_pid: int = 1024,
         kill: Callable[[int, int], None] = os.kill,
         release: bool = True,
+        access: str | None = None,
     ) -> None:
-        if max_timers < 1:
-            raise ValueError(f"max_timers must be >= 1, got {max_timers}")
+        if max_timers < 1 or max_timers_per_pid < 1:
+            raise ValueError(
+                f"max_timers and max_timers_per_pid must be >= 1, got {max_timers}, "
+                f"{max_timers_per_pid}"
+            )
         self.fifo_path: Final = Path(fifo_path)
         self.last_acquire_time: float | None = None
         self._on_reap = on_reap
         self._max_timers = max_timers
+        self._max_per_pid = max_timers_per_pid
         self._kill = kill
         self._release = release
+        self._mode = fifo_mode(access or ipc_access())
         self._lock = threading.Lock()  # guards everything below it
         self._timers: dict[tuple[int, str], _Timer] = {}
+        self._scopes: dict[int, set[str]] = {}  # pid -> scopes of its timers
+        self._unwatched = 0  # timers of unwatched pids
         self._heap: list[tuple[float, int, int, str]] = []  # (deadline, seq, pid, scope)
         self._seq = 0
-        self._watched: set[int] = set()
+        self._watched: dict[int, _Watch] = {}
+        self._shed_pids: set[int] = set()
+        self._shed_overflow = False  # too many to remember: every pid counts as shed
         self._stats = TimerStats()
         self._bad_lines = 0
         self._unknown_logged = 0
@@ -326,10 +295,9 @@ class TimerServer:
                 raise RuntimeError("TimerServer already started")
             with contextlib.suppress(FileNotFoundError):
                 self.fifo_path.unlink()
-            os.mkfifo(self.fifo_path)
-            # Writable by any user of the Pod (the trainer may run as another user than
-            # the sidecar; only the Pod's containers see the run volume). Not umask's.
-            os.chmod(self.fifo_path, 0o622)
+            os.mkfifo(self.fifo_path, 0o600)
+            # The access mode, not umask's (see the module doc).
+            os.chmod(self.fifo_path, self._mode)
             fds: list[int] = []
             try:
                 fds.append(os.open(self.fifo_path, os.O_RDONLY | os.O_NONBLOCK))
@@ -354,7 +322,7 @@ class TimerServer:
                 daemon=True,
             )
             self._thread.start()
-            log.info("timer server listening on %s", self.fifo_path)
+            log.info("timer server listening on %s (mode %o)", self.fifo_path, self._mode)
 
     def stop(self) -> None:
         """Stop the server thread promptly and remove the FIFO. Idempotent.
@@ -393,8 +361,17 @@ class TimerServer:
 
     # ------------------------------------------------------------- supervisor API
 
-    def watch_pid(self, pid: int) -> None:
+    def watch_pid(self, pid: int, token: str | None = None) -> None:
         """Mark ``pid`` as a worker: it may be signalled when its timers expire.
+
+        Its timers move from the shared pool to its own budget. With ``token``, requests
+        naming ``pid`` must carry it once they carry any (see the module doc); timers it
+        already holds from requests with another token are dropped, and so are those it
+        acquired before now if a line naming it was shed.
+
+        Args:
+            pid: the worker's pid.
+            token: the worker's ``$KELASTIC_TIMER_TOKEN``; None: tokens are not checked.
 
         Raises:
             ValueError: ``pid`` <= 1 or this process's own pid.
@@ -402,7 +379,22 @@ class TimerServer:
         if pid <= 1 or pid == os.getpid():
             raise ValueError(f"refusing to watch pid {pid}")
         with self._lock:
-            self._watched.add(pid)
+            if pid in self._watched:
+                self._watched[pid] = _Watch(token)
+                return
+            self._watched[pid] = watch = _Watch(token)
+            self._unwatched -= len(self._scopes.get(pid, ()))
+            if self._shed_overflow or pid in self._shed_pids:
+                self._clear_pid(pid)
+                return
+            timers = [(s, self._timers[(pid, s)]) for s in self._scopes.get(pid, ())]
+            if token is not None:
+                for scope, timer in timers:
+                    if timer.token is not None and not hmac.compare_digest(timer.token, token):
+                        self._drop((pid, scope))
+                        self._stats.forged += 1
+                if any(self._timers[(pid, s)].token is not None for s in self._scopes.get(pid, ())):
+                    self._prove(pid, watch)  # the worker already sent its token
 
     def forget_pid(self, pid: int) -> None:
         """The worker ``pid`` is gone: drop its timers and stop watching it.
@@ -410,15 +402,19 @@ class TimerServer:
         Once this returns, ``pid`` is never signalled (until watched again).
         """
         with self._lock:
-            self._watched.discard(pid)
             self._clear_pid(pid)
+            self._watched.pop(pid, None)
 
     def forget_all(self) -> None:
         """Drop all timers and watched pids (e.g. the worker group was stopped)."""
         with self._lock:
             self._watched.clear()
             self._timers.clear()
+            self._scopes.clear()
+            self._unwatched = 0
             self._heap.clear()
+            self._shed_pids.clear()
+            self._shed_overflow = False
 
     def stats(self) -> TimerStats:
         """A consistent snapshot of the counters."""
@@ -436,11 +432,12 @@ class TimerServer:
         poller = select.poll()
         poller.register(rfd, select.POLLIN)
         poller.register(wake_r, select.POLLIN)
-        lines = _LineSplitter()
+        lines = LineSplitter()
+        backlog: collections.deque[tuple[bytes, bool]] = collections.deque()
         try:
             while not stopping.is_set():
                 try:
-                    self._step(poller, rfd, wake_r, lines)
+                    self._step(poller, rfd, wake_r, lines, backlog)
                 except Exception:
                     log.exception("timer server: unexpected error; continuing")
                     stopping.wait(0.1)
@@ -448,18 +445,70 @@ class TimerServer:
             os.close(rfd)
             os.close(wfd)
 
-    def _step(self, poller: select.poll, rfd: int, wake_r: int, lines: _LineSplitter) -> None:
-        for fd, _events in poller.poll(self._sleep_ms()):
+    def _step(
+        self,
+        poller: select.poll,
+        rfd: int,
+        wake_r: int,
+        lines: LineSplitter,
+        backlog: collections.deque[tuple[bytes, bool]],
+    ) -> None:
+        """One loop turn: act on due deadlines, then read and apply a bounded amount."""
+        self._reap_due()
+        for fd, _events in poller.poll(0 if backlog else self._sleep_ms()):
             if fd == rfd:
-                with contextlib.suppress(BlockingIOError):
-                    data = os.read(rfd, _READ_SIZE)
-                    with self._lock:
-                        for line, oversized in lines.feed(data):
-                            self._handle_line(line, oversized)
+                self._read(rfd, lines, backlog)
             elif fd == wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
-        self._sleep_to_deadline()
+        if backlog:
+            with self._lock:
+                for _ in range(min(LINES_PER_TURN, len(backlog))):
+                    self._handle_line(*backlog.popleft())
+        else:
+            self._sleep_to_deadline()
+
+    def _read(
+        self, rfd: int, lines: LineSplitter, backlog: collections.deque[tuple[bytes, bool]]
+    ) -> None:
+        """Read up to :data:`READ_PER_TURN` bytes; apply watched pids' lines, queue the rest."""
+        budget = WATCHED_PER_TURN
+        for _ in range(READ_PER_TURN // _READ_SIZE):
+            try:
+                data = os.read(rfd, _READ_SIZE)
+            except BlockingIOError:
+                return
+            with self._lock:
+                for line, oversized in lines.feed(data):
+                    pid = None if oversized else pid_hint(line)
+                    if budget > 0 and pid in self._watched:
+                        budget -= 1
+                        self._handle_line(line, oversized)
+                    elif len(backlog) < MAX_BACKLOG:
+                        backlog.append((line, oversized))
+                    else:
+                        self._shed(pid)
+            if len(data) < _READ_SIZE:
+                return
+
+    def _shed(self, pid: int | None) -> None:
+        self._stats.shed += 1
+        if pid is None:
+            return
+        if len(self._shed_pids) >= _MAX_SHED_PIDS:
+            self._shed_overflow = True
+        else:
+            self._shed_pids.add(pid)
+        if self._stats.shed % LOG_EVERY == 1:
+            log.warning(
+                "timer server: %d requests queued; shed a line of unwatched pid %d "
+                "(%d shed so far)",
+                MAX_BACKLOG,
+                pid,
+                self._stats.shed,
+            )
+
+    def _reap_due(self) -> None:
         events = self._expire(time.time())
         for event in events:  # first, so the reaps are known before the exits arrive
             if self._on_reap is None:
@@ -522,31 +571,89 @@ class TimerServer:
                 LOG_EVERY,
             )
 
+    def _authentic(self, request: _Request, watch: _Watch) -> bool:
+        """Whether a request naming the watched pid may act on its timers."""
+        if request.token is None:
+            return not watch.proven  # torch's client: until the worker sent its token
+        if watch.token is None:
+            return True  # watched without a token: nothing to check
+        if not hmac.compare_digest(request.token, watch.token):
+            return False
+        if not watch.proven:
+            self._prove(request.pid, watch)
+        return True
+
+    def _prove(self, pid: int, watch: _Watch) -> None:
+        """The worker sent its token: from now on only requests with it count; drop the
+        timers that tokenless requests (anyone's) set for it."""
+        watch.proven = True
+        for scope in list(self._scopes.get(pid, ())):
+            if self._timers[(pid, scope)].token is None:
+                self._drop((pid, scope))
+
     def _apply(self, request: _Request) -> None:
         self._stats.requests += 1
         key = (request.pid, request.scope_id)
-        if request.expiration_time < 0:  # negative expiration: release
-            if self._timers.pop(key, None) is not None:
-                self._stats.released += 1
-            return
-        if key not in self._timers and len(self._timers) >= self._max_timers:
-            self._stats.dropped_capacity += 1
-            if self._stats.dropped_capacity % LOG_EVERY == 1:
+        watch = self._watched.get(request.pid)
+        if watch is not None and not self._authentic(request, watch):
+            self._stats.forged += 1
+            if self._stats.forged % LOG_EVERY == 1:
                 log.warning(
-                    "timer server: %d timers active, dropped an acquire from pid %d "
-                    "(%d dropped so far)",
-                    len(self._timers),
+                    "timer server: refused a request naming watched pid %d without its "
+                    "token (%d refused so far)",
                     request.pid,
-                    self._stats.dropped_capacity,
+                    self._stats.forged,
                 )
             return
+        if request.expiration_time < 0:  # negative expiration: release
+            if key in self._timers:
+                self._drop(key)
+                self._stats.released += 1
+            return
+        if key not in self._timers and not self._room_for(request.pid, watch is not None):
+            return
         self._seq += 1
-        self._timers[key] = _Timer(request.expiration_time, request.signal, self._seq)
+        if key not in self._timers:
+            self._scopes.setdefault(request.pid, set()).add(request.scope_id)
+            if watch is None:
+                self._unwatched += 1
+        self._timers[key] = _Timer(
+            request.expiration_time, request.signal, self._seq, request.token
+        )
         heapq.heappush(self._heap, (request.expiration_time, self._seq, *key))
         self._stats.acquired += 1
         self.last_acquire_time = time.time()
         if len(self._heap) > 2 * len(self._timers) + 1024:
             self._compact()
+
+    def _room_for(self, pid: int, watched: bool) -> bool:
+        """Whether a new timer of ``pid`` fits its budget; counts the drop if not."""
+        held = len(self._scopes.get(pid, ())) if watched else self._unwatched
+        if held < (self._max_per_pid if watched else self._max_timers):
+            return True
+        self._stats.dropped_capacity += 1
+        if not watched:
+            self._stats.dropped_unwatched += 1
+        if self._stats.dropped_capacity % LOG_EVERY == 1:
+            log.warning(
+                "timer server: %s full, dropped an acquire from pid %d (%d dropped so far)",
+                f"budget of watched pid {pid}" if watched else "pool of unwatched pids",
+                pid,
+                self._stats.dropped_capacity,
+            )
+        return False
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        """Remove one timer (its heap entry is skipped when reached)."""
+        if self._timers.pop(key, None) is None:
+            return
+        scopes = self._scopes.get(key[0])
+        if scopes is not None:
+            scopes.discard(key[1])
+            if not scopes:
+                del self._scopes[key[0]]
+        if key[0] not in self._watched:
+            self._unwatched -= 1
 
     def _is_live(self, entry: tuple[float, int, int, str]) -> bool:
         timer = self._timers.get((entry[2], entry[3]))
@@ -558,8 +665,8 @@ class TimerServer:
         heapq.heapify(self._heap)
 
     def _clear_pid(self, pid: int) -> None:
-        for key in [key for key in self._timers if key[0] == pid]:
-            del self._timers[key]
+        for scope in list(self._scopes.get(pid, ())):
+            self._drop((pid, scope))
 
     def _expire(self, now: float) -> list[ReapEvent]:
         """Pop expired timers; signal watched pids (under the lock, so that a pid is
@@ -571,7 +678,9 @@ class TimerServer:
                 entry = heapq.heappop(self._heap)
                 if self._is_live(entry):
                     key = (entry[2], entry[3])
-                    expired.setdefault(key[0], []).append((key[1], self._timers.pop(key)))
+                    timer = self._timers[key]
+                    self._drop(key)
+                    expired.setdefault(key[0], []).append((key[1], timer))
                     self._stats.expired += 1
             for pid, timers in expired.items():  # each list is in deadline order
                 event = self._reap(pid, timers)
@@ -604,7 +713,8 @@ class TimerServer:
             self._kill(pid, timer.signal)  # first: logging can wait, the deadline cannot
         except ProcessLookupError:
             log.info("timer server: pid %d is already gone", pid)
-            self._watched.discard(pid)
+            self._clear_pid(pid)
+            self._watched.pop(pid, None)
         except Exception:
             log.exception("timer server: could not signal pid %d", pid)
             self._stats.kill_failed += 1

@@ -13,7 +13,11 @@ works against the kelastic server and this client against torch's wire format::
 
 ``expiration_time`` is in seconds since the epoch (``time.time()``); a negative value
 means "release" (sent with ``signal`` 0). Each line, newline included, is at most
-``select.PIPE_BUF`` bytes so that the kernel writes it atomically.
+``select.PIPE_BUF`` bytes so that the kernel writes it atomically. In a kelastic worker
+this client also sends ``"token"``: the worker's ``$KELASTIC_TIMER_TOKEN``, which lets
+the sidecar refuse requests naming the worker's pid from writers that do not have it
+(torch's server ignores the extra field; torch's client, which sends no token, still
+works with the kelastic server: see ``kelastic_sidecar.timer_server``).
 
 Unlike torch's client, :class:`FifoTimerClient` keeps the FIFO open across requests
 (one ``open`` per process instead of one per request), reopens it once when the server
@@ -40,7 +44,7 @@ import weakref
 from types import TracebackType
 from typing import Final, Protocol
 
-from kelastic.contract import TORCHELASTIC_TIMER_FILE
+from kelastic.contract import KELASTIC_TIMER_TOKEN, TORCHELASTIC_TIMER_FILE
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -92,17 +96,29 @@ class FifoTimerClient:
             (``$TORCHELASTIC_TIMER_FILE`` in a kelastic worker).
         signal: signal number the server sends when a timer of this client expires;
             0 means "expire without killing". Must be in ``0..64``.
+        token: sent with each request (at most 128 characters); default
+            ``$KELASTIC_TIMER_TOKEN`` as set when the client is made, none if unset.
 
     Raises:
-        ValueError: ``signal`` is outside ``0..64``.
+        ValueError: ``signal`` is outside ``0..64``, or ``token`` is too long.
     """
 
-    def __init__(self, file_path: str | os.PathLike[str], signal: int = _signal.SIGKILL) -> None:
+    def __init__(
+        self,
+        file_path: str | os.PathLike[str],
+        signal: int = _signal.SIGKILL,
+        token: str | None = None,
+    ) -> None:
         signal = int(signal)
         if not 0 <= signal <= 64:
             raise ValueError(f"signal must be in 0..64 (0: expire without kill), got {signal}")
+        if token is None:
+            token = os.environ.get(KELASTIC_TIMER_TOKEN) or None
+        if token is not None and len(token) > 128:
+            raise ValueError(f"token of {len(token)} characters exceeds 128")
         self.file_path: Final = os.fspath(file_path)
         self.signal: Final = signal
+        self.token: Final = token
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._fd_pid = 0
@@ -156,7 +172,7 @@ class FifoTimerClient:
             raise ValueError(f"scope_id must be a str, got {type(scope_id).__name__}")
         if len(scope_id) > MAX_SCOPE_LEN:
             raise ValueError(f"scope_id of {len(scope_id)} characters exceeds {MAX_SCOPE_LEN}")
-        line = _encode(os.getpid(), scope_id, expiration_time, signal)
+        line = _encode(os.getpid(), scope_id, expiration_time, signal, self.token)
         with self._lock:
             if self._fd is not None and self._fd_pid != os.getpid():
                 self._close_fd()  # inherited from the parent over fork(): not ours
@@ -206,15 +222,20 @@ class FifoTimerClient:
         self._close_fd()
 
 
-def _encode(pid: int, scope_id: str, expiration_time: float, signal: int) -> bytes:
-    """One request line, in torch's ``FileTimerRequest.to_json()`` layout plus a newline."""
-    request = {
+def _encode(
+    pid: int, scope_id: str, expiration_time: float, signal: int, token: str | None = None
+) -> bytes:
+    """One request line, in torch's ``FileTimerRequest.to_json()`` layout (plus
+    ``token`` when given) and a newline."""
+    request: dict[str, object] = {
         "version": WIRE_VERSION,
         "pid": pid,
         "scope_id": scope_id,
         "expiration_time": expiration_time,
         "signal": signal,
     }
+    if token is not None:
+        request["token"] = token
     line = (json.dumps(request) + "\n").encode()
     if len(line) > MAX_LINE_BYTES:
         raise ValueError(
