@@ -32,7 +32,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
@@ -47,7 +47,9 @@ from .failure import (
     CAUSE_NODE_LOST,
     CAUSE_PEER,
     CAUSE_SCALE,
+    CAUSE_START_FAILURE,
     CAUSE_WORKER_FAILURE,
+    NOT_STARTED_EXIT_CODES,
     Failure,
     signal_name,
 )
@@ -114,7 +116,8 @@ class Supervisor:
         )
         self.metrics = SidecarMetrics(self.timer.stats)
         # Every failed etcd call counts, the lease keep-alive's and the watches' included.
-        self.store.on_error = lambda exc: self.metrics.etcd_errors.inc()
+        self.store.on_error = self._on_etcd_error
+        self._etcd_error: tuple[float, str] | None = None  # (monotonic time, message)
         self.metrics.budget_max.set(config.max_restarts)
         self.control = ControlServer(
             contract.control_socket_path(config.run_dir),
@@ -156,6 +159,7 @@ class Supervisor:
         self._watch_stop = threading.Event()
         self._rdzv_queued = threading.Event()  # an ("rdzv", None) event waits in the queue
         self._last_failure: Failure | None = None
+        self._shutting_down = False  # a SidecarShutdown was raised
         self._spent = 0
         self._acquired_at_start = 0  # timer acquires before the current attempt
 
@@ -191,7 +195,20 @@ class Supervisor:
             "timers_active": stats.active,
             "workers_warm": self._warm,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
+            "etcd_unreachable": self._etcd_outage(),
         }
+
+    def _on_etcd_error(self, exc: EtcdUnavailableError) -> None:
+        self.metrics.etcd_errors.inc()
+        self._etcd_error = (time.monotonic(), str(exc))
+
+    def _etcd_outage(self) -> str | None:
+        """The last etcd error (it names the endpoint) while no call has succeeded since;
+        None while etcd answers. The store keeps retrying meanwhile."""
+        err = self._etcd_error
+        if err is None or self.store.last_success > err[0]:
+            return None
+        return err[1]
 
     def run(self) -> int:
         """Supervise the node until the job ends for it; return the exit code."""
@@ -238,6 +255,12 @@ class Supervisor:
             # kubelet stops a native sidecar as soon as the trainer exits; let it finish.
             log.info("received %s while finishing (%s)", signal_name(signum), self._phase)
             return
+        if self._shutting_down:
+            # A second SIGTERM (the kubelet's, then the runner's) must not interrupt the
+            # orderly stop of the first: that would log SidecarShutdown twice.
+            log.info("received %s while stopping; already stopping", signal_name(signum))
+            return
+        self._shutting_down = True
         raise SidecarShutdown(signum)
 
     def _run(self) -> int:
@@ -300,8 +323,12 @@ class Supervisor:
             self._down_since = time.time()
             self._stop_workers(end.reason or (end.failure.summary() if end.failure else ""))
             if end.kind == "failed" and end.failure is not None:
+                end = _RoundEnd("failed", self._blame_lost_peer(info, end.failure))
+                assert end.failure is not None
                 self._last_failure = end.failure
                 self._down_cause = end.failure.cause
+                if end.failure.cause == CAUSE_START_FAILURE:
+                    return self._finish_not_started(end.failure)
                 if self._charge(end.failure):
                     return self._finish_exhausted(end.failure)
             else:
@@ -512,6 +539,20 @@ class Supervisor:
         log.info("round %d: %s (%s)", info.round, check.reason, nodes)
         return _RoundEnd("restart", reason=reason)
 
+    def _blame_lost_peer(self, info: RendezvousInfo, failure: Failure) -> Failure:
+        """The root cause of a worker failure: a peer node lost in the same round when
+        there is one (its workers' connections reset, so ours fail first; the operator or
+        ``kelastic run`` takes a dead Pod's node out at once), else ``failure`` itself.
+        Checked after our workers stopped, so that the loss had time to show."""
+        if failure.cause != CAUSE_WORKER_FAILURE or self.handler is None:
+            return failure
+        end = self._check_round(self.handler, info)
+        lost = end.failure if end is not None and end.kind == "failed" else None
+        if lost is None or lost.cause != CAUSE_NODE_LOST:
+            return failure
+        log.warning("round %d: %s; it explains %s", info.round, lost.summary(), failure.summary())
+        return replace(lost, message=f"{lost.message}; then {failure.summary()}")
+
     def _stopped_failure(self, info: RendezvousInfo) -> Failure | None:
         """The hang of a worker of this attempt that was reaped while stopped, if any.
 
@@ -595,8 +636,11 @@ class Supervisor:
                 log.error("round %d failed: %s", info.round, culprit.summary())
                 return _RoundEnd("failed", culprit)
             message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
+        cause = CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE
+        if reap is None and (pid is None or exitcode in NOT_STARTED_EXIT_CODES):
+            cause = CAUSE_START_FAILURE  # exec failed, or the command is not there
         failure = Failure(
-            cause=CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE,
+            cause=cause,
             node=self.cfg.node,
             round=info.round,
             rank=info.group_rank * self._nproc + local_rank,
@@ -728,13 +772,32 @@ class Supervisor:
             log.error("closing the rendezvous failed: %s", exc)
         return self._finish_closed(reason)
 
+    def _finish_not_started(self, failure: Failure) -> int:
+        """A worker could not be started: fail the job at once (a restart would run the
+        same command again), closing the rendezvous so that every node stops."""
+        self._phase = "failed"
+        assert self.handler is not None
+        reason = failure.as_dict()
+        reason["not_retried"] = True
+        log.error("a worker could not be started; failing the job: %s", failure.summary())
+        try:
+            self.handler.close(reason)
+        except (RendezvousError, EtcdUnavailableError) as exc:
+            log.error("closing the rendezvous failed: %s", exc)
+        return self._finish_closed(reason)
+
     def _finish_closed(self, reason: dict[str, Any] | None) -> int:
         self._phase = "failed"
         failure = None
         if reason:
             with contextlib.suppress(KeyError, TypeError):
                 failure = Failure.from_dict(reason)
-        if failure is not None:
+        if failure is not None and reason and reason.get("not_retried"):
+            text = (
+                f"{contract.JOB_FAILED_PREFIX}: a worker could not be started (not retried); "
+                f"root cause: {failure.details()}"
+            )
+        elif failure is not None:
             text = (
                 f"{contract.JOB_FAILED_PREFIX} after {self.cfg.max_restarts} restarts "
                 "(budget spent); "
