@@ -223,6 +223,26 @@ class Lease:
         """Block up to ``timeout`` seconds until the lease is lost; return :attr:`lost`."""
         return self._lost.wait(timeout)
 
+    def check(self) -> bool:
+        """Ask etcd now whether the lease lives (one keep-alive round trip, which also
+        refreshes it); a lease etcd says is gone is marked :attr:`lost`.
+
+        Returns:
+            False when the lease is lost; True when it lives, or when etcd did not
+            answer (the keep-alive goes on deciding then).
+        """
+        if self.lost:
+            return False
+        try:
+            left = self._store._refresh(self.id, timeout=min(self._store.timeout, 2.0))
+        except EtcdUnavailableError:
+            return True
+        if left <= 0:
+            log.error("lease %x lost: etcd says it expired or was revoked", self.id)
+            self._lost.set()
+            return False
+        return True
+
     def stop_keep_alive(self) -> None:
         """Stop refreshing without revoking: the lease expires ``ttl`` s after its last refresh."""
         self._stop.set()

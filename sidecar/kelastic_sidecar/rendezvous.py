@@ -131,6 +131,9 @@ log = logging.getLogger("kelastic_sidecar.rendezvous")
 
 #: Seconds :meth:`EtcdRendezvousHandler.leave` rides out an etcd outage.
 LEAVE_OUTAGE_TIMEOUT = 5.0
+#: Seconds, beyond the lease TTL, that peers get to write their alive key again after an
+#: etcd outage that outlasted the TTL (:meth:`EtcdRendezvousHandler.check_round`).
+RECOVERY_GRACE = 3.0
 
 # --------------------------------------------------------------------------- handler
 
@@ -223,6 +226,10 @@ class EtcdRendezvousHandler:
         self._shut_down = False
         self._op_lock = threading.Lock()  # one state-changing operation at a time
         self._cursor = 0  # store revision up to which wait_for_change has reported
+        # After we took a new lease in a round that went on (etcd was away longer than
+        # the TTL): until then, a participant's missing alive key does not count.
+        self._grace_until = 0.0
+        self._recheck_due = False
         self._cursor_lock = threading.Lock()
         self._on_corrupt = on_corrupt
         self.corrupt_states = 0
@@ -333,11 +340,76 @@ class EtcdRendezvousHandler:
         a participant of ``info`` is gone (``participant_lost``: lease gone;
         ``participant_left``: departed via :meth:`leave` or to re-rendezvous), or
         nodes wait for the next round.
+
+        An etcd outage longer than the lease TTL (etcd stalled, or this node cut off from
+        it) loses the leases, not the round: when our lease is gone but the round goes
+        on with us in it, we take a new lease and write our alive key again, and the
+        round stays healthy; for ``lease_ttl + RECOVERY_GRACE`` seconds after that, the
+        participants of ``info`` are not removed for a missing alive key (they do the
+        same), and :meth:`take_recheck` says when to check again. Only a node that does
+        not come back, or that left, ends the round.
+
+        Raises:
+            EtcdUnavailableError: etcd stayed unreachable.
+            RendezvousError: a new lease could not be kept alive.
+            RendezvousStateError: the state in etcd is corrupt.
         """
-        view = self._sync()
+        view = self._read()
+        if self._lease_gone(view):
+            if self._still_in(view.state, info):
+                # etcd was away longer than the lease TTL (stalled, or cut off from us),
+                # and the round goes on without us having left it: take a new lease and
+                # write the alive key again instead of stopping the workers. The peers
+                # get as long to do the same before a missing alive key counts.
+                view = self._ensure_alive()
+                self._grace_until = time.monotonic() + self.settings.lease_ttl + RECOVERY_GRACE
+                self._recheck_due = False
+                log.warning(
+                    "%s: lease lost while etcd was away; alive again in round %d, which "
+                    "goes on", self.node, info.round,
+                )  # fmt: skip
+            else:
+                self._advance(view.revision)
+                return evaluate_round(view.state, info, self.node, lease_lost=True)
+        tolerate = info.participants if time.monotonic() < self._grace_until else ()
+        view = self._sync(view, tolerate=frozenset(tolerate))
         self._advance(view.revision)  # the caller learns everything up to this read
         lease_lost = self.lease_lost or self.node not in view.alive
         return evaluate_round(view.state, info, self.node, lease_lost=lease_lost)
+
+    def take_recheck(self) -> bool:
+        """True once (then False) when the grace after an etcd outage (see
+        :meth:`check_round`) is over: call :meth:`check_round` again, so that a peer that
+        did not come back is counted lost."""
+        if self._recheck_due or self._grace_until == 0.0:
+            return False
+        if time.monotonic() < self._grace_until:
+            return False
+        self._recheck_due = True
+        return True
+
+    def _lease_gone(self, view: _View) -> bool:
+        """Whether our lease is gone: lost by the keep-alive (no refresh for a TTL, or
+        etcd said so), or our alive key is missing and etcd says the lease is gone.
+
+        An alive key deleted while our lease lives is the operator taking this node out
+        (its Pod is going): that is not a lost lease.
+        """
+        lease = self._lease
+        if lease is None:
+            return False
+        if lease.lost:
+            return True
+        return self.node not in view.alive and not lease.check()
+
+    def _still_in(self, state: RendezvousState, info: RendezvousInfo) -> bool:
+        """Whether the round of ``info`` goes on with this node in it."""
+        return (
+            not state.closed
+            and state.round == info.round
+            and self.node in state.participants
+            and self.node not in state.departed
+        )
 
     def wait_for_change(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until the state changes, an alive key goes or
@@ -575,11 +647,13 @@ class EtcdRendezvousHandler:
         except EtcdUnavailableError as exc:
             log.warning("%s: cannot withdraw the join request (%s)", self.node, exc)
 
-    def _sync(self) -> _View:
-        """Read the state and write back the removal of dead nodes, if any."""
-        view = self._read()
+    def _sync(self, view: _View | None = None, tolerate: frozenset[str] = frozenset()) -> _View:
+        """Read the state (unless ``view`` is current) and write back the removal of dead
+        nodes, if any; the nodes of ``tolerate`` are not removed for a missing alive key."""
+        view = self._read() if view is None else view
         while True:
-            clean, dead = sanitize(view.state, view.alive, self.settings, view.departing)
+            alive = view.alive | tolerate
+            clean, dead = sanitize(view.state, alive, self.settings, view.departing)
             if not dead:
                 return view
             before = view.state

@@ -462,7 +462,8 @@ class Supervisor:
                 log.warning("watching the rendezvous failed: %s", exc)
                 self._watch_stop.wait(0.5)
                 changed = True
-            if (changed or handler.lease_lost) and not self._watch_stop.is_set():
+            recheck = handler.take_recheck()  # a grace after an etcd outage is over
+            if (changed or handler.lease_lost or recheck) and not self._watch_stop.is_set():
                 self._queue_check()
 
     def _queue_check(self) -> None:
