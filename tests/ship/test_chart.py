@@ -1,14 +1,18 @@
-"""charts/kelastic rendered by the real helm: lint, strict validation, deploy/ agreement, kubectl.
+"""charts/kelastic with the real helm: lint, strict validation, deploy/ agreement, and
+``helm install`` / ``upgrade`` / ``uninstall`` into the real test cluster (tests/k8s).
 
 deploy/ and the chart cannot drift: the chart's ``crds`` is a link to ``deploy/crds`` (the
-generated ElasticJob CRD and kopf's peering CRDs), and the default values must render the
-same objects as deploy/ (Helm's bookkeeping labels aside) plus the monitoring objects.
+generated ElasticJob CRD), and the default values must render the same objects as deploy/
+(Helm's bookkeeping labels aside, the leader-election Lease's Role and RoleBinding
+included) plus the Grafana dashboard, and the Prometheus Operator's objects where the
+cluster serves their API: the chart installs on a cluster without the Prometheus Operator.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +20,20 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.k8s.harness import K8sApi
+from tests.k8s.cluster import Client, ControlPlane, wait_until
 
-from .tools import CHART, DEPLOY, NAMESPACE, ToolMissing, apply_chart, helm, helm_binary, render
+from .tools import (
+    CHART,
+    DEPLOY,
+    MONITORING_APIS,
+    NAMESPACE,
+    Release,
+    ToolMissing,
+    helm,
+    helm_binary,
+    release_name,
+    render,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,7 +56,8 @@ VARIANTS = {
     "namespaced-and-tuned": (
         "operator.namespaces={ml,research}",
         "sidecar.httpPort=9500",
-        "operator.priority=10",
+        "operator.leaderElection.leaseName=kelastic-ml",
+        "operator.leaderElection.leaseDurationSeconds=15",
         "operator.logLevel=DEBUG",
         "etcd.persistence.storageClass=fast",
     ),
@@ -214,31 +230,51 @@ def test_the_chart_crds_are_deploy_crds() -> None:
     ]
     key = lambda o: o["metadata"]["name"]  # noqa: E731
     assert sorted(rendered, key=key) == sorted(expected, key=key)
-    names = {o["metadata"]["name"] for o in rendered}
-    assert {"elasticjobs.kelastic.dev", "clusterkopfpeerings.kopf.dev"} <= names
+    assert [o["metadata"]["name"] for o in rendered] == ["elasticjobs.kelastic.dev"]
 
 
-def test_default_values_render_deploy() -> None:
-    """deploy/ (namespace and CRDs aside) == the chart's default render, plus monitoring."""
+@pytest.mark.parametrize("served", [(), MONITORING_APIS], ids=["bare", "prometheus-operator"])
+def test_default_values_render_deploy(served: tuple[str, ...]) -> None:
+    """deploy/ (namespace and CRDs aside) == the chart's default render, plus the dashboard
+    and, where the cluster serves their API, the Prometheus Operator's objects."""
     deploy = {
         (o["kind"], o["metadata"]["name"]): o
         for o in _deploy_objects()
         if o["kind"] not in ("Namespace", "CustomResourceDefinition")
     }
-    chart = {(o["kind"], o["metadata"]["name"]): _strip_helm_labels(o) for o in render()}
+    assert ("Role", "kelastic-operator-leader-election") in deploy
+    assert ("RoleBinding", "kelastic-operator-leader-election") in deploy
+    chart = {
+        (o["kind"], o["metadata"]["name"]): _strip_helm_labels(o)
+        for o in render(api_versions=served)
+    }
     extra = {k for k in chart if k not in deploy}
-    assert {kind for kind, _ in extra} == MONITORING | {"ConfigMap"}, extra
+    assert {kind for kind, _ in extra} == (MONITORING if served else set()) | {"ConfigMap"}, extra
     assert set(deploy) <= set(chart), set(deploy) - set(chart)
     for key, obj in deploy.items():
         assert chart[key] == obj, f"{key}: chart and deploy/ differ"
+
+
+def test_monitoring_objects_render_only_where_their_api_is_served() -> None:
+    """Each Prometheus Operator kind needs both its API (``.Capabilities``) and its flag."""
+    kinds = lambda objs: {o["kind"] for o in objs} & MONITORING  # noqa: E731
+    assert kinds(render()) == set()
+    assert kinds(render(api_versions=MONITORING_APIS)) == MONITORING
+    for api in MONITORING_APIS:
+        assert kinds(render(api_versions=[api])) == {api.rsplit("/", 1)[1]}, api
+    flags = {"ServiceMonitor": "serviceMonitor", "PodMonitor": "podMonitor",
+             "PrometheusRule": "prometheusRule"}  # fmt: skip
+    for kind, flag in flags.items():
+        off = render(f"monitoring.{flag}.enabled=false", api_versions=MONITORING_APIS)
+        assert kinds(off) == MONITORING - {kind}, kind
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_rendered_object_validates_strictly(variant: str) -> None:
     kv = pytest.importorskip("kubernetes_validate")
     crds = _crd_schemas()
-    objects = render(*VARIANTS[variant], crds=True)
-    assert objects
+    objects = render(*VARIANTS[variant], crds=True, api_versions=MONITORING_APIS)
+    assert {o["kind"] for o in objects} >= MONITORING
     for obj in objects:
         kind = obj["kind"]
         if kind in CR_SCHEMAS:
@@ -298,7 +334,7 @@ def test_the_schema_rejects_bad_values() -> None:
 
 
 def test_the_dashboard_and_rules_ship_in_the_chart() -> None:
-    objects = render()
+    objects = render(api_versions=MONITORING_APIS)
     (cm,) = [o for o in objects if o["kind"] == "ConfigMap"]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = json.loads(cm["data"]["kelastic.json"])
@@ -310,32 +346,133 @@ def test_the_dashboard_and_rules_ship_in_the_chart() -> None:
         "monitoring.podMonitor.enabled=false",
         "monitoring.prometheusRule.enabled=false",
         "monitoring.dashboard.enabled=false",
+        api_versions=MONITORING_APIS,
     )
     assert not {o["kind"] for o in disabled} & (MONITORING | {"ConfigMap"})
 
 
-def test_helm_template_applies_with_kubectl(k8s_api: K8sApi, tmp_path: Path) -> None:
-    """``helm template | kubectl apply`` against the emulator yields the operator's objects
-    (monitoring off: the emulator serves no Prometheus Operator CRDs)."""
-    out = apply_chart(k8s_api, tmp_path)
-    for line in (
-        "serviceaccount/kelastic-operator created",
-        "clusterrole.rbac.authorization.k8s.io/kelastic-operator created",
-        "clusterrolebinding.rbac.authorization.k8s.io/kelastic-operator created",
-        "deployment.apps/kelastic-operator created",
-        "service/kelastic-operator-metrics created",
-        "service/kelastic-etcd created",
-        "statefulset.apps/kelastic-etcd created",
-        "clusterkopfpeering.kopf.dev/kelastic created",
-        "configmap/kelastic-dashboard created",
-    ):
-        assert line in out, out
-    (dep,) = k8s_api.objects("Deployment", NAMESPACE)
-    assert dep["spec"]["replicas"] == 2
-    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "kelastic-operator"
-    assert "--peering=kelastic" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert k8s_api.names("ClusterKopfPeering") == ["kelastic"]
-    assert k8s_api.names("StatefulSet", NAMESPACE) == ["kelastic-etcd"]
+def _monitoring_crd(kind: str) -> dict[str, Any]:
+    """A minimal CRD serving the Prometheus Operator's ``kind`` as monitoring.coreos.com/v1
+    (what the chart's ``.Capabilities`` look for; the spec is kept, not checked)."""
+    plural = kind.lower() + "s"
+    spec = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(),
+                      "listKind": f"{kind}List"},
+            "versions": [{"name": "v1", "served": True, "storage": True,
+                          "schema": {"openAPIV3Schema": {"type": "object",
+                                                         "properties": {"spec": spec}}}}],
+        },
+    }  # fmt: skip
+
+
+def _pods(k8s: Client, app: str) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in k8s.objects("pods")
+        if (p["metadata"].get("labels") or {}).get("app.kubernetes.io/name") == app
+    ]
+
+
+def _args(pod_or_template: dict[str, Any]) -> list[str]:
+    return list(pod_or_template["spec"]["containers"][0]["args"])
+
+
+def test_helm_install_upgrade_and_uninstall_on_a_real_cluster(
+    k8s_cluster: ControlPlane, k8s: Client
+) -> None:
+    """The chart installs on a cluster without the Prometheus Operator (into a namespace
+    enforcing Pod Security ``restricted``), its controllers' Pods are admitted, its operator
+    account has the chart's RBAC; ``helm upgrade`` changes the Deployment and, once the
+    cluster serves monitoring.coreos.com/v1, adds the monitoring objects; ``helm
+    uninstall`` leaves nothing of the release."""
+    ns = k8s.namespace
+    k8s.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted",
+                "pod-security.kubernetes.io/warn=restricted")  # fmt: skip
+    assert "monitoring.coreos.com/v1" not in k8s.kubectl("api-versions").stdout.split()
+    release = Release(k8s, release_name(ns))
+    op, etcd = f"{release.prefix}-operator", f"{release.prefix}-etcd"
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    monitoring_crds = [_monitoring_crd(kind) for kind in sorted(MONITORING)]
+    try:
+        with release:
+            started = time.monotonic()
+            out = release.install()
+            install_seconds = time.monotonic() - started
+            assert "STATUS: deployed" in out.stdout, out.stdout
+            assert "Not installed: ServiceMonitor, PodMonitor, PrometheusRule" in out.stdout
+            assert "PodSecurity" not in out.stderr, out.stderr  # warn=restricted is quiet
+            manifest = release.manifest()
+            expected = render(*release.values(), namespace=ns, release=release.name)
+            assert sorted(map(key, manifest)) == sorted(map(key, expected))
+            assert not {o["kind"] for o in manifest} & MONITORING
+            for obj in manifest:  # every object is in the cluster, owned by the release
+                live = k8s.get(obj["kind"], obj["metadata"]["name"])
+                assert live is not None, key(obj)
+                assert live["metadata"]["annotations"]["meta.helm.sh/release-name"] == release.name
+            # The controllers act on them; Pod Security (restricted) admits their Pods.
+            pods = wait_until(lambda: len(p := _pods(k8s, op)) == 2 and p, 60, 0.2,
+                              what="the operator Deployment's 2 Pods")  # fmt: skip
+            assert {p["spec"]["serviceAccountName"] for p in pods} == {op}
+            wait_until(lambda: _pods(k8s, etcd), 60, 0.2, what="the etcd StatefulSet's Pod")
+            # The operator's account has exactly the chart's RBAC.
+            sa = k8s_cluster.service_account_client(ns, op)
+
+            def can(*args: str) -> str:
+                return sa.kubectl("auth", "can-i", *args, check=False).stdout.strip()
+
+            assert can("create", "pods", "-n", "default") == "yes"  # a ClusterRole
+            assert can("patch", "elasticjobs", "--subresource=status", "-n", "default") == "yes"
+            assert can("update", "elasticjobs", "--subresource=finalizers") == "yes"
+            assert can("delete", "elasticjobs") == "no"
+            assert can("update", "leases", "-n", ns) == "yes"  # the leader-election Role
+            assert can("create", "leases", "-n", "default") == "no"
+            assert can("get", "secrets") == "no"
+
+            # helm upgrade: a changed value reaches the Deployment and its new Pods.
+            out = release.upgrade("operator.replicas=3", "operator.logLevel=DEBUG")
+            assert "REVISION: 2" in out.stdout, out.stdout
+            dep = k8s.get("deployment", op)
+            assert dep is not None and dep["spec"]["replicas"] == 3
+            assert "--log-level=DEBUG" in _args(dep["spec"]["template"])
+            wait_until(lambda: any("--log-level=DEBUG" in _args(p) for p in _pods(k8s, op)),
+                       60, 0.2, what="a Pod of the upgraded Deployment")  # fmt: skip
+
+            # The Prometheus Operator's API appears: the next upgrade installs its objects.
+            k8s.kubectl("apply", "-f", "-", input=json.dumps(
+                {"apiVersion": "v1", "kind": "List", "items": monitoring_crds}))  # fmt: skip
+            wait_until(
+                lambda: all(k8s.kubectl("get", k, check=False).returncode == 0 for k in MONITORING),
+                30, 0.2, what="the monitoring kinds to be served",
+            )  # fmt: skip
+            out = release.upgrade()
+            assert "Not installed" not in out.stdout, out.stdout
+            assert f"Alerts: PrometheusRule {release.prefix}" in out.stdout, out.stdout
+            live = {kind: k8s.names(kind) for kind in MONITORING}
+            assert live == {"ServiceMonitor": [op], "PodMonitor": [f"{release.prefix}-sidecars"],
+                            "PrometheusRule": [release.prefix]}  # fmt: skip
+            rule = k8s.get("PrometheusRule", release.prefix)
+            assert rule is not None
+            assert rule["spec"] == yaml.safe_load((CHART / "rules/kelastic.rules.yaml").read_text())
+        # helm uninstall (leaving the with): nothing of the release is left.
+        for kind, name in [("ClusterRole", op), ("ClusterRoleBinding", op),
+                           ("Deployment", op), ("StatefulSet", etcd), ("ServiceAccount", op),
+                           ("Role", f"{op}-leader-election"), ("PrometheusRule", release.prefix),
+                           ("ConfigMap", f"{release.prefix}-dashboard")]:  # fmt: skip
+            assert k8s.get(kind, name) is None, (kind, name)
+        wait_until(lambda: not _pods(k8s, op), 60, 0.2, what="the operator's Pods gone")
+        listed = release.helm("list", "-q").stdout.split()
+        assert release.name not in listed
+    finally:
+        names = [c["metadata"]["name"] for c in monitoring_crds]
+        k8s.kubectl("delete", "crd", *names, "--ignore-not-found", "--wait=false")
+    print(f"helm install: {install_seconds:.1f} s")
 
 
 def test_notes_render_for_bundled_and_external_etcd(tmp_path: Path) -> None:

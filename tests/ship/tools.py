@@ -7,10 +7,14 @@ once and unpacks helm into ``$KELASTIC_TOOLS_CACHE`` (default ``~/.cache/kelasti
 with ``python -m tests.ship.tools``.
 
 promtool and prometheus come from Debian's ``prometheus`` package (``/usr/bin``).
+
+:class:`Release` installs, upgrades and uninstalls the chart in the real test cluster
+(``tests/k8s/cluster.py``) with the real helm, as a given identity.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -19,10 +23,14 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from tests.k8s.cluster import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kelastic"
@@ -94,13 +102,13 @@ def system_tool(name: str) -> Path:
     return Path(found)
 
 
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def helm(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real helm."""
     result = subprocess.run(
         [str(helm_binary()), *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         env={**os.environ, "HELM_CACHE_HOME": str(cache_dir() / "helm-home")},
     )
     if check and result.returncode:
@@ -108,42 +116,98 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
+#: What ``--api-versions`` tells ``helm template`` so that it renders the Prometheus
+#: Operator's kinds (the chart renders them only where the cluster serves them).
+MONITORING_APIS = (
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "monitoring.coreos.com/v1/PodMonitor",
+    "monitoring.coreos.com/v1/PrometheusRule",
+)
+
+#: Keeps the chart's operator Pods off the test cluster's Node: its local kubelet runs any
+#: Pod bound to it as a process, and these tests run the operator themselves.
+NO_NODE = "operator.nodeSelector.kelastic\\.dev/test-node=none"
+
+
 def render(
-    *values: str, namespace: str = "kelastic-system", crds: bool = False, release: str = "kelastic"
+    *values: str,
+    namespace: str = "kelastic-system",
+    crds: bool = False,
+    release: str = "kelastic",
+    api_versions: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """``helm template`` of the chart with ``--set`` ``values``: the parsed objects."""
+    """``helm template`` of the chart with ``--set`` ``values``: the parsed objects.
+    ``api_versions``: APIs the cluster is to serve (e.g. :data:`MONITORING_APIS`)."""
     args = ["template", release, str(CHART), "--namespace", namespace]
     if crds:
         args.append("--include-crds")
+    for api in api_versions:
+        args += ["--api-versions", api]
     for v in values:
         args += ["--set", v]
     return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
 
 
-def apply_chart(api: Any, workdir: Path, *values: str) -> str:
-    """``helm template | kubectl apply`` into the emulator ``api`` (a ``K8sApi``): the CRDs
-    (``helm show crds``) first, the namespace, then the chart with the Prometheus Operator
-    objects off (the emulator serves no monitoring.coreos.com CRDs). Returns kubectl's output.
-    """
-    from tests.k8s.harness import wait_until
+def release_name(seed: str) -> str:
+    """A release name of its own for a test (also the chart's ``fullnameOverride``, so its
+    cluster-scoped ClusterRole and binding meet no other release's nor deploy/'s)."""
+    return "kl-" + hashlib.sha1(seed.encode()).hexdigest()[:8]
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    crds = workdir / "crds.yaml"
-    crds.write_text(helm("show", "crds", str(CHART)).stdout)
-    api.kubectl("apply", "-f", str(crds))
-    wait_until(
-        lambda: api.kubectl("get", "clusterkopfpeerings", check=False).returncode == 0,
-        what="the peering CRD to be served",
-    )
-    ns = api.kubectl("create", "namespace", NAMESPACE, "--dry-run=client", "-o", "yaml").stdout
-    (workdir / "namespace.yaml").write_text(ns)
-    api.kubectl("apply", "-f", str(workdir / "namespace.yaml"))
-    off = ("serviceMonitor", "podMonitor", "prometheusRule")
-    args = ["template", "kelastic", str(CHART), "--namespace", NAMESPACE]
-    for v in [*(f"monitoring.{m}.enabled=false" for m in off), *values]:
-        args += ["--set", v]
-    (workdir / "chart.yaml").write_text(helm(*args).stdout)
-    return str(api.kubectl("apply", "-f", str(workdir / "chart.yaml")).stdout)
+
+class Release:
+    """One release of the chart in a real cluster, installed with the real helm as the
+    identity of ``client`` (its kubeconfig) into ``client``'s namespace.
+
+    ``install``/``upgrade`` pass ``fullnameOverride=<release>`` and :data:`NO_NODE` ahead
+    of the given ``--set`` values; ``uninstall`` waits until helm has deleted everything.
+    """
+
+    def __init__(self, client: Client, name: str) -> None:
+        self.client = client
+        self.name = name
+        self.namespace = client.namespace
+        self.installed = False
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of the release's object names (``kelastic`` for deploy/)."""
+        return self.name
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return helm(*args, "--kubeconfig", str(self.client.kubeconfig), "--namespace",
+                    self.namespace, check=check, timeout=300)  # fmt: skip
+
+    def values(self, *values: str) -> list[str]:
+        """The ``--set`` values of a release: its own names, no Node, then ``values``."""
+        return [f"fullnameOverride={self.name}", NO_NODE, *values]
+
+    def _values(self, values: Sequence[str]) -> list[str]:
+        return [a for v in self.values(*values) for a in ("--set", v)]
+
+    def install(self, *values: str) -> subprocess.CompletedProcess[str]:
+        result = self.helm("install", self.name, str(CHART), *self._values(values))
+        self.installed = True
+        return result
+
+    def upgrade(self, *values: str) -> subprocess.CompletedProcess[str]:
+        return self.helm("upgrade", self.name, str(CHART), *self._values(values))
+
+    def uninstall(self) -> subprocess.CompletedProcess[str]:
+        result = self.helm("uninstall", self.name, "--wait", "--timeout", "120s")
+        self.installed = False
+        return result
+
+    def manifest(self) -> list[dict[str, Any]]:
+        """The objects helm recorded for the release (``helm get manifest``)."""
+        out = self.helm("get", "manifest", self.name).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+    def __enter__(self) -> Release:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.installed:
+            self.uninstall()
 
 
 if __name__ == "__main__":
