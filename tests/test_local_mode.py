@@ -23,55 +23,6 @@ from tests.conftest import wait_for
 from tests.localrun import KelasticRun, write_job
 
 
-def test_worker_failures_spend_the_budget_then_the_job_fails_with_root_cause(
-    tmp_path: Path,
-) -> None:
-    job = write_job(
-        tmp_path / "job.yaml", replicas=2, nproc=2, max_restarts=1,
-        env={"STEPS_FAIL_RANK": "3", "STEPS_FAIL_AT": "3", "STEPS_MAX": "400"},
-    )  # fmt: skip
-    run = KelasticRun(job, workdir=tmp_path / "runs")
-    assert run.wait() == 1, run.output
-    out = run.output
-    assert "round 0: world size 4 (2 nodes x 2)" in out
-    assert "restart 1/1: worker_failure: rank 3 on steps-" in out
-    assert "exited with code 1: ValueError: bad batch at step 3" in out
-    assert "job FAILED" in out
-    assert "budget spent" in out and "root cause: worker_failure: rank 3" in out
-    # The root cause is also the trainer container's termination message.
-    termlogs = list((tmp_path / "runs").glob("steps-*/pods/steps-*/trainer.termination-log"))
-    assert len(termlogs) == 2
-    assert all("ValueError: bad batch at step 3" in t.read_text() for t in termlogs)
-    assert run.strays() == []
-
-
-def test_killed_worker_is_restarted_and_the_job_succeeds(tmp_path: Path) -> None:
-    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2, env={"STEPS_MAX": "60"})
-    run = KelasticRun(job, "--fault", "kill:rank=1,after=0.5", workdir=tmp_path / "runs")
-    assert run.wait() == 0, run.output
-    out = run.output
-    assert "fault: SIGKILL rank 1 after 0.5s" in out
-    assert "restart 1/3: worker_failure: rank 1 on steps-0 (round 0) killed by SIGKILL" in out
-    assert "round 1: world size 4" in out
-    assert "[1]: rank=1 world=4 round=1 restart=1" in out
-    assert "job succeeded" in out
-    assert run.strays() == []
-
-
-def test_hung_worker_is_reaped_by_the_timer_and_restarted(tmp_path: Path) -> None:
-    job = write_job(
-        tmp_path / "job.yaml", replicas=2, nproc=1,
-        env={"STEPS_MAX": "40", "STEPS_TIMEOUT": "1"},
-    )  # fmt: skip
-    run = KelasticRun(job, "--fault", "hang:rank=0,after=0.5", workdir=tmp_path / "runs")
-    assert run.wait() == 0, run.output
-    out = run.output
-    assert "fault: SIGSTOP rank 0" in out
-    assert "restart 1/3: hang: rank 0 on steps-0 (round 0) killed by SIGKILL" in out
-    assert "timer 'step' expired" in out
-    assert "job succeeded" in out
-
-
 def test_a_new_node_joins_at_the_next_round(tmp_path: Path) -> None:
     stop = tmp_path / "stop"
     job = load_manifest(write_job(

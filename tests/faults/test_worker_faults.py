@@ -1,0 +1,80 @@
+"""Fault matrix: a worker crashes, a worker hangs, the restart budget runs out.
+
+Real ``kelastic run`` processes: embedded etcd, sidecars, launchers and
+``tests/workers/steps.py`` workers (no torch), each step inside ``expires(...)`` and
+checkpointed by rank 0 (``STEPS_CHECKPOINT``), so a restart must resume where the last
+step left it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.localrun import KelasticRun, write_job
+
+
+def _resumed_steps(out: str) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"from_step=(\d+)", out)]
+
+
+def test_a_crashed_worker_restarts_the_group_from_the_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2,
+                    env={"STEPS_MAX": "80", "STEPS_CHECKPOINT": str(ckpt)})  # fmt: skip
+    run = KelasticRun(job, "--fault", "kill:rank=1,after=0.5", workdir=tmp_path / "runs")
+    assert run.wait() == 0, run.output
+    out = run.output
+    assert "fault: SIGKILL rank 1 after 0.5s" in out
+    assert "restart 1/3: worker_failure: rank 1 on steps-0 (round 0) killed by SIGKILL" in out
+    assert "round 1: world size 4" in out
+    assert "[1]: rank=1 world=4 round=1 restart=1" in out
+    assert run.restarts_charged() == 1
+    assert min(_resumed_steps(out)[4:]) > 0 and int(ckpt.read_text()) == 80  # nothing lost
+    lost = run.time_lost(rank=1)
+    print(f"\nFAULT worker-crash: time lost {lost:.2f}s, 1 restart charged (worker_failure)")
+    assert lost < 30
+    assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_a_hung_worker_is_reaped_by_its_timer_and_the_group_restarts(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, nproc=1,
+        env={"STEPS_MAX": "60", "STEPS_TIMEOUT": "1", "STEPS_CHECKPOINT": str(ckpt)},
+    )  # fmt: skip
+    run = KelasticRun(job, "--fault", "hang:rank=0,after=0.5", workdir=tmp_path / "runs")
+    assert run.wait() == 0, run.output
+    out = run.output
+    assert "fault: SIGSTOP rank 0" in out
+    assert "restart 1/3: hang: rank 0 on steps-0 (round 0) killed by SIGKILL" in out
+    assert "timer 'step' expired" in out
+    assert run.restarts_charged() == 1
+    assert min(_resumed_steps(out)[2:]) > 0 and int(ckpt.read_text()) == 60
+    lost = run.time_lost(rank=0)
+    print(f"\nFAULT worker-hang: time lost {lost:.2f}s (timer 1 s), 1 restart charged (hang)")
+    assert lost < 30
+    assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_an_exhausted_budget_fails_the_job_with_the_root_cause(tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, nproc=2, max_restarts=1,
+        env={"STEPS_FAIL_RANK": "3", "STEPS_FAIL_AT": "3", "STEPS_MAX": "400"},
+    )  # fmt: skip
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    assert run.wait() == 1, run.output
+    out = run.output
+    assert "round 0: world size 4 (2 nodes x 2)" in out
+    assert "restart 1/1: worker_failure: rank 3 on steps-" in out
+    assert "exited with code 1: ValueError: bad batch at step 3" in out
+    assert "job FAILED" in out
+    assert "budget spent" in out and "root cause: worker_failure: rank 3" in out
+    assert "replacing" not in out  # the job failed: no Pod is replaced
+    # The root cause is also the trainer container's termination message.
+    termlogs = list((tmp_path / "runs").glob("steps-*/pods/steps-*/trainer.termination-log"))
+    assert len(termlogs) == 2
+    assert all("ValueError: bad batch at step 3" in t.read_text() for t in termlogs)
+    assert run.strays() == []
