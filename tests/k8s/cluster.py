@@ -174,6 +174,28 @@ class Client:
         """An HTTPS request as the cluster admin; returns (status, parsed JSON or text)."""
         return self.cluster.request(method, path, body, content_type)
 
+    def claim(self, name: str, size: str = "1Gi") -> None:
+        """A ``ReadWriteMany`` PersistentVolumeClaim ``name`` in this client's namespace,
+        bound to a PersistentVolume made for it (hostPath: the local kubelet maps claims
+        to folders anyway); the scheduler places no Pod whose claim is missing or unbound."""
+        pv = f"{self.namespace}-{name}"[:63]
+        docs = [
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+             "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany"],
+                      "storageClassName": "", "hostPath": {"path": f"/tmp/kelastic-pv/{pv}"},
+                      "claimRef": {"namespace": self.namespace, "name": name}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": name, "namespace": self.namespace},
+             "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
+                      "volumeName": pv, "resources": {"requests": {"storage": size}}}},
+        ]  # fmt: skip
+        self.cluster.admin.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1",
+                                   "kind": "List", "items": docs}))  # fmt: skip
+        wait_until(
+            lambda: ((self.get("pvc", name) or {}).get("status") or {}).get("phase") == "Bound",
+            30, 0.1, what=f"the claim {name} to be bound",
+        )  # fmt: skip
+
     def objects(self, kind: str, namespace: str | None = None) -> list[Obj]:
         """Every object of a kind (``"Pod"``, ``"ElasticJob"``, a plural or short name) in
         ``namespace`` (this client's by default; ``"*"`` for all), read as admin."""
@@ -282,7 +304,7 @@ class ControlPlane:
             "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
             "--leader-elect=false", "--use-service-account-credentials=true",
             f"--service-account-private-key-file={sa.key}", f"--root-ca-file={ca.cert}",
-            "--controllers=*,-nodelifecycle,-node-ipam-controller,-persistentvolume-binder,"
+            "--controllers=*,-nodelifecycle,-node-ipam-controller,"
             "-attachdetach,-persistentvolume-expander,-ephemeral-volume,-service-lb-controller",
             "--concurrent-gc-syncs=5",
         ])  # fmt: skip

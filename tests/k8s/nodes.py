@@ -1,0 +1,127 @@
+"""Nodes without a process-running kubelet, for tests that play the kubelet themselves.
+
+:class:`ManualNode` is a Ready Node that the real scheduler binds Pods to (select it with
+``nodeSelector: {kelastic.dev/test-node: <name>}``); nothing runs them. The test writes their
+status (:meth:`ManualNode.set_status`: Running, Failed with a termination message...), and
+the node's one automatic duty is a kubelet's last step of a deletion: a Pod given a
+``deletionTimestamp`` is removed (``DELETE`` with grace 0) as if its containers had exited
+at once, so deletions complete as on a real node instead of staying Terminating.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timezone
+from typing import Any
+
+from .cluster import ControlPlane
+
+Obj = dict[str, Any]
+NODE_LABEL = "kelastic.dev/test-node"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ManualNode:
+    """A Ready Node whose Pods' status the test writes.
+
+    Args:
+        cluster: the control plane.
+        name: the Node's name (also its :data:`NODE_LABEL` value).
+        pods: how many Pods fit (its ``pods`` capacity): the scheduler leaves the rest
+            ``Unschedulable``.
+    """
+
+    def __init__(self, cluster: ControlPlane, name: str = "manual", pods: int = 250) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.capacity = {"cpu": "64", "memory": "256Gi", "pods": str(pods)}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"node-{name}", daemon=True)
+
+    @property
+    def selector(self) -> dict[str, str]:
+        """The ``nodeSelector`` that puts a Pod here."""
+        return {NODE_LABEL: self.name}
+
+    def __enter__(self) -> ManualNode:
+        labels = {NODE_LABEL: self.name, "kubernetes.io/hostname": self.name}
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": self.name, "labels": labels},
+        }
+        code, body = self.cluster.request("POST", "/api/v1/nodes", node)
+        assert code in (201, 409), body
+        self._patch(f"/api/v1/nodes/{self.name}", {"spec": {"taints": None}})
+        self._patch(f"/api/v1/nodes/{self.name}/status", {"status": {
+            "capacity": self.capacity, "allocatable": self.capacity,
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "played by the test", "lastHeartbeatTime": _now(),
+                            "lastTransitionTime": _now()}],
+        }})  # fmt: skip
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.cluster.request("DELETE", f"/api/v1/nodes/{self.name}")
+
+    def _patch(self, path: str, body: Obj) -> Obj:
+        code, out = self.cluster.request("PATCH", path, body, "application/merge-patch+json")
+        assert code == 200, f"PATCH {path}: {code} {out}"
+        return dict(out)
+
+    def _loop(self) -> None:
+        """Complete graceful deletions of this node's Pods."""
+        path = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.name}"
+        while not self._stop.wait(0.2):
+            code, listed = self.cluster.request("GET", path)
+            if code != 200:
+                continue
+            for pod in listed["items"]:
+                meta = pod["metadata"]
+                if meta.get("deletionTimestamp"):
+                    self.cluster.request(
+                        "DELETE",
+                        f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                        {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
+                    )
+
+    def set_status(
+        self,
+        namespace: str,
+        pod: str,
+        phase: str,
+        *,
+        ready: bool = False,
+        exit_code: int | None = None,
+        message: str = "",
+        container: str = "trainer",
+    ) -> Obj:
+        """Write a Pod's status as its kubelet would: ``phase``, Ready, pod IP and, with
+        ``exit_code``, the trainer container terminated with ``message``."""
+        status: Obj = {
+            "phase": phase,
+            "podIP": "127.0.0.1",
+            "podIPs": [{"ip": "127.0.0.1"}],
+            "hostIP": "127.0.0.1",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()},
+                {"type": "Ready", "status": "True" if ready else "False",
+                 "lastTransitionTime": _now()},
+            ],
+        }  # fmt: skip
+        if exit_code is not None:
+            status["containerStatuses"] = [{
+                "name": container, "ready": False, "restartCount": 0, "image": "x",
+                "imageID": "", "state": {"terminated": {
+                    "exitCode": exit_code, "message": message,
+                    "reason": "Completed" if exit_code == 0 else "Error",
+                    "startedAt": _now(), "finishedAt": _now()}},
+            }]  # fmt: skip
+        return self._patch(f"/api/v1/namespaces/{namespace}/pods/{pod}/status", {"status": status})

@@ -1,0 +1,73 @@
+"""The operator with real sidecars and launchers, run by the local kubelet (no torch: the
+workers sleep). Deleting a running job stops its Pods first and only then deletes its etcd
+keys: a sidecar still running would write ``rdzv/state``, ``restarts``, ``reports/...``
+and ``rounds/<n>/master`` again after the prefix went."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kelastic import contract
+from kelastic_operator.handlers import OperatorContext
+from kelastic_operator.local.etcd import EmbeddedEtcd
+from kelastic_sidecar.etcd_store import EtcdStore
+from tests.k8s.cluster import Client, pods_by_name, wait_until
+from tests.k8s.kubelet import NODE, LocalKubelet
+
+from .conftest import job_manifest
+
+pytestmark = pytest.mark.timeout(240)
+T = 60.0
+SLEEPER = "import time\nwhile True: time.sleep(0.2)"
+
+
+def sleeper_job(name: str, tmp_path: Path) -> str:
+    """A 2-node job whose workers sleep, placed on the local kubelet's Node."""
+    doc = yaml.safe_load(job_manifest(name, replicas=2, minReplicas=2, maxReplicas=2,
+                                      nprocPerNode=1))  # fmt: skip
+    pod = doc["spec"]["template"]["spec"]
+    trainer = pod["containers"][0]
+    trainer.update(image="local/sleeper", command=["python", "-c", SLEEPER], args=[])
+    trainer.pop("workingDir", None)
+    pod["nodeSelector"] = {"kubernetes.io/hostname": NODE}
+    pod["terminationGracePeriodSeconds"] = 5
+    return yaml.safe_dump(doc)
+
+
+def test_deleting_a_running_job_stops_its_pods_before_its_etcd_keys_go(
+    k8s: Client,
+    operator: OperatorContext,
+    kubelet: LocalKubelet,
+    etcd_server: EmbeddedEtcd,
+    tmp_path: Path,
+) -> None:
+    kubelet.images["local/sleeper"] = tmp_path
+    kubelet.images["kelastic:test"] = tmp_path
+    k8s.claim("digits-checkpoints")
+    k8s.kubectl("apply", "-f", "-", input=sleeper_job("sleepy", tmp_path))
+    uid = k8s.get("elasticjob", "sleepy")["metadata"]["uid"]  # type: ignore[index]
+    prefix = contract.job_prefix(k8s.namespace, "sleepy", uid)
+    keys = contract.Keys(prefix)
+
+    def status() -> dict[str, object]:
+        return ((k8s.get("elasticjob", "sleepy") or {}).get("status")) or {}
+
+    with EtcdStore([etcd_server.endpoint]) as store:
+        # the sidecars form a round: the job runs with world size 2
+        wait_until(lambda: status().get("worldSize") == 2, T, what="world size 2")
+        written = set(store.get_prefix(prefix))
+        assert {keys.alive("sleepy-0"), keys.alive("sleepy-1")} <= written, written
+        sidecars = [c.proc for (ns, _), pod in list(kubelet.pods.items()) if ns == k8s.namespace
+                    for c in pod.pod.sidecars]  # fmt: skip
+        assert len(sidecars) == 2 and all(p.poll() is None for p in sidecars)
+
+        k8s.kubectl("delete", "ej", "sleepy", "--wait=false")
+        wait_until(lambda: k8s.get("elasticjob", "sleepy") is None, T, what="the job gone")
+        assert not pods_by_name(k8s), "the finalizer let the job go before its Pods"
+        # every sidecar had exited before the keys went, so none can write them again
+        assert all(p.poll() is not None for p in sidecars)
+        assert not store.get_prefix(prefix), sorted(store.get_prefix(prefix))
+    assert not [w for w in kubelet.warnings if k8s.namespace in w], kubelet.warnings
