@@ -9,74 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-import pytest
-
 from kelastic_operator.local.etcd import EmbeddedEtcd
-from kelastic_operator.local.runner import LocalOptions, LocalRunner
-from kelastic_operator.model import load_manifest
 from tests.conftest import wait_for
 from tests.localrun import KelasticRun, write_job
-
-
-def test_a_new_node_joins_at_the_next_round(tmp_path: Path) -> None:
-    stop = tmp_path / "stop"
-    job = load_manifest(write_job(
-        tmp_path / "job.yaml", replicas=2, min_replicas=2, max_replicas=3, nproc=1,
-        env={"STEPS_STOP_FILE": str(stop)},
-    ))  # fmt: skip
-    lines: list[str] = []
-    runner = LocalRunner(
-        job, tmp_path, LocalOptions(workdir=tmp_path / "runs", stop_grace=2, status_interval=2),
-        say=lambda line: lines.append(f"[kelastic] {line}"),
-        echo=lambda line, _err: lines.append(line),
-    )  # fmt: skip
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(runner.run()), daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: any("world=2 round=0" in x for x in lines), 60, what="round 0")
-        assert runner.add_replica() == "steps-2"
-        wait_for(lambda: any("world=3" in x for x in lines), 60, what="a round of 3 nodes")
-        wait_for(
-            lambda: any("world size 3 (3 nodes x 1), restarts 0/3" in x for x in lines),
-            30, what="the runner's progress line for the round of 3",
-        )  # fmt: skip
-        with pytest.raises(RuntimeError, match="maxReplicas"):
-            runner.add_replica()
-        # Each sidecar serves its probes, metrics and status on one port.
-        for pod in runner.pods:
-            base = f"http://127.0.0.1:{pod.http_port}"
-            assert _get(base + "/healthz") == (200, "ok\n")
-            wait_for(lambda b=base: _get(b + "/readyz")[0] == 200, 30, what="ready")
-            code, metrics = _get(base + "/metrics")
-            assert code == 200 and "kelastic_world_size 3.0" in metrics
-            rounds = 1 if pod.name == "steps-2" else 2  # the new node joined in round 1
-            assert f"kelastic_rendezvous_rounds_total {rounds}.0" in metrics
-            assert "kelastic_rendezvous_duration_seconds_count" in metrics
-            status = json.loads(_get(base + "/status")[1])
-            assert status["group_world_size"] == 3 and status["phase"] == "running"
-            assert _get(base + "/nope")[0] == 404
-        stop.touch()
-        thread.join(60)
-        assert result == [0], "\n".join(lines)
-    finally:
-        runner.interrupt()
-        thread.join(30)
-    # Scale-up cost no restart.
-    assert not any("restart 1/" in x for x in lines)
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
 
 
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path) -> None:
