@@ -186,9 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.info("waiting to lead (Lease %s/%s as %s)", args.lease_namespace,
                      args.lease_name, identity)  # fmt: skip
         leading.wait()
-    if not shutdown.is_set():
-        asyncio.run(
-            kopf.operator(
+
+    async def run_kopf() -> None:
+        try:
+            await kopf.operator(
                 registry=registry,
                 settings=kopf_settings,
                 standalone=True,
@@ -196,7 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 clusterwide=not args.namespace,
                 stop_flag=stop_kopf,
             )
-        )
+        finally:
+            # kopf waits on a threading.Event in an executor thread, which asyncio.run()
+            # joins on exit: a stop by signal must release it too
+            stop_kopf.set()
+
+    if not shutdown.is_set():
+        asyncio.run(run_kopf())
     shutdown.set()  # the elector releases the Lease
     if elector_thread is not None:
         elector_thread.join(10)

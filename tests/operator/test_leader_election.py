@@ -1,68 +1,188 @@
-"""Two operators with kopf peering: only the higher priority one acts; when it stops, the
-other takes over."""
+"""The shipped operator Deployment's HA, as processes on the real cluster: two replicas of
+``python -m kelastic_operator`` with deploy/operator.yaml's arguments, each logged in as the
+operator's ServiceAccount. Exactly one acts; SIGKILL it and the other takes over within
+15 s without creating any Pod twice; SIGTERM releases the Lease for an immediate handover.
+Plus the Lease elector's rules, step by step."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
-import kopf
 import pytest
+import yaml
 
-from kelastic_operator import crd
-from kelastic_operator.handlers import OperatorContext, register
-from kelastic_operator.local.etcd import EmbeddedEtcd
-from kelastic_operator.pods import PodSettings
-from tests.k8s.harness import KOPF_PEERING_CRDS, K8sApi, KopfThread, fast_kopf_settings, wait_until
+from kelastic_operator.leader import LeaderElectionError, LeaseElector, LeaseSettings
+from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
+from tests.k8s.cluster import Client, ControlPlane, pods_by_name, wait_until
+from tests.k8s.fixtures import OPERATOR_NAMESPACE
+from tests.k8s.nodes import ManualNode
+
+from .conftest import job_manifest, operator_client
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
+TAKEOVER_LIMIT = 15.0  # seconds, the issue's bound
 
 
-def operator(
-    k8s_api: K8sApi, etcd: EmbeddedEtcd, priority: int
-) -> tuple[KopfThread, OperatorContext]:
-    ctx = OperatorContext(
-        api=k8s_api.api_client(),
-        pod_settings=PodSettings(etcd_endpoints=(etcd.endpoint,)),
-        resync_seconds=0.5,
-    )
-    registry = kopf.OperatorRegistry()
-    register(registry, ctx)
-    settings = fast_kopf_settings()
-    settings.peering.priority = priority
-    thread = KopfThread(k8s_api, registry, settings=settings, standalone=False,
-                        peering_name="kelastic")  # fmt: skip
-    return thread, ctx
+def deployment_args() -> list[str]:
+    """The operator container's command and args in deploy/operator.yaml."""
+    docs = yaml.safe_load_all((ROOT / "deploy/operator.yaml").read_text())
+    (dep,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert dep["spec"]["replicas"] == 2
+    return list(container["command"]) + list(container["args"])
 
 
-def reconciles(ctx: OperatorContext) -> float:
-    value = ctx.metrics.registry.get_sample_value(
-        "kelastic_operator_reconciles_total", {"outcome": "ok"}
-    )
-    return value or 0.0
+def metrics(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            return str(r.read().decode())
+    except OSError:
+        return ""
 
 
-def test_only_the_leader_acts_and_the_other_takes_over(
-    k8s_api: K8sApi, etcd_server: EmbeddedEtcd
+def sample(port: int, name: str) -> float:
+    for line in metrics(port).splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+class Replica:
+    """One operator process with the Deployment's arguments (test overrides appended)."""
+
+    def __init__(self, name: str, client: Client, etcd: str, lease: str, workdir: Path) -> None:
+        self.name = name
+        self.port = free_port()
+        argv = deployment_args()
+        assert argv[:3] == ["python", "-m", "kelastic_operator"]
+        args = [a for a in argv[3:] if not a.startswith(("--etcd-endpoints", "--metrics-port"))]
+        args += [f"--etcd-endpoints={etcd}", f"--metrics-port={self.port}",
+                 f"--namespace={client.namespace}", f"--lease-name={lease}"]  # fmt: skip
+        env = {**client.env(), "POD_ID": name, "POD_NAMESPACE": OPERATOR_NAMESPACE,
+               "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in
+                                             ("operator", "worker_lib", "sidecar"))}  # fmt: skip
+        self.log = workdir / f"{name}.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kelastic_operator", *args], env=env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"{self.name} did not stop:\n{self.tail()}") from None
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[list[Replica]]:
+    started: list[Replica] = []
+    yield started
+    for r in started:
+        with contextlib.suppress(AssertionError):
+            r.stop(signal.SIGKILL)
+
+
+def holder(k8s_cluster: ControlPlane, lease: str) -> str:
+    found = k8s_cluster.admin.get("lease", lease, OPERATOR_NAMESPACE)
+    return str(((found or {}).get("spec") or {}).get("holderIdentity") or "")
+
+
+def test_two_replicas_one_acts_and_the_other_takes_over_within_15_s(
+    k8s_cluster: ControlPlane,
+    k8s: Client,
+    etcd_server: EmbeddedEtcd,
+    manual_node: ManualNode,
+    replicas: list[Replica],
+    tmp_path: Path,
 ) -> None:
-    k8s_api.kubectl("apply", "-f", str(ROOT / crd.CRD_FILE), "-f", str(KOPF_PEERING_CRDS))
-    wait_until(lambda: k8s_api.kubectl("get", "clusterkopfpeerings", check=False).returncode == 0,
-               what="peering CRD")  # fmt: skip
-    k8s_api.kubectl("apply", "-f", str(ROOT / "deploy/peering.yaml"))
-    leader, leader_ctx = operator(k8s_api, etcd_server, priority=10)
-    follower, follower_ctx = operator(k8s_api, etcd_server, priority=1)
-    with follower:
-        with leader:
-            wait_until(lambda: len(k8s_api.objects("ClusterKopfPeering")[0].get("status") or {})
-                       == 2, what="both peers announced")  # fmt: skip
-            k8s_api.kubectl("apply", "-f", str(ROOT / "examples/digits/elasticjob.yaml"))
-            wait_until(lambda: len(k8s_api.names("Pod", "default")) == 2, what="the pods")
-            wait_until(lambda: reconciles(leader_ctx) >= 2, what="the leader reconciling")
-            assert reconciles(follower_ctx) == 0
-        # the leader is gone: the follower resumes and replaces a deleted pod
-        k8s_api.kubectl("delete", "pod", "digits-1")
-        wait_until(lambda: "digits-1" in k8s_api.names("Pod", "default"), timeout=30,
-                   what="the follower to replace the pod")  # fmt: skip
-        assert reconciles(follower_ctx) >= 1
-    leader_ctx.api.close()
-    follower_ctx.api.close()
+    client = operator_client(k8s_cluster, k8s.namespace)
+    lease = f"ha-{k8s.namespace}"[:63]
+    a = Replica("operator-a", client, etcd_server.endpoint, lease, tmp_path)
+    replicas.append(a)
+    wait_until(lambda: holder(k8s_cluster, lease).startswith("operator-a_"), 30,
+               what="operator-a to lead")  # fmt: skip
+    b = Replica("operator-b", client, etcd_server.endpoint, lease, tmp_path)
+    replicas.append(b)
+    wait_until(lambda: metrics(b.port), 30, what="operator-b serving /metrics")
+
+    k8s.claim("digits-checkpoints")
+    k8s.kubectl("apply", "-f", "-", input=job_manifest(node=manual_node))
+    wait_until(lambda: len(pods_by_name(k8s)) == 2, 30, what="the leader creating the pods")
+    uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(k8s).items()}
+    wait_until(lambda: sample(a.port, "kelastic_operator_pods_created_total") == 2, 30,
+               what="the leader's count")  # fmt: skip
+    assert sample(b.port, "kelastic_operator_pods_created_total") == 0
+    assert holder(k8s_cluster, lease).startswith("operator-a_")
+
+    killed = time.monotonic()
+    a.stop(signal.SIGKILL)
+    wait_until(lambda: holder(k8s_cluster, lease).startswith("operator-b_"), 30,
+               what="operator-b to take the lease")  # fmt: skip
+    takeover = time.monotonic() - killed
+    assert takeover <= TAKEOVER_LIMIT, f"takeover took {takeover:.1f} s"
+    # the new leader acts: a deleted Pod is replaced ...
+    k8s.kubectl("delete", "pod", "digits-1", "--wait=false")
+    def replaced() -> bool:
+        pod = pods_by_name(k8s).get("digits-1")
+        return pod is not None and pod["metadata"]["uid"] != uids["digits-1"]
+
+    wait_until(replaced, 30, what="operator-b replacing digits-1")
+    # ... and nothing was created twice: digits-0 is the first leader's Pod
+    assert pods_by_name(k8s)["digits-0"]["metadata"]["uid"] == uids["digits-0"]
+    assert sample(b.port, "kelastic_operator_pods_created_total") == 1
+
+    # a clean stop releases the lease at once
+    assert b.stop(signal.SIGTERM) == 0, b.tail()
+    assert holder(k8s_cluster, lease) == ""
+    print(f"leader takeover after SIGKILL: {takeover:.1f} s")
+
+
+def test_the_elector_follows_client_go_rules(k8s_cluster: ControlPlane, k8s: Client) -> None:
+    """Step by step on a fake clock: a live holder keeps the lease; a silent one loses it
+    after lease_duration as *observed* by the candidate; terms count transitions; a leader
+    that cannot renew stops counting itself leader after renew_deadline."""
+    client = operator_client(k8s_cluster, k8s.namespace)
+    api = client.api_client()
+    now = [1000.0]
+    lease = f"unit-{k8s.namespace}"[:63]
+    settings = LeaseSettings(lease_duration=10, renew_deadline=7, retry_period=2)
+
+    def elector(identity: str) -> LeaseElector:
+        return LeaseElector(api, OPERATOR_NAMESPACE, lease, identity, settings, lambda: now[0])
+
+    a, b = elector("a"), elector("b")
+    assert a.try_acquire_or_renew() and a.is_leader() and a.term == 0
+    assert not b.try_acquire_or_renew()  # first sight of a's record
+    now[0] += 9
+    assert a.try_acquire_or_renew()  # a renews: the record changes
+    assert not b.try_acquire_or_renew()
+    now[0] += 9.9
+    assert not b.try_acquire_or_renew()  # 9.9 s since b saw a change: not expired yet
+    assert not a.is_leader()  # a has not renewed for 9.9 s > renew deadline: it stops acting
+    now[0] += 0.2
+    assert b.try_acquire_or_renew() and b.is_leader() and b.term == 1
+    assert not a.try_acquire_or_renew() and not a.is_leader()  # a sees b's fresh record
+    b.release()
+    assert holder(k8s_cluster, lease) == "" and not b.is_leader()
+    assert a.try_acquire_or_renew() and a.term == 2  # a released lease is taken at once
+    with pytest.raises(LeaderElectionError, match="renew deadline < lease duration"):
+        LeaseSettings(lease_duration=5, renew_deadline=5, retry_period=1)
+    api.close()
