@@ -1,132 +1,132 @@
-"""One reconcile pass (JobReconciler) against the emulator, without kopf, with a fake
-rendezvous store: what it writes to the API and asks of etcd."""
+"""One reconcile pass (JobReconciler) against the real test cluster, without kopf, as the
+operator's ServiceAccount, with a real etcd: what it writes to the API and to etcd."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 
 from kelastic import contract
-from kelastic_operator import crd
 from kelastic_operator.handlers import JobReconciler, OperatorContext
+from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.pods import PodSettings
-from kelastic_operator.reconcile import RendezvousView
-from kelastic_operator.rendezvous_store import StoreCache
-from tests.k8s.harness import K8sApi
+from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
+from kelastic_sidecar.etcd_store import EtcdStore
+from tests.k8s.cluster import Client, ControlPlane
+from tests.k8s.nodes import ManualNode
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import job_manifest, operator_client
+
 pytestmark = pytest.mark.timeout(60)
 
 
-class FakeStore:
-    """A RendezvousStore in memory: records removals, serves a fixed view."""
-
-    def __init__(self, view: RendezvousView) -> None:
-        self.view = view
-        self.removed: list[tuple[str, list[str]]] = []
-        self.deleted: list[str] = []
-        self.departing: list[tuple[str, list[str], str]] = []
-
-    def read(self, prefix: str, nproc_per_node: int) -> RendezvousView:
-        return self.view
-
-    def remove_nodes(self, prefix: str, nodes: Sequence[str]) -> None:
-        self.removed.append((prefix, list(nodes)))
-
-    def mark_departing(self, prefix: str, nodes: Sequence[str], reason: str) -> None:
-        self.departing.append((prefix, list(nodes), reason))
-
-    def delete_prefix(self, prefix: str) -> None:
-        self.deleted.append(prefix)
-
-
 @pytest.fixture
-def setup(k8s_api: K8sApi) -> Iterator[tuple[OperatorContext, FakeStore]]:
-    k8s_api.kubectl("apply", "-f", str(ROOT / crd.CRD_FILE))
-    store = FakeStore(RendezvousView(round=2, world_size=4, restarts_spent=1))
-    api = k8s_api.api_client()
-    ctx = OperatorContext(
+def ctx(
+    k8s_cluster: ControlPlane, k8s: Client, etcd_server: EmbeddedEtcd
+) -> Iterator[OperatorContext]:
+    api = operator_client(k8s_cluster, k8s.namespace).api_client()
+    context = OperatorContext(
         api=api,
-        pod_settings=PodSettings(etcd_endpoints=("etcd:2379",)),
-        stores=StoreCache(lambda eps: store),
+        pod_settings=PodSettings(etcd_endpoints=(etcd_server.endpoint,)),
+        stores=StoreCache(lambda eps: EtcdRendezvousStore(eps, timeout=3, time_retry=0.5)),
     )
-    yield ctx, store
+    yield context
+    context.stores.close()
     api.close()
 
 
-def events(k8s_api: K8sApi) -> list[tuple[str, str, str]]:
-    return [(e["type"], e["reason"], e["message"]) for e in k8s_api.objects("Event", "default")]
+def apply_job(k8s: Client, node: ManualNode) -> dict[str, Any]:
+    k8s.claim("digits-checkpoints")
+    k8s.kubectl("apply", "-f", "-", input=job_manifest(node=node))
+    found = k8s.get("elasticjob", "digits")
+    assert found is not None
+    return found
+
+
+def round_two(etcd: str, k8s: Client, uid: str) -> str:
+    """What the sidecars would have written: round 2 with 2 x 2 workers, 1 restart spent."""
+    prefix = contract.job_prefix(k8s.namespace, "digits", uid)
+    keys = contract.Keys(prefix)
+    with EtcdStore([etcd]) as store:
+        store.put(keys.rdzv_state, json.dumps({"version": 1, "round": 2, "complete": True,
+                  "participants": {"digits-0": 0, "digits-1": 1}}).encode())  # fmt: skip
+        store.put(keys.restarts, json.dumps({"version": 1, "count": 1, "last_round": 1,
+                  "history": []}).encode())  # fmt: skip
+    return prefix
+
+
+def events(k8s: Client) -> list[tuple[str, str, str]]:
+    return [(e["type"], e["reason"], e["message"]) for e in k8s.objects("events")]
 
 
 def test_one_pass_creates_pods_writes_status_and_events(
-    k8s_api: K8sApi, setup: tuple[OperatorContext, FakeStore]
+    k8s: Client, ctx: OperatorContext, manual_node: ManualNode, etcd_server: EmbeddedEtcd
 ) -> None:
-    ctx, store = setup
-    k8s_api.kubectl("apply", "-f", str(ROOT / "examples/digits/elasticjob.yaml"))
-    assert JobReconciler(ctx, "default", "digits").reconcile_once() is None
-    assert sorted(k8s_api.names("Pod", "default")) == ["digits-0", "digits-1"]
-    (job,) = k8s_api.objects("ElasticJob", "default")
+    job = apply_job(k8s, manual_node)
+    round_two(etcd_server.endpoint, k8s, job["metadata"]["uid"])
+    assert JobReconciler(ctx, k8s.namespace, "digits").reconcile_once() is None
+    assert sorted(k8s.names("pods")) == ["digits-0", "digits-1"]
+    job = k8s.get("elasticjob", "digits") or {}
     st = job["status"]
     assert (st["phase"], st["replicas"], st["round"], st["worldSize"], st["restartsSpent"]) == (
         "Pending", 2, 2, 4, 1)  # fmt: skip
-    reasons = [r for _, r, _ in events(k8s_api)]
+    reasons = [r for _, r, _ in events(k8s)]
     assert "CreatingPods" in reasons and "WorkersRestarted" in reasons
-    assert store.removed == []  # a new job has no stale nodes
     # a second pass changes nothing
     rv = job["metadata"]["resourceVersion"]
-    JobReconciler(ctx, "default", "digits").reconcile_once()
-    assert k8s_api.objects("ElasticJob", "default")[0]["metadata"]["resourceVersion"] == rv
+    JobReconciler(ctx, k8s.namespace, "digits").reconcile_once()
+    assert (k8s.get("elasticjob", "digits") or {})["metadata"]["resourceVersion"] == rv
 
 
 def test_a_pod_of_an_earlier_job_holds_its_name(
-    k8s_api: K8sApi, setup: tuple[OperatorContext, FakeStore]
+    k8s: Client, ctx: OperatorContext, manual_node: ManualNode
 ) -> None:
-    ctx, _ = setup
-    k8s_api.kubectl("apply", "-f", str(ROOT / "examples/digits/elasticjob.yaml"))
+    apply_job(k8s, manual_node)
     stale = {"apiVersion": "v1", "kind": "Pod",
              "metadata": {"name": "digits-1", "labels": {"kelastic.dev/job-name": "digits",
                                                          "kelastic.dev/job-uid": "old"}},
-             "spec": {"containers": [{"name": "trainer", "image": "x"}]}}  # fmt: skip
-    k8s_api.create(stale)
-    JobReconciler(ctx, "default", "digits").reconcile_once()
-    pods = {p["metadata"]["name"]: p for p in k8s_api.objects("Pod", "default")}
+             "spec": {"nodeSelector": manual_node.selector,
+                      "containers": [{"name": "trainer", "image": "x"}]}}  # fmt: skip
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(stale))
+    JobReconciler(ctx, k8s.namespace, "digits").reconcile_once()
+    pods = {p["metadata"]["name"]: p for p in k8s.objects("pods")}
     assert sorted(pods) == ["digits-0", "digits-1"]
     assert pods["digits-1"]["metadata"]["labels"]["kelastic.dev/job-uid"] == "old"  # untouched
-    (job,) = k8s_api.objects("ElasticJob", "default")
-    assert job["status"]["replicas"] == 1  # the stale pod is not counted
+    assert (k8s.get("elasticjob", "digits") or {})["status"]["replicas"] == 1  # not counted
 
 
-def test_a_refused_pod_is_reported_as_failed_create(
-    k8s_api: K8sApi, setup: tuple[OperatorContext, FakeStore], monkeypatch: pytest.MonkeyPatch
+def test_a_pod_refused_by_a_quota_is_reported_as_failed_create(
+    k8s: Client, ctx: OperatorContext, manual_node: ManualNode
 ) -> None:
-    ctx, _ = setup
-    k8s_api.kubectl("apply", "-f", str(ROOT / "examples/digits/elasticjob.yaml"))
-    reconciler = JobReconciler(ctx, "default", "digits")
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "one-pod"},
+             "spec": {"hard": {"pods": "1"}}}  # fmt: skip
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(quota))
+    k8s.claim("digits-checkpoints")
 
-    def refuse(namespace: str, body: Any, **_: Any) -> None:
-        exc = ApiException(status=403, reason="Forbidden")
-        exc.body = json.dumps({"kind": "Status", "message": 'pods "digits-0" is forbidden: '
-                               "exceeded quota: compute"})  # fmt: skip
-        raise exc
+    def enforced() -> bool:
+        used = ((k8s.get("resourcequota", "one-pod") or {}).get("status") or {}).get("hard")
+        return bool(used)
 
-    monkeypatch.setattr(reconciler.core, "create_namespaced_pod", refuse)
-    reconciler.reconcile_once()  # does not raise
-    assert ("Warning", "FailedCreate",
-            'creating pod digits-0: pods "digits-0" is forbidden: exceeded quota: compute'
-            ) in events(k8s_api)  # fmt: skip
-    assert k8s_api.objects("ElasticJob", "default")[0]["status"]["phase"] == "Pending"
+    from tests.k8s.cluster import wait_until
+
+    wait_until(enforced, 30, what="the quota controller to track the quota")
+    k8s.kubectl("apply", "-f", "-", input=job_manifest(node=manual_node))
+    JobReconciler(ctx, k8s.namespace, "digits").reconcile_once()  # does not raise
+    assert k8s.names("pods") == ["digits-0"]
+    (failed,) = [m for _, r, m in events(k8s) if r == "FailedCreate"]
+    assert failed.startswith('creating pod digits-1: pods "digits-1" is forbidden: exceeded quota')
+    assert (k8s.get("elasticjob", "digits") or {})["status"]["phase"] == "Pending"
 
 
 def test_the_finalizer_work_deletes_the_jobs_prefix(
-    k8s_api: K8sApi, setup: tuple[OperatorContext, FakeStore]
+    k8s: Client, ctx: OperatorContext, manual_node: ManualNode, etcd_server: EmbeddedEtcd
 ) -> None:
-    ctx, store = setup
-    k8s_api.kubectl("apply", "-f", str(ROOT / "examples/digits/elasticjob.yaml"))
-    (job,) = k8s_api.objects("ElasticJob", "default")
-    JobReconciler(ctx, "default", "digits").delete_prefix(job)
-    assert store.deleted == [contract.job_prefix("default", "digits", job["metadata"]["uid"])]
+    job = apply_job(k8s, manual_node)
+    prefix = round_two(etcd_server.endpoint, k8s, job["metadata"]["uid"])
+    with EtcdStore([etcd_server.endpoint]) as store:
+        assert store.get_prefix(prefix)
+        JobReconciler(ctx, k8s.namespace, "digits").delete_prefix(job)
+        assert not store.get_prefix(prefix)
