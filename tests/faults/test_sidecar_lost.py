@@ -8,14 +8,19 @@ result is the job's, whatever the dead Pod's launcher exited with.
 
 from __future__ import annotations
 
+import itertools
 import re
 import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from kelastic import contract
 from tests.conftest import wait_for
 from tests.localrun import KelasticRun, write_job
+
+DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits" / "elasticjob.yaml"
 
 
 def _sidecar_of(run: KelasticRun, pod: str) -> object:
@@ -78,4 +83,27 @@ def test_a_lost_pod_past_the_replacement_budget_fails_the_job(tmp_path: Path) ->
         "steps-1 failed (its kelastic sidecar was killed by SIGKILL: node lost) and the "
         "pod replacement budget (0) is spent" in run.output
     ), run.output
+    assert run.strays() == []
+
+
+@pytest.mark.slow
+def test_a_killed_sidecar_in_ddp_training_is_charged_to_the_lost_node(tmp_path: Path) -> None:
+    """The digits DDP job (torch, gloo): the peer's workers see their connections reset
+    before the lost node's lease could expire; the restart still names the lost node."""
+    run = KelasticRun(DIGITS, workdir=tmp_path / "runs")
+    wait_for(lambda: run.has("epoch 3/40"), 300, what="DDP training")
+    _sidecar_of(run, "digits-1").send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
+    assert run.wait(600) == 0, run.output
+    out = run.output
+    assert re.search(r"restart 1/3: node_lost: node on digits-1 \(round \d\)", out), out
+    assert not re.search(r"restart \d/3: worker_failure", out), out
+    assert "replacing digits-1 in 10.0s (replacement 1/10)" in out
+    assert run.restarts_charged() == 1, out
+    assert "resumed from checkpoint" in out
+    acc = [float(x) for x in re.findall(r"final test accuracy (\d\.\d+)", out)]
+    assert acc and acc[-1] >= 0.90, out
+    epochs = [t for t, line in zip(run.times, run.lines, strict=False) if "epoch " in line
+              and "/40 step" in line]  # fmt: skip
+    lost = max(b - a for a, b in itertools.pairwise(epochs))
+    print(f"\nFAULT sidecar-killed (DDP): longest epoch gap {lost:.1f}s, 1 restart (node_lost)")
     assert run.strays() == []
