@@ -1,7 +1,8 @@
 """A local "kubelet" for the test cluster: runs the Pods bound to its Node as processes.
 
-It registers a Node (Ready, with a set capacity) and runs every Pod the real scheduler binds
-to it with local mode's container runtime (:class:`kelastic_operator.local.pods.LocalPod`):
+It registers a Node (Ready, with a set capacity, tainted: Pods need :data:`PLACEMENT`) and
+runs every Pod the real scheduler binds to it with local mode's container runtime
+(:class:`kelastic_operator.local.pods.LocalPod`):
 native sidecars (init containers with ``restartPolicy: Always``) first, then the main
 containers. It reports status through the API as a kubelet does:
 
@@ -37,6 +38,13 @@ from .cluster import ControlPlane
 
 Obj = dict[str, Any]
 NODE = "kelastic-local"
+#: The Node's taint: only Pods that tolerate it (:data:`TOLERATION`) run as processes here;
+#: anything else a test applies (an operator Deployment, an etcd StatefulSet) stays Pending
+#: or goes to a :class:`~tests.k8s.nodes.ManualNode` instead of running on this machine.
+TAINT = {"key": "kelastic.dev/local-kubelet", "value": "true", "effect": "NoSchedule"}
+TOLERATION = {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
+#: The Pod-spec fields that place a Pod on this kubelet.
+PLACEMENT = {"nodeSelector": {"kubernetes.io/hostname": NODE}, "tolerations": [TOLERATION]}
 
 
 def _now() -> str:
@@ -150,7 +158,7 @@ class LocalKubelet:
                 raise
         # the API server taints a new Node not-ready; the node-lifecycle controller (not run
         # here: this kubelet keeps its Node Ready itself) would lift it once Ready
-        self._api.patch_node(self.node, {"spec": {"taints": None}})
+        self._api.patch_node(self.node, {"spec": {"taints": [TAINT]}})
         self._api.patch_node_status(self.node, {"status": {
             "capacity": self.capacity, "allocatable": self.capacity,
             "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},

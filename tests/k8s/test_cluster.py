@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from .cluster import Client, ControlPlane, wait_until
-from .kubelet import NODE, LocalKubelet
+from .kubelet import PLACEMENT, LocalKubelet
 
 pytestmark = pytest.mark.timeout(180)
 SLEEPER = "import time\nwhile True: time.sleep(0.05)"
@@ -22,7 +22,7 @@ def _pod(name: str, main: str, *, sidecar: bool = False, image: str = "local/tes
          grace: int | None = None) -> dict[str, Any]:  # fmt: skip
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "nodeSelector": {"kubernetes.io/hostname": NODE},
+        **PLACEMENT,
         "containers": [{
             "name": "main", "image": image, "command": ["python", "-c", main],
             "env": [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

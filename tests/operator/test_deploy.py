@@ -1,4 +1,5 @@
-"""deploy/: every manifest validates strictly against Kubernetes 1.33 and applies with kubectl."""
+"""deploy/: every manifest validates strictly against Kubernetes 1.33 and applies with kubectl
+to the real test cluster."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.k8s.harness import K8sApi, wait_until
+from tests.k8s.cluster import Client, ControlPlane, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -42,19 +43,33 @@ def test_the_operator_is_least_privileged() -> None:
     assert not any(r == "secrets" for _, r in verbs)
 
 
-def test_kubectl_applies_deploy(k8s_api: K8sApi) -> None:
-    k8s_api.kubectl("apply", "-f", str(DEPLOY / "crds"))
-    wait_until(
-        lambda: k8s_api.kubectl("get", "clusterkopfpeerings", check=False).returncode == 0,
-        what="the peering CRD to be served",
-    )
-    out = k8s_api.kubectl("apply", "-k", str(DEPLOY)).stdout
-    assert "deployment.apps/kelastic-operator created" in out
-    assert "clusterkopfpeering.kopf.dev/kelastic created" in out
-    (dep,) = k8s_api.objects("Deployment", "kelastic-system")
-    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "kelastic-operator"
-    k8s_api.kubectl("apply", "-f", str(ROOT / "examples/digits/elasticjob.yaml"))
-    assert k8s_api.names("ElasticJob", "default") == ["digits"]
+def test_kubectl_applies_deploy(k8s_cluster: ControlPlane, k8s: Client) -> None:
+    """``kubectl apply -k deploy/`` on the real cluster: every object is admitted, the
+    operator's Pods pass the namespace's ``restricted`` Pod Security level (the
+    ReplicaSet's Pods exist: a refused Pod would not), then the digits job applies."""
+    admin = k8s_cluster.admin
+    result = admin.kubectl("apply", "-k", str(DEPLOY))
+    assert "deployment.apps/kelastic-operator" in result.stdout
+    assert "role.rbac.authorization.k8s.io/kelastic-operator-leader-election" in result.stdout
+    assert "Warning" not in result.stderr, result.stderr
+    try:
+        (dep,) = k8s.objects("deployments", "kelastic-system")
+        assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "kelastic-operator"
+        wait_until(
+            lambda: len(k8s.objects("pods", "kelastic-system")) >= 2,
+            60,
+            what="the operator's two Pods created under Pod Security 'restricted'",
+        )
+        k8s.claim("digits-checkpoints")
+        k8s.kubectl("apply", "-f", str(ROOT / "examples/digits/checkpoints-pvc.yaml"),
+                    "-f", str(ROOT / "examples/digits/elasticjob.yaml"), check=False)  # fmt: skip
+        assert k8s.names("elasticjobs") == ["digits"]
+    finally:
+        # the namespace, CRDs and RBAC stay: the session's other tests use them
+        for ref in ("deployment/kelastic-operator", "statefulset/kelastic-etcd",
+                    "service/kelastic-operator-metrics", "service/kelastic-etcd"):  # fmt: skip
+            admin.kubectl("delete", "-n", "kelastic-system", ref, "--ignore-not-found",
+                          "--wait=false")  # fmt: skip
 
 
 def test_the_operator_entry_point_parses_its_options() -> None:
@@ -65,4 +80,15 @@ def test_the_operator_entry_point_parses_its_options() -> None:
     )
     assert (args.etcd_endpoints, args.namespace, args.standalone, args.priority) == (
         "a:1,b:2", ["ml"], True, 5)  # fmt: skip
-    assert args.peering == "kelastic"
+    assert args.lease_name == "kelastic-operator"
+    # the kopf-peering flag still works, naming the Lease now
+    assert build_parser().parse_args(["--peering", "old"]).lease_name == "old"
+
+
+def test_bad_leader_election_timings_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from kelastic_operator.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--lease-duration", "5", "--renew-deadline", "6"])
+    assert exc.value.code == 2
+    assert "renew deadline < lease duration" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from kelastic_operator.handlers import OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_sidecar.etcd_store import EtcdStore
 from tests.k8s.cluster import Client, pods_by_name, wait_until
-from tests.k8s.kubelet import NODE, LocalKubelet
+from tests.k8s.kubelet import PLACEMENT, LocalKubelet
 
 from .conftest import job_manifest
 
@@ -32,7 +32,7 @@ def sleeper_job(name: str, tmp_path: Path) -> str:
     trainer = pod["containers"][0]
     trainer.update(image="local/sleeper", command=["python", "-c", SLEEPER], args=[])
     trainer.pop("workingDir", None)
-    pod["nodeSelector"] = {"kubernetes.io/hostname": NODE}
+    pod.update(PLACEMENT)
     pod["terminationGracePeriodSeconds"] = 5
     return yaml.safe_dump(doc)
 
