@@ -150,7 +150,9 @@ def sidecar_security_context(pod_spec: dict[str, Any], trainer: dict[str, Any]) 
     cannot know (GPU images often run as root): the sidecar then runs as root with only
     CAP_KILL, unless the Pod asks for ``runAsNonRoot`` (set ``runAsUser`` on the trainer
     in such namespaces; the sidecar then keeps its image's user, 65532). The run
-    volume's FIFO and control socket are writable by every user of the Pod.
+    volume's FIFO and control socket are writable by every user of the Pod. It gets the
+    ``RuntimeDefault`` seccomp profile unless the Pod names one, so that with a non-root
+    trainer it meets Pod Security's ``restricted`` level.
 
     Args:
         pod_spec: the template's Pod spec.
@@ -164,6 +166,8 @@ def sidecar_security_context(pod_spec: dict[str, Any], trainer: dict[str, Any]) 
     user = own_sc.get("runAsUser", pod_sc.get("runAsUser"))
     group = own_sc.get("runAsGroup", pod_sc.get("runAsGroup"))
     context: dict[str, Any] = {"allowPrivilegeEscalation": False}
+    if not pod_sc.get("seccompProfile"):  # Pod Security "restricted" wants one
+        context["seccompProfile"] = {"type": "RuntimeDefault"}
     if isinstance(user, int):
         context["runAsUser"] = user
         if isinstance(group, int):

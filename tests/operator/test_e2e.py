@@ -407,3 +407,29 @@ def test_a_template_change_replaces_the_pods_without_spending_restarts(
     assert status_of(k8s, "roll").get("replacements", 0) == 0
     k8s.kubectl("delete", "ej", "roll", "--wait=false")
     wait_until(lambda: not pods_by_name(k8s), T, what="its pods gone")
+
+
+def test_a_restricted_namespace_runs_the_digits_job_with_a_non_root_sidecar(
+    k8s: Client, operator: OperatorContext, manual_node: ManualNode
+) -> None:
+    """Pod Security ``restricted`` admits the digits example's Pods: the sidecar runs as
+    the trainer's non-root user with no capability and the RuntimeDefault seccomp profile.
+    A template that names no user gets a root sidecar with CAP_KILL, which the namespace
+    refuses: the job says so in a FailedCreate Event instead of failing silently."""
+    k8s.kubectl("label", "namespace", k8s.namespace,
+                "pod-security.kubernetes.io/enforce=restricted")  # fmt: skip
+    k8s.claim("digits-checkpoints")
+    k8s.kubectl("apply", "-f", "-", input=job_manifest(node=manual_node))
+    wait_until(lambda: len(pods_by_name(k8s)) == 2, T, what="both pods admitted")
+    sidecar = pods_by_name(k8s)["digits-0"]["spec"]["initContainers"][-1]["securityContext"]
+    assert (sidecar["runAsUser"], sidecar["runAsNonRoot"]) == (1000, True)
+    assert sidecar["capabilities"] == {"drop": ["ALL"]}
+
+    doc = yaml.safe_load(job_manifest("rooty", manual_node))
+    pod_spec = doc["spec"]["template"]["spec"]
+    del pod_spec["securityContext"], pod_spec["containers"][0]["securityContext"]
+    k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    wait_until(lambda: any(r == "FailedCreate" and 'violates PodSecurity "restricted' in m
+                           for r, m in events(k8s, "rooty")), T,
+               what="the refusal reported")  # fmt: skip
+    assert not [n for n in pods_by_name(k8s) if n.startswith("rooty-")]

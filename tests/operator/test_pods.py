@@ -259,7 +259,15 @@ def test_sidecar_can_signal_the_trainers_workers(
     spec = spec.model_copy(update={"template": template})
     pod = build_pod("digits", "default", UID, spec, 0, SETTINGS)
     sidecar = containers(pod)["kelastic-sidecar"]
-    assert sidecar["securityContext"] == {"allowPrivilegeEscalation": False, **expected}
+    runtime_default = {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert sidecar["securityContext"] == {"allowPrivilegeEscalation": False, **runtime_default,
+                                          **expected}  # fmt: skip
+    # a Pod that names its seccomp profile keeps it for the sidecar too
+    template["spec"]["securityContext"] = {**pod_sc, "seccompProfile": {"type": "Localhost",
+                                           "localhostProfile": "p.json"}}  # fmt: skip
+    spec = spec.model_copy(update={"template": template})
+    pod = build_pod("digits", "default", UID, spec, 0, SETTINGS)
+    assert "seccompProfile" not in containers(pod)["kelastic-sidecar"]["securityContext"]
 
 
 def test_pods_carry_the_spec_hash_which_ignores_scaling() -> None:
