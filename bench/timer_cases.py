@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -340,11 +341,108 @@ def _fork_client(fifo: str, go_r: int, out_w: int, duration: float) -> int:
         os._exit(code)
 
 
-def _throughput_once(server: _Server, k: int, duration: float) -> dict[str, float]:
+#: Seconds between a flood hang's acquire and its deadline.
+_FLOOD_HANG_AFTER = 0.2
+
+
+def _fork_flood_hang(fifo: str, max_wait: float) -> tuple[int, int]:
+    """Fork a child that reads its deadline from a pipe, acquires a timer for it with
+    torch's client ``_FLOOD_HANG_AFTER`` s before (retrying while the pipe is full, as
+    a worker that wants its hang covered would), then hangs. Exit 5: the acquire never
+    got through before the deadline. Returns ``(pid, write end of the pipe)``."""
+    _, client_cls = _torch_timer()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(r)
+        return pid, w
+    code = 3
+    try:
+        os.close(w)
+        signal.alarm(int(max_wait) + 30)
+        client = client_cls(fifo)
+        deadline = float(os.read(r, 64).decode())
+        time.sleep(max(0.0, deadline - _FLOOD_HANG_AFTER - time.time()))
+        while True:
+            try:
+                client.acquire("flood_hang", deadline)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    code = 5
+                    raise
+        while True:
+            time.sleep(3600)
+    except BaseException:
+        code = code if code == 5 else 4
+    finally:
+        os._exit(code)
+
+
+class _HangWatch:
+    """Hung children armed during a flood: when each died after its deadline."""
+
+    def __init__(self, server: _Server, impl: str, count: int, max_wait: float) -> None:
+        self.children = [_fork_flood_hang(server.fifo, max_wait) for _ in range(count)]
+        if impl.startswith("kelastic"):
+            server.command("watch " + " ".join(str(pid) for pid, _ in self.children))
+        self.latencies: list[float] = []
+        self.deadlines: dict[int, float] = {}
+        self.failed = 0
+        self._max_wait = max_wait
+        self._thread: threading.Thread | None = None
+
+    def arm(self, first: float, last: float) -> None:
+        """Give the children deadlines spread over ``first..last`` and start waiting."""
+        n = len(self.children)
+        deadlines = self.deadlines
+        for i, (pid, pipe_w) in enumerate(self.children):
+            deadlines[pid] = first + (last - first) * i / max(1, n - 1)
+            os.write(pipe_w, repr(deadlines[pid]).encode())
+            os.close(pipe_w)
+        self._thread = threading.Thread(target=self._wait, args=(deadlines,), daemon=True)
+        self._thread.start()
+
+    def _wait(self, deadlines: dict[int, float]) -> None:
+        poller = select.poll()
+        live = {}
+        for pid in deadlines:
+            fd = os.pidfd_open(pid)
+            live[fd] = pid
+            poller.register(fd, select.POLLIN)
+        end = max(deadlines.values()) + self._max_wait
+        while live and time.time() < end:
+            for fd, _ in poller.poll(100):
+                dead_at = time.time()
+                pid = live.pop(fd)
+                poller.unregister(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+                    self.latencies.append(dead_at - deadlines[pid])
+                else:
+                    self.failed += 1
+        kill_pids(list(live.values()))
+        self.failed += len(live)
+        for fd in live:
+            os.close(fd)
+
+    def join(self) -> None:
+        """Wait for the children's fate; a child not reaped in time is killed and counted."""
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            kill_pids([pid for pid, _ in self.children])
+
+
+def _throughput_once(
+    server: _Server, impl: str, k: int, duration: float, hangs: int
+) -> dict[str, Any]:
     import psutil
 
     go_r, go_w = os.pipe()
     outs: list[tuple[int, int]] = []  # (pid, read end)
+    hang = _HangWatch(server, impl, hangs, max_wait=10.0)
     try:
         for _ in range(k):
             out_r, out_w = os.pipe()
@@ -357,6 +455,8 @@ def _throughput_once(server: _Server, k: int, duration: float) -> dict[str, floa
         cpu0 = sum(proc.cpu_times()[:2])
         t0 = time.monotonic()
         os.write(go_w, b"g" * k)
+        now = time.time()  # the hangs are armed while the flood runs
+        hang.arm(now + 0.3 + _FLOOD_HANG_AFTER, now + duration - 0.1)
         counts = {"ok": 0, "errors": 0, "other": 0}
         for pid, out_r in outs:
             os.waitpid(pid, 0)
@@ -375,10 +475,12 @@ def _throughput_once(server: _Server, k: int, duration: float) -> dict[str, floa
         raise
     finally:
         kill_pids(outs_pids)
+        hang.join()
         for _, out_r in outs:
             os.close(out_r)
         os.close(go_r)
         os.close(go_w)
+    kills = server.kill_times()
     return {
         "sent_per_s": counts["ok"] / duration,
         "processed_per_s": processed / wall,
@@ -386,19 +488,119 @@ def _throughput_once(server: _Server, k: int, duration: float) -> dict[str, floa
         "other_errors": counts["other"],
         "server_cpu_pct": 100 * cpu / wall,
         "server_cpu_us_per_req": 1e6 * cpu / processed if processed else float("nan"),
+        "hang_ms": [x * 1000 for x in hang.latencies],
+        "hang_kill_ms": [
+            (kills[pid] - t) * 1000 for pid, t in hang.deadlines.items() if pid in kills
+        ],
+        "hang_failed": hang.failed,
     }
+
+
+def _fork_bulk_flooder(fifo: str, go_r: int, duration: float, base: int) -> int:
+    """Fork a hostile writer: whole ``PIPE_BUF`` chunks of far-future acquires naming
+    other pids, written as fast as the pipe takes them (issue 11's forged-timer flood)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        far = time.time() + 3600
+        lines = [
+            json.dumps(
+                {"version": 1, "pid": base + n, "scope_id": "forged",
+                 "expiration_time": far, "signal": 9}
+            ).encode() + b"\n"
+            for n in range(100_000)  # distinct: each is a new timer (70,000 filled a table)
+        ]  # fmt: skip
+        chunks, chunk = [], b""
+        for line in lines:
+            if len(chunk) + len(line) > select.PIPE_BUF:
+                chunks.append(chunk)
+                chunk = b""
+            chunk += line
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.read(go_r, 1)
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            for chunk in chunks:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(fd, chunk)  # <= PIPE_BUF: all of it or nothing
+    except BaseException:
+        code = 4
+    finally:
+        os._exit(code)
+
+
+def _bulk_flood_once(
+    server: _Server, impl: str, writers: int, duration: float, hangs: int
+) -> dict[str, Any]:
+    go_r, go_w = os.pipe()
+    hang = _HangWatch(server, impl, hangs, max_wait=10.0)
+    pids: list[int] = []
+    try:
+        pids = [
+            _fork_bulk_flooder(server.fifo, go_r, duration, 1_000_000 * (i + 1))
+            for i in range(writers)
+        ]
+        time.sleep(0.2)
+        os.write(go_w, b"g" * writers)
+        now = time.time()
+        hang.arm(now + 0.3 + _FLOOD_HANG_AFTER, now + duration - 0.1)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        pids = []
+    finally:
+        kill_pids(pids)
+        hang.join()
+        os.close(go_r)
+        os.close(go_w)
+    kills = server.kill_times()
+    return {
+        "hang_ms": [x * 1000 for x in hang.latencies],
+        "hang_kill_ms": [
+            (kills[pid] - t) * 1000 for pid, t in hang.deadlines.items() if pid in kills
+        ],
+        "hang_failed": hang.failed,
+    }
+
+
+def _bulk_rows(result: CaseResult, sides: list[tuple[str, str, float | None, bool]],
+               runs: dict[str, list[dict[str, Any]]], writers: int) -> None:  # fmt: skip
+    """Rows and checks of the forged-timer flood: hangs armed during it."""
+    group = f"{writers} hostile writers flooding forged timers: hang deadline ->"
+    for side, _, _, ref in sides:
+        unreaped = sum(r["hang_failed"] for r in runs[side])
+        note = f"{unreaped} hung children not reaped within 10 s" if unreaped else ""
+        for what, key in (("kill sent", "hang_kill_ms"), ("hung child dead", "hang_ms")):
+            samples = [x for r in runs[side] for x in r[key]]
+            result.rows.append(
+                Row("timer_throughput", f"{group} {what}", side, "ms", samples, ref=ref,
+                    note=note if what == "hung child dead" else "")
+            )  # fmt: skip
+            if side == "kelastic TimerServer":
+                p99 = percentile(samples, 99) if samples else float("inf")
+                result.checks.append(
+                    Check(
+                        "timer_throughput",
+                        f"hang armed during the forged-timer flood: deadline -> {what} "
+                        "p99 <= 50 ms, every hang reaped",
+                        f"{p99:.1f} ms over {len(samples)} hangs, {unreaped} not reaped",
+                        p99 <= 50 and unreaped == 0,
+                    )
+                )
 
 
 def throughput(quick: bool) -> CaseResult:
     """K client processes looping acquire/release with torch's FileTimerClient."""
     result = CaseResult("timer_throughput")
     ks = (1, 4) if quick else (1, 4, 16)
-    reps, duration = (1, 0.5) if quick else (3, 2.0)
+    reps, duration = (1, 1.0) if quick else (3, 2.0)
+    hangs = 3 if quick else 6  # armed during each run's flood
     sides: list[tuple[str, str, float | None, bool]] = [
         ("torch FileTimerServer max_interval=0.1", "torch", 0.1, True)
     ]
     sides.append(("kelastic TimerServer", "kelastic", None, False))
-    raw: dict[tuple[str, int], list[dict[str, float]]] = {}
+    raw: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
         # Both servers up; the sides alternate run by run, so that load from elsewhere on
         # the machine hits both alike.
@@ -407,16 +609,40 @@ def throughput(quick: bool) -> CaseResult:
         for k in ks:
             log(f"timer_throughput: K={k}: {reps} runs of {duration} s per side, alternating")
             for _ in range(reps):
-                for side, _, _, _ in sides:
-                    run = _throughput_once(servers[side], k, duration)
+                for side, impl, _, _ in sides:
+                    run = _throughput_once(servers[side], impl, k, duration, hangs)
                     raw.setdefault((side, k), []).append(run)
+        log(f"timer_throughput: forged-timer flood, {reps} runs of {duration} s per side")
+        bulk: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(reps):
+            for side, impl, _, _ in sides:
+                run = _bulk_flood_once(servers[side], impl, 2, duration, hangs)
+                bulk.setdefault(side, []).append(run)
     for k in ks:
         for side, _, _, ref in sides:
             runs = raw[(side, k)]
             other = sum(r["other_errors"] for r in runs)
             note = f"K={k}: {other:.0f} other client errors" if other else ""
-            extra = {"runs": runs}
+            extra = {"runs": [{x: v for x, v in r.items() if "hang_" not in x} for r in runs]}
+            unreaped = sum(r["hang_failed"] for r in runs)
             result.rows += [
+                Row(
+                    "timer_throughput",
+                    f"K={k} hang armed during the flood: deadline -> hung child dead",
+                    side,
+                    "ms",
+                    [x for r in runs for x in r["hang_ms"]],
+                    ref=ref,
+                    note=f"{unreaped} hung children not reaped within 10 s" if unreaped else "",
+                ),
+                Row(
+                    "timer_throughput",
+                    f"K={k} hang armed during the flood: deadline -> kill sent (server's clock)",
+                    side,
+                    "ms",
+                    [x for r in runs for x in r["hang_kill_ms"]],
+                    ref=ref,
+                ),
                 Row(
                     "timer_throughput",
                     f"K={k} requests/s (acquire+release, client side)",
@@ -462,6 +688,7 @@ def throughput(quick: bool) -> CaseResult:
                     ref=ref,
                 ),
             ]
+    _bulk_rows(result, sides, bulk, 2)
     ours = "kelastic TimerServer"
     theirs = sides[0][0]
     for k in ks:
@@ -477,4 +704,17 @@ def throughput(quick: bool) -> CaseResult:
             ),
             Check("timer_throughput", f"zero client errors at K={k}", f"{errs:.0f}", errs == 0),
         ]
+        unreaped = sum(r["hang_failed"] for r in raw[(ours, k)])
+        for what, key in (("kill sent", "hang_kill_ms"), ("hung child dead", "hang_ms")):
+            hang_ms = [x for r in raw[(ours, k)] for x in r[key]]
+            p99 = percentile(hang_ms, 99) if hang_ms else float("inf")
+            result.checks.append(
+                Check(
+                    "timer_throughput",
+                    f"hang armed during the K={k} flood: deadline -> {what} p99 <= 50 ms, "
+                    "every hang reaped",
+                    f"{p99:.1f} ms over {len(hang_ms)} hangs, {unreaped} not reaped",
+                    p99 <= 50 and unreaped == 0,
+                )
+            )
     return result

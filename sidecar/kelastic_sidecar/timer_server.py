@@ -102,9 +102,9 @@ FINE_SLEEP: Final = 0.002
 #: One warning is logged per this many bad lines (and per this many unknown-pid expiries).
 LOG_EVERY: Final = 1000
 #: Most bytes read from the FIFO per loop turn (a turn then acts on due deadlines).
-READ_PER_TURN: Final = 256 * 1024
+READ_PER_TURN: Final = 128 * 1024
 #: Most queued lines (of unwatched pids) applied per loop turn.
-LINES_PER_TURN: Final = 512
+LINES_PER_TURN: Final = 256
 #: Most lines of watched pids applied at once per loop turn (more are queued).
 WATCHED_PER_TURN: Final = 1024
 #: Most lines queued; beyond, lines of unwatched pids are shed.
@@ -466,13 +466,15 @@ class TimerServer:
                 for _ in range(min(LINES_PER_TURN, len(backlog))):
                     self._handle_line(*backlog.popleft())
         else:
-            self._sleep_to_deadline()
+            self._sleep_to_deadline()  # when a deadline is under FINE_SLEEP away
 
     def _read(
         self, rfd: int, lines: LineSplitter, backlog: collections.deque[tuple[bytes, bool]]
     ) -> None:
-        """Read up to :data:`READ_PER_TURN` bytes; apply watched pids' lines, queue the rest."""
-        budget = WATCHED_PER_TURN
+        """Read up to :data:`READ_PER_TURN` bytes. While nothing is queued, apply up to
+        :data:`LINES_PER_TURN` lines in order; then apply watched pids' lines at once
+        (up to :data:`WATCHED_PER_TURN`) and queue the others."""
+        watched_budget, direct_budget = WATCHED_PER_TURN, LINES_PER_TURN
         for _ in range(READ_PER_TURN // _READ_SIZE):
             try:
                 data = os.read(rfd, _READ_SIZE)
@@ -480,9 +482,13 @@ class TimerServer:
                 return
             with self._lock:
                 for line, oversized in lines.feed(data):
+                    if direct_budget > 0 and not backlog:  # keeping up: no reordering
+                        direct_budget -= 1
+                        self._handle_line(line, oversized)
+                        continue
                     pid = None if oversized else pid_hint(line)
-                    if budget > 0 and pid in self._watched:
-                        budget -= 1
+                    if watched_budget > 0 and pid in self._watched:
+                        watched_budget -= 1
                         self._handle_line(line, oversized)
                     elif len(backlog) < MAX_BACKLOG:
                         backlog.append((line, oversized))

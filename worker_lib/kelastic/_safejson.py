@@ -28,6 +28,9 @@ _MAX_FLOAT_CHARS: Final = 64
 # A JSON string (with escapes), or a bracket. Strings are skipped so that brackets in them
 # do not count. A stray quote (invalid JSON) is left to json.loads to report.
 _TOKENS: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+# Only a number literal with 20+ digits in a row, or a 3-digit exponent, can break a
+# bound (too many digits, or overflow to inf); without one, json's C parser runs alone.
+_RISKY_NUMBER: Final = re.compile(rb"\d{20}|[eE][+-]?\d{3}")
 
 
 class UnsafeJSONError(ValueError):
@@ -35,6 +38,8 @@ class UnsafeJSONError(ValueError):
 
 
 def _depth_ok(raw: bytes, max_depth: int) -> bool:
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return True  # cannot nest deeper than the brackets it has
     depth = 0
     for match in _TOKENS.finditer(raw):
         token = match.group()
@@ -89,6 +94,8 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPT
         raise UnsafeJSONError(f"nested deeper than {max_depth}")
     try:
         text = raw if isinstance(raw, str) else raw.decode("utf-8")
+        if _RISKY_NUMBER.search(data) is None:
+            return json.loads(text, parse_constant=_reject_constant)
         return json.loads(
             text,
             parse_int=_parse_int,
