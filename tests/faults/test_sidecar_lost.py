@@ -107,3 +107,27 @@ def test_a_killed_sidecar_in_ddp_training_is_charged_to_the_lost_node(tmp_path: 
     lost = max(b - a for a, b in itertools.pairwise(epochs))
     print(f"\nFAULT sidecar-killed (DDP): longest epoch gap {lost:.1f}s, 1 restart (node_lost)")
     assert run.strays() == []
+
+
+def test_a_killed_launcher_fails_its_pod_which_is_replaced(tmp_path: Path) -> None:
+    """The trainer container dies (its launcher SIGKILLed, its workers with it): the
+    sidecar leaves the round (its peer charges the lost node) and the Pod is replaced."""
+    ckpt = tmp_path / "ckpt"
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, min_replicas=1, max_replicas=2,
+        env={"STEPS_MAX": "150", "STEPS_CHECKPOINT": str(ckpt)},
+        pod_replacement={"maxReplacements": 1, "backoffSeconds": 0},
+    )  # fmt: skip
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    wait_for(lambda: run.has("[1]: step 10"), 60, what="both nodes training")
+    (launcher,) = [p for p in run.processes("kelastic.launch")
+                   if "/pods/steps-1/" in p.environ().get(contract.ENV_RUN_DIR, "")]  # fmt: skip
+    launcher.send_signal(signal.SIGKILL)
+    assert run.wait(180) == 0, run.output
+    out = run.output
+    assert "steps-1 failed: its trainer was killed by SIGKILL" in out, out
+    assert "steps-1: replaced (replacement 1)" in out
+    assert re.search(r"restart 1/3: node_lost: node on steps-1 \(round 0\)", out), out
+    assert run.restarts_charged() == 1 and int(ckpt.read_text()) == 150
+    print(f"\nFAULT launcher-killed: time lost {run.time_lost(rank=0):.2f}s, 1 restart")
+    assert run.strays() == []
