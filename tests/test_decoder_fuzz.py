@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,10 +43,11 @@ from kelastic_sidecar.restart_budget import (
     encode_record,
 )
 from kelastic_sidecar.supervisor import decode_master, node_report
-from kelastic_sidecar.timer_server import _BadRequest, _parse
+from kelastic_sidecar.timer_server import TimerServer, _BadRequest, _parse
+from kelastic_sidecar.timer_wire import LineSplitter
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=100,
     deadline=None,
     database=None,
     derandomize=True,
@@ -292,3 +294,42 @@ def test_fuzz_one_field_of_a_valid_document(
         value = [value]
     doc[field] = value
     DECODERS[name](_dumps(doc))
+
+
+_fifo_lines = st.lists(
+    st.one_of(
+        st.binary(max_size=200),
+        json_values.map(_dumps),
+        st.builds(
+            lambda pid, exp, token: _dumps(
+                {**FIFO_LINE, "pid": pid, "expiration_time": exp, "token": token}
+            ),
+            st.sampled_from([4242, 4243, 10**30, -1, 0]),
+            st.one_of(st.floats(), st.integers(min_value=-(10**25), max_value=10**25)),
+            st.one_of(st.none(), st.text(max_size=200), st.just("t0k3n")),
+        ),
+    ),
+    max_size=30,
+)
+
+
+@FUZZ
+@given(lines=_fifo_lines, cut=st.integers(1, 300))
+def test_fuzz_fifo_stream_into_the_timer_table(
+    tmp_path_factory: Any, lines: list[bytes], cut: int
+) -> None:
+    """Arbitrary lines, split at arbitrary points, through the server's splitter and
+    table (not started: no thread, no FIFO): nothing raises, budgets hold."""
+    server = TimerServer(
+        tmp_path_factory.getbasetemp() / "never.fifo", max_timers=8, max_timers_per_pid=4,
+        kill=lambda pid, sig: None,
+    )  # fmt: skip
+    server.watch_pid(4242, "t0k3n")
+    stream = b"\n".join(lines) + b"\n"
+    splitter = LineSplitter()
+    with server._lock:
+        for start in range(0, len(stream), cut):
+            for line, oversized in splitter.feed(stream[start : start + cut]):
+                server._handle_line(line, oversized)
+    server._expire(time.time())
+    assert server.active_timers() <= 8 + 4

@@ -201,6 +201,13 @@ class _Watch:
     proven: bool = False  # the worker sent its token: tokenless requests are refused
 
 
+def _same_token(a: str, b: str) -> bool:
+    """Constant-time comparison (``compare_digest`` refuses non-ASCII ``str``)."""
+    return hmac.compare_digest(
+        a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass")
+    )
+
+
 def _joined(thread: threading.Thread, timeout: float) -> bool:
     thread.join(timeout)
     return not thread.is_alive()
@@ -390,7 +397,7 @@ class TimerServer:
             timers = [(s, self._timers[(pid, s)]) for s in self._scopes.get(pid, ())]
             if token is not None:
                 for scope, timer in timers:
-                    if timer.token is not None and not hmac.compare_digest(timer.token, token):
+                    if timer.token is not None and not _same_token(timer.token, token):
                         self._drop((pid, scope))
                         self._stats.forged += 1
                 if any(self._timers[(pid, s)].token is not None for s in self._scopes.get(pid, ())):
@@ -583,7 +590,7 @@ class TimerServer:
             return not watch.proven  # torch's client: until the worker sent its token
         if watch.token is None:
             return True  # watched without a token: nothing to check
-        if not hmac.compare_digest(request.token, watch.token):
+        if not _same_token(request.token, watch.token):
             return False
         if not watch.proven:
             self._prove(request.pid, watch)
