@@ -127,7 +127,9 @@ def test_history_is_capped() -> None:
     assert decode_record(encode_record(record)) == record
 
 
-def test_corrupt_record_is_replaced_another_version_is_an_error(store: EtcdStore, keys: Keys) -> None:
+def test_corrupt_record_is_replaced_another_version_is_an_error(
+    store: EtcdStore, keys: Keys
+) -> None:
     budget = RestartBudget(store, keys, 3)
     store.put(keys.restarts, b"three restarts")
     with pytest.raises(RestartRecordError, match=r"restarts: not JSON"):
