@@ -1,21 +1,25 @@
 """Fault matrix, hostile input (issue 11, item 2): crafted values in etcd and on the
 control socket are refused as corrupt, counted, and recovered from; no sidecar part
-crashes. Real etcd, real sockets.
+crashes. Real etcd, real sockets, and one row with ``kelastic run``.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kelastic_sidecar.control import MSG_DISCONNECTED, ControlServer, Message
+from kelastic_sidecar.etcd_store import EtcdStore
 from kelastic_sidecar.rendezvous_state import RendezvousStateError, decode_state
 from kelastic_sidecar.restart_budget import RestartBudget, decode_record
 from tests.conftest import wait_for
+from tests.localrun import KelasticRun, write_job
 from tests.test_rendezvous import Cluster, join_all, settings
 
 DEEP = b"[" * 50_000 + b"]" * 50_000
@@ -107,3 +111,42 @@ def test_hostile_control_lines_are_dropped_and_the_launcher_stays_connected(
         wait_for(lambda: got[-1]["type"] == MSG_DISCONNECTED, 30, what="the disconnect")
     finally:
         server.close()
+
+
+def test_kelastic_run_survives_a_crafted_state_written_mid_training(
+    tmp_path: Path, etcd_endpoint: str
+) -> None:
+    """Before: every sidecar crashed on the crafted state and the job failed within ~1 s
+    ("the sidecar closed the control connection"). Now the nodes replace it, re-form
+    without charging a restart, resume from the checkpoint and finish."""
+    name = f"hostile-{uuid.uuid4().hex[:8]}"
+    job = write_job(
+        tmp_path / "job.yaml", name=name, replicas=2,
+        env={"STEPS_MAX": "120", "STEPS_CHECKPOINT": str(tmp_path / "ckpt")},
+    )  # fmt: skip
+    run = KelasticRun(job, "--etcd", etcd_endpoint, workdir=tmp_path / "runs")
+    admin = EtcdStore([etcd_endpoint])
+    try:
+        wait_for(lambda: run.has("step 20"), 120, what="workers stepping")
+        keys = [k for k in admin.get_prefix("/kelastic/") if f"/{name}/" in k]
+        state_key = next(k for k in keys if k.endswith("/rdzv/state"))
+        raw = admin.get(state_key)
+        assert raw is not None
+        crafted = _state_with(raw[0], "round", "9" * 5000)
+        hit = time.monotonic()
+        admin.put(state_key, crafted)
+        assert run.wait(240) == 0, run.output
+        print(f"\nFAULT crafted-state: time lost {run.time_lost(0):.2f}s, "
+              f"{run.restarts_charged()} restarts")  # fmt: skip
+        assert "job succeeded" in run.output
+        assert run.restarts_charged() == 0, run.output
+        assert any(t > hit for t in run.step_times(0)), "no step after the crafted state"
+        got = admin.get(state_key)  # replaced: valid again, a round above the old ones
+        assert got is not None and decode_state(got[0]).round > json.loads(raw[0])["round"]
+        logs = "".join(p.read_text() for p in (tmp_path / "runs").rglob("kelastic-sidecar.log"))
+        assert "replacing it with a fresh state" in logs
+        assert run.strays() == []
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+        admin.close()
