@@ -268,7 +268,7 @@ def test_sidecar_help(podman: Podman, container: str) -> None:
 def test_operator_help(podman: Podman, container: str, cmd: list[str]) -> None:
     out = _in(podman, container, *cmd)
     assert "usage:" in out
-    assert "--peering" in out and "--metrics-port" in out
+    assert "--lease-name" in out and "--metrics-port" in out
 
 
 def test_runtime_modules_import(podman: Podman, container: str) -> None:

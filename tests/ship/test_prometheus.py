@@ -6,8 +6,11 @@ dashboard query and every alert expression is checked against what it scraped.
   its timer), so restarts, exits, downtime and reaps have data; the job then keeps stepping
   until the test touches its stop file;
 - the operator: ``python -m kelastic_operator`` with the arguments of the chart's rendered
-  Deployment (its etcd and metrics port swapped for local ones) against the Kubernetes API
-  emulator, reconciling an ElasticJob of the same name (its Pods stay Pending: no kubelet);
+  Deployment (watching the test's namespace; its etcd and metrics port swapped for local
+  ones, ``--standalone``) against the real test cluster (tests/k8s), logged in as the
+  ``kelastic-operator`` ServiceAccount with deploy/'s RBAC, reconciling an ElasticJob of the
+  same name in the test's namespace (its Pods stay Pending, unschedulable: a nodeSelector
+  no Node matches keeps them off the local kubelet's Node);
 - Prometheus (Debian's package) on loopback with a 1 s scrape interval, the alert rules
   loaded, and the scrape jobs named and labelled as the chart's ServiceMonitor/PodMonitor do.
 
@@ -29,7 +32,7 @@ returns data and that Prometheus fires the alert:
   etcd and the operator (reading the same etcd keys: the local run is given the
   ElasticJob's uid) sets phase Failed;
 - ``kelastic_operator_reconcile_errors_total`` (a dashboard query; its series exist at 0
-  from the start): the operator reaches the API emulator through a TCP proxy that is then
+  from the start): the operator reaches the API server through a TCP proxy that is then
   cut, so its reconcile passes fail, counted as kind ``api``, none as ``crash``;
 - ``KelasticOperatorDown``: the operator process is stopped; ``up`` goes 0.
 
@@ -58,13 +61,12 @@ import psutil
 import pytest
 import yaml
 
-from kelastic_operator import crd
 from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
 from kelastic_operator.local.faults import Fault
 from kelastic_operator.local.runner import ENV_LOCAL_RUN, LocalOptions, LocalRunner
 from kelastic_operator.model import ElasticJob, load_manifest
 from tests.conftest import wait_for
-from tests.k8s.harness import K8sApi
+from tests.k8s.cluster import Client, ControlPlane
 from tests.localrun import write_job
 
 from .tcpproxy import TcpProxy
@@ -72,7 +74,7 @@ from .tools import CHART, ROOT, ToolMissing, helm_binary, render, system_tool
 
 pytestmark = pytest.mark.timeout(300)
 
-NAMESPACE = "default"
+OFF_NODE = {"kelastic.dev/test-node": "none"}  # no Node has it: the job's Pods stay Pending
 DIGITS = ROOT / "examples/digits/elasticjob.yaml"
 RATE_INTERVAL = "20s"  # what Grafana's $__rate_interval is at a 1 s scrape interval and more
 
@@ -172,16 +174,25 @@ def _tools() -> None:
 
 
 def _start_operator(
-    api: K8sApi, etcd: EmbeddedEtcd, workdir: Path, manifest: Path, api_url: str | None = None
+    k8s: Client,
+    account: Client,
+    etcd: EmbeddedEtcd,
+    workdir: Path,
+    manifest: Path,
+    api_url: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], int, Path]:
-    """The operator, started with the chart's rendered command and arguments (etcd, metrics
-    port and peering swapped for local ones), reconciling ``manifest`` (no kubelet: its Pods
-    stay Pending). ``api_url``: where it reaches the API (default: the emulator itself)."""
-    api.kubectl("apply", "-f", str(ROOT / crd.CRD_FILE))
-    (dep,) = [o for o in render() if o["kind"] == "Deployment"]
+    """The operator, started with the chart's rendered command and arguments (watching
+    ``k8s``'s namespace; etcd and metrics port swapped for local ones, no leader election),
+    logged in as ``account``, reconciling ``manifest`` applied in ``k8s``'s namespace with a
+    nodeSelector no Node matches (its Pods stay Pending). ``api_url``: where it reaches the
+    API server (default: the server itself)."""
+    (dep,) = [
+        o for o in render(f"operator.namespaces={{{k8s.namespace}}}") if o["kind"] == "Deployment"
+    ]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert f"--namespace={k8s.namespace}" in container["args"]
     port = free_port()
-    swapped = ("--etcd-endpoints=", "--metrics-port=", "--peering=")
+    swapped = ("--etcd-endpoints=", "--metrics-port=")
     args = [a for a in container["args"] if not a.startswith(swapped)]
     args += [
         f"--etcd-endpoints={etcd.endpoint}",
@@ -189,9 +200,9 @@ def _start_operator(
         "--standalone",
         "--resync-seconds=1",
     ]
-    env = {**api.env(), "POD_ID": "kelastic-operator-test"}
+    env = {**account.env(), "POD_ID": "kelastic-operator-test"}
     if api_url is not None:
-        config = api.kubeconfig_dict()
+        config = yaml.safe_load(account.kubeconfig.read_text())
         config["clusters"][0]["cluster"]["server"] = api_url
         kubeconfig = workdir / "operator-kubeconfig"
         kubeconfig.write_text(yaml.safe_dump(config))
@@ -209,18 +220,36 @@ def _start_operator(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    api.kubectl("apply", "-f", str(manifest))
-    wait_for(
-        lambda: (
-            "kelastic_operator_pods_created_total" in _get(f"http://127.0.0.1:{port}/metrics")[1]
-            and "kelastic_operator_pods_created_total 0.0"
-            not in _get(f"http://127.0.0.1:{port}/metrics")[1]
-        ),
-        60,
-        0.2,
-        what="the operator's metrics",
-    )
+    doc = yaml.safe_load(manifest.read_text())
+    pod_spec = doc["spec"]["template"]["spec"]
+    pod_spec["nodeSelector"] = OFF_NODE
+    for c in pod_spec["containers"]:  # a real API server refuses a container without one
+        c.setdefault("image", "kelastic.test/steps:0")
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    try:
+        wait_for(
+            lambda: (
+                "kelastic_operator_pods_created_total"
+                in _get(f"http://127.0.0.1:{port}/metrics")[1]
+                and "kelastic_operator_pods_created_total 0.0"
+                not in _get(f"http://127.0.0.1:{port}/metrics")[1]
+            ),
+            60,
+            0.2,
+            what="the operator to create the job's Pods",
+        )
+    except AssertionError as exc:
+        _stop(proc)
+        raise AssertionError(f"{exc}\n{log_path.read_text(errors='replace')[-4000:]}") from None
     return proc, port, log_path
+
+
+def _operator_account(cluster: ControlPlane, k8s: Client) -> Client:
+    """The ``kelastic-operator`` ServiceAccount (deploy/rbac.yaml) defaulting to ``k8s``'s
+    namespace."""
+    return cluster.service_account_client(
+        "kelastic-system", "kelastic-operator", default_namespace=k8s.namespace
+    )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -241,9 +270,9 @@ def _dashboard_queries() -> list[tuple[str, str]]:
     return out
 
 
-def _grafana(expr: str, job: str) -> str:
+def _grafana(expr: str, job: str, namespace: str) -> str:
     return (
-        expr.replace("$namespace", NAMESPACE)
+        expr.replace("$namespace", namespace)
         .replace("$job", job)
         .replace("$__rate_interval", RATE_INTERVAL)
     )
@@ -327,14 +356,19 @@ JOBS = {
     "kind", ["steps", pytest.param("digits", marks=[pytest.mark.slow, pytest.mark.timeout(600)])]
 )
 def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
-    kind: str, tmp_path: Path, k8s_api: K8sApi, etcd_server: EmbeddedEtcd
+    kind: str,
+    tmp_path: Path,
+    k8s_cluster: ControlPlane,
+    k8s: Client,
+    etcd_server: EmbeddedEtcd,
 ) -> None:
     _tools()
+    ns = k8s.namespace
     manifest, manifest_dir, fault_specs, stop = JOBS[kind](tmp_path)
     job: ElasticJob = load_manifest(manifest)
     name = job.metadata.name
     operator, operator_port, operator_log = _start_operator(
-        k8s_api, etcd_server, tmp_path, manifest
+        k8s, _operator_account(k8s_cluster, k8s), etcd_server, tmp_path, manifest
     )
     lines: list[str] = []
     runner = LocalRunner(
@@ -363,7 +397,7 @@ def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
         sidecars = [
             {
                 "targets": [f"127.0.0.1:{p.http_port}"],
-                "labels": {"namespace": NAMESPACE, "elasticjob": name, "pod": p.name},
+                "labels": {"namespace": ns, "elasticjob": name, "pod": p.name},
             }
             for p in runner.pods
         ]
@@ -410,7 +444,7 @@ def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
                 timeout=30,
             )
             assert check.returncode == 0 and not check.stdout.strip(), (port, check.stdout)
-        _check_queries(prom, name)
+        _check_queries(prom, name, ns)
         if stop is not None:
             stop.touch()
         thread.join(400)
@@ -426,15 +460,17 @@ def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
     assert not _strays([runner.run_id]), "processes left behind"
 
 
-def _check_queries(prom: Prometheus, job: str) -> None:
+def _check_queries(prom: Prometheus, job: str, namespace: str) -> None:
     # Every dashboard query returns data (the reconcile errors' rate is 0 here: its series
     # exist from the start; test_prometheus_fires_every_alert_on_real_failures sees it rise).
-    empty = [(n, e) for n, e in _dashboard_queries() if not prom.has_data(_grafana(e, job))]
+    empty = [
+        (n, e) for n, e in _dashboard_queries() if not prom.has_data(_grafana(e, job, namespace))
+    ]
     assert not empty, f"dashboard queries without data: {empty}"
     # The template variables resolve to this run.
     namespaces = prom.query("group by (namespace) (kelastic_world_size)")["result"]
-    assert [r["metric"] for r in namespaces] == [{"namespace": NAMESPACE}]
-    jobs = prom.query(f'group by (elasticjob) (kelastic_world_size{{namespace="{NAMESPACE}"}})')
+    assert [r["metric"] for r in namespaces] == [{"namespace": namespace}]
+    jobs = prom.query(f'group by (elasticjob) (kelastic_world_size{{namespace="{namespace}"}})')
     assert [r["metric"]["elasticjob"] for r in jobs["result"]] == [job]
 
     # Every alert expression is well-formed and names series that exist; the alerts this
@@ -465,7 +501,7 @@ def _check_queries(prom: Prometheus, job: str) -> None:
     assert {"worker_failure", "hang"} <= causes, causes
     goodput = float(prom.query("avg(kelastic_goodput_ratio)")["result"][0]["value"][1])
     assert 0 < goodput < 1
-    phase = prom.query(f'kelastic_operator_job_phase{{namespace="{NAMESPACE}",job="{job}"}} == 1')
+    phase = prom.query(f'kelastic_operator_job_phase{{namespace="{namespace}",job="{job}"}} == 1')
     assert [r["metric"]["phase"] for r in phase["result"]] == ["Pending"]
 
 
@@ -502,7 +538,7 @@ class _Run:
 
 
 def test_prometheus_fires_every_alert_on_real_failures(
-    tmp_path: Path, k8s_api: K8sApi, etcd_server: EmbeddedEtcd
+    tmp_path: Path, k8s_cluster: ControlPlane, k8s: Client, etcd_server: EmbeddedEtcd
 ) -> None:
     """Each alert the healthy run leaves quiet, driven by a real failure (module doc)."""
     _tools()
@@ -515,19 +551,26 @@ def test_prometheus_fires_every_alert_on_real_failures(
         tmp_path / "etcdcut.yaml", name="etcdcut", replicas=1, max_restarts=1,
         env={"STEPS_STOP_FILE": str(stop)},
     )  # fmt: skip
-    api_proxy = TcpProxy(urllib.parse.urlsplit(k8s_api.url).netloc)
+    ns = k8s.namespace
+    api_proxy = TcpProxy(urllib.parse.urlsplit(k8s.url).netloc)
     etcd_proxy = TcpProxy(etcd_server.endpoint)
     operator: subprocess.Popen[bytes] | None = None
     runs: list[_Run] = []
     prom: Prometheus | None = None
     try:
         operator, operator_port, operator_log = _start_operator(
-            k8s_api, etcd_server, tmp_path, failing_manifest, f"http://{api_proxy.endpoint}"
+            k8s,
+            _operator_account(k8s_cluster, k8s),
+            etcd_server,
+            tmp_path,
+            failing_manifest,
+            f"https://{api_proxy.endpoint}",
         )
         # The local run of "failing" plays the ElasticJob the operator reconciles: the same
-        # uid, so the same etcd keys (its sidecars' reports reach the operator).
+        # namespace and uid, so the same etcd keys (its sidecars' reports reach the operator).
         failing = load_manifest(failing_manifest)
-        uid = k8s_api.kubectl("get", "elasticjob", "failing", "-o", "jsonpath={.metadata.uid}")
+        failing.metadata.namespace = ns
+        uid = k8s.kubectl("get", "elasticjob", "failing", "-o", "jsonpath={.metadata.uid}")
         failing.metadata.uid = str(uid.stdout).strip()
         assert failing.metadata.uid
         # One node of the two it needs: it waits in rendezvous.
@@ -548,7 +591,7 @@ def test_prometheus_fires_every_alert_on_real_failures(
             {
                 "targets": [f"127.0.0.1:{r.runner.pods[0].http_port}"],
                 "labels": {
-                    "namespace": NAMESPACE,
+                    "namespace": ns,
                     "elasticjob": r.runner.job.metadata.name,
                     "pod": r.runner.pods[0].name,
                 },
@@ -570,7 +613,7 @@ def test_prometheus_fires_every_alert_on_real_failures(
             ],
             _fast_rules(tmp_path / "rules.yaml"),
         )
-        job_labels = {"namespace": NAMESPACE}
+        job_labels = {"namespace": ns}
 
         # etcd cut from a training sidecar: its rendezvous watch fails, the counter rises.
         wait_for(lambda: cut_run.phase(0) == "running", 60, 0.2, what="etcdcut to train\n"
@@ -593,7 +636,7 @@ def test_prometheus_fires_every_alert_on_real_failures(
         _wait_alert(prom, "KelasticJobFailing", {**job_labels, "elasticjob": "failing"}, 90)
         failing_run.thread.join(60)
         assert failing_run.result == [1], failing_run.output()
-        status = json.loads(k8s_api.kubectl("get", "elasticjob", "failing", "-o", "json").stdout)
+        status = json.loads(k8s.kubectl("get", "elasticjob", "failing", "-o", "json").stdout)
         assert status["status"]["phase"] == "Failed", status["status"]
         assert "budget spent" in status["status"]["lastFailure"]["message"], status["status"]
 
@@ -603,7 +646,7 @@ def test_prometheus_fires_every_alert_on_real_failures(
 
         def api_errors() -> bool:
             assert prom is not None
-            result = prom.query(_grafana(errors, "failing"))["result"]
+            result = prom.query(_grafana(errors, "failing", ns))["result"]
             return any(r["metric"] == {"kind": "api"} and float(r["value"][1]) > 0 for r in result)
 
         wait_for(api_errors, 60, 0.25, what=f"{errors} to show kind api above 0")
