@@ -19,12 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kelastic import contract
-from kelastic._control import ProtocolError, parse_message
+from kelastic._control import ProtocolError, encode_message, parse_message
 from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic.errors import parse_error_data
 from kelastic_operator.rendezvous_store import view_from_keys
 from kelastic_sidecar.control import ControlProtocolError, parse_launcher_message
 from kelastic_sidecar.etcd_backend import decode_envelope, encode_envelope
@@ -333,3 +334,18 @@ def test_fuzz_fifo_stream_into_the_timer_table(
                 server._handle_line(line, oversized)
     server._expire(time.time())
     assert server.active_timers() <= 8 + 4
+
+
+@FUZZ
+@given(data=json_values, timestamp=json_values)
+@example(data="x", timestamp=1e300)
+@example(data="x", timestamp=10**30)
+@example(data="x", timestamp="9" * 300)
+def test_fuzz_a_workers_error_file_never_stops_its_exit_report(data: Any, timestamp: Any) -> None:
+    """Whatever a worker wrote as its error file, the launcher's "exited" message built
+    from it is accepted by the sidecar (else the exit would go unreported)."""
+    doc = {"message": {"message": data, "extraInfo": {"timestamp": timestamp}}}
+    for value in (data, doc, {"message": "x", "timestamp": timestamp}):
+        error = parse_error_data(value)
+        message = {**EXITED, "error": error, "tail": ["a", "b"]}
+        assert parse_launcher_message(encode_message(message).rstrip(b"\n"))["error"] == error

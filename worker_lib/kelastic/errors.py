@@ -152,16 +152,19 @@ def record(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def _parse_timestamp(value: object) -> int | None:
-    """torch writes ``str(int(time.time()))``; accept ints, floats and numeric strings."""
+    """torch writes ``str(int(time.time()))``; accept ints, floats and numeric strings.
+
+    None beyond 0..2**53 seconds: the timestamp travels on in the launcher's control
+    messages, whose reader refuses integers of more than 19 digits."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
+        return value if 0 <= value <= 2**53 else None
     if isinstance(value, float):
-        return int(value) if value == value and abs(value) != float("inf") else None
+        return int(value) if 0 <= value <= 2**53 else None  # NaN compares False
     if isinstance(value, str):
         try:
-            return int(value.strip())
+            return _parse_timestamp(int(value.strip()))
         except ValueError:
             try:
                 return _parse_timestamp(float(value))
