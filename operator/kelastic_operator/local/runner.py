@@ -222,6 +222,8 @@ class LocalRunner:
                     + (", ".join(self.spec.warm_start.preload) or "nothing")
                 )
             for _ in range(self.replicas):
+                if self._interrupted:  # Ctrl-C while starting: start nothing more
+                    break
                 self.add_replica()
             injector = FaultInjector(
                 self.opts.faults, self._launcher_pids, self._training, self._attempts, self.say
