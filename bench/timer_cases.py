@@ -345,11 +345,12 @@ def _fork_client(fifo: str, go_r: int, out_w: int, duration: float) -> int:
 _FLOOD_HANG_AFTER = 0.2
 
 
-def _fork_flood_hang(fifo: str, max_wait: float) -> tuple[int, int]:
+def _fork_flood_hang(fifo: str, max_wait: float, report_w: int) -> tuple[int, int]:
     """Fork a child that reads its deadline from a pipe, acquires a timer for it with
     torch's client ``_FLOOD_HANG_AFTER`` s before (retrying while the pipe is full, as
-    a worker that wants its hang covered would), then hangs. Exit 5: the acquire never
-    got through before the deadline. Returns ``(pid, write end of the pipe)``."""
+    a worker that wants its hang covered would), writes to ``report_w`` how many of its
+    attempts raised ``BlockingIOError``, then hangs. Exit 5: the acquire never got
+    through before the deadline. Returns ``(pid, write end of the pipe)``."""
     _, client_cls = _torch_timer()
     r, w = os.pipe()
     pid = os.fork()
@@ -363,14 +364,17 @@ def _fork_flood_hang(fifo: str, max_wait: float) -> tuple[int, int]:
         client = client_cls(fifo)
         deadline = float(os.read(r, 64).decode())
         time.sleep(max(0.0, deadline - _FLOOD_HANG_AFTER - time.time()))
+        refused = 0
         while True:
             try:
                 client.acquire("flood_hang", deadline)
                 break
             except BlockingIOError:
+                refused += 1
                 if time.time() > deadline:
                     code = 5
                     raise
+        os.write(report_w, f"{refused}\n".encode())
         while True:
             time.sleep(3600)
     except BaseException:
@@ -383,10 +387,18 @@ class _HangWatch:
     """Hung children armed during a flood: when each died after its deadline."""
 
     def __init__(self, server: _Server, impl: str, count: int, max_wait: float) -> None:
-        self.children = [_fork_flood_hang(server.fifo, max_wait) for _ in range(count)]
+        self._report_r, report_w = os.pipe()
+        os.set_blocking(self._report_r, False)
+        try:
+            self.children = [
+                _fork_flood_hang(server.fifo, max_wait, report_w) for _ in range(count)
+            ]
+        finally:
+            os.close(report_w)
         if impl.startswith("kelastic"):
             server.command("watch " + " ".join(str(pid) for pid, _ in self.children))
         self.latencies: list[float] = []
+        self.refused: list[int] = []
         self.deadlines: dict[int, float] = {}
         self.failed = 0
         self._max_wait = max_wait
@@ -428,11 +440,18 @@ class _HangWatch:
             os.close(fd)
 
     def join(self) -> None:
-        """Wait for the children's fate; a child not reaped in time is killed and counted."""
+        """Wait for the children's fate; a child not reaped in time is killed and counted.
+        Then :attr:`refused` holds each child's ``BlockingIOError`` count."""
         if self._thread is not None:
             self._thread.join()
         else:
             kill_pids([pid for pid, _ in self.children])
+        data = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(self._report_r, 4096):
+                data += chunk
+        os.close(self._report_r)
+        self.refused = [int(x) for x in data.split()]
 
 
 def _throughput_once(
@@ -493,6 +512,7 @@ def _throughput_once(
             (kills[pid] - t) * 1000 for pid, t in hang.deadlines.items() if pid in kills
         ],
         "hang_failed": hang.failed,
+        "hang_refused": hang.refused,
     }
 
 
@@ -561,6 +581,7 @@ def _bulk_flood_once(
             (kills[pid] - t) * 1000 for pid, t in hang.deadlines.items() if pid in kills
         ],
         "hang_failed": hang.failed,
+        "hang_refused": hang.refused,
     }
 
 
@@ -577,6 +598,13 @@ def _bulk_rows(result: CaseResult, sides: list[tuple[str, str, float | None, boo
                 Row("timer_throughput", f"{group} {what}", side, "ms", samples, ref=ref,
                     note=note if what == "hung child dead" else "")
             )  # fmt: skip
+            if what == "kill sent":
+                result.rows.append(
+                    Row("timer_throughput",
+                        f"{writers} hostile writers: BlockingIOError before a torch "
+                        "client's acquire got through", side, "errors",
+                        [x for r in runs[side] for x in r["hang_refused"]], ref=ref)
+                )  # fmt: skip
             if side == "kelastic TimerServer":
                 p99 = percentile(samples, 99) if samples else float("inf")
                 result.checks.append(
