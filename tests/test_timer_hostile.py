@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kelastic.contract import KELASTIC_TIMER_TOKEN
+from kelastic_sidecar import timer_server
 from kelastic_sidecar.control import ControlServer
 from kelastic_sidecar.timer_server import ReapEvent, TimerServer
 from kelastic_sidecar.timer_wire import ipc_access
@@ -296,6 +297,45 @@ def test_a_hang_armed_behind_a_flood_is_acted_on_before_the_flood_is_parsed(
         wait_for(lambda: 4_000_002 in seen, 30, what="the hang signalled")
         assert seen[4_000_002] < 4000, seen  # before: 8002
         wait_for(lambda: server.stats().requests == 8002, 30, what="the rest of the flood")
+    finally:
+        hold.set()
+        server.stop()
+
+
+def test_a_watched_pids_requests_keep_their_order_when_some_are_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watched pid's lines jump the queue only when none of its own are queued: its
+    release must not be applied before its acquire (a stale timer would kill it)."""
+    monkeypatch.setattr(timer_server, "WATCHED_PER_TURN", 4)  # small turns: one read each
+    monkeypatch.setattr(timer_server, "READ_PER_TURN", 65536)
+    monkeypatch.setattr(timer_server, "LINES_PER_TURN", 16)
+    fifo = tmp_path / "timer.fifo"
+    hold, held = threading.Event(), threading.Event()
+
+    def on_reap(event: ReapEvent) -> None:
+        held.set()
+        hold.wait(30)
+
+    server = TimerServer(fifo, on_reap=on_reap, kill=lambda p, s: None)
+    server.start()
+    try:
+        a, w = 4_000_001, 4_000_002
+        server.watch_pid(a)
+        server.watch_pid(w)
+        raw_write(fifo, request(a, "first", time.time() - 1))
+        wait_for(held.is_set, 30, what="the server held in on_reap")
+        far = time.time() + 3600
+        stream = [request(300_000 + n, "filler", far) for n in range(100)]
+        stream += [request(w, f"burn{n}", -1, 0) for n in range(10)]  # its fast budget
+        stream += [request(w, "s", far)]  # queued: the budget is spent
+        stream += [request(400_000 + n, "filler", far) for n in range(700)]  # > 64 KiB
+        stream += [request(w, "s", -1, 0)]  # read a turn later: must wait behind "s"
+        _fill(fifo, stream)
+        hold.set()
+        wait_for(lambda: server.stats().requests == 1 + len(stream), 30, what="all read")
+        assert server.stats().released == 1
+        assert (w, "s") not in server._timers  # released after it was acquired
     finally:
         hold.set()
         server.stop()

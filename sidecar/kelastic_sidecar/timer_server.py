@@ -201,6 +201,33 @@ class _Watch:
     proven: bool = False  # the worker sent its token: tokenless requests are refused
 
 
+class _Backlog:
+    """Lines read but not yet applied, in order, with how many of each pid are queued."""
+
+    def __init__(self) -> None:
+        self._lines: collections.deque[tuple[bytes, bool, int | None]] = collections.deque()
+        self._pids: collections.Counter[int | None] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def holds(self, pid: int | None) -> bool:
+        """Whether a line naming ``pid`` (:func:`~.timer_wire.pid_hint`) is queued. A
+        request glued after garbage is named too (the hint searches the whole line)."""
+        return bool(self._pids[pid])
+
+    def push(self, line: bytes, oversized: bool, pid: int | None) -> None:
+        self._lines.append((line, oversized, pid))
+        self._pids[pid] += 1
+
+    def pop(self) -> tuple[bytes, bool]:
+        line, oversized, pid = self._lines.popleft()
+        self._pids[pid] -= 1
+        if not self._pids[pid]:
+            del self._pids[pid]
+        return line, oversized
+
+
 def _same_token(a: str, b: str) -> bool:
     """Constant-time comparison (``compare_digest`` refuses non-ASCII ``str``)."""
     return hmac.compare_digest(
@@ -440,7 +467,7 @@ class TimerServer:
         poller.register(rfd, select.POLLIN)
         poller.register(wake_r, select.POLLIN)
         lines = LineSplitter()
-        backlog: collections.deque[tuple[bytes, bool]] = collections.deque()
+        backlog = _Backlog()
         try:
             while not stopping.is_set():
                 try:
@@ -458,7 +485,7 @@ class TimerServer:
         rfd: int,
         wake_r: int,
         lines: LineSplitter,
-        backlog: collections.deque[tuple[bytes, bool]],
+        backlog: _Backlog,
     ) -> None:
         """One loop turn: act on due deadlines, then read and apply a bounded amount."""
         self._reap_due()
@@ -471,16 +498,16 @@ class TimerServer:
         if backlog:
             with self._lock:
                 for _ in range(min(LINES_PER_TURN, len(backlog))):
-                    self._handle_line(*backlog.popleft())
+                    self._handle_line(*backlog.pop())
         else:
             self._sleep_to_deadline()  # when a deadline is under FINE_SLEEP away
 
-    def _read(
-        self, rfd: int, lines: LineSplitter, backlog: collections.deque[tuple[bytes, bool]]
-    ) -> None:
+    def _read(self, rfd: int, lines: LineSplitter, backlog: _Backlog) -> None:
         """Read up to :data:`READ_PER_TURN` bytes. While nothing is queued, apply up to
         :data:`LINES_PER_TURN` lines in order; then apply watched pids' lines at once
-        (up to :data:`WATCHED_PER_TURN`) and queue the others."""
+        (up to :data:`WATCHED_PER_TURN` while the queue has room, all when it is full)
+        unless an earlier line of the same pid is queued (the order of a pid's requests
+        is kept), and queue the others; shed unwatched pids' lines when the queue is full."""
         watched_budget, direct_budget = WATCHED_PER_TURN, LINES_PER_TURN
         for _ in range(READ_PER_TURN // _READ_SIZE):
             try:
@@ -494,11 +521,14 @@ class TimerServer:
                         self._handle_line(line, oversized)
                         continue
                     pid = None if oversized else pid_hint(line)
-                    if watched_budget > 0 and pid in self._watched:
+                    full = len(backlog) >= MAX_BACKLOG
+                    fast = watched_budget > 0 or full
+                    if pid in self._watched and fast and not backlog.holds(pid):
                         watched_budget -= 1
                         self._handle_line(line, oversized)
-                    elif len(backlog) < MAX_BACKLOG:
-                        backlog.append((line, oversized))
+                        continue
+                    if not full or pid in self._watched:
+                        backlog.push(line, oversized, pid)
                     else:
                         self._shed(pid)
             if len(data) < _READ_SIZE:
