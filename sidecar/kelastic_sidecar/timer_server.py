@@ -36,9 +36,11 @@ Differences from torch, each for a reason:
   fills only the pool (acquires beyond it are dropped and counted in
   ``dropped_unwatched``): it can never crowd out a watched worker's timers.
 - Fairness under a flood: each loop turn first acts on the deadlines that are due, then
-  reads at most :data:`READ_PER_TURN` bytes, applies the lines of watched pids at once
-  (found by :func:`~.timer_wire.pid_hint`, then parsed as usual) and queues the others,
-  of which it applies at most :data:`LINES_PER_TURN`. The queue holds at most
+  reads at most :data:`READ_PER_TURN` bytes; while it keeps up it applies lines in
+  order, else it applies the lines of watched pids at once (found by
+  :func:`~.timer_wire.pid_hint`, then parsed as usual; a pid with a line still queued
+  waits behind it, so its requests keep their order) and queues the others, of which it
+  applies at most :data:`LINES_PER_TURN` per turn. The queue holds at most
   :data:`MAX_BACKLOG` lines; beyond, lines of unwatched pids are shed (counted in
   ``shed``), so the pipe keeps draining and a watched worker's request is never stuck
   behind a flood. A pid whose line was shed loses the timers it acquired before it was
