@@ -339,3 +339,24 @@ def test_a_watched_pids_requests_keep_their_order_when_some_are_queued(
     finally:
         hold.set()
         server.stop()
+
+
+def test_drops_and_corrupt_values_are_exported_as_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from kelastic_sidecar.metrics import SidecarMetrics
+    from kelastic_sidecar.timer_server import TimerStats
+
+    stats = TimerStats(dropped_capacity=5, dropped_unwatched=3, forged=2, shed=7)
+    metrics = SidecarMetrics(lambda: stats)
+    metrics.corrupt_values.labels(source="rdzv_state").inc()
+    text = generate_latest(metrics.registry).decode()
+    for line in (
+        'kelastic_timer_requests_dropped_total{reason="unwatched"} 3.0',
+        'kelastic_timer_requests_dropped_total{reason="capacity"} 2.0',
+        'kelastic_timer_requests_dropped_total{reason="forged"} 2.0',
+        'kelastic_timer_requests_dropped_total{reason="shed"} 7.0',
+        'kelastic_corrupt_values_total{source="rdzv_state"} 1.0',
+        'kelastic_corrupt_values_total{source="restart_record"} 0.0',
+    ):
+        assert line in text, text
