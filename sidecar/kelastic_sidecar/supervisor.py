@@ -321,6 +321,7 @@ class Supervisor:
                 self._report("failed", "trainer container (launcher) disconnected")
                 return EXIT_FAILED
             self._down_since = time.time()
+            pids = dict(self._pids)  # _stop_workers forgets them; a stopped one is named below
             self._stop_workers(end.reason or (end.failure.summary() if end.failure else ""))
             if end.kind == "failed" and end.failure is not None:
                 end = _RoundEnd("failed", self._blame_lost_peer(info, end.failure))
@@ -335,7 +336,7 @@ class Supervisor:
                 self._down_cause = end.reason or CAUSE_PEER
                 self.metrics.restarts.labels(cause=self._down_cause).inc()
                 log.info("round %d: restarting the worker group (%s)", info.round, end.reason)
-                stopped = self._stopped_failure(info)
+                stopped = self._stopped_failure(info, pids)
                 if stopped is not None:  # a peer restarted first, but it was waiting on ours
                     self._last_failure = stopped
                     log.error("round %d: %s", info.round, stopped.summary())
@@ -554,13 +555,20 @@ class Supervisor:
         log.warning("round %d: %s; it explains %s", info.round, lost.summary(), failure.summary())
         return replace(lost, message=f"{lost.message}; then {failure.summary()}")
 
-    def _stopped_failure(self, info: RendezvousInfo) -> Failure | None:
+    def _stopped_failure(
+        self, info: RendezvousInfo, pids: dict[int, int] | None = None
+    ) -> Failure | None:
         """The hang of a worker of this attempt that was reaped while stopped, if any.
 
         Its peers' timers expire too while they wait for it in a collective, so it is
         the root cause of the round's hangs, whichever exit is reported first.
+
+        Args:
+            info: the round.
+            pids: local rank -> pid of the attempt's workers (default: the current ones;
+                a peer's restart can stop ours before their exits are reported).
         """
-        for local_rank, pid in sorted(self._pids.items()):
+        for local_rank, pid in sorted((self._pids if pids is None else pids).items()):
             reap = self._reaped.get(pid)
             if reap is not None and reap.state in ("T", "t"):
                 return Failure(
