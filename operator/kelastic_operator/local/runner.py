@@ -529,7 +529,10 @@ class LocalRunner:
             since = self._seen.setdefault("spent_at", time.monotonic())
             moved_on = rnd is not None and rnd != self._seen["round"]
             if each or moved_on or time.monotonic() - since >= 1.0:
-                self.say(f"restart {spent}/{self.spec.max_restarts}: {root_cause(failures)}")
+                top = self.spec.max_restarts
+                # The failure past the budget is no restart: it fails the job.
+                what = f"restart {spent}/{top}" if spent <= top else f"restart budget ({top}) spent"
+                self.say(f"{what}: {root_cause(failures)}")
                 self._seen["spent"] = spent
                 del self._seen["spent_at"]
         if rnd is not None and rnd != self._seen["round"]:
