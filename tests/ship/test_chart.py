@@ -325,12 +325,19 @@ def test_the_schema_rejects_bad_values() -> None:
         "etcd.bundled=false",
         "nope=1",
         "operator.logLevel=LOUD",
+        "operator.peering=kelastic",  # kopf peering's values are gone: leaderElection
+        "operator.leaderElection.renewDeadlineSeconds=0",
     ):
         result = helm("template", "kelastic", str(CHART), "--set", bad, check=False)
         assert result.returncode != 0, f"{bad} was accepted"
         assert "schema" in result.stderr.lower() or "values don't meet" in result.stderr, (
             result.stderr
         )
+    # what the schema cannot say: the operator's leader-election timing must be ordered
+    late = "operator.leaderElection.renewDeadlineSeconds=12"  # > the lease duration (10)
+    result = helm("template", "kelastic", str(CHART), "--set", late, check=False)
+    assert result.returncode != 0, result.stdout[-500:]
+    assert "retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds" in result.stderr
 
 
 def test_the_dashboard_and_rules_ship_in_the_chart() -> None:

@@ -116,8 +116,12 @@ def test_the_charts_operator_runs_the_digits_job(
             with KopfThread(account, registry, namespaces=args.namespace):
                 k8s.claim("digits-checkpoints")
                 k8s.kubectl("apply", "-f", str(DIGITS))
-                wait_until(lambda: _status(k8s).get("worldSize") == 4, T, 0.5,
-                           what="world size 4")  # fmt: skip
+                try:
+                    wait_until(lambda: _status(k8s).get("worldSize") == 4, T, 0.5,
+                               what="world size 4")  # fmt: skip
+                except AssertionError as exc:  # say why: the job's Events (FailedCreate...)
+                    events = k8s.kubectl("get", "events", "--sort-by=.lastTimestamp").stdout
+                    raise AssertionError(f"{exc}\n{events[-3000:]}") from None
                 pods = [p for p in k8s.objects("pods")
                         if p["metadata"]["name"].startswith("digits-")]  # fmt: skip
                 assert len(pods) == 2
