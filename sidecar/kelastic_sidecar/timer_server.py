@@ -66,7 +66,6 @@ Differences from torch, each for a reason:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -88,7 +87,7 @@ from .memory_release import release_memory
 from .timer_wire import MAX_LINE as MAX_LINE
 from .timer_wire import MAX_PID as MAX_PID
 from .timer_wire import MAX_SIGNAL as MAX_SIGNAL
-from .timer_wire import LineSplitter, _salvage, fifo_mode, ipc_access, pid_hint
+from .timer_wire import Backlog, LineSplitter, _salvage, fifo_mode, ipc_access, pid_hint
 from .timer_wire import _BadRequest as _BadRequest
 from .timer_wire import _parse as _parse
 from .timer_wire import _Request as _Request
@@ -201,33 +200,6 @@ class _Timer(NamedTuple):
 class _Watch:
     token: str | None  # the worker's token; None: not checked
     proven: bool = False  # the worker sent its token: tokenless requests are refused
-
-
-class _Backlog:
-    """Lines read but not yet applied, in order, with how many of each pid are queued."""
-
-    def __init__(self) -> None:
-        self._lines: collections.deque[tuple[bytes, bool, int | None]] = collections.deque()
-        self._pids: collections.Counter[int | None] = collections.Counter()
-
-    def __len__(self) -> int:
-        return len(self._lines)
-
-    def holds(self, pid: int | None) -> bool:
-        """Whether a line naming ``pid`` (:func:`~.timer_wire.pid_hint`) is queued. A
-        request glued after garbage is named too (the hint searches the whole line)."""
-        return bool(self._pids[pid])
-
-    def push(self, line: bytes, oversized: bool, pid: int | None) -> None:
-        self._lines.append((line, oversized, pid))
-        self._pids[pid] += 1
-
-    def pop(self) -> tuple[bytes, bool]:
-        line, oversized, pid = self._lines.popleft()
-        self._pids[pid] -= 1
-        if not self._pids[pid]:
-            del self._pids[pid]
-        return line, oversized
 
 
 def _same_token(a: str, b: str) -> bool:
@@ -469,7 +441,7 @@ class TimerServer:
         poller.register(rfd, select.POLLIN)
         poller.register(wake_r, select.POLLIN)
         lines = LineSplitter()
-        backlog = _Backlog()
+        backlog = Backlog()
         try:
             while not stopping.is_set():
                 try:
@@ -487,7 +459,7 @@ class TimerServer:
         rfd: int,
         wake_r: int,
         lines: LineSplitter,
-        backlog: _Backlog,
+        backlog: Backlog,
     ) -> None:
         """One loop turn: act on due deadlines, then read and apply a bounded amount."""
         self._reap_due()
@@ -504,7 +476,7 @@ class TimerServer:
         else:
             self._sleep_to_deadline()  # when a deadline is under FINE_SLEEP away
 
-    def _read(self, rfd: int, lines: LineSplitter, backlog: _Backlog) -> None:
+    def _read(self, rfd: int, lines: LineSplitter, backlog: Backlog) -> None:
         """Read up to :data:`READ_PER_TURN` bytes. While nothing is queued, apply up to
         :data:`LINES_PER_TURN` lines in order; then apply watched pids' lines at once
         (up to :data:`WATCHED_PER_TURN` while the queue has room, all when it is full)

@@ -15,6 +15,7 @@ Who may write the FIFO (and connect to the control socket) is set by
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_PID",
     "MAX_SIGNAL",
     "MAX_TOKEN_LEN",
+    "Backlog",
     "LineSplitter",
     "fifo_mode",
     "ipc_access",
@@ -203,3 +205,37 @@ class LineSplitter:
             self._overflow = True
             del self._buf[:-MAX_LINE]
         return out
+
+
+class Backlog:
+    """Lines read from the FIFO but not yet applied, in order, with how many lines
+    naming each pid (:func:`pid_hint`) are queued. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._lines: collections.deque[tuple[bytes, bool, int | None]] = collections.deque()
+        self._pids: collections.Counter[int | None] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def holds(self, pid: int | None) -> bool:
+        """Whether a line naming ``pid`` (:func:`pid_hint`) is queued. A
+        request glued after garbage is named too (the hint searches the whole line)."""
+        return bool(self._pids[pid])
+
+    def push(self, line: bytes, oversized: bool, pid: int | None) -> None:
+        """Queue ``line`` (``oversized`` as :class:`LineSplitter` said), naming ``pid``."""
+        self._lines.append((line, oversized, pid))
+        self._pids[pid] += 1
+
+    def pop(self) -> tuple[bytes, bool]:
+        """The oldest ``(line, oversized)``.
+
+        Raises:
+            IndexError: nothing is queued.
+        """
+        line, oversized, pid = self._lines.popleft()
+        self._pids[pid] -= 1
+        if not self._pids[pid]:
+            del self._pids[pid]
+        return line, oversized
