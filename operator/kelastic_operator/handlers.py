@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -57,6 +58,7 @@ from .reconcile import (
 )
 from .rendezvous_store import RendezvousStore, RendezvousStoreError, StoreCache
 from .status import event_body, status_patch
+from .watch_cache import WatchCache
 
 PLURAL = "elasticjobs"
 log = logging.getLogger("kelastic_operator")
@@ -81,6 +83,8 @@ class OperatorContext:
         clock: the time source (tests may fix it).
         metrics: the operator's metrics.
         instance: this operator's name (``reportingInstance`` of its Events).
+        cache: the jobs and Pods the watch streams reported (a pass reads the API only
+            for what it does not know: an idle job costs no API request).
         fence: whether this replica may act now (the leader election's
             :meth:`~kelastic_operator.leader.LeaseElector.is_leader`); a pass that finds it
             false writes nothing.
@@ -95,6 +99,7 @@ class OperatorContext:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     instance: str = ""
     fence: Callable[[], bool] = lambda: True
+    cache: WatchCache = field(default_factory=WatchCache)
     _wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     _etcd_cleanup_failures: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -119,6 +124,10 @@ class JobReconciler:
         self.custom = client.CustomObjectsApi(ctx.api)
 
     def _get_job(self) -> dict[str, Any] | None:
+        """The job as the watch last told it; read from the API when not known yet."""
+        cached = self.ctx.cache.job(self.namespace, self.name)
+        if cached is not None:
+            return cached
         try:
             obj = cast(
                 "dict[str, Any]",
@@ -130,12 +139,21 @@ class JobReconciler:
             if exc.status == 404:
                 return None
             raise
+        self.ctx.cache.put_job(obj)
         return obj
 
     def _pods(self, uid: str, trainer: str) -> list[PodView]:
-        listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector(self.name))
+        """The job's Pods as the watch told them; listed from the API when never listed
+        or when the cache's relist is due."""
+        pods = self.ctx.cache.pods(self.namespace, self.name)
+        if pods is None:
+            listed = self.core.list_namespaced_pod(
+                self.namespace, label_selector=selector(self.name)
+            )
+            pods = self.ctx.api.sanitize_for_serialization(listed.items)  # type: ignore[no-untyped-call]
+            self.ctx.cache.replace_pods(self.namespace, self.name, pods)
         views = []
-        for pod in self.ctx.api.sanitize_for_serialization(listed.items):  # type: ignore[no-untyped-call]
+        for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             view = pod_view(self.name, pod, trainer)
             if view is None:
@@ -223,9 +241,15 @@ class JobReconciler:
         if plan.status_changed:
             body = status_patch(old, plan.status)
             body["metadata"] = {"resourceVersion": obj["metadata"]["resourceVersion"]}
-            self.custom.patch_namespaced_custom_object_status(
-                API_GROUP, API_VERSION, self.namespace, PLURAL, self.name, body
-            )
+            try:
+                written = self.custom.patch_namespaced_custom_object_status(
+                    API_GROUP, API_VERSION, self.namespace, PLURAL, self.name, body
+                )
+            except ApiException as exc:
+                if exc.status == 409:  # the job as known is stale: read it again next time
+                    self.ctx.cache.drop_job_body(self.namespace, self.name)
+                raise
+            self.ctx.cache.put_job(cast("dict[str, Any]", written))
         if plan.depart_nodes and store is not None:
             try:
                 store.mark_departing(prefix, plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN)
@@ -257,8 +281,13 @@ class JobReconciler:
                 plan.events.append(Event("Warning", "FailedCreate", str(exc)))
                 break
             try:
-                self.core.create_namespaced_pod(self.namespace, cast(Any, pod))
+                created = self.core.create_namespaced_pod(self.namespace, cast(Any, pod))
                 self.ctx.metrics.pods_created.inc()
+                self.ctx.cache.put_pod(
+                    self.namespace,
+                    self.name,
+                    self.ctx.api.sanitize_for_serialization(created),  # type: ignore[no-untyped-call]
+                )
             except ApiException as exc:
                 if exc.status == 409:  # already there (an earlier pass or a stale pod)
                     continue
@@ -392,12 +421,31 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
                 await asyncio.wait_for(wake.wait(), timeout=max(timeout, 0.05))
 
     @kopf.on.event(API_GROUP, API_VERSION, PLURAL, registry=registry)
-    async def job_changed(name: str, namespace: str | None, **_: Any) -> None:
-        ctx.wakeup(namespace or "default", name).set()
+    async def job_changed(
+        name: str, namespace: str | None, type: str | None, body: kopf.Body, **_: Any
+    ) -> None:
+        namespace = namespace or "default"
+        if type == "DELETED":
+            ctx.cache.drop_job(namespace, name)
+        else:
+            ctx.cache.put_job(copy.deepcopy(dict(body)))
+        ctx.wakeup(namespace, name).set()
 
     @kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)
-    async def pod_changed(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-        ctx.wakeup(namespace or "default", str(labels[LABEL_JOB])).set()
+    async def pod_changed(
+        labels: Mapping[str, str],
+        namespace: str | None,
+        type: str | None,
+        body: kopf.Body,
+        **_: Any,
+    ) -> None:
+        namespace, job = namespace or "default", str(labels[LABEL_JOB])
+        if type == "DELETED":
+            meta = body.get("metadata") or {}
+            ctx.cache.drop_pod(namespace, job, str(meta.get("name")), meta.get("uid"))
+        else:
+            ctx.cache.put_pod(namespace, job, copy.deepcopy(dict(body)))
+        ctx.wakeup(namespace, job).set()
 
     @kopf.on.delete(API_GROUP, API_VERSION, PLURAL, registry=registry)
     async def job_deleted(name: str, namespace: str | None, body: kopf.Body, **_: Any) -> None:

@@ -224,14 +224,20 @@ class ControlPlane:
     Args:
         workdir: certificates, kubeconfigs, data and each component's log.
         bin_dir: the binaries (:func:`control_plane_bin` by default).
+        audit_users: users whose every request the API server writes to
+            ``workdir/audit.log`` (one JSON event per request, at ``ResponseComplete``;
+            :meth:`audited_requests` counts them).
 
     ``start()`` raises :class:`ClusterUnavailable` when a component does not come up (its
     log's tail in the message). ``startup_seconds`` is how long start-up took.
     """
 
-    def __init__(self, workdir: Path, bin_dir: Path | None = None) -> None:
+    def __init__(
+        self, workdir: Path, bin_dir: Path | None = None, audit_users: tuple[str, ...] = ()
+    ) -> None:
         self.workdir = Path(workdir)
         self.bin_dir = bin_dir
+        self.audit_users = audit_users
         self.port = 0
         self.etcd: EmbeddedEtcd | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -256,7 +262,7 @@ class ControlPlane:
 
     def start(self) -> ControlPlane:
         started = time.monotonic()
-        bin_dir = self.bin_dir or control_plane_bin()
+        bin_dir = self.bin_dir = self.bin_dir or control_plane_bin()
         self.workdir.mkdir(parents=True, exist_ok=True)
         ca = CertAuthority(self.pki)
         serving = ca.issue(
@@ -267,7 +273,8 @@ class ControlPlane:
         )  # fmt: skip
         admin = ca.issue("admin", "kelastic-admin", "system:masters")
         sa = signing_key_pair(self.pki, "service-account")
-        self.etcd = EmbeddedEtcd(log_path=self.workdir / "etcd.log").start()
+        self.etcd = EmbeddedEtcd(log_path=self.workdir / "etcd.log", binary=bin_dir / "etcd")
+        self.etcd.start()
         self.port = free_port()
         self._ssl = ssl.create_default_context(cafile=str(ca.cert))
         self._ssl.load_cert_chain(str(admin.cert), str(admin.key))
@@ -285,6 +292,7 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true", "--profiling=false",
             "--endpoint-reconciler-type=none",
+            *self._audit_flags(),
         ])  # fmt: skip
         try:
             wait_until(self._ready, 90, 0.1, what="kube-apiserver /readyz")
@@ -344,6 +352,32 @@ class ControlPlane:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+    def _audit_flags(self) -> list[str]:
+        if not self.audit_users:
+            return []
+        policy = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+                  "omitStages": ["RequestReceived", "ResponseStarted"],
+                  "rules": [{"level": "Metadata", "users": list(self.audit_users)},
+                            {"level": "None"}]}  # fmt: skip
+        path = self.workdir / "audit-policy.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        return [f"--audit-policy-file={path}", f"--audit-log-path={self.workdir / 'audit.log'}",
+                "--audit-log-mode=batch", "--audit-log-batch-max-wait=1s"]  # fmt: skip
+
+    def audited_requests(self) -> list[Obj]:
+        """The audit events written so far (``audit_users``' requests), oldest first."""
+        try:
+            lines = (self.workdir / "audit.log").read_text().splitlines()
+        except OSError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        """Start another binary of the control plane's folder (e.g. ``kwok``) as a
+        component: logged to ``workdir/<name>.log``, stopped with the rest."""
+        self._spawn(self.bin_dir or control_plane_bin(), name, args)
+        return self.procs[name]
 
     def _spawn(self, bin_dir: Path, name: str, args: list[str]) -> None:
         with open(self.workdir / f"{name}.log", "ab") as log:

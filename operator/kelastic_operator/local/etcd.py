@@ -79,7 +79,9 @@ class EmbeddedEtcd:
         fast: bool = True,
         log_path: Path | None = None,
         die_with_parent: bool = False,
+        binary: Path | None = None,
     ) -> None:
+        self.binary = binary
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kelastic-etcd-"))
         self.fast = fast
@@ -110,7 +112,7 @@ class EmbeddedEtcd:
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
-            str(etcd_binary()),
+            str(self.binary or etcd_binary()),
             "--name", "kelastic-local",
             "--data-dir", str(self.data_dir / "data"),
             "--listen-client-urls", client,

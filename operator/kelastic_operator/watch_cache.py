@@ -1,0 +1,132 @@
+"""What the operator's watch streams say: each ElasticJob and its Pods, kept in memory.
+
+kopf's event handlers feed it (every ADDED/MODIFIED/DELETED of a job or of a Pod labelled
+with a job name), and so do the operator's own writes (the object the API returns), so a
+reconcile pass reads the API only when its job is not known yet or when a relist is due:
+an idle job costs no API request, as client-go's informers do for built-in controllers.
+
+The relist (:meth:`WatchCache.due_for_relist`) heals what a watch cannot tell: a Pod deleted
+while a watch was reconnecting and whose DELETED event was never delivered.
+
+Objects are JSON dicts as the API returns them. Thread-safe: kopf's handlers run on its
+event loop, reconcile passes in worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+Obj = dict[str, Any]
+Key = tuple[str, str]
+
+
+def _rv(obj: Obj) -> int | None:
+    """The resourceVersion as an integer, None when it is not one (it is opaque: only
+    compared when both sides parse)."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or "")
+    except ValueError:
+        return None
+
+
+class WatchCache:
+    """Jobs by ``(namespace, name)`` and their Pods by ``(namespace, job name)``.
+
+    Args:
+        relist_seconds: how long a job's Pods are trusted before a pass lists them again
+            (a watch that resumes replays every event, DELETED included; only a watch that
+            had to start over after ``410 Gone`` can have missed one).
+        clock: monotonic seconds (tests may pass their own).
+    """
+
+    def __init__(
+        self, relist_seconds: float = 1800.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.relist_seconds = relist_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[Key, Obj] = {}
+        self._pods: dict[Key, dict[str, Obj]] = {}
+        self._listed: dict[Key, float] = {}
+
+    # --- jobs -----------------------------------------------------------------------------
+
+    def job(self, namespace: str, name: str) -> Obj | None:
+        """The newest known body of a job, None when unknown."""
+        with self._lock:
+            return self._jobs.get((namespace, name))
+
+    def put_job(self, obj: Obj) -> None:
+        """Record a job's body unless a newer one is known."""
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace") or "default"), str(meta.get("name")))
+        with self._lock:
+            if self._newer_known(self._jobs.get(key), obj):
+                return
+            self._jobs[key] = obj
+
+    def drop_job_body(self, namespace: str, name: str) -> None:
+        """Forget only a job's body (a write found it stale); its Pods stay known."""
+        with self._lock:
+            self._jobs.pop((namespace, name), None)
+
+    def drop_job(self, namespace: str, name: str) -> None:
+        """Forget a job and its Pods (it is gone)."""
+        with self._lock:
+            self._jobs.pop((namespace, name), None)
+            self._pods.pop((namespace, name), None)
+            self._listed.pop((namespace, name), None)
+
+    # --- pods -----------------------------------------------------------------------------
+
+    def pods(self, namespace: str, job: str) -> list[Obj] | None:
+        """The job's Pods, None when they were never listed or a relist is due."""
+        with self._lock:
+            if self.due_for_relist_locked(namespace, job):
+                return None
+            return list(self._pods.get((namespace, job), {}).values())
+
+    def due_for_relist_locked(self, namespace: str, job: str) -> bool:
+        listed = self._listed.get((namespace, job))
+        return listed is None or self._clock() - listed >= self.relist_seconds
+
+    def replace_pods(self, namespace: str, job: str, pods: list[Obj]) -> None:
+        """A full list of the job's Pods (from the API): it replaces what was known."""
+        with self._lock:
+            current = self._pods.get((namespace, job), {})
+            fresh = {}
+            for pod in pods:
+                name = str(pod["metadata"]["name"])
+                known = current.get(name)
+                fresh[name] = known if self._newer_known(known, pod) and known else pod
+            self._pods[(namespace, job)] = fresh
+            self._listed[(namespace, job)] = self._clock()
+
+    def put_pod(self, namespace: str, job: str, obj: Obj) -> None:
+        """Record a Pod's body (an event or a write's answer) unless a newer one is known."""
+        name = str(obj["metadata"]["name"])
+        with self._lock:
+            pods = self._pods.setdefault((namespace, job), {})
+            if self._newer_known(pods.get(name), obj):
+                return
+            pods[name] = obj
+
+    def drop_pod(self, namespace: str, job: str, name: str, uid: str | None = None) -> None:
+        """Forget a Pod (deleted); with ``uid``, only that incarnation of the name."""
+        with self._lock:
+            pods = self._pods.get((namespace, job), {})
+            known = pods.get(name)
+            if known is not None and (uid is None or known["metadata"].get("uid") == uid):
+                del pods[name]
+
+    @staticmethod
+    def _newer_known(known: Obj | None, obj: Obj) -> bool:
+        if known is None:
+            return False
+        if (known.get("metadata") or {}).get("uid") != (obj.get("metadata") or {}).get("uid"):
+            return False  # another object of the same name: the later report wins
+        old, new = _rv(known), _rv(obj)
+        return old is not None and new is not None and old > new
