@@ -63,7 +63,7 @@ def test_a_node_cut_off_from_etcd_rejoins_when_the_link_is_back(
     assert re.search(r"restart 1/3: node_lost: node on steps-1 \(round 0\)", out), out
     assert run.restarts_charged() == 1, out
     assert "etcd unreachable: etcd at " in out  # the cut node said so while it lasted
-    assert "replacing" not in out and "failed" not in out, out  # no Pod failed
+    assert "replacing" not in out and not re.search(r"steps-\d failed", out), out  # no Pod failed
     starts = [int(m.group(1)) for m in re.finditer(r"from_step=(\d+)", out)]
     assert min(starts[2:]) > 0 and int(ckpt.read_text()) > starts[-1]  # resumed, not redone
     lost = run.time_lost(rank=0)
