@@ -23,6 +23,7 @@ Only the leader acts: a pass applies nothing while :attr:`OperatorContext.fence`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -58,9 +59,15 @@ from .reconcile import (
 )
 from .rendezvous_store import RendezvousStore, RendezvousStoreError, StoreCache
 from .status import event_body, status_patch
-from .watch_cache import WatchCache
+from .watch_cache import WatchCache, slim_pod
 
 PLURAL = "elasticjobs"
+#: Most Pods created at once by one reconcile pass (slow start: 1, 2, 4, ... up to this).
+MAX_CREATE_BATCH = 16
+#: Threads that send the Pod creations and deletions of every job's passes.
+_WRITE_POOL = concurrent.futures.ThreadPoolExecutor(
+    max_workers=MAX_CREATE_BATCH, thread_name_prefix="kelastic-write"
+)
 log = logging.getLogger("kelastic_operator")
 
 
@@ -272,35 +279,60 @@ class JobReconciler:
             except ApiException as exc:
                 if exc.status != 404:
                     raise
-        for create in plan.create:
-            try:
-                pod = build_pod(
-                    self.name, self.namespace, uid, spec, create.index, self.ctx.pod_settings
-                )
-            except PodBuildError as exc:
-                plan.events.append(Event("Warning", "FailedCreate", str(exc)))
-                break
-            try:
-                created = self.core.create_namespaced_pod(self.namespace, cast(Any, pod))
-                self.ctx.metrics.pods_created.inc()
-                self.ctx.cache.put_pod(
-                    self.namespace,
-                    self.name,
-                    self.ctx.api.sanitize_for_serialization(created),  # type: ignore[no-untyped-call]
-                )
-            except ApiException as exc:
-                if exc.status == 409:  # already there (an earlier pass or a stale pod)
-                    continue
-                if exc.status is None or not 400 <= exc.status < 500:
-                    raise
-                # refused (invalid template, quota, admission): say so, as ReplicaSets do
-                plan.events.append(
-                    Event("Warning", "FailedCreate", f"creating pod {create.name}: "
-                          f"{_api_message(exc)}")
-                )  # fmt: skip
-                break
+        try:
+            pods = [
+                build_pod(self.name, self.namespace, uid, spec, c.index, self.ctx.pod_settings)
+                for c in plan.create
+            ]
+        except PodBuildError as exc:
+            plan.events.append(Event("Warning", "FailedCreate", str(exc)))
+            pods = []
+        refused = self._create(pods)
+        if refused is not None:
+            plan.events.append(Event("Warning", "FailedCreate", refused))
         for event in plan.events:
             self._post(event, uid, now)
+
+    def _create(self, pods: list[dict[str, Any]]) -> str | None:
+        """Create ``pods`` in slow-start batches (1, 2, 4, ... up to
+        :data:`MAX_CREATE_BATCH` at once, as the ReplicaSet controller does): a job of many
+        replicas is created quickly, and a refusal (quota, admission, invalid template)
+        stops it after one failed batch instead of one refusal per Pod.
+
+        Returns:
+            The first refusal's message (``creating pod <name>: <why>``), None when none.
+
+        Raises:
+            ApiException: a create failed other than with 409 (already there) or a 4xx.
+        """
+        done, size = 0, 1
+        while done < len(pods):
+            batch = pods[done : done + size]
+            outcomes = list(_WRITE_POOL.map(self._create_one, batch))
+            refusals = [o for o in outcomes if o is not None]
+            if refusals:
+                return refusals[0]
+            done, size = done + len(batch), min(size * 2, MAX_CREATE_BATCH)
+        return None
+
+    def _create_one(self, pod: dict[str, Any]) -> str | None:
+        """Create one Pod; returns a refusal's message, None when created or already there."""
+        try:
+            created = self.core.create_namespaced_pod(self.namespace, cast(Any, pod))
+        except ApiException as exc:
+            if exc.status == 409:  # already there (an earlier pass or a stale pod)
+                return None
+            if exc.status is None or not 400 <= exc.status < 500:
+                raise
+            # refused (invalid template, quota, admission): say so, as ReplicaSets do
+            return f"creating pod {pod['metadata']['name']}: {_api_message(exc)}"
+        self.ctx.metrics.pods_created.inc()
+        self.ctx.cache.put_pod(
+            self.namespace,
+            self.name,
+            self.ctx.api.sanitize_for_serialization(created),  # type: ignore[no-untyped-call]
+        )
+        return None
 
     def _post(self, event: Event, uid: str, now: datetime) -> None:
         body = event_body(event, self.name, self.namespace, uid, now, self.ctx.instance)
@@ -334,20 +366,24 @@ class JobReconciler:
             ApiException: listing or deleting failed other than with 404.
         """
         listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector(self.name))
-        left = []
+        left, running = [], []
         for pod in self.ctx.api.sanitize_for_serialization(listed.items):  # type: ignore[no-untyped-call]
             meta = pod.get("metadata") or {}
             if (meta.get("labels") or {}).get(LABEL_UID, uid) != uid:
                 continue
             left.append(str(meta["name"]))
             if not meta.get("deletionTimestamp"):
-                try:
-                    self.core.delete_namespaced_pod(str(meta["name"]), self.namespace)
-                    self.ctx.metrics.pods_deleted.inc()
-                except ApiException as exc:
-                    if exc.status != 404:
-                        raise
+                running.append(str(meta["name"]))
+        list(_WRITE_POOL.map(self._delete_one, running))
         return left
+
+    def _delete_one(self, name: str) -> None:
+        try:
+            self.core.delete_namespaced_pod(name, self.namespace)
+            self.ctx.metrics.pods_deleted.inc()
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def delete_prefix(self, obj: dict[str, Any]) -> None:
         """Delete the job's etcd prefix (the finalizer's work).
@@ -444,7 +480,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
             meta = body.get("metadata") or {}
             ctx.cache.drop_pod(namespace, job, str(meta.get("name")), meta.get("uid"))
         else:
-            ctx.cache.put_pod(namespace, job, copy.deepcopy(dict(body)))
+            ctx.cache.put_pod(namespace, job, copy.deepcopy(slim_pod(dict(body))))
         ctx.wakeup(namespace, job).set()
 
     @kopf.on.delete(API_GROUP, API_VERSION, PLURAL, registry=registry)

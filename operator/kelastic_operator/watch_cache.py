@@ -23,6 +23,30 @@ Obj = dict[str, Any]
 Key = tuple[str, str]
 
 
+_POD_META = ("name", "namespace", "uid", "resourceVersion", "labels", "creationTimestamp",
+             "deletionTimestamp")  # fmt: skip
+_POD_STATUS = ("phase", "reason", "message", "conditions", "containerStatuses")
+
+
+def slim_pod(pod: Obj) -> Obj:
+    """The part of a Pod that reconciling reads (:func:`~kelastic_operator.reconcile.pod_view`):
+    identity, labels, kelastic's annotations, times, node, phase, conditions and container
+    states. A copy ~10x smaller than the Pod (thousands are kept); nested values are shared
+    with ``pod``, which the caller must not change afterwards."""
+    meta = pod.get("metadata") or {}
+    slim_meta = {k: meta[k] for k in _POD_META if k in meta}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                   if k.startswith("kelastic.dev/")}  # fmt: skip
+    if annotations:
+        slim_meta["annotations"] = annotations
+    status = pod.get("status") or {}
+    out: Obj = {"metadata": slim_meta, "status": {k: status[k] for k in _POD_STATUS if k in status}}
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node:
+        out["spec"] = {"nodeName": node}
+    return out
+
+
 def _rv(obj: Obj) -> int | None:
     """The resourceVersion as an integer, None when it is not one (it is opaque: only
     compared when both sides parse)."""
@@ -98,7 +122,7 @@ class WatchCache:
         with self._lock:
             current = self._pods.get((namespace, job), {})
             fresh = {}
-            for pod in pods:
+            for pod in map(slim_pod, pods):
                 name = str(pod["metadata"]["name"])
                 known = current.get(name)
                 fresh[name] = known if self._newer_known(known, pod) and known else pod
@@ -106,7 +130,9 @@ class WatchCache:
             self._listed[(namespace, job)] = self._clock()
 
     def put_pod(self, namespace: str, job: str, obj: Obj) -> None:
-        """Record a Pod's body (an event or a write's answer) unless a newer one is known."""
+        """Record a Pod (an event or a write's answer; kept as :func:`slim_pod`) unless a
+        newer one is known."""
+        obj = slim_pod(obj)
         name = str(obj["metadata"]["name"])
         with self._lock:
             pods = self._pods.setdefault((namespace, job), {})

@@ -51,3 +51,30 @@ def test_a_deletion_forgets_only_the_incarnation_it_names() -> None:
     cache.put_job(obj("j", "1"))
     cache.drop_job("ns", "j")
     assert cache.job("ns", "j") is None and cache.pods("ns", "j") is None
+
+
+def test_a_slim_pod_reads_the_same_to_reconcile_as_the_whole_pod() -> None:
+    from kelastic_operator.reconcile import pod_view
+    from kelastic_operator.watch_cache import slim_pod
+
+    pod = {
+        "metadata": {"name": "j-1", "namespace": "ns", "uid": "u", "resourceVersion": "9",
+                     "creationTimestamp": "2026-01-01T12:00:00Z",
+                     "deletionTimestamp": "2026-01-01T12:05:00Z",
+                     "labels": {"kelastic.dev/job-name": "j", "kelastic.dev/job-uid": "x"},
+                     "annotations": {"kelastic.dev/pod-spec-hash": "abc", "other": "y" * 999},
+                     "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}]},
+        "spec": {"nodeName": "n1", "containers": [{"name": "trainer", "image": "x",
+                                                    "env": [{"name": "A", "value": "1"}] * 50}]},
+        "status": {"phase": "Failed", "reason": "Evicted", "message": "low memory",
+                   "conditions": [{"type": "PodScheduled", "status": "True"},
+                                  {"type": "Ready", "status": "False"}],
+                   "containerStatuses": [{"name": "trainer", "state": {"terminated": {
+                       "exitCode": 137, "message": "killed", "reason": "Error",
+                       "finishedAt": "2026-01-01T12:04:00Z"}}}]},
+    }  # fmt: skip
+    slim = slim_pod(pod)
+    assert pod_view("j", slim) == pod_view("j", pod)
+    assert "managedFields" not in slim["metadata"] and "containers" not in slim["spec"]
+    assert slim["metadata"]["annotations"] == {"kelastic.dev/pod-spec-hash": "abc"}
+    assert len(repr(slim)) * 4 < len(repr(pod))
