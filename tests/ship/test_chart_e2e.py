@@ -6,8 +6,9 @@ operator watching that namespace), then the operator as the release's own Servic
 (a TokenRequest token: exactly the chart's RBAC, a missing verb fails the test), with the
 settings the installed Deployment's args give it, read by the operator's own parser: it
 campaigns for the chart's leader-election Lease and, once leading, runs the kopf handlers
-in a thread. (The Deployment's own Pods are held off the Node: the test runs the operator.)
-The local kubelet runs the job's Pods: the kelastic sidecar and the trainer, real torch DDP.
+in a thread. (The Deployment's own Pods stay Pending: they do not tolerate the local
+kubelet's taint.) The local kubelet runs the job's Pods, placed there by the job's template
+(:data:`tests.k8s.kubelet.PLACEMENT`): the kelastic sidecar and the trainer, real torch DDP.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import kopf
 import pytest
+import yaml
 
 from kelastic import contract
 from kelastic_operator.__main__ import build_parser
@@ -32,7 +34,7 @@ from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
 from kelastic_sidecar.etcd_store import EtcdStore
 from tests.k8s.cluster import Client, ControlPlane, wait_until
 from tests.k8s.kopf_thread import KopfThread
-from tests.k8s.kubelet import LocalKubelet
+from tests.k8s.kubelet import PLACEMENT, LocalKubelet
 
 from .tools import ROOT, Release, ToolMissing, helm_binary, release_name
 
@@ -115,7 +117,9 @@ def test_the_charts_operator_runs_the_digits_job(
             assert lease is not None and lease["spec"]["holderIdentity"] == "chart-e2e"
             with KopfThread(account, registry, namespaces=args.namespace):
                 k8s.claim("digits-checkpoints")
-                k8s.kubectl("apply", "-f", str(DIGITS))
+                job = yaml.safe_load(DIGITS.read_text())
+                job["spec"]["template"]["spec"].update(PLACEMENT)
+                k8s.kubectl("apply", "-f", "-", input=json.dumps(job))
                 try:
                     wait_until(lambda: _status(k8s).get("worldSize") == 4, T, 0.5,
                                what="world size 4")  # fmt: skip

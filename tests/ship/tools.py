@@ -124,10 +124,6 @@ MONITORING_APIS = (
     "monitoring.coreos.com/v1/PrometheusRule",
 )
 
-#: Keeps the chart's operator Pods off the test cluster's Node: its local kubelet runs any
-#: Pod bound to it as a process, and these tests run the operator themselves.
-NO_NODE = "operator.nodeSelector.kelastic\\.dev/test-node=none"
-
 
 def render(
     *values: str,
@@ -158,8 +154,10 @@ class Release:
     """One release of the chart in a real cluster, installed with the real helm as the
     identity of ``client`` (its kubeconfig) into ``client``'s namespace.
 
-    ``install``/``upgrade`` pass ``fullnameOverride=<release>`` and :data:`NO_NODE` ahead
-    of the given ``--set`` values; ``uninstall`` waits until helm has deleted everything.
+    ``install``/``upgrade`` pass ``fullnameOverride=<release>`` ahead of the given ``--set``
+    values; ``uninstall`` waits until helm has deleted everything. The release's Pods stay
+    Pending: the local kubelet's Node is tainted (tests/k8s/kubelet.py) and the chart's
+    Pods do not tolerate it, so the tests run the operator themselves.
     """
 
     def __init__(self, client: Client, name: str) -> None:
@@ -178,8 +176,8 @@ class Release:
                     self.namespace, check=check, timeout=300)  # fmt: skip
 
     def values(self, *values: str) -> list[str]:
-        """The ``--set`` values of a release: its own names, no Node, then ``values``."""
-        return [f"fullnameOverride={self.name}", NO_NODE, *values]
+        """The ``--set`` values of a release: its own names, then ``values``."""
+        return [f"fullnameOverride={self.name}", *values]
 
     def _values(self, values: Sequence[str]) -> list[str]:
         return [a for v in self.values(*values) for a in ("--set", v)]
