@@ -109,6 +109,8 @@ class OperatorContext:
     cache: WatchCache = field(default_factory=WatchCache)
     _wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     _etcd_cleanup_failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (namespace, Event name) -> count posted, for aggregating repeats
+    event_counts: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
         """The event that wakes the daemon of job ``namespace/name`` (created on demand)."""
@@ -335,9 +337,27 @@ class JobReconciler:
         return None
 
     def _post(self, event: Event, uid: str, now: datetime) -> None:
+        """Post an Event, or count a repeat of it on the existing one (aggregation)."""
         body = event_body(event, self.name, self.namespace, uid, now, self.ctx.instance)
+        key = (self.namespace, str(body["metadata"]["name"]))
         try:
-            self.core.create_namespaced_event(self.namespace, cast(Any, body))
+            try:
+                self.core.create_namespaced_event(self.namespace, cast(Any, body))
+                self.ctx.event_counts[key] = 1
+                return
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            count = self.ctx.event_counts.get(key)
+            if count is None:  # posted by an earlier operator process
+                existing = self.core.read_namespaced_event(key[1], self.namespace)
+                count = int(existing.count or 1)
+            self.core.patch_namespaced_event(key[1], self.namespace, {
+                "count": count + 1, "message": body["message"],
+                "lastTimestamp": body["lastTimestamp"],
+                "reportingInstance": body["reportingInstance"],
+            })  # fmt: skip
+            self.ctx.event_counts[key] = count + 1
         except ApiException as exc:  # events are best effort
             log.warning("%s/%s: posting event %s failed: %s", self.namespace, self.name,
                         event.reason, exc.reason)  # fmt: skip
@@ -504,5 +524,8 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
                 raise kopf.TemporaryError(f"deleting the etcd keys failed: {exc}", delay=2) from exc
             log.error("%s/%s: giving up on the etcd keys: %s", namespace, name, exc)
         ctx._etcd_cleanup_failures.pop(key, None)
+        for event_key in [k for k in ctx.event_counts if k[0] == namespace
+                          and k[1].startswith(f"{name}.")]:  # fmt: skip
+            ctx.event_counts.pop(event_key, None)
         ctx.metrics.forget(namespace, name, PHASES)
         ctx._wakeups.pop(key, None)

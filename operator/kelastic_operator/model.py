@@ -321,8 +321,11 @@ PHASES: tuple[str, ...] = ("Pending", "Running", "Restarting", "Succeeded", "Fai
 Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed"]
 #: Terminal phases: once reached, the operator creates no more Pods for the job.
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
-#: Condition types the operator maintains; each is ``True`` while the phase of that name holds.
-CONDITION_TYPES: tuple[str, ...] = ("Running", "Restarting", "Succeeded", "Failed")
+#: Condition types the operator maintains, each saying one thing, as Job and JobSet do:
+#: ``RendezvousReady`` (always present: the workers train in a complete round), ``Complete``
+#: and ``Failed`` (present once the job succeeded / failed; terminal). ``status.phase`` is
+#: the one-word summary.
+CONDITION_TYPES: tuple[str, ...] = ("RendezvousReady", "Complete", "Failed")
 
 _TIME: dict[str, JsonValue] = {"format": "date-time"}
 

@@ -32,9 +32,10 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    resets ``target`` to ``replicas``.
 7. Phase otherwise: Restarting while failed Pods wait to be replaced, or while fewer than
    ``minReplicas`` Pods run after the job once ran; Running with at least ``minReplicas``
-   running Pods; else Pending. Conditions ``Running``, ``Restarting``, ``Succeeded``,
-   ``Failed`` are True while the phase of that name holds; their ``lastTransitionTime``
-   only moves when their status changes. An Event marks each phase transition, each
+   running Pods; else Pending. Conditions say independent things (``metav1.Condition``:
+   reason, message, ``observedGeneration``; ``lastTransitionTime`` moves only when the
+   status does): ``RendezvousReady`` (Running with a complete round's world size),
+   ``Complete`` and ``Failed`` (added when the job succeeds / fails). An Event marks each phase transition, each
    failed Pod, each replacement, resize and worker-group restart.
 8. Nodes leave rendezvous (their alive keys are deleted) the moment their Pod is seen
    failed (and on every pass until it is gone: deleting a key is idempotent), being
@@ -53,7 +54,6 @@ from kelastic import contract
 
 from .labels import ANNOTATION_SPEC_HASH, pod_index, selector
 from .model import (
-    CONDITION_TYPES,
     TERMINAL_PHASES,
     Condition,
     ElasticJobSpec,
@@ -376,22 +376,42 @@ def _cleanup(spec: ElasticJobSpec, pods: Sequence[PodView], plan: Plan, why: str
 def _set_conditions(
     status: ElasticJobStatus, phase: str, reason: str, message: str, generation: int, now: str
 ) -> None:
+    """The conditions of ``metav1.Condition`` (non-empty reason and message, times that move
+    only on a change of status, ``observedGeneration``), each saying one thing:
+
+    - ``RendezvousReady``: True while Running with a world size from a complete round
+      (reason ``RoundComplete``); False otherwise, with the phase's reason and message;
+    - ``Complete`` / ``Failed``: added, True, when the job succeeds / fails (terminal).
+    """
     old = {c.type: c for c in status.conditions}
-    out: list[Condition] = []
-    for kind in CONDITION_TYPES:
-        value = "True" if phase == kind else "False"
+
+    def condition(kind: str, value: bool, why: str, text: str) -> Condition:
         prev = old.get(kind)
-        changed = prev is None or prev.status != value
-        out.append(
-            Condition(
-                type=kind,
-                status=value,  # type: ignore[arg-type]
-                reason=reason if value == "True" else phase,
-                message=message if value == "True" else "",
-                lastTransitionTime=now if changed or prev is None else prev.last_transition_time,
-                observedGeneration=generation,
-            )
+        flag = "True" if value else "False"
+        changed = prev is None or prev.status != flag
+        return Condition(
+            type=kind,
+            status=flag,  # type: ignore[arg-type]
+            reason=why,
+            message=text,
+            lastTransitionTime=now if changed or prev is None else prev.last_transition_time,
+            observedGeneration=generation,
         )
+
+    ready = phase == "Running" and bool(status.world_size)
+    if ready:
+        why, text = "RoundComplete", f"round {status.round}: world size {status.world_size}"
+    elif phase == "Running":
+        why, text = "WaitingForRendezvous", message
+    elif phase in TERMINAL_PHASES:
+        why, text = "JobFinished", f"the job {phase.lower()}: {message}"
+    else:
+        why, text = reason, message
+    out = [condition("RendezvousReady", ready, why, text or phase)]
+    if phase == "Succeeded":
+        out.append(condition("Complete", True, reason, message or "the job succeeded"))
+    if phase == "Failed":
+        out.append(condition("Failed", True, reason, message or "the job failed"))
     status.conditions = out
 
 

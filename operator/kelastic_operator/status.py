@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import hashlib
 from datetime import datetime
 from typing import Any
 
@@ -27,10 +27,19 @@ def status_patch(old: ElasticJobStatus, new: ElasticJobStatus) -> dict[str, Any]
     return {"status": body}
 
 
+def event_name(event: Event, name: str, uid: str) -> str:
+    """``<job>.<16 hex>``: one name per job incarnation, event type and reason."""
+    digest = hashlib.sha256(f"{uid}/{event.type}/{event.reason}".encode()).hexdigest()[:16]
+    return f"{name}.{digest}"
+
+
 def event_body(
     event: Event, name: str, namespace: str, uid: str, now: datetime, instance: str = ""
 ) -> dict[str, Any]:
-    """A core/v1 Event about the ElasticJob ``namespace/name``.
+    """A core/v1 Event about the ElasticJob ``namespace/name``, named after the job's UID,
+    the event's type and reason: a repeat (a restart storm) is the same object, whose
+    ``count`` and ``lastTimestamp`` the operator updates (Kubernetes' event aggregation)
+    instead of a new Event each time.
 
     Args:
         event: what happened (type, reason, message).
@@ -42,7 +51,7 @@ def event_body(
     return {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+        "metadata": {"name": event_name(event, name, uid), "namespace": namespace},
         "involvedObject": {
             "apiVersion": f"{API_GROUP}/{API_VERSION}",
             "kind": KIND,

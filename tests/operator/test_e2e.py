@@ -110,7 +110,8 @@ def test_digits_lifecycle(
     st = wait_until(lambda: (s := status_of(k8s)).get("readyReplicas") == 2 and s, T,
                     what="Running")  # fmt: skip
     assert st["phase"] == "Running" and st["worldSize"] == 4 and st["round"] == 1
-    assert condition(st, "Running")["status"] == "True"
+    assert condition(st, "RendezvousReady")["status"] == "True"
+    assert condition(st, "RendezvousReady")["message"] == "round 1: world size 4"
     assert st["startTime"]
     row = k8s.kubectl("get", "ej", "digits", "--no-headers").stdout.split()
     assert row[:6] == ["digits", "Running", "2", "2", "4", "0"]
@@ -150,8 +151,8 @@ def test_digits_lifecycle(
         manual_node.set_status(k8s.namespace, name, "Succeeded", exit_code=0, message="succeeded")
     st = wait_until(lambda: (s := status_of(k8s)).get("phase") == "Succeeded" and s, T,
                     what="Succeeded")  # fmt: skip
-    assert condition(st, "Succeeded")["status"] == "True"
-    assert condition(st, "Running")["status"] == "False"
+    assert condition(st, "Complete")["status"] == "True"
+    assert condition(st, "RendezvousReady")["status"] == "False"
     assert st["completionTime"]
     assert set(pods_by_name(k8s)) == {"digits-0", "digits-1"}  # cleanupPolicy Running keeps them
 

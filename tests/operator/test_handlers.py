@@ -130,3 +130,27 @@ def test_the_finalizer_work_deletes_the_jobs_prefix(
         assert store.get_prefix(prefix)
         JobReconciler(ctx, k8s.namespace, "digits").delete_prefix(job)
         assert not store.get_prefix(prefix)
+
+
+def test_a_repeated_event_is_counted_on_one_event_object(
+    k8s: Client, ctx: OperatorContext, manual_node: ManualNode
+) -> None:
+    """A restart storm: the same reason posted again updates one Event's count and message
+    (Kubernetes' aggregation), also for a new operator process that did not post it."""
+    from datetime import datetime, timezone
+
+    from kelastic_operator.reconcile import Event
+
+    job = apply_job(k8s, manual_node)
+    uid = job["metadata"]["uid"]
+    reconciler = JobReconciler(ctx, k8s.namespace, "digits")
+    now = datetime.now(timezone.utc)
+    for spent in (1, 2, 3):
+        reconciler._post(Event("Warning", "WorkersRestarted", f"{spent}/10 restarts"), uid, now)
+    fresh = OperatorContext(api=ctx.api, pod_settings=ctx.pod_settings)  # a restarted operator
+    JobReconciler(fresh, k8s.namespace, "digits")._post(
+        Event("Warning", "WorkersRestarted", "4/10 restarts"), uid, now
+    )
+    restarts = [e for e in k8s.objects("events") if e["reason"] == "WorkersRestarted"]
+    assert len(restarts) == 1
+    assert (restarts[0]["count"], restarts[0]["message"]) == (4, "4/10 restarts")

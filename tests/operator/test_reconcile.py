@@ -83,7 +83,9 @@ def test_a_new_job_creates_replicas_pods_named_by_index() -> None:
     assert (st.observed_generation, st.target_replicas, st.replacements) == (1, 3, 0)
     assert plan.status_changed
     assert [e.reason for e in plan.events] == ["CreatingPods", "Pending"]
-    assert cond(st, "Running") == ("False", "Pending", format_time(T0))
+    assert cond(st, "RendezvousReady") == ("False", "WaitingForPods", format_time(T0))
+    assert [c.type for c in st.conditions] == ["RendezvousReady"]  # no Complete/Failed yet
+    assert all(c.reason and c.message and c.observed_generation == 1 for c in st.conditions)
 
 
 @pytest.mark.parametrize(
@@ -122,11 +124,17 @@ def test_nothing_changes_when_all_is_well() -> None:
 def test_condition_times_move_only_on_transitions() -> None:
     p1 = reconcile(job(), [pod(0, "Pending"), pod(1, "Pending")], T0)
     t1 = T0 + timedelta(seconds=5)
-    p2 = reconcile(job(**p1.status.as_patch()), [pod(0), pod(1)], t1)
-    assert cond(p2.status, "Running") == ("True", "PodsRunning", format_time(t1))
-    assert cond(p2.status, "Failed") == ("False", "Running", format_time(T0))
-    p3 = reconcile(job(**p2.status.as_patch()), [pod(0), pod(1)], t1 + timedelta(seconds=9))
-    assert cond(p3.status, "Running") == ("True", "PodsRunning", format_time(t1))
+    view = RendezvousView(round=1, world_size=4)
+    p2 = reconcile(job(**p1.status.as_patch()), [pod(0), pod(1)], t1, view)
+    assert cond(p2.status, "RendezvousReady") == ("True", "RoundComplete", format_time(t1))
+    (ready,) = p2.status.conditions
+    assert ready.message == "round 1: world size 4"
+    p3 = reconcile(job(**p2.status.as_patch()), [pod(0), pod(1)], t1 + timedelta(seconds=9), view)
+    assert cond(p3.status, "RendezvousReady") == ("True", "RoundComplete", format_time(t1))
+    # pods running but no complete round known: Running, not RendezvousReady
+    p4 = reconcile(job(**p1.status.as_patch()), [pod(0), pod(1)], t1)
+    assert p4.status.phase == "Running"
+    assert cond(p4.status, "RendezvousReady")[:2] == ("False", "WaitingForRendezvous")
     assert [e.reason for e in p2.events] == ["Running"]
     assert p2.events[0].message.startswith("Pending -> Running")
 
@@ -196,7 +204,7 @@ def test_a_failed_pod_leaves_rendezvous_at_once_and_is_replaced_after_backoff() 
     assert (lf.pod, lf.rank, lf.exit_code, lf.signal) == ("j-1", 3, 1, None)
     assert "boom" in lf.message
     assert [e.reason for e in early.events] == ["PodFailed", "Restarting"]
-    assert cond(early.status, "Restarting")[0] == "True"
+    assert cond(early.status, "RendezvousReady")[:2] == ("False", "ReplacingPods")
 
     late = reconcile(job(s, **early.status.as_patch()), [pod(0), failed], T0 + timedelta(10))
     assert late.delete == [DeletePod("j-1", "replacing a failed pod")]
@@ -273,14 +281,22 @@ def test_succeeded_when_no_pod_runs_any_more(policy: str, deleted: list[str]) ->
     plan = reconcile(job(s, phase="Running"), pods, T0)
     assert plan.status.phase == "Succeeded"
     assert names(plan.delete) == deleted
-    assert cond(plan.status, "Succeeded")[:2] == ("True", "AllPodsSucceeded")
+    assert cond(plan.status, "Complete")[:2] == ("True", "AllPodsSucceeded")
+    assert cond(plan.status, "RendezvousReady")[:2] == ("False", "JobFinished")
+    assert not [c for c in plan.status.conditions if c.type == "Failed"]
     assert not plan.create
 
 
 def test_not_succeeded_while_a_pod_still_runs_and_nothing_is_created() -> None:
     plan = reconcile(job(spec(replicas=3), phase="Running"), [pod(0, "Succeeded"), pod(1)], T0)
     assert plan.status.phase == "Running"
-    assert cond(plan.status, "Running")[1] == "Finishing"
+    assert cond(plan.status, "RendezvousReady") == (
+        "False",
+        "WaitingForRendezvous",
+        format_time(T0),
+    )
+    (ready,) = plan.status.conditions
+    assert ready.message == "1 pod(s) succeeded, 1 still running"
     assert not plan.create
 
 
