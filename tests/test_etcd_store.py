@@ -147,7 +147,7 @@ def test_lease_revoked_elsewhere_is_reported_lost(
 ) -> None:
     lease = store.grant_lease(1)
     with EtcdStore([etcd_endpoint]) as other:
-        other._revoke(lease.id)
+        other.revoke_lease(lease.id)
     wait_for(lambda: lease.lost, 10, what="lease reported lost")
 
 

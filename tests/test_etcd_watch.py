@@ -171,7 +171,7 @@ def test_compacted_history_means_re_read(etcd_endpoint: str, job_prefix: str) ->
         for i in range(3):
             direct.put(job_prefix + "unwatched", str(i).encode())
         head = direct.read([job_prefix + "state"]).revision
-        direct._endpoint().kv.Compact(etcdrpc.CompactionRequest(revision=head, physical=True))
+        direct.endpoint().kv.Compact(etcdrpc.CompactionRequest(revision=head, physical=True))
         proxy.up()
         # resuming at covered + 1 is refused (compacted): the watch starts again from
         # now, and a wait for any revision before that says "re-read"

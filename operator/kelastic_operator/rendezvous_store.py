@@ -8,9 +8,9 @@ The operator does three things with etcd (key layout: :class:`kelastic.contract.
   alive key (the sidecars treat a node without one as dead at once);
 - deletes the job's whole prefix when the job is deleted (the finalizer).
 
-:class:`EtcdRendezvousStore` does this with ``pyetcd.MultiEndpointEtcd3Client`` (failover
-on, a short ``time_retry`` so one failed call does not blacklist an endpoint for minutes);
-tests can pass any object with the same methods.
+:class:`EtcdRendezvousStore` does this with kelastic's etcd client
+(:class:`kelastic_etcd.EtcdClient`, the sidecar's too: one deadline per call, failover to
+the next member); tests can pass any object with the same methods.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ log = logging.getLogger("kelastic_operator.etcd")
 
 
 class RendezvousStoreError(RuntimeError):
-    """etcd could not be reached or refused the call; the message names the endpoints."""
+    """etcd could not be reached or refused the call; the message names the endpoints.
+
+    The cause (``__cause__``) is the client's :class:`kelastic_etcd.EtcdError`:
+    :class:`~kelastic_etcd.EtcdUnavailable` (retry) or :class:`~kelastic_etcd.EtcdRefused`.
+    """
 
 
 class RendezvousStore(Protocol):
@@ -139,15 +143,17 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 class EtcdRendezvousStore:
-    """:class:`RendezvousStore` on ``pyetcd.MultiEndpointEtcd3Client``.
+    """:class:`RendezvousStore` on :class:`kelastic_etcd.EtcdClient`.
 
     Args:
         endpoints: ``host:port`` strings.
-        timeout: seconds per call.
-        time_retry: seconds an endpoint stays marked failed before it is tried again.
+        timeout: seconds per call, retries on the other members included.
+        time_retry: ignored (pyetcd's endpoint blacklist time; the client fails over
+            per call instead); kept so that callers need not change.
         tls_dir: folder with ``ca.crt``, ``tls.crt``, ``tls.key`` (the layout of a
             Kubernetes TLS Secret plus its CA) for an etcd that requires TLS with client
             certificates; plaintext when None.
+        user, password: etcd user and password, for an etcd with auth enabled.
 
     Raises:
         ValueError: an endpoint is not ``host:port``.
@@ -160,32 +166,26 @@ class EtcdRendezvousStore:
         timeout: float = 5.0,
         time_retry: float = 2.0,
         tls_dir: Path | None = None,
+        *,
+        user: str | None = None,
+        password: str = "",
     ) -> None:
-        import grpc
-        import pyetcd
+        from kelastic_etcd import EtcdClient
 
+        del time_retry  # see the docstring
         self.endpoints = tuple(endpoints)
-        creds = None
-        if tls_dir is not None:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=(tls_dir / "ca.crt").read_bytes(),
-                private_key=(tls_dir / "tls.key").read_bytes(),
-                certificate_chain=(tls_dir / "tls.crt").read_bytes(),
-            )
-        eps = [
-            pyetcd.Endpoint(
-                host, port, secure=creds is not None, creds=creds, time_retry=time_retry
-            )
-            for host, port in (parse_endpoint(e) for e in self.endpoints)
-        ]
-        self._client = pyetcd.MultiEndpointEtcd3Client(eps, timeout=timeout, failover=True)
-        self._lock = threading.Lock()
+        for endpoint in self.endpoints:
+            parse_endpoint(endpoint)
+        self._client = EtcdClient(
+            self.endpoints, timeout=timeout, tls_dir=tls_dir, user=user, password=password
+        )
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        from kelastic_etcd import EtcdError
+
         try:
-            with self._lock:
-                return fn()
-        except Exception as exc:  # pyetcd raises grpc and its own errors alike
+            return fn()
+        except EtcdError as exc:
             raise RendezvousStoreError(
                 f"etcd {','.join(self.endpoints)}: {what} failed: {type(exc).__name__}: {exc}"
             ) from exc
@@ -194,11 +194,7 @@ class EtcdRendezvousStore:
         """See :meth:`RendezvousStore.read`."""
 
         def get() -> dict[str, bytes]:
-            out: dict[str, bytes] = {}
-            for value, meta in self._client.get_prefix(prefix):
-                key = meta.key.decode() if isinstance(meta.key, bytes) else str(meta.key)
-                out[key] = value
-            return out
+            return {key: value for key, (value, _) in self._client.get_prefix(prefix).items()}
 
         return view_from_keys(prefix, self._call(f"read {prefix}", get), nproc_per_node)
 
@@ -219,7 +215,7 @@ class EtcdRendezvousStore:
 
         def put() -> None:
             for key in keys:
-                self._client.put(key, reason)
+                self._client.put(key, reason.encode())
 
         if keys:
             self._call(f"put {', '.join(keys)}", put)
@@ -232,10 +228,7 @@ class EtcdRendezvousStore:
 
     def close(self) -> None:
         """Close the client's channels."""
-        try:
-            self._client.close()
-        except Exception as exc:  # closing must not fail shutdown
-            log.debug("closing the etcd client: %s", exc)
+        self._client.close()
 
 
 class StoreCache:
