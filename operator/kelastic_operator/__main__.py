@@ -26,14 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from kelastic import contract
-
-from .pods import PodSettings
+from kelastic._extras import missing_extra
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser."""
+    from .pods import PodSettings  # pydantic: the 'operator' extra, imported in main()
+
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m kelastic_operator", description=__doc__)
     p.add_argument(
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--standalone", action="store_true", help="no leader election (one replica only)"
     )
     p.add_argument("--metrics-port", type=int, default=8080, help="0 to disable /metrics")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=8081,
+        help="port of /healthz, the liveness probe's (the event loop turns; 0 to disable)",
+    )
     p.add_argument("--resync-seconds", type=float, default=30.0)
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -105,7 +112,15 @@ def api_client(kubeconfig: str | None) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the operator until SIGINT/SIGTERM; returns the exit status."""
+    """Run the operator until SIGINT/SIGTERM; returns the exit status (2: bad arguments,
+    or the 'operator' extra is not installed)."""
+    try:
+        return _main(argv)
+    except ModuleNotFoundError as exc:  # kopf, kubernetes, pydantic, ...
+        return missing_extra("kelastic-operator", "operator", exc)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -125,8 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prometheus_client import start_http_server
 
     from .handlers import OperatorContext, register
+    from .health import Health, serve
     from .leader import LeaseElector
     from .metrics import OperatorMetrics
+    from .pods import PodSettings
     from .rendezvous_store import EtcdRendezvousStore, StoreCache
 
     settings = PodSettings(
@@ -156,6 +173,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf_settings.posting.enabled = True
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=metrics.registry)
+    health = Health()
+    if args.health_port:
+        serve(health, args.health_port)
+
+    @kopf.on.startup(registry=registry)
+    async def start_ticking(**_: Any) -> None:
+        """The event loop's heartbeat for /healthz (kept until the loop stops)."""
+        ticker = asyncio.get_running_loop().create_task(health.ticker())
+        tickers.add(ticker)
+        ticker.add_done_callback(tickers.discard)
+
+    tickers: set[asyncio.Task[None]] = set()
     stop_kopf = threading.Event()
     shutdown = threading.Event()
     leading = threading.Event()
@@ -176,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target=elector.run, args=(leading.set, stopped_leading, shutdown), daemon=True
         )
         elector_thread.start()
+        health.campaigning = elector_thread.is_alive
 
         def on_signal(signum: int, frame: object) -> None:
             shutdown.set()

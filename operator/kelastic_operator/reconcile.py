@@ -35,8 +35,8 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    running Pods; else Pending. Conditions say independent things (``metav1.Condition``:
    reason, message, ``observedGeneration``; ``lastTransitionTime`` moves only when the
    status does): ``RendezvousReady`` (Running with a complete round's world size),
-   ``Complete`` and ``Failed`` (added when the job succeeds / fails). An Event marks each phase transition, each
-   failed Pod, each replacement, resize and worker-group restart.
+   ``Complete`` and ``Failed`` (added when the job succeeds / fails). An Event marks each
+   phase transition, each failed Pod, each replacement, resize and worker-group restart.
 8. Nodes leave rendezvous (their alive keys are deleted) the moment their Pod is seen
    failed (and on every pass until it is gone: deleting a key is idempotent), being
    deleted, gone, or deleted on scale-down.

@@ -61,11 +61,12 @@ class Replica:
 
     def __init__(self, name: str, client: Client, etcd: str, lease: str, workdir: Path) -> None:
         self.name = name
-        self.port = free_port()
+        self.port, self.health_port = free_port(), free_port()
         argv = deployment_args()
         assert argv[:3] == ["python", "-m", "kelastic_operator"]
         args = [a for a in argv[3:] if not a.startswith(("--etcd-endpoints", "--metrics-port"))]
         args += [f"--etcd-endpoints={etcd}", f"--metrics-port={self.port}",
+                 f"--health-port={self.health_port}",
                  f"--namespace={client.namespace}", f"--lease-name={lease}"]  # fmt: skip
         env = {**client.env(), "POD_ID": name, "POD_NAMESPACE": OPERATOR_NAMESPACE,
                "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in
@@ -122,6 +123,10 @@ def test_two_replicas_one_acts_and_the_other_takes_over_within_15_s(
     b = Replica("operator-b", client, etcd_server.endpoint, lease, tmp_path)
     replicas.append(b)
     wait_until(lambda: metrics(b.port), 30, what="operator-b serving /metrics")
+    for replica in (a, b):  # the leader's event loop turns; the follower campaigns
+        url = f"http://127.0.0.1:{replica.health_port}/healthz"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            assert r.status == 200
 
     k8s.claim("digits-checkpoints")
     k8s.kubectl("apply", "-f", "-", input=job_manifest(node=manual_node))
@@ -140,6 +145,7 @@ def test_two_replicas_one_acts_and_the_other_takes_over_within_15_s(
     assert takeover <= TAKEOVER_LIMIT, f"takeover took {takeover:.1f} s"
     # the new leader acts: a deleted Pod is replaced ...
     k8s.kubectl("delete", "pod", "digits-1", "--wait=false")
+
     def replaced() -> bool:
         pod = pods_by_name(k8s).get("digits-1")
         return pod is not None and pod["metadata"]["uid"] != uids["digits-1"]
@@ -186,3 +192,36 @@ def test_the_elector_follows_client_go_rules(k8s_cluster: ControlPlane, k8s: Cli
     with pytest.raises(LeaderElectionError, match="renew deadline < lease duration"):
         LeaseSettings(lease_duration=5, renew_deadline=5, retry_period=1)
     api.close()
+
+
+def test_healthz_follows_the_event_loop_or_the_election() -> None:
+    """The liveness verdict: a follower is alive while it campaigns; a leader while its
+    event loop ticks; served on its own port."""
+    import urllib.error
+
+    from kelastic_operator.health import Health, serve
+
+    now = [0.0]
+    campaigning = [True]
+    health = Health(lambda: campaigning[0], stale_after=30, clock=lambda: now[0])
+    server = serve(health, 0, "127.0.0.1")
+    port = server.server_address[1]
+
+    def get() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        assert get() == (200, "waiting to lead\n")
+        campaigning[0] = False
+        assert get()[0] == 503
+        health.tick()  # leading: kopf's loop ticks
+        now[0] = 29.0
+        assert get() == (200, "leading; the event loop turns\n")
+        now[0] = 31.5
+        assert get() == (503, "the event loop has not turned for 32 s\n")
+    finally:
+        server.shutdown()
