@@ -9,8 +9,8 @@ dashboard query and every alert expression is checked against what it scraped.
   Deployment (watching the test's namespace; its etcd and metrics port swapped for local
   ones, ``--standalone``) against the real test cluster (tests/k8s), logged in as the
   ``kelastic-operator`` ServiceAccount with deploy/'s RBAC, reconciling an ElasticJob of the
-  same name in the test's namespace (its Pods stay Pending, unschedulable: a nodeSelector
-  no Node matches keeps them off the local kubelet's Node);
+  same name in the test's namespace (its Pods stay Pending, unschedulable: they do not
+  tolerate the local kubelet's taint, and no other Node exists);
 - Prometheus (Debian's package) on loopback with a 1 s scrape interval, the alert rules
   loaded, and the scrape jobs named and labelled as the chart's ServiceMonitor/PodMonitor do.
 
@@ -33,7 +33,9 @@ returns data and that Prometheus fires the alert:
   ElasticJob's uid) sets phase Failed;
 - ``kelastic_operator_reconcile_errors_total`` (a dashboard query; its series exist at 0
   from the start): the operator reaches the API server through a TCP proxy that is then
-  cut, so its reconcile passes fail, counted as kind ``api``, none as ``crash``;
+  cut while a third job's rendezvous completes (its second node joins after the cut), so
+  writing its status fails and its reconcile passes fail, counted as kind ``api``, none as
+  ``crash`` (idle jobs make no API request: the operator's watch cache knows them);
 - ``KelasticOperatorDown``: the operator process is stopped; ``up`` goes 0.
 
 The alerts are loaded from the chart's rule file with one substitution, so that they fire
@@ -74,7 +76,6 @@ from .tools import CHART, ROOT, ToolMissing, helm_binary, render, system_tool
 
 pytestmark = pytest.mark.timeout(300)
 
-OFF_NODE = {"kelastic.dev/test-node": "none"}  # no Node has it: the job's Pods stay Pending
 DIGITS = ROOT / "examples/digits/elasticjob.yaml"
 RATE_INTERVAL = "20s"  # what Grafana's $__rate_interval is at a 1 s scrape interval and more
 
@@ -183,9 +184,9 @@ def _start_operator(
 ) -> tuple[subprocess.Popen[bytes], int, Path]:
     """The operator, started with the chart's rendered command and arguments (watching
     ``k8s``'s namespace; etcd and metrics port swapped for local ones, no leader election),
-    logged in as ``account``, reconciling ``manifest`` applied in ``k8s``'s namespace with a
-    nodeSelector no Node matches (its Pods stay Pending). ``api_url``: where it reaches the
-    API server (default: the server itself)."""
+    logged in as ``account``, reconciling ``manifest`` applied in ``k8s``'s namespace (its
+    Pods stay Pending: nothing places them on the tainted local kubelet's Node).
+    ``api_url``: where it reaches the API server (default: the server itself)."""
     (dep,) = [
         o for o in render(f"operator.namespaces={{{k8s.namespace}}}") if o["kind"] == "Deployment"
     ]
@@ -220,12 +221,7 @@ def _start_operator(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    doc = yaml.safe_load(manifest.read_text())
-    pod_spec = doc["spec"]["template"]["spec"]
-    pod_spec["nodeSelector"] = OFF_NODE
-    for c in pod_spec["containers"]:  # a real API server refuses a container without one
-        c.setdefault("image", "kelastic.test/steps:0")
-    k8s.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    _apply_job(k8s, manifest)
     try:
         wait_for(
             lambda: (
@@ -242,6 +238,24 @@ def _start_operator(
         _stop(proc)
         raise AssertionError(f"{exc}\n{log_path.read_text(errors='replace')[-4000:]}") from None
     return proc, port, log_path
+
+
+def _apply_job(k8s: Client, manifest: Path) -> str:
+    """Apply a local job's manifest as an ElasticJob in ``k8s``'s namespace (its containers
+    given an image: a real API server refuses a container without one); returns its uid."""
+    doc = yaml.safe_load(manifest.read_text())
+    for c in doc["spec"]["template"]["spec"]["containers"]:
+        c.setdefault("image", "kelastic.test/steps:0")
+    k8s.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    name = doc["metadata"]["name"]
+    uid = k8s.kubectl("get", "elasticjob", name, "-o", "jsonpath={.metadata.uid}").stdout
+    assert uid.strip(), name
+    return str(uid).strip()
+
+
+def _ej(k8s: Client, name: str) -> dict[str, Any]:
+    """The ElasticJob ``name`` as the API server has it."""
+    return dict(json.loads(k8s.kubectl("get", "elasticjob", name, "-o", "json").stdout))
 
 
 def _operator_account(cluster: ControlPlane, k8s: Client) -> Client:
@@ -636,12 +650,34 @@ def test_prometheus_fires_every_alert_on_real_failures(
         _wait_alert(prom, "KelasticJobFailing", {**job_labels, "elasticjob": "failing"}, 90)
         failing_run.thread.join(60)
         assert failing_run.result == [1], failing_run.output()
-        status = json.loads(k8s.kubectl("get", "elasticjob", "failing", "-o", "json").stdout)
+        status = _ej(k8s, "failing")
         assert status["status"]["phase"] == "Failed", status["status"]
         assert "budget spent" in status["status"]["lastFailure"]["message"], status["status"]
 
-        # The operator loses the API server: its reconcile passes fail.
+        # The operator loses the API server while a job's rendezvous completes: writing
+        # the new world size fails, and so do its reconcile passes until it can. (Idle jobs
+        # cost the operator no API request: its watch cache knows them.) "outage" plays an
+        # ElasticJob as "failing" did: one node waits for the second, which comes after the cut.
+        outage_manifest = write_job(
+            tmp_path / "outage.yaml", name="outage", replicas=2, min_replicas=2,
+            max_restarts=1, env={"STEPS_STOP_FILE": str(stop)},
+        )  # fmt: skip
+        outage = load_manifest(outage_manifest)
+        outage.metadata.namespace = ns
+        outage.metadata.uid = _apply_job(k8s, outage_manifest)
+        outage_run = _Run(
+            outage, tmp_path, tmp_path / "outage", replicas=1, etcd=[etcd_server.endpoint]
+        )
+        runs.append(outage_run)
+        wait_for(lambda: outage_run.phase(0) == "rendezvous", 60, 0.2, what="outage to wait")
+        wait_for(
+            lambda: (_ej(k8s, "outage").get("status") or {}).get("phase") == "Pending",
+            60, 0.2, what="the operator to reconcile outage",
+        )  # fmt: skip
         api_proxy.cut()
+        outage_run.runner.add_replica()
+        wait_for(lambda: outage_run.phase(0) == "running", 60, 0.2, what="outage to train\n"
+                 + outage_run.output())  # fmt: skip
         (errors,) = [e for n, e in _dashboard_queries() if "reconcile_errors" in e]
 
         def api_errors() -> bool:
