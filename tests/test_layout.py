@@ -1,4 +1,4 @@
-"""The repository's layering: DESIGN.md's three packages and what they may import."""
+"""The repository's layering: docs/architecture.md's packages and what they may import."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ re-rendezvouses first *exits* the round; when the last participant of a complete
 has left, the round number goes up and the next round forms. A *closed* rendezvous
 admits nobody.
 
-Differences from torch, each for a reason (DESIGN.md, "Rendezvous"):
+Differences from torch, each for a reason (docs/architecture.md, "Rendezvous"):
 
 - the state is JSON with a ``version`` field, validated strictly and within bounds on
   read (:func:`decode_state`); never pickle. A corrupt state (undecodable, out of

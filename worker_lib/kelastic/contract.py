@@ -6,7 +6,7 @@ volume's layout, environment variable names (torch's own names for the worker en
 unchanged), the etcd key layout, and the control-socket message types.
 
 This module is stdlib only and has no side effects on import. Semantics follow
-``torch.distributed.elastic`` (see ``shared/seeds/``) and ``shared/DESIGN.md``.
+``torch.distributed.elastic`` (see ``shared/seeds/``) and ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -131,6 +131,8 @@ ENV_POD_NAME: Final = "KELASTIC_POD_NAME"  # the rendezvous node name
 ENV_POD_IP: Final = "KELASTIC_POD_IP"
 ENV_ETCD_ENDPOINTS: Final = "KELASTIC_ETCD_ENDPOINTS"  # comma separated host:port
 ENV_ETCD_TLS_DIR: Final = "KELASTIC_ETCD_TLS_DIR"  # holds ca.crt, tls.crt, tls.key
+ENV_ETCD_USER: Final = "KELASTIC_ETCD_USER"  # etcd auth (user/password), beside or without TLS
+ENV_ETCD_PASSWORD: Final = "KELASTIC_ETCD_PASSWORD"
 ENV_MIN_NODES: Final = "KELASTIC_MIN_NODES"
 ENV_MAX_NODES: Final = "KELASTIC_MAX_NODES"
 ENV_NPROC_PER_NODE: Final = "KELASTIC_NPROC_PER_NODE"
@@ -172,7 +174,7 @@ def job_prefix(namespace: str, job: str, uid: str) -> str:
 
 
 class Keys:
-    """The etcd key layout of one job, per DESIGN.md.
+    """The etcd key layout of one job (``docs/architecture.md``, "The pod contract").
 
     Args:
         prefix: the job prefix from :func:`job_prefix` (ends with ``/``).
