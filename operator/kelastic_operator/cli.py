@@ -119,13 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kelastic`` console script; returns the exit status.
 
     A Ctrl-C before the runner takes over its signals (imports, reading the manifest)
-    returns 130 with one line on stderr, never a traceback.
+    returns 130 with one line on stderr, never a traceback; so does a missing 'local'
+    extra (rich, pydantic, ...: ``pip install "kelastic[local]"``), with exit status 2.
     """
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("kelastic: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as exc:
+        from kelastic._extras import missing_extra
+
+        return missing_extra("kelastic", "local", exc)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -150,6 +155,10 @@ def _usage_error(err: Console, message: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # What the runner and its sidecar processes import later: a missing one is named now.
+    import grpc  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import pyetcd  # noqa: F401
     from rich.console import Console
     from rich.markup import escape
 

@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kelastic import contract
+from kelastic import __version__, contract
 
 from .labels import (
     ANNOTATION_SPEC_HASH,
@@ -63,7 +63,7 @@ class PodSettings:
         python: the interpreter in the trainer image that runs ``-m kelastic.launch``.
     """
 
-    sidecar_image: str = "ghcr.io/kelastic/kelastic:0.1.0"
+    sidecar_image: str = f"ghcr.io/kelastic/kelastic:{__version__}"
     etcd_endpoints: tuple[str, ...] = ()
     http_port: int = contract.DEFAULT_HTTP_PORT
     stop_grace: float = contract.DEFAULT_STOP_GRACE

@@ -11,6 +11,7 @@ import logging
 import sys
 
 from kelastic import contract
+from kelastic._extras import missing_extra
 
 from .config import ConfigError, SidecarConfig
 
@@ -49,13 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname).1s sidecar %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    try:  # grpc, pyetcd, prometheus_client: the 'sidecar' extra
+        from .supervisor import Supervisor
+    except ModuleNotFoundError as exc:
+        return missing_extra("kelastic-sidecar", "sidecar", exc)
     try:
         config = SidecarConfig.from_env()
     except ConfigError as exc:
         print(f"kelastic-sidecar: {exc}", file=sys.stderr)
         return 2
-    from .supervisor import Supervisor
-
     return Supervisor(config).run()
 
 
