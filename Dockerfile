@@ -14,7 +14,8 @@
 #   docker build --secret id=pip-cert,src=/etc/ssl/certs/ca-certificates.crt .
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# ---- build: a wheel of this project (hatchling), installed with its deps into a venv ----
+# ---- build: a wheel of this project (hatchling) with its sidecar and operator extras, in a
+# venv (a plain `pip install kelastic` is the worker library alone: the trainer's image) ----
 FROM ${PYTHON_IMAGE} AS build
 SHELL ["/bin/sh", "-eu", "-c"]
 ENV PIP_NO_CACHE_DIR=1 \
@@ -24,11 +25,12 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN python -m venv /opt/venv
 
-# Dependencies first, from pyproject.toml alone: this layer survives source edits.
+# Dependencies first, from pyproject.toml alone (the extras sidecar and operator): this
+# layer survives source edits.
 COPY pyproject.toml README.md ./
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi; \
-    python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
+    python -c 'import tomllib; x = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print(*sorted({r for e in ("sidecar", "operator") for r in x[e] if not r.startswith("kelastic")}), sep="\n")' \
         > /tmp/requirements.txt; \
     /opt/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements.txt
 
@@ -36,12 +38,15 @@ RUN --mount=type=secret,id=pip-cert \
 # kubernetes clients bundle an asyncio twin of the client, ~70 MB, a fifth of the image;
 # kelastic uses the sync client, and kopf talks to the API by itself).
 COPY worker_lib ./worker_lib
+COPY etcd_client ./etcd_client
 COPY sidecar ./sidecar
 COPY operator ./operator
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi; \
     /opt/venv/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . ; \
-    /opt/venv/bin/pip install --no-cache-dir /wheels/kelastic-*.whl; \
+    for whl in /wheels/kelastic-*.whl; do \
+        /opt/venv/bin/pip install --no-cache-dir "${whl}[sidecar,operator]"; \
+    done; \
     /opt/venv/bin/pip uninstall --yes pip setuptools; \
     rm -rf /opt/venv/lib/python3*/site-packages/kubernetes/aio
 
