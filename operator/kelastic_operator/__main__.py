@@ -153,10 +153,17 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     metrics = OperatorMetrics()
     tls_dir = Path(args.etcd_tls_dir) if args.etcd_tls_dir else None
+    # etcd auth: the operator's own user, from its env (a Secret), never from the command line
+    etcd_user = os.environ.get(contract.ENV_ETCD_USER) or None
+    etcd_password = os.environ.get(contract.ENV_ETCD_PASSWORD, "")
     ctx = OperatorContext(
         api=api_client(args.kubeconfig),
         pod_settings=settings,
-        stores=StoreCache(lambda eps: EtcdRendezvousStore(eps, tls_dir=tls_dir)),
+        stores=StoreCache(
+            lambda eps: EtcdRendezvousStore(
+                eps, tls_dir=tls_dir, user=etcd_user, password=etcd_password
+            )
+        ),
         resync_seconds=args.resync_seconds,
         metrics=metrics,
         instance=os.environ.get("POD_ID", ""),

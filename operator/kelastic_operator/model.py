@@ -55,6 +55,13 @@ class RendezvousSpec(_Model):
     tls_secret: str | None = Field(
         default=None, alias="tlsSecret", description="Secret with ca.crt, tls.crt, tls.key"
     )
+    auth_secret: str | None = Field(
+        default=None,
+        alias="authSecret",
+        description="Secret (type kubernetes.io/basic-auth: keys username and password) "
+        "with the etcd user the sidecars authenticate as, for an etcd with auth enabled; "
+        "beside or without tlsSecret",
+    )
     join_timeout_seconds: float = Field(
         default=contract.DEFAULT_JOIN_TIMEOUT,
         gt=0,

@@ -132,6 +132,13 @@ def sidecar_env(
     ]
     if rdzv.tls_secret:
         env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
+    if rdzv.auth_secret:  # etcd user and password, from a kubernetes.io/basic-auth Secret
+        for var, key in (
+            (contract.ENV_ETCD_USER, "username"),
+            (contract.ENV_ETCD_PASSWORD, "password"),
+        ):
+            ref = {"secretKeyRef": {"name": rdzv.auth_secret, "key": key}}
+            env.append({"name": var, "valueFrom": ref})
     return env
 
 

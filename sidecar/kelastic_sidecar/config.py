@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kelastic import contract
+
+if TYPE_CHECKING:
+    from kelastic_etcd import EtcdClient
 
 T = TypeVar("T")
 
@@ -39,6 +42,8 @@ class SidecarConfig:
         stop_grace: seconds between SIGTERM and SIGKILL when stopping workers.
         http_host, http_port: where /metrics, /healthz, /readyz, /status listen.
         run_dir: the shared volume (FIFO, control socket, logs).
+        etcd_user, etcd_password: etcd's user and password when etcd has auth enabled
+            (``None``: no auth), beside or without TLS.
     """
 
     job_name: str
@@ -60,6 +65,8 @@ class SidecarConfig:
     http_host: str
     http_port: int
     run_dir: Path
+    etcd_user: str | None = None
+    etcd_password: str = field(default="", repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -117,6 +124,8 @@ class SidecarConfig:
             http_host=text(contract.ENV_HTTP_HOST, "0.0.0.0"),
             http_port=num(contract.ENV_HTTP_PORT, int, contract.DEFAULT_HTTP_PORT),
             run_dir=contract.run_dir(),
+            etcd_user=env.get(contract.ENV_ETCD_USER) or None,
+            etcd_password=env.get(contract.ENV_ETCD_PASSWORD, ""),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")
@@ -142,6 +151,18 @@ class SidecarConfig:
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
         return out
+
+    def etcd_client(self, timeout: float = 5.0) -> EtcdClient:
+        """A client for the configured etcd (endpoints, TLS, user and password)."""
+        from kelastic_etcd import EtcdClient
+
+        return EtcdClient(
+            self.etcd_endpoints,
+            tls_dir=self.tls_dir,
+            timeout=timeout,
+            user=self.etcd_user,
+            password=self.etcd_password,
+        )
 
     @property
     def prefix(self) -> str:

@@ -21,7 +21,9 @@ tls.key; default ``$KELASTIC_ETCD_TLS_DIR``), ``etcd_timeout`` (seconds per etcd
 default 5), ``read_timeout`` (seconds a c10d store read may block, default 60),
 ``key_prefix`` (default ``/kelastic/torchrun/``; the run's keys live under
 ``<key_prefix><run id>/``). Use a fresh ``--rdzv-id`` per run: the state outlives the
-run in etcd, and a closed one stays closed.
+run in etcd, and a closed one stays closed. For an etcd with auth enabled, the user and
+password come from ``$KELASTIC_ETCD_USER`` and ``$KELASTIC_ETCD_PASSWORD`` (never from
+the command line, where ``ps`` shows them).
 
 torch's handler pickles its state; in that mode whoever can write the key can run code
 in every agent, so protect the etcd prefix (TLS client certificates, etcd RBAC). The
@@ -43,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kelastic._safejson import UnsafeJSONError, loads_bounded
-from kelastic.contract import ENV_ETCD_TLS_DIR
+from kelastic.contract import ENV_ETCD_PASSWORD, ENV_ETCD_TLS_DIR, ENV_ETCD_USER
 
 if TYPE_CHECKING:  # the etcd client (grpc) loads on first use: torch imports this module
     from collections.abc import Mapping, Sequence
@@ -375,6 +377,8 @@ def create_torch_handler(params: Any) -> Any:
         params.endpoint.split(","),
         tls_dir=Path(tls_dir) if tls_dir else None,
         timeout=etcd_timeout,
+        user=os.environ.get(ENV_ETCD_USER) or None,
+        password=os.environ.get(ENV_ETCD_PASSWORD, ""),
     )
     try:
         store.get(prefix + "rdzv/state")  # fail now, clearly, when etcd is unreachable

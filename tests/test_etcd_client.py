@@ -1,0 +1,178 @@
+"""kelastic_etcd's error taxonomy and etcd authentication, against real etcd."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyetcd import etcdrpc
+
+from kelastic import contract
+from kelastic_etcd import EtcdClient, EtcdLeaseNotFound, EtcdRefused, EtcdUnavailable, Watcher
+from kelastic_operator.local.etcd import EmbeddedEtcd
+from kelastic_operator.rendezvous_store import EtcdRendezvousStore, RendezvousStoreError
+from kelastic_sidecar.config import SidecarConfig
+from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
+
+ROOT_PASSWORD = "s3cret-root"
+
+
+def test_an_invalid_argument_surfaces_at_once_as_refused_and_is_not_retried(
+    etcd_endpoint: str,
+) -> None:
+    # etcd refuses a transaction with more operations than --max-txn-ops (128): it
+    # would refuse it again, so it is no outage to ride out.
+    with EtcdClient([etcd_endpoint], timeout=30.0) as client:
+        errors: list[Exception] = []
+        client.on_error = errors.append
+        keys = [f"/kelastic-test/refused/{i}" for i in range(200)]
+        started = time.monotonic()
+        with pytest.raises(EtcdRefused, match="INVALID_ARGUMENT") as err:
+            client.read(keys)
+        assert time.monotonic() - started < 2.0  # not retried until the 30 s deadline
+        assert client.request_counts()["read"] == 1  # one try, no retry
+        assert not isinstance(err.value, EtcdUnavailable)
+        assert isinstance(err.value, EtcdUnavailableError)  # the old name still catches it
+        assert errors == [err.value]
+        assert client.read(keys[:100]).values == {}  # the client goes on working
+
+
+def test_a_lease_etcd_no_longer_knows_is_lease_not_found(etcd_endpoint: str) -> None:
+    with EtcdClient([etcd_endpoint], timeout=5.0) as client:
+        lease = client.grant_lease(5)
+        lease.revoke()
+        with pytest.raises(EtcdLeaseNotFound):
+            client.put("/kelastic-test/lease-gone", b"x", lease=lease.id)
+        assert issubclass(EtcdLeaseNotFound, EtcdRefused)
+
+
+def test_an_unreachable_etcd_is_unavailable_after_the_deadline() -> None:
+    from kelastic_operator.local.etcd import free_port
+
+    with EtcdClient([f"127.0.0.1:{free_port()}"], timeout=1.0) as client:
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailable):
+            client.get("/kelastic-test/x")
+        assert 0.9 < time.monotonic() - started < 5.0
+        assert client.request_counts()["get"] > 1  # retried until the deadline
+
+
+def _enable_auth(endpoint: str) -> None:
+    """A root user and role, then ``auth enable``, through etcd's Auth API (the wheel ships
+    no etcdctl)."""
+    import grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        auth = etcdrpc.AuthStub(channel)
+        auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=ROOT_PASSWORD), timeout=5)
+        auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), timeout=5)
+        auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
+        auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=5)
+
+
+@pytest.fixture(scope="module")
+def auth_etcd() -> Iterator[str]:
+    """An etcd of its own with auth enabled (the session's etcd stays without)."""
+    server = EmbeddedEtcd().start()
+    try:
+        _enable_auth(server.endpoint)
+        yield server.endpoint
+    finally:
+        server.stop()
+
+
+def test_the_client_authenticates_with_user_and_password(auth_etcd: str) -> None:
+    with EtcdClient([auth_etcd], timeout=5.0, user="root", password=ROOT_PASSWORD) as client:
+        client.put("/kelastic-test/auth/a", b"1")
+        assert client.get("/kelastic-test/auth/a") is not None
+        ok, _, revision = client.cas("/kelastic-test/auth/b", b"x", None)
+        assert ok and revision > 0
+        lease = client.grant_lease(5)
+        assert lease.check()
+        snap = client.put_read({"/kelastic-test/auth/c": b"2"}, ["/kelastic-test/auth/"], lease.id)
+        assert set(snap.values) == {f"/kelastic-test/auth/{k}" for k in "abc"}
+        watcher = Watcher(client, ["/kelastic-test/auth/"])  # a stream carries the token too
+        try:
+            client.put("/kelastic-test/auth/a", b"3")
+            assert watcher.wait(snap.revision, 5.0)
+        finally:
+            watcher.close()
+        assert client.wait_change(["/kelastic-test/auth/a"], snap.revision, 5.0)
+        lease.revoke()
+
+
+def test_without_or_with_wrong_credentials_etcd_refuses_at_once(auth_etcd: str) -> None:
+    with EtcdClient([auth_etcd], timeout=10.0) as anonymous:
+        started = time.monotonic()
+        with pytest.raises(EtcdRefused):
+            anonymous.get("/kelastic-test/auth/a")
+        assert time.monotonic() - started < 2.0
+    with EtcdClient([auth_etcd], timeout=10.0, user="root", password="wrong") as wrong:
+        started = time.monotonic()
+        with pytest.raises(EtcdRefused, match="authentication failed"):
+            wrong.get("/kelastic-test/auth/a")
+        assert time.monotonic() - started < 2.0
+
+
+def test_the_sidecar_config_and_the_operator_store_use_etcd_auth(
+    auth_etcd: str, tmp_path: Path
+) -> None:
+    env = {
+        contract.ENV_JOB_NAME: "j",
+        contract.ENV_JOB_UID: "u1",
+        contract.ENV_POD_NAME: "j-0",
+        contract.ENV_ETCD_ENDPOINTS: auth_etcd,
+        contract.ENV_MIN_NODES: "1",
+        contract.ENV_MAX_NODES: "1",
+        contract.ENV_ETCD_USER: "root",
+        contract.ENV_ETCD_PASSWORD: ROOT_PASSWORD,
+    }
+    config = SidecarConfig.from_env(env)
+    assert ROOT_PASSWORD not in repr(config)
+    prefix = config.prefix
+    with config.etcd_client() as client:
+        assert isinstance(client, EtcdStore)
+        client.put(contract.Keys(prefix).rdzv_state, b'{"round": 4}')
+    store = EtcdRendezvousStore([auth_etcd], timeout=3, user="root", password=ROOT_PASSWORD)
+    try:
+        assert store.read(prefix, 1).round == 4
+        store.delete_prefix(prefix)
+    finally:
+        store.close()
+    anonymous = EtcdRendezvousStore([auth_etcd], timeout=3)
+    try:
+        with pytest.raises(RendezvousStoreError, match="EtcdRefused"):
+            anonymous.read(prefix, 1)
+    finally:
+        anonymous.close()
+
+
+def test_a_job_s_auth_secret_reaches_the_sidecar_as_env(auth_etcd: str) -> None:
+    from kelastic_operator.model import ElasticJobSpec
+    from kelastic_operator.pods import PodSettings, sidecar_env
+
+    trainer = {"name": "trainer", "image": "t", "command": ["python", "train.py"]}
+    spec = ElasticJobSpec.model_validate(
+        {
+            "replicas": 1,
+            "template": {"spec": {"containers": [trainer]}},
+            "rendezvous": {"etcdEndpoints": [auth_etcd], "authSecret": "etcd-user"},
+        }
+    )
+    env = sidecar_env("j", "u1", spec, PodSettings())
+    secret = {"username": "root", "password": ROOT_PASSWORD}  # the basic-auth Secret's data
+    resolved: dict[str, str] = {}
+    for item in env:
+        ref = item.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None:
+            assert ref["name"] == "etcd-user"
+            resolved[item["name"]] = secret[ref["key"]]  # as the kubelet does
+        elif "value" in item:
+            resolved[item["name"]] = item["value"]
+    assert resolved[contract.ENV_ETCD_USER] == "root"
+    assert not any(ROOT_PASSWORD in str(item.get("value", "")) for item in env)
+    resolved[contract.ENV_POD_NAME] = "j-0"
+    with SidecarConfig.from_env(resolved).etcd_client() as client:
+        client.put("/kelastic-test/auth/pod", b"ok")
