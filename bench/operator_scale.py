@@ -138,7 +138,8 @@ def operator_scale(quick: bool) -> CaseResult:
             op_log = open(Path(tmp) / "operator.log", "wb")  # noqa: SIM115
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kelastic_operator", "--standalone",
-                 f"--etcd-endpoints={etcd}", f"--metrics-port={port}", "--log-level=WARNING"],
+                 f"--etcd-endpoints={etcd}", f"--metrics-port={port}",
+                 f"--health-port={free_port()}", "--log-level=WARNING"],
                 env=child_env(**{k: v for k, v in operator.env().items()
                                  if k in ("KUBECONFIG", "KUBECACHEDIR")}),
                 stdout=op_log, stderr=subprocess.STDOUT, cwd=REPO,

@@ -137,6 +137,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.kubeconfig:  # the kubernetes package reads it when first imported
         os.environ["KUBECONFIG"] = args.kubeconfig
     import kopf
+    from kubernetes import config as kubernetes_config
     from prometheus_client import start_http_server
 
     from .handlers import OperatorContext, register
@@ -156,8 +157,17 @@ def _main(argv: Sequence[str] | None) -> int:
     # etcd auth: the operator's own user, from its env (a Secret), never from the command line
     etcd_user = os.environ.get(contract.ENV_ETCD_USER) or None
     etcd_password = os.environ.get(contract.ENV_ETCD_PASSWORD, "")
+    try:
+        api = api_client(args.kubeconfig)
+    except kubernetes_config.ConfigException as exc:
+        print(
+            "kelastic-operator: no Kubernetes credentials (not in a Pod, and no kubeconfig: "
+            f"--kubeconfig or $KUBECONFIG): {exc}",
+            file=sys.stderr,
+        )
+        return 2
     ctx = OperatorContext(
-        api=api_client(args.kubeconfig),
+        api=api,
         pod_settings=settings,
         stores=StoreCache(
             lambda eps: EtcdRendezvousStore(

@@ -92,3 +92,17 @@ def test_bad_leader_election_timings_are_refused(capsys: pytest.CaptureFixture[s
         main(["--lease-duration", "5", "--renew-deadline", "6"])
     assert exc.value.code == 2
     assert "renew deadline < lease duration" in capsys.readouterr().err
+
+
+def test_no_kubernetes_credentials_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kelastic_operator.__main__ import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    empty = tmp_path / "kubeconfig"
+    empty.write_text("")
+    assert main(["--kubeconfig", str(empty), "--standalone", "--metrics-port=0",
+                 "--health-port=0"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("kelastic-operator: no Kubernetes credentials") and "Traceback" not in err
