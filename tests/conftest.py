@@ -21,6 +21,7 @@ from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import namespace_for, start_or_skip
 from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds
 from tests.k8s.kubelet import LocalKubelet
+from tests.k8s.nodes import ManualNode
 
 T = TypeVar("T")
 
@@ -176,6 +177,13 @@ def kubelet(
 ) -> Iterator[LocalKubelet]:
     """The local kubelet running the cluster's Node ``kelastic-local`` for the whole run."""
     with LocalKubelet(k8s_cluster, tmp_path_factory.mktemp("kubelet")) as node:
+        yield node
+
+
+@pytest.fixture(scope="session")
+def manual_node(k8s_cluster: ControlPlane) -> Iterator[ManualNode]:
+    """A Ready Node nothing runs Pods on: the tests write its Pods' status."""
+    with ManualNode(k8s_cluster, "manual") as node:
         yield node
 
 

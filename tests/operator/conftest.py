@@ -3,7 +3,7 @@
 ``operator``: the kopf handlers of :mod:`kelastic_operator.handlers` in a thread, logged in
 as the ``kelastic-operator`` ServiceAccount with exactly ``deploy/rbac.yaml``'s rights (a
 missing verb fails the test), serving the test's namespace, with a real etcd.
-``manual_node``: a Node whose Pods' status the tests write themselves.
+(``manual_node``, a Node whose Pods' status the tests write, is in tests/conftest.py.)
 """
 
 from __future__ import annotations
@@ -28,13 +28,6 @@ from tests.k8s.nodes import ManualNode
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples/digits/elasticjob.yaml"
-
-
-@pytest.fixture(scope="session")
-def manual_node(k8s_cluster: ControlPlane) -> Iterator[ManualNode]:
-    """A Ready Node nothing runs Pods on: the tests write its Pods' status."""
-    with ManualNode(k8s_cluster, "manual") as node:
-        yield node
 
 
 def operator_client(cluster: ControlPlane, namespace: str) -> Client:
