@@ -176,3 +176,23 @@ def test_a_job_s_auth_secret_reaches_the_sidecar_as_env(auth_etcd: str) -> None:
     resolved[contract.ENV_POD_NAME] = "j-0"
     with SidecarConfig.from_env(resolved).etcd_client() as client:
         client.put("/kelastic-test/auth/pod", b"ok")
+
+
+def test_a_refusal_leaves_the_rendezvous_at_once_as_a_connection_error(auth_etcd: str) -> None:
+    # etcd refuses a client without credentials: the rendezvous does not ride that out
+    # as an outage until join_timeout, it surfaces at once.
+    from kelastic_sidecar.rendezvous import (
+        EtcdRendezvousHandler,
+        RendezvousConnectionError,
+        RendezvousSettings,
+    )
+
+    settings = RendezvousSettings("refused", 1, 1, join_timeout=30.0)
+    with EtcdClient([auth_etcd], timeout=10.0) as anonymous:
+        handler = EtcdRendezvousHandler(anonymous, contract.Keys("/kelastic/x/"), "a", settings)
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError) as err:
+            handler.next_rendezvous()
+        assert time.monotonic() - started < 5.0
+        assert isinstance(err.value.__cause__, EtcdRefused)
+        handler.shutdown()

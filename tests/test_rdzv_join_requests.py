@@ -93,7 +93,7 @@ def _joining(c: Cluster) -> set[str]:
 
 def test_a_lone_join_takes_four_requests(cluster: Cluster) -> None:
     node = cluster.node("a", settings(min_nodes=1, max_nodes=1))
-    store = node._store
+    store = node.state.store
     before = store.request_counts()
     info = node.next_rendezvous()
     assert info.group_world_size == 1
@@ -105,15 +105,15 @@ def test_a_lone_join_takes_four_requests(cluster: Cluster) -> None:
 def test_a_lost_write_returns_the_winners_view_without_a_read(cluster: Cluster) -> None:
     s = settings(min_nodes=2, max_nodes=3)
     a, b = cluster.node("a", s), cluster.node("b", s)
-    a._ensure_alive()
-    b._ensure_alive()
-    view = a._read()
-    view_b = b._read()
-    ok, winner = b._write(view_b, dataclasses.replace(view_b.state, participants={"b": 0}))
+    a.state.ensure_alive()
+    b.state.ensure_alive()
+    view = a.state.read()
+    view_b = b.state.read()
+    ok, winner = b.state.write(view_b, dataclasses.replace(view_b.state, participants={"b": 0}))
     assert ok
-    store = a._store
+    store = a.state.store
     before = store.request_counts()
-    ok, after = a._write(view, dataclasses.replace(view.state, participants={"a": 0}))
+    ok, after = a.state.write(view, dataclasses.replace(view.state, participants={"a": 0}))
     assert not ok
     assert after.state == winner.state and after.token == winner.token
     assert after.alive == {"a", "b"}
@@ -123,8 +123,8 @@ def test_a_lost_write_returns_the_winners_view_without_a_read(cluster: Cluster) 
 def test_a_writer_admits_pending_join_requests(cluster: Cluster) -> None:
     s = settings(min_nodes=2, max_nodes=2)
     a, b, ghost = cluster.node("a", s), cluster.node("b", s), cluster.node("ghost", s)
-    b._ensure_alive(request_join=True)  # b asked to join (its join op is not running)
-    ghost._ensure_alive(request_join=True)
+    b.state.ensure_alive(request_join=True)  # b asked to join (its join op is not running)
+    ghost.state.ensure_alive(request_join=True)
     ghost.shutdown()  # its request went with its lease
     assert _joining(cluster) == {"b"}
     info = a.next_rendezvous()  # a's own write admits b: the round is complete at once
@@ -136,13 +136,13 @@ def test_a_writer_admits_pending_join_requests(cluster: Cluster) -> None:
 def test_a_withdrawn_request_is_not_admitted(cluster: Cluster) -> None:
     s = settings(min_nodes=1, max_nodes=3)
     a, b = cluster.node("a", s), cluster.node("b", s)
-    a._ensure_alive()
-    b._ensure_alive(request_join=True)
-    view = a._read()
+    a.state.ensure_alive()
+    b.state.ensure_alive(request_join=True)
+    view = a.state.read()
     assert set(view.joining) == {"b"}
-    b._withdraw_join_request()  # b timed out between a's read and a's write
+    b.state.withdraw_join_request()  # b timed out between a's read and a's write
     new = dataclasses.replace(view.state, participants={"a": 0, "b": 0})
-    ok, after = a._write(view, new, admitted=("b",))
+    ok, after = a.state.write(view, new, admitted=("b",))
     assert not ok  # b's request is not the one a saw any more
     assert "b" not in after.state.participants
 
@@ -156,7 +156,7 @@ def test_many_nodes_join_with_few_writes(cluster: Cluster) -> None:
     assert _joining(cluster) == set()
     writes = sum(
         n.request_counts().get("cas", 0) - n.request_counts().get("cas_failed", 0)
-        for n in (h._store for h in nodes)
+        for n in (h.state.store for h in nodes)
     )
     assert 1 <= writes <= 8  # one state write per node at most, often fewer
 
@@ -180,14 +180,14 @@ def test_a_pending_request_is_withdrawn_once_at_the_timeout(cluster: Cluster) ->
 
     s = settings(min_nodes=2, max_nodes=2)
     node = cluster.node("slow", s)
-    node._ensure_alive(request_join=True)  # the request is pending, nobody listed us
+    node.state.ensure_alive(request_join=True)  # the request is pending, nobody listed us
     assert _joining(cluster) == {"slow"}
     outcome: list[BaseException] = []
 
     def run() -> None:
         try:
             step = functools.partial(join_step, node="slow", settings=s)
-            node._run("join", step, 0.0, need_alive=True, request_join=True, admit=True)
+            node.executor.run("join", step, 0.0, need_alive=True, request_join=True, admit=True)
         except BaseException as exc:  # handed to the test
             outcome.append(exc)
 
@@ -205,7 +205,7 @@ def test_an_open_session_spends_no_grant_or_stream_per_round(cluster: Cluster) -
 
     s = settings(min_nodes=2, max_nodes=2, last_call_timeout=30)
     a, b = cluster.node("a", s), cluster.node("b", s)
-    store = a._store
+    store = a.state.store
     a.open()
     a.open()  # idempotent
     assert _spent({}, store.request_counts()) == {"grant_lease": 1, "watch": 1}
@@ -241,7 +241,7 @@ def test_a_waiting_node_follows_state_writes_without_reads(cluster: Cluster) -> 
     a, b, c = (cluster.node(n, s) for n in "abc")
     for node in (a, b, c):
         node.open()
-    store = a._store
+    store = a.state.store
     before = store.request_counts()
     infos: list[object] = []
     joining = threading.Thread(target=lambda: infos.append(a.next_rendezvous()), daemon=True)
@@ -271,12 +271,12 @@ def test_a_write_never_exceeds_etcds_transaction_limit(cluster: Cluster) -> None
     s = settings(min_nodes=n, max_nodes=n, last_call_timeout=30, join_timeout=60)
     nodes = [cluster.node(f"job-{i:03d}", s) for i in range(n)]
     for node in nodes[1:]:  # each has asked to join and finished its exit step
-        node._ensure_alive(request_join=True)
+        node.state.ensure_alive(request_join=True)
     views: dict[str, object] = {}
 
     def join(node: EtcdRendezvousHandler) -> None:  # next_rendezvous's join op
         step = functools.partial(join_step, node=node.node, settings=s)
-        view = node._run("join", step, 60, need_alive=True, request_join=True, admit=True)
+        view = node.executor.run("join", step, 60, need_alive=True, request_join=True, admit=True)
         views[node.node] = view.state
 
     first = threading.Thread(target=join, args=(nodes[0],), daemon=True)
@@ -291,4 +291,4 @@ def test_a_write_never_exceeds_etcds_transaction_limit(cluster: Cluster) -> None
     final = cluster.state()
     assert final.complete and len(final.participants) == n
     assert len(views) == n
-    assert sum(node._store.request_counts().get("errors", 0) for node in nodes) == 0
+    assert sum(node.state.store.request_counts().get("errors", 0) for node in nodes) == 0

@@ -11,11 +11,13 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kelastic.contract import Keys
+from kelastic_etcd import EtcdUnavailable
 from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from kelastic_sidecar.rendezvous import (
     LEAVE_OUTAGE_TIMEOUT,
     EtcdRendezvousHandler,
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousInfo,
     RendezvousSettings,
@@ -418,8 +420,8 @@ def test_expired_lease_counts_as_lost(cluster: Cluster) -> None:
     s = settings(min_nodes=2, max_nodes=2, lease_ttl=1)
     a, b = cluster.node("a", s), cluster.node("b", s)
     info_a, info_b = join_all([a, b])
-    assert b._lease is not None
-    b._lease.stop_keep_alive()  # hung or partitioned: the lease expires after its TTL
+    assert b.state.lease is not None
+    b.state.lease.stop_keep_alive()  # hung or partitioned: the lease expires after its TTL
     wait_for(lambda: check_reason(a, info_a)() == "participant_lost", 20, what="b lost")
     assert a.check_round(info_a).nodes == ("b",)
     wait_for(lambda: b.lease_lost or check_reason(b, info_b)() == "lease_lost", 20)
@@ -612,6 +614,8 @@ def test_join_gives_up_when_etcd_stays_away(cluster: Cluster) -> None:
     with EtcdStore(["127.0.0.1:1"], timeout=0.3) as dead:
         handler = EtcdRendezvousHandler(dead, cluster.keys, "a", s)
         started = time.monotonic()
-        with pytest.raises(EtcdUnavailableError):
+        with pytest.raises(RendezvousConnectionError) as err:  # torch's term, at the boundary
             handler.next_rendezvous()
         assert 1.0 <= time.monotonic() - started < 4
+        assert isinstance(err.value.__cause__, EtcdUnavailable)  # ridden out until the deadline
+        assert isinstance(err.value, (RendezvousError, EtcdUnavailableError))

@@ -15,8 +15,8 @@ __all__ = ["cluster"]  # the fixture, used by name
 def _expire(*nodes: EtcdRendezvousHandler) -> None:
     """Let the nodes' leases expire at etcd, as when etcd stalls past the TTL."""
     for node in nodes:
-        assert node._lease is not None
-        node._lease.stop_keep_alive()
+        assert node.state.lease is not None
+        node.state.lease.stop_keep_alive()
 
 
 def _alive(c: Cluster) -> set[str]:

@@ -211,8 +211,11 @@ def decode_envelope(raw: bytes, key: str) -> bytes:
 @functools.cache
 def _torch_classes() -> tuple[type[Any], type[Any]]:
     """Build the torch adapter classes (imports torch; called on first use)."""
-    import torch.distributed as dist
-    from torch._C._distributed_c10d import Store
+    return _torch_backend_class(), _torch_store_class()
+
+
+def _torch_backend_class() -> type[Any]:
+    """torch's ``RendezvousBackend`` over :class:`EtcdRendezvousBackend` (imports torch)."""
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousConnectionError,
         RendezvousStateError,
@@ -256,6 +259,16 @@ def _torch_classes() -> tuple[type[Any], type[Any]]:
             except EtcdUnavailableError as exc:
                 raise RendezvousConnectionError(str(exc)) from exc
             return None if got is None else (self._unwrap(got[0]), got[1], got[2])
+
+    return TorchEtcdRendezvousBackend
+
+
+def _torch_store_class() -> type[Any]:
+    """A c10d ``Store`` on etcd (imports torch)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Store
+
+    from .etcd_store import EtcdUnavailableError
 
     class EtcdC10dStore(Store):  # type: ignore[misc,unused-ignore]
         """A c10d ``Store`` on etcd, returned by the handler (torch's etcd-v2 backend does alike).
@@ -345,7 +358,7 @@ def _torch_classes() -> tuple[type[Any], type[Any]]:
         deleteKey = delete_key
         getNumKeys = num_keys
 
-    return TorchEtcdRendezvousBackend, EtcdC10dStore
+    return EtcdC10dStore
 
 
 def create_torch_handler(params: Any) -> Any:
