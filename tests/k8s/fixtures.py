@@ -2,7 +2,7 @@
 one control plane and one local kubelet per test run, a fresh namespace per test.
 
 - ``k8s_cluster`` (session): :class:`~tests.k8s.cluster.ControlPlane` with the kelastic
-  and kopf-peering CRDs applied, the operator's namespace and RBAC of ``deploy/``.
+  applied, the operator's namespace and RBAC of ``deploy/``.
 - ``kubelet`` (session): a :class:`~tests.k8s.kubelet.LocalKubelet` whose ``images`` a test
   may extend (image -> working folder).
 - ``k8s`` (function): an admin :class:`~tests.k8s.cluster.Client` whose kubeconfig

@@ -115,6 +115,5 @@ def fast_kopf_settings() -> kopf.OperatorSettings:
     settings.watching.server_timeout = 30
     settings.watching.client_timeout = 40
     settings.networking.request_timeout = 10
-    settings.peering.lifetime = 10
     settings.process.ultimate_exiting_timeout = 5
     return settings
