@@ -196,3 +196,50 @@ def test_a_refusal_leaves_the_rendezvous_at_once_as_a_connection_error(auth_etcd
         assert time.monotonic() - started < 5.0
         assert isinstance(err.value.__cause__, EtcdRefused)
         handler.shutdown()
+
+
+def test_an_expired_auth_token_is_replaced(tmp_path: Path) -> None:
+    # etcd's simple tokens expire --auth-token-ttl seconds after their last use (300 by
+    # default: an operator idle for minutes meets this); the client authenticates again.
+    import subprocess
+
+    from kelastic_operator.local.etcd import etcd_binary, free_port
+
+    client_port, peer_port = free_port(), free_port()
+    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    args = [
+        str(etcd_binary()), "--name", "ttl", "--data-dir", str(tmp_path / "data"),
+        "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+        "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"ttl={peer_url}", "--unsafe-no-fsync",
+        "--auth-token-ttl", "1", "--log-level", "error",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"127.0.0.1:{client_port}"
+    try:
+        with EtcdClient([endpoint], timeout=20.0) as probe:
+            probe.get("/kelastic-test/up")  # retried until etcd serves
+        _enable_auth(endpoint)
+        with EtcdClient([endpoint], timeout=5.0, user="root", password=ROOT_PASSWORD) as client:
+            client.put("/kelastic-test/ttl", b"1")
+            snap = client.read(["/kelastic-test/ttl"])
+            time.sleep(3.0)  # the token expires
+            client.put("/kelastic-test/ttl", b"2")
+            assert client.get("/kelastic-test/ttl") == (
+                b"2",
+                client.read(["/kelastic-test/ttl"]).values["/kelastic-test/ttl"][1],
+            )
+            time.sleep(3.0)
+            assert client.wait_change(["/kelastic-test/ttl"], snap.revision, 5.0)
+            assert client.request_counts().get("errors", 0) == 0  # no call failed
+            time.sleep(3.0)
+            # a long-lived watch stream re-creates its watches with a fresh token (its
+            # first try, with the expired one, counts as a broken stream)
+            watcher = Watcher(client, ["/kelastic-test/ttl"])
+            try:
+                assert watcher.wait(snap.revision, 5.0)
+            finally:
+                watcher.close()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -211,6 +211,12 @@ class TokenAuth(
         return continuation(self._with_token(details), requests)
 
 
+def token_expired(exc: grpc.RpcError) -> bool:
+    """etcd no longer accepts the request's auth token (it expired: simple tokens live
+    ``--auth-token-ttl`` seconds, 300 by default, after their last use)."""
+    return "invalid auth token" in describe(exc)
+
+
 @dataclass
 class Endpoint:
     """One member: its channel and the stubs of the services the client uses."""
@@ -221,6 +227,14 @@ class Endpoint:
     watch: Any
     lease: Any
     auth: TokenAuth | None = None
+
+    def forget_expired_token(self, exc: grpc.RpcError) -> bool:
+        """After ``exc``: when it says the auth token expired, forget the token (the next
+        request authenticates again) and return True."""
+        if self.auth is None or not token_expired(exc):
+            return False
+        self.auth.invalidate()
+        return True
 
 
 def _credentials(tls_dir: Path | None) -> Any:
@@ -395,9 +409,8 @@ class Connection:
                 return result
             except grpc.RpcError as exc:
                 last = describe(exc)
-                if ep.auth is not None and not reauthenticated and "invalid auth token" in last:
-                    ep.auth.invalidate()  # the token expired: authenticate again, once
-                    reauthenticated = True
+                if not reauthenticated and ep.forget_expired_token(exc):
+                    reauthenticated = True  # authenticate again, once per call
                     continue
                 error = classify(ep.netloc, what, exc)
                 if error is not None:

@@ -13,7 +13,7 @@ import grpc
 from pyetcd import etcdrpc
 
 from .call import Backoff, Endpoint, classify, describe, is_deadline
-from .errors import EtcdError, EtcdUnavailable
+from .errors import EtcdError, EtcdRefused, EtcdUnavailable
 from .kv import KV, key_range
 
 
@@ -85,6 +85,7 @@ class Watches(KV):
         deadline = time.monotonic() + timeout
         failing_since: float | None = None
         backoff = Backoff()
+        reauthenticated = False
         while True:
             if self.closed:
                 raise EtcdUnavailable(self.endpoint().netloc, "wait_change: the client is closed")
@@ -95,8 +96,16 @@ class Watches(KV):
             self.count("wait_change")
             try:
                 return self._watch_once(ep, requests, check, left)
+            except EtcdRefused:
+                # etcd cancels a watch whose auth token expired as "permission denied"
+                if ep.auth is None or reauthenticated:
+                    raise
+                ep.auth.invalidate()
+                reauthenticated = True
             except grpc.RpcError as exc:
                 error = classify(ep.netloc, "wait_change", exc)
+                if ep.forget_expired_token(exc):
+                    error = None  # authenticate again and retry
                 if error is not None:
                     raise error from exc
                 now = time.monotonic()
@@ -142,9 +151,9 @@ class Watches(KV):
                 if resp.canceled:
                     if resp.compact_revision:
                         return True  # history gone: the caller must re-read anyway
-                    raise EtcdUnavailable(
-                        ep.netloc, f"wait_change: watch cancelled: {resp.cancel_reason}"
-                    )
+                    reason = str(resp.cancel_reason)
+                    kind = EtcdRefused if "permission denied" in reason else EtcdUnavailable
+                    raise kind(ep.netloc, f"wait_change: watch cancelled: {reason}")
         except grpc.RpcError as exc:
             if is_deadline(exc):
                 return False

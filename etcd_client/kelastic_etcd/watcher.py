@@ -196,6 +196,9 @@ class Watcher:
             except grpc.RpcError as exc:
                 if self._closing.is_set() or self._store.closed:
                     return
+                if ep.auth is not None and "permission denied" in describe(exc):
+                    ep.auth.invalidate()  # how etcd cancels a watch whose token expired
+                ep.forget_expired_token(exc)  # the next try authenticates again
                 fallback = EtcdUnavailable(ep.netloc, f"watch: {describe(exc)}")
                 self._broken(classify(ep.netloc, "watch", exc) or fallback)
                 self._store.fail_over(ep)
