@@ -10,8 +10,8 @@ Modules, by concern (none imports another's private names):
 
 - :mod:`.errors`: what to do about a failure (:class:`EtcdUnavailable`: retry;
   :class:`EtcdRefused`: surface; :class:`EtcdLeaseNotFound`: re-join);
-- :mod:`.call`: channels, authentication (TLS, user/password), deadline, failover, the
-  back-off helper, error classification;
+- :mod:`.call`: channels, TLS, deadline, failover, the back-off helper, error
+  classification; :mod:`.auth`: etcd's user/password tokens;
 - :mod:`.kv`: reads, writes, compare-and-set transactions;
 - :mod:`.lease`: leases and their keep-alive;
 - :mod:`.watch`: one-off waits; :mod:`.watcher`: a long-lived watch stream;
