@@ -1,0 +1,430 @@
+"""One reconcile pass of one ElasticJob against the API and etcd: observe, call
+:func:`~kelastic_operator.reconcile.reconcile`, apply (blocking calls; kopf's handlers in
+:mod:`kelastic_operator.handlers` run it in a thread).
+
+A pass (:meth:`JobReconciler.reconcile_once`) reads the job and its Pods from the watch
+cache (the API only for what it does not know), reads the rendezvous view from etcd
+(optional: reconcile works without it), and applies the plan: the status first (a patch
+conditional on the job's resourceVersion, so the accounting is stored before the actions
+it counts; a failed write means this pass does nothing), then rendezvous departures and
+removals, Pod deletions and creations (slow-start batches), Events (aggregated).
+Only the leader acts: a pass applies nothing while :attr:`OperatorContext.fence` is false
+(leader election on a Lease, :mod:`kelastic_operator.leader`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, cast
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from kelastic import contract
+
+from .labels import LABEL_UID, selector
+from .metrics import OperatorMetrics
+from .model import API_GROUP, API_VERSION, PHASES, ElasticJobSpec, ElasticJobStatus
+from .pods import PodBuildError, PodSettings, build_pod, etcd_endpoints, trainer_name
+from .reconcile import (
+    REPLACE_REASON,
+    Event,
+    JobView,
+    Plan,
+    PodView,
+    RendezvousView,
+    pod_view,
+    reconcile,
+    reconcile_invalid,
+)
+from .rendezvous_store import RendezvousStore, RendezvousStoreError, StoreCache
+from .status import event_body, status_patch
+from .watch_cache import WatchCache
+
+PLURAL = "elasticjobs"
+#: Most Pods created at once by one reconcile pass (slow start: 1, 2, 4, ... up to this).
+MAX_CREATE_BATCH = 16
+#: Threads that send the Pod creations and deletions of every job's passes.
+_WRITE_POOL = concurrent.futures.ThreadPoolExecutor(
+    max_workers=MAX_CREATE_BATCH, thread_name_prefix="kelastic-write"
+)
+log = logging.getLogger("kelastic_operator")
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class OperatorContext:
+    """What the handlers share.
+
+    Attributes:
+        api: the official client's ApiClient (in-cluster or from a kubeconfig).
+        pod_settings: operator-wide Pod settings (sidecar image, default etcd...).
+        stores: etcd access per endpoint list.
+        resync_seconds: longest time between two passes of a job.
+        finalizer_retries: attempts at deleting a job's etcd prefix before giving up
+            (so that an unreachable etcd cannot block the job's deletion forever).
+        clock: the time source (tests may fix it).
+        metrics: the operator's metrics.
+        instance: this operator's name (``reportingInstance`` of its Events).
+        cache: the jobs and Pods the watch streams reported (a pass reads the API only
+            for what it does not know: an idle job costs no API request).
+        fence: whether this replica may act now (the leader election's
+            :meth:`~kelastic_operator.leader.LeaseElector.is_leader`); a pass that finds it
+            false writes nothing.
+    """
+
+    api: client.ApiClient
+    pod_settings: PodSettings
+    stores: StoreCache = field(default_factory=StoreCache)
+    resync_seconds: float = 30.0
+    finalizer_retries: int = 5
+    clock: Callable[[], datetime] = utcnow
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    instance: str = ""
+    fence: Callable[[], bool] = lambda: True
+    cache: WatchCache = field(default_factory=WatchCache)
+    _wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    _etcd_cleanup_failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (namespace, Event name) -> count posted, for aggregating repeats
+    event_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def wakeup(self, namespace: str, name: str) -> asyncio.Event:
+        """The event that wakes the daemon of job ``namespace/name`` (created on demand)."""
+        return self._wakeups.setdefault((namespace, name), asyncio.Event())
+
+
+class JobReconciler:
+    """One reconcile pass of one job against the API and etcd (blocking calls).
+
+    Args:
+        ctx: the shared context.
+        namespace, name: the job.
+    """
+
+    def __init__(self, ctx: OperatorContext, namespace: str, name: str) -> None:
+        self.ctx = ctx
+        self.namespace = namespace
+        self.name = name
+        self.core = client.CoreV1Api(ctx.api)
+        self.custom = client.CustomObjectsApi(ctx.api)
+
+    def _get_job(self) -> dict[str, Any] | None:
+        """The job as the watch last told it; read from the API when not known yet."""
+        cached = self.ctx.cache.job(self.namespace, self.name)
+        if cached is not None:
+            return cached
+        try:
+            obj = cast(
+                "dict[str, Any]",
+                self.custom.get_namespaced_custom_object(
+                    API_GROUP, API_VERSION, self.namespace, PLURAL, self.name
+                ),
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        self.ctx.cache.put_job(obj)
+        return obj
+
+    def _pods(self, uid: str, trainer: str) -> list[PodView]:
+        """The job's Pods as the watch told them; listed from the API when never listed
+        or when the cache's relist is due."""
+        pods = self.ctx.cache.pods(self.namespace, self.name)
+        if pods is None:
+            listed = self.core.list_namespaced_pod(
+                self.namespace, label_selector=selector(self.name), _preload_content=False
+            )
+            # raw JSON: the client's models are slow
+            pods = json.loads(cast(Any, listed).data)["items"]
+            self.ctx.cache.replace_pods(self.namespace, self.name, pods)
+        views = []
+        for pod in pods:
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            view = pod_view(self.name, pod, trainer)
+            if view is None:
+                continue
+            if labels.get(LABEL_UID, uid) != uid:
+                # a Pod of an earlier job of the same name, being collected: it holds its
+                # name until it is gone, and is not ours
+                view = dataclasses.replace(view, deleting=True, phase="Unknown")
+            views.append(view)
+        return views
+
+    def _rendezvous(
+        self, spec: ElasticJobSpec, prefix: str
+    ) -> tuple[RendezvousView | None, RendezvousStore | None]:
+        """The job's rendezvous view and store; either is None when it cannot be had."""
+        try:
+            store = self.ctx.stores.get(etcd_endpoints(spec, self.ctx.pod_settings))
+        except (PodBuildError, ValueError) as exc:
+            log.warning("%s/%s: no usable etcd: %s", self.namespace, self.name, exc)
+            return None, None
+        try:
+            return store.read(prefix, spec.nproc_per_node), store
+        except RendezvousStoreError as exc:
+            log.warning("%s/%s: cannot read rendezvous state: %s", self.namespace, self.name, exc)
+            return None, store
+
+    def reconcile_once(self) -> float | None:
+        """Observe, decide, apply once.
+
+        Returns:
+            Seconds until the next pass is due (None: only on a change or the resync).
+
+        Raises:
+            ApiException: an API call failed other than with 404/409 (kopf logs it and
+                the daemon retries).
+        """
+        obj = self._get_job()
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return None
+        meta = obj["metadata"]
+        uid = str(meta["uid"])
+        now = self.ctx.clock()
+        old = ElasticJobStatus.model_validate(obj.get("status") or {})
+        try:
+            spec = ElasticJobSpec.model_validate(obj.get("spec") or {})
+        except ValidationError as exc:
+            self._invalid(obj, old, validation_message(exc), now)
+            return None
+        prefix = contract.job_prefix(self.namespace, self.name, uid)
+        view = JobView(
+            name=self.name,
+            namespace=self.namespace,
+            uid=uid,
+            generation=int(meta.get("generation") or 1),
+            spec=spec,
+            status=old,
+        )
+        pods = self._pods(uid, trainer_name(spec.template))
+        rdzv, store = self._rendezvous(spec, prefix)
+        plan = reconcile(view, pods, now, rdzv)
+        if not self.ctx.fence():
+            log.warning(
+                "%s/%s: not the leader any more: nothing applied", self.namespace, self.name
+            )
+            return None
+        self._apply(obj, spec, old, plan, store, prefix, now)
+        self.ctx.metrics.set_phase(self.namespace, self.name, plan.status.phase, PHASES)
+        return plan.requeue_after
+
+    def _apply(
+        self,
+        obj: dict[str, Any],
+        spec: ElasticJobSpec,
+        old: ElasticJobStatus,
+        plan: Plan,
+        store: RendezvousStore | None,
+        prefix: str,
+        now: datetime,
+    ) -> None:
+        uid = str(obj["metadata"]["uid"])
+        # status first, conditional on the job as observed: the accounting (replacements,
+        # failures counted) must be stored before the actions it counts. A failed write
+        # (conflict, throttling, outage) raises: this pass acts on nothing, the next one
+        # decides again from what is stored.
+        if plan.status_changed:
+            body = status_patch(old, plan.status)
+            body["metadata"] = {"resourceVersion": obj["metadata"]["resourceVersion"]}
+            try:
+                written = self.custom.patch_namespaced_custom_object_status(
+                    API_GROUP, API_VERSION, self.namespace, PLURAL, self.name, body
+                )
+            except ApiException as exc:
+                if exc.status == 409:  # the job as known is stale: read it again next time
+                    self.ctx.cache.drop_job_body(self.namespace, self.name)
+                raise
+            self.ctx.cache.put_job(cast("dict[str, Any]", written))
+        if plan.depart_nodes and store is not None:
+            try:
+                store.mark_departing(prefix, plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN)
+            except RendezvousStoreError as exc:
+                log.warning("%s/%s: posting departures failed: %s", self.namespace, self.name, exc)
+        if plan.remove_nodes and store is not None:
+            try:
+                store.remove_nodes(prefix, plan.remove_nodes)
+                self.ctx.metrics.nodes_removed.inc(len(plan.remove_nodes))
+            except RendezvousStoreError as exc:
+                log.warning("%s/%s: removing nodes failed: %s", self.namespace, self.name, exc)
+        for delete in plan.delete:
+            log.info("%s/%s: deleting pod %s (%s)", self.namespace, self.name, delete.name,
+                     delete.reason)  # fmt: skip
+            try:
+                self.core.delete_namespaced_pod(delete.name, self.namespace)
+                self.ctx.metrics.pods_deleted.inc()
+                if delete.reason == REPLACE_REASON:
+                    self.ctx.metrics.pod_replacements.inc()
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        try:
+            pods = [
+                build_pod(self.name, self.namespace, uid, spec, c.index, self.ctx.pod_settings)
+                for c in plan.create
+            ]
+        except PodBuildError as exc:
+            plan.events.append(Event("Warning", "FailedCreate", str(exc)))
+            pods = []
+        refused = self._create(pods)
+        if refused is not None:
+            plan.events.append(Event("Warning", "FailedCreate", refused))
+        for event in plan.events:
+            self._post(event, uid, now)
+
+    def _create(self, pods: list[dict[str, Any]]) -> str | None:
+        """Create ``pods`` in slow-start batches (1, 2, 4, ... up to
+        :data:`MAX_CREATE_BATCH` at once, as the ReplicaSet controller does): a job of many
+        replicas is created quickly, and a refusal (quota, admission, invalid template)
+        stops it after one failed batch instead of one refusal per Pod.
+
+        Returns:
+            The first refusal's message (``creating pod <name>: <why>``), None when none.
+
+        Raises:
+            ApiException: a create failed other than with 409 (already there) or a 4xx.
+        """
+        done, size = 0, 1
+        while done < len(pods):
+            batch = pods[done : done + size]
+            outcomes = list(_WRITE_POOL.map(self._create_one, batch))
+            refusals = [o for o in outcomes if o is not None]
+            if refusals:
+                return refusals[0]
+            done, size = done + len(batch), min(size * 2, MAX_CREATE_BATCH)
+        return None
+
+    def _create_one(self, pod: dict[str, Any]) -> str | None:
+        """Create one Pod; returns a refusal's message, None when created or already there."""
+        try:
+            created = self.core.create_namespaced_pod(
+                self.namespace, cast(Any, pod), _preload_content=False
+            )
+        except ApiException as exc:
+            if exc.status == 409:  # already there (an earlier pass or a stale pod)
+                return None
+            if exc.status is None or not 400 <= exc.status < 500:
+                raise
+            # refused (invalid template, quota, admission): say so, as ReplicaSets do
+            return f"creating pod {pod['metadata']['name']}: {_api_message(exc)}"
+        self.ctx.metrics.pods_created.inc()
+        # raw JSON: the client's models cost ~10x the request's own CPU at thousands of Pods
+        self.ctx.cache.put_pod(self.namespace, self.name, json.loads(cast(Any, created).data))
+        return None
+
+    def _post(self, event: Event, uid: str, now: datetime) -> None:
+        """Post an Event, or count a repeat of it on the existing one (aggregation)."""
+        body = event_body(event, self.name, self.namespace, uid, now, self.ctx.instance)
+        key = (self.namespace, str(body["metadata"]["name"]))
+        try:
+            try:
+                self.core.create_namespaced_event(self.namespace, cast(Any, body))
+                self.ctx.event_counts[key] = 1
+                return
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            count = self.ctx.event_counts.get(key)
+            if count is None:  # posted by an earlier operator process
+                existing = self.core.read_namespaced_event(key[1], self.namespace)
+                count = int(existing.count or 1)
+            self.core.patch_namespaced_event(key[1], self.namespace, {
+                "count": count + 1, "message": body["message"],
+                "lastTimestamp": body["lastTimestamp"],
+                "reportingInstance": body["reportingInstance"],
+            })  # fmt: skip
+            self.ctx.event_counts[key] = count + 1
+        except ApiException as exc:  # events are best effort
+            log.warning("%s/%s: posting event %s failed: %s", self.namespace, self.name,
+                        event.reason, exc.reason)  # fmt: skip
+
+    def _invalid(
+        self, obj: dict[str, Any], old: ElasticJobStatus, error: str, now: datetime
+    ) -> None:
+        generation = int(obj["metadata"].get("generation") or 1)
+        plan = reconcile_invalid(old, generation, error, now)
+        if plan.status_changed:
+            self.custom.patch_namespaced_custom_object_status(
+                API_GROUP, API_VERSION, self.namespace, PLURAL, self.name,
+                status_patch(old, plan.status),
+            )  # fmt: skip
+        for event in plan.events:
+            self._post(event, str(obj["metadata"]["uid"]), now)
+
+    def stop_pods(self, uid: str) -> list[str]:
+        """Delete the job's Pods (the first step of deleting a job) and say which are
+        still there: the job's etcd keys may go only once no sidecar can write them again.
+
+        Returns:
+            Names of the job's Pods that still exist (being deleted or just deleted).
+
+        Raises:
+            ApiException: listing or deleting failed other than with 404.
+        """
+        listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector(self.name))
+        left, running = [], []
+        for pod in self.ctx.api.sanitize_for_serialization(listed.items):  # type: ignore[no-untyped-call]
+            meta = pod.get("metadata") or {}
+            if (meta.get("labels") or {}).get(LABEL_UID, uid) != uid:
+                continue
+            left.append(str(meta["name"]))
+            if not meta.get("deletionTimestamp"):
+                running.append(str(meta["name"]))
+        list(_WRITE_POOL.map(self._delete_one, running))
+        return left
+
+    def _delete_one(self, name: str) -> None:
+        try:
+            self.core.delete_namespaced_pod(name, self.namespace)
+            self.ctx.metrics.pods_deleted.inc()
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def delete_prefix(self, obj: dict[str, Any]) -> None:
+        """Delete the job's etcd prefix (the finalizer's work).
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+        """
+        prefix = contract.job_prefix(self.namespace, self.name, str(obj["metadata"]["uid"]))
+        rdzv = (obj.get("spec") or {}).get("rendezvous") or {}
+        endpoints = list(rdzv.get("etcdEndpoints") or []) or list(
+            self.ctx.pod_settings.etcd_endpoints
+        )
+        if not endpoints:
+            return  # no etcd: nothing stored
+        self.ctx.stores.get(endpoints).delete_prefix(prefix)
+        log.info("%s/%s: deleted etcd prefix %s", self.namespace, self.name, prefix)
+
+
+def _api_message(exc: ApiException) -> str:
+    """The ``message`` of the Status object in an API error, else its reason."""
+    try:
+        doc = json.loads(exc.body or "")
+    except (TypeError, ValueError):
+        doc = None
+    if isinstance(doc, dict) and doc.get("message"):
+        return str(doc["message"])
+    return f"{exc.status} {exc.reason}"
+
+
+def validation_message(exc: ValidationError) -> str:
+    """One line per problem, ``spec.<field>: <message>``, like ``kelastic run`` prints."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in ("spec", *err["loc"]))
+        lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "invalid spec: " + "; ".join(lines)
