@@ -461,12 +461,68 @@ def reconcile_invalid(status: ElasticJobStatus, generation: int, error: str, now
     return plan
 
 
-def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: RendezvousView) -> Plan:
-    spec, old = job.spec, job.status
-    st = old.model_copy(deep=True)
-    plan = Plan(status=st)
-    stamp = format_time(now)
-    wakeups: list[datetime] = []
+@dataclass
+class _Pass:
+    """One pass of :func:`reconcile`: the inputs, what they say, and the plan being made.
+
+    The rules of the module docstring are functions over it, applied in order by
+    :func:`_decide`; each reads what the earlier ones decided (``target``, ``gone``...).
+    """
+
+    job: JobView
+    now: datetime
+    rdzv: RendezvousView
+    pods: Sequence[PodView]
+    st: ElasticJobStatus
+    plan: Plan
+    live: list[PodView]
+    by_phase: dict[str, list[PodView]]
+    wakeups: list[datetime] = field(default_factory=list)
+    finishing: bool = False
+    target: int = 0
+    stuck: list[PodView] = field(default_factory=list)
+    gone: set[str] = field(default_factory=set)
+    waiting: list[PodView] = field(default_factory=list)
+    pending_deadlines: list[tuple[str, datetime]] = field(default_factory=list)
+
+    @property
+    def spec(self) -> ElasticJobSpec:
+        return self.job.spec
+
+    @property
+    def old(self) -> ElasticJobStatus:
+        return self.job.status
+
+    @property
+    def stamp(self) -> str:
+        return format_time(self.now)
+
+    @property
+    def running(self) -> list[PodView]:
+        return self.by_phase.get("Running", [])
+
+    @property
+    def succeeded(self) -> list[PodView]:
+        return self.by_phase.get("Succeeded", [])
+
+    @property
+    def failed(self) -> list[PodView]:
+        return sorted(self.by_phase.get("Failed", []), key=lambda p: p.index)
+
+    def finish(self, phase: str, reason: str | None, message: str | None) -> Plan:
+        return _finish(
+            self.job.generation, self.old, self.st, self.plan, phase, reason, message,
+            self.stamp, self.now, self.wakeups,
+        )  # fmt: skip
+
+
+#: (phase, reason, message) that ends a pass
+_Outcome = tuple[str, str, str]
+
+
+def _observe(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: RendezvousView) -> _Pass:
+    """Start the new status from the old one and what the rendezvous reports."""
+    st = job.status.model_copy(deep=True)
     st.selector = selector(job.name)
     if rdzv.round is not None:
         st.round = rdzv.round
@@ -476,242 +532,253 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
         st.restarts_spent = rdzv.restarts_spent
     st.restarts_spent = st.restarts_spent or 0
     st.replacements = st.replacements or 0
-    new_generation = old.observed_generation != job.generation
     st.observed_generation = job.generation
-
     live = [p for p in pods if not p.deleting]
     by_phase: dict[str, list[PodView]] = {}
     for pod in live:
         by_phase.setdefault(pod.phase, []).append(pod)
-    running = by_phase.get("Running", [])
-    succeeded = by_phase.get("Succeeded", [])
-    failed = sorted(by_phase.get("Failed", []), key=lambda p: p.index)
-    phase: str = old.phase or "Pending"
-    reason, message = "", ""
+    return _Pass(job, now, rdzv, pods, st, Plan(status=st), live, by_phase)
 
-    # 1. terminal: only clean up
-    if phase in TERMINAL_PHASES:
-        _cleanup(spec, live, plan, f"job {phase.lower()}")
-        return _finish(job.generation, old, st, plan, phase, None, None, stamp, now, wakeups)
 
-    # failed Pods' nodes leave rendezvous (idempotent: every pass until the Pod is gone);
-    # new failures (newest last) are recorded and announced once
-    for pod in sorted(failed, key=lambda p: (failure_of(p, now).time or "", p.index)):
-        failure = failure_of(pod, now)
-        plan.remove_nodes.append(pod.name)
-        if _is_newer(failure, st.last_failure):
-            st.last_failure = failure
-            plan.events.append(
+def _note_failures(p: _Pass) -> None:
+    """Rule 8 and the announcements: failed and deleted Pods' nodes leave the rendezvous
+    (every pass until the Pod is gone: idempotent); a new failure (newest last) is recorded
+    and announced once; worker-group restarts the sidecars spent are announced."""
+    for pod in sorted(p.failed, key=lambda x: (failure_of(x, p.now).time or "", x.index)):
+        failure = failure_of(pod, p.now)
+        p.plan.remove_nodes.append(pod.name)
+        if _is_newer(failure, p.st.last_failure):
+            p.st.last_failure = failure
+            p.plan.events.append(
                 Event("Warning", "PodFailed", f"pod {pod.name} failed: {failure.message}")
             )
-
     # Pods being deleted leave rendezvous at once (their sidecars may not get to say so)
-    for pod in pods:
-        if pod.deleting and pod.phase in ACTIVE_PHASES and pod.name not in plan.remove_nodes:
-            plan.remove_nodes.append(pod.name)
+    for pod in p.pods:
+        if pod.deleting and pod.phase in ACTIVE_PHASES and pod.name not in p.plan.remove_nodes:
+            p.plan.remove_nodes.append(pod.name)
+    spent_before = p.old.restarts_spent or 0
+    spent = p.rdzv.restarts_spent
+    if spent is not None and spent > spent_before:
+        round_ = p.rdzv.round if p.rdzv.round is not None else "?"
+        p.plan.events.append(
+            Event("Warning", "WorkersRestarted", f"worker group restarted: {spent}/"
+                  f"{p.spec.max_restarts} restarts spent (round {round_})")
+        )  # fmt: skip
 
-    # worker-group restarts the sidecars spent (scale events spend none)
-    spent_before = old.restarts_spent or 0
-    if rdzv.restarts_spent is not None and rdzv.restarts_spent > spent_before:
-        plan.events.append(
-            Event(
-                "Warning",
-                "WorkersRestarted",
-                f"worker group restarted: {rdzv.restarts_spent}/{spec.max_restarts} restarts "
-                f"spent (round {rdzv.round if rdzv.round is not None else '?'})",
-            )
-        )
 
-    # 2. the job failed
-    fatal = [p for p in failed if is_job_failure(p)]
-    if fatal or rdzv.failed_reports:
-        if fatal:
-            cause = failure_of(fatal[0], now)
-            st.last_failure = cause
-            message = cause.message
-        else:
-            node, summary = sorted(rdzv.failed_reports.items())[0]
-            message = summary
-            st.last_failure = LastFailure(pod=node, message=summary, time=stamp)
-        phase, reason = "Failed", "JobFailed"
-        _cleanup(spec, live, plan, "job failed")
-        return _finish(job.generation, old, st, plan, phase, reason, message, stamp, now, wakeups)
+def _job_failed(p: _Pass) -> _Outcome | None:
+    """Rule 2: a Pod's trainer, or a sidecar's report, says the whole job failed."""
+    fatal = [x for x in p.failed if is_job_failure(x)]
+    if not fatal and not p.rdzv.failed_reports:
+        return None
+    if fatal:
+        cause = failure_of(fatal[0], p.now)
+        p.st.last_failure = cause
+        message = cause.message
+    else:
+        node, message = sorted(p.rdzv.failed_reports.items())[0]
+        p.st.last_failure = LastFailure(pod=node, message=message, time=p.stamp)
+    _cleanup(p.spec, p.live, p.plan, "job failed")
+    return "Failed", "JobFailed", message
 
-    # 3. the job succeeded
-    if (succeeded or rdzv.succeeded_nodes) and not running:
-        phase, reason = "Succeeded", "AllPodsSucceeded"
-        message = f"{len(succeeded)} pod(s) succeeded"
-        _cleanup(spec, live, plan, "job succeeded")
-        return _finish(job.generation, old, st, plan, phase, reason, message, stamp, now, wakeups)
-    finishing = bool(succeeded or rdzv.succeeded_nodes)
 
-    # 4a. the target number of Pods (elastic shrink and grow back)
+def _job_succeeded(p: _Pass) -> _Outcome | None:
+    """Rule 3: some Pod succeeded and none still runs. (Some succeeded and some still run:
+    the job is finishing, which later rules respect.)"""
+    p.finishing = bool(p.succeeded or p.rdzv.succeeded_nodes)
+    if not p.finishing or p.running:
+        return None
+    _cleanup(p.spec, p.live, p.plan, "job succeeded")
+    return "Succeeded", "AllPodsSucceeded", f"{len(p.succeeded)} pod(s) succeeded"
+
+
+def _resize(p: _Pass) -> None:
+    """Rule 6: stuck Pending Pods shrink ``target`` towards ``minReplicas``; one timeout
+    after the last resize it grows back; a new generation resets it."""
+    spec, st, now = p.spec, p.st, p.now
+    new_generation = p.old.observed_generation != p.job.generation
     target = st.target_replicas if st.target_replicas and not new_generation else spec.replicas
     target = max(spec.min_nodes, min(target, spec.replicas))
     timeout = timedelta(seconds=spec.pending_timeout_seconds)
     last_resize = parse_time(st.last_resize_time)
-    if target < spec.replicas and last_resize is not None and not finishing:
+    if target < spec.replicas and last_resize is not None and not p.finishing:
         grow_at = last_resize + timeout
         if now >= grow_at:
-            plan.events.append(
+            p.plan.events.append(
                 Event("Normal", "GrowingBack", f"trying {spec.replicas} pods again (was {target})")
             )
-            target, st.last_resize_time = spec.replicas, stamp
+            target, st.last_resize_time = spec.replicas, p.stamp
             last_resize = now
         else:
-            wakeups.append(grow_at)
-    stuck, pending_deadlines = [], []
-    for pod in by_phase.get("Pending", []):
+            p.wakeups.append(grow_at)
+    for pod in p.by_phase.get("Pending", []):
         deadline = _stuck_at(spec, pod, last_resize)
         if deadline is None:
             continue
         if now >= deadline:
-            stuck.append(pod)
+            p.stuck.append(pod)
         else:
-            pending_deadlines.append((pod.name, deadline))
-    if stuck and target > spec.min_nodes and not finishing:
-        new_target = max(spec.min_nodes, target - len(stuck))
-        plan.events.append(
-            Event(
-                "Warning",
-                "Shrinking",
-                f"{len(stuck)} pod(s) pending for over {spec.pending_timeout_seconds:g}s "
-                f"({', '.join(p.name for p in stuck)}): shrinking from {target} to "
-                f"{new_target} pods (minReplicas {spec.min_nodes})",
-            )
-        )
-        target, st.last_resize_time = new_target, stamp
-        wakeups.append(now + timeout)
-    st.target_replicas = target
+            p.pending_deadlines.append((pod.name, deadline))
+    if p.stuck and target > spec.min_nodes and not p.finishing:
+        new_target = max(spec.min_nodes, target - len(p.stuck))
+        stuck_names = ", ".join(x.name for x in p.stuck)
+        p.plan.events.append(
+            Event("Warning", "Shrinking", f"{len(p.stuck)} pod(s) pending for over "
+                  f"{spec.pending_timeout_seconds:g}s ({stuck_names}): shrinking from {target} "
+                  f"to {new_target} pods (minReplicas {spec.min_nodes})")
+        )  # fmt: skip
+        target, st.last_resize_time = new_target, p.stamp
+        p.wakeups.append(now + timeout)
+    st.target_replicas = p.target = target
     if target == spec.replicas and new_generation:
         st.last_resize_time = None
 
-    # 4b. scale down: delete Pods beyond the target: stuck Pending ones first, then the
-    # highest indices
-    stuck_names = {p.name for p in stuck}
+
+def _scale_down(p: _Pass) -> None:
+    """Rule 4 (beyond the target): delete Pods beyond ``target``, stuck Pending ones first,
+    then the highest indices; their nodes depart the rendezvous at once."""
+    stuck_names = {x.name for x in p.stuck}
     candidates = sorted(
-        (p for p in live if p.phase != "Succeeded"),
-        key=lambda p: (p.name not in stuck_names, -p.index),
+        (x for x in p.live if x.phase != "Succeeded"),
+        key=lambda x: (x.name not in stuck_names, -x.index),
     )
-    beyond = candidates[: max(0, len(live) - target)]
+    beyond = candidates[: max(0, len(p.live) - p.target)]
     for pod in beyond:
-        plan.delete.append(DeletePod(pod.name, f"scale down to {target} pods"))
-        plan.depart_nodes.append(pod.name)
-        if pod.name not in plan.remove_nodes:
-            plan.remove_nodes.append(pod.name)
-    gone = {p.name for p in beyond}
-    wakeups.extend(at for name, at in pending_deadlines if name not in gone)
+        p.plan.delete.append(DeletePod(pod.name, f"scale down to {p.target} pods"))
+        p.plan.depart_nodes.append(pod.name)
+        if pod.name not in p.plan.remove_nodes:
+            p.plan.remove_nodes.append(pod.name)
+    p.gone = {x.name for x in beyond}
+    p.wakeups.extend(at for name, at in p.pending_deadlines if name not in p.gone)
     if beyond:
-        plan.events.append(
-            Event(
-                "Normal",
-                "ScalingDown",
-                f"deleting {', '.join(p.name for p in beyond)} (target {target} pods)",
-            )
+        names = ", ".join(x.name for x in beyond)
+        p.plan.events.append(
+            Event("Normal", "ScalingDown", f"deleting {names} (target {p.target} pods)")
         )
 
-    # 5. replace failed Pods within the budget, with backoff. A failure counted by an
-    # earlier pass whose Pod is still there (its deletion failed or is pending) is deleted
-    # again without counting it twice.
-    waiting = [p for p in failed if p.name not in gone]
+
+def _replace_failed(p: _Pass) -> _Outcome | None:
+    """Rule 5: replace failed Pods within the budget, with backoff; the budget spent fails
+    the job. A failure counted by an earlier pass whose Pod is still there (its deletion
+    failed or is pending) is deleted again without counting it twice."""
+    spec, st, now = p.spec, p.st, p.now
+    p.waiting = [x for x in p.failed if x.name not in p.gone]
     budget = spec.pod_replacement.max_replacements
+    replaced = st.replacements or 0
     next_at: datetime | None = None
-    failure_keys = {_failure_key(p, now) for p in failed}
-    counted = [k for k in old.counted_failures or [] if k in failure_keys]
-    if waiting and not finishing:
-        for pod in waiting:
-            if _failure_key(pod, now) in counted:
-                plan.delete.append(DeletePod(pod.name, REPLACE_REASON))
-                continue
-            if st.replacements >= budget:
-                cause = st.last_failure or failure_of(pod, now)
-                phase, reason = "Failed", "ReplacementBudgetSpent"
-                message = (
-                    f"pod replacement budget spent ({st.replacements}/{budget} replaced); "
-                    f"last failure: {cause.pod}: {cause.message}"
-                )
-                _cleanup(spec, live, plan, "job failed")
-                st.next_replacement_time = None
-                return _finish(
-                    job.generation, old, st, plan, phase, reason, message, stamp, now, wakeups
-                )
-            failed_at = (pod.trainer.finished_at if pod.trainer else None) or now
-            ready_at = failed_at + timedelta(seconds=backoff_seconds(spec, st.replacements))
-            if now >= ready_at:
-                st.replacements += 1
-                counted.append(_failure_key(pod, now))
-                plan.delete.append(DeletePod(pod.name, REPLACE_REASON))
-                plan.events.append(
-                    Event(
-                        "Normal",
-                        "ReplacingPod",
-                        f"replacing failed pod {pod.name} ({st.replacements}/{budget})",
-                    )
-                )
-            else:
-                next_at = ready_at if next_at is None else min(next_at, ready_at)
-                wakeups.append(ready_at)
+    failure_keys = {_failure_key(x, now) for x in p.failed}
+    counted = [k for k in p.old.counted_failures or [] if k in failure_keys]
+    for pod in p.waiting if not p.finishing else []:
+        if _failure_key(pod, now) in counted:
+            p.plan.delete.append(DeletePod(pod.name, REPLACE_REASON))
+            continue
+        if replaced >= budget:
+            cause = st.last_failure or failure_of(pod, now)
+            _cleanup(spec, p.live, p.plan, "job failed")
+            st.next_replacement_time = None
+            return "Failed", "ReplacementBudgetSpent", (
+                f"pod replacement budget spent ({replaced}/{budget} replaced); "
+                f"last failure: {cause.pod}: {cause.message}"
+            )  # fmt: skip
+        failed_at = (pod.trainer.finished_at if pod.trainer else None) or now
+        ready_at = failed_at + timedelta(seconds=backoff_seconds(spec, replaced))
+        if now >= ready_at:
+            replaced = st.replacements = replaced + 1
+            counted.append(_failure_key(pod, now))
+            p.plan.delete.append(DeletePod(pod.name, REPLACE_REASON))
+            p.plan.events.append(
+                Event("Normal", "ReplacingPod",
+                      f"replacing failed pod {pod.name} ({replaced}/{budget})")
+            )  # fmt: skip
+        else:
+            next_at = ready_at if next_at is None else min(next_at, ready_at)
+            p.wakeups.append(ready_at)
     st.next_replacement_time = format_time(next_at) if next_at else None
     st.counted_failures = counted or None
+    return None
 
-    # 4d. a spec change: replace every Pod built from an older spec, all at once (any
-    # Pod change restarts the whole worker group anyway; one at a time would restart it
-    # once per Pod). They leave on purpose: no restart is spent.
-    current = pod_spec_hash(spec)
+
+def _replace_outdated(p: _Pass) -> None:
+    """Rule 4 (a spec change): replace every Pod built from an older spec, all at once (any
+    Pod change restarts the whole worker group anyway; one at a time would restart it once
+    per Pod). They leave on purpose: no restart is spent."""
+    if p.finishing:
+        return
+    current = pod_spec_hash(p.spec)
     outdated = [
-        p
-        for p in live
-        if p.phase in ACTIVE_PHASES
-        and p.spec_hash is not None
-        and p.spec_hash != current
-        and p.name not in gone
-    ]
-    if outdated and not finishing:
-        for pod in outdated:
-            plan.delete.append(DeletePod(pod.name, UPDATE_REASON))
-            plan.depart_nodes.append(pod.name)
-            if pod.name not in plan.remove_nodes:
-                plan.remove_nodes.append(pod.name)
-        plan.events.append(
-            Event(
-                "Normal",
-                "UpdatingPods",
-                f"spec changed: replacing {', '.join(p.name for p in outdated)}",
-            )
-        )
+        x for x in p.live
+        if x.phase in ACTIVE_PHASES and x.spec_hash is not None and x.spec_hash != current
+        and x.name not in p.gone
+    ]  # fmt: skip
+    if not outdated:
+        return
+    for pod in outdated:
+        p.plan.delete.append(DeletePod(pod.name, UPDATE_REASON))
+        p.plan.depart_nodes.append(pod.name)
+        if pod.name not in p.plan.remove_nodes:
+            p.plan.remove_nodes.append(pod.name)
+    names = ", ".join(x.name for x in outdated)
+    p.plan.events.append(Event("Normal", "UpdatingPods", f"spec changed: replacing {names}"))
 
-    # 4c. create missing Pods at the lowest free indices (a Pod being deleted, or failed
-    # and being replaced, keeps its slot until it is gone)
-    present = {p.index for p in pods}
-    free = (i for i in range(target + len(present)) if i not in present)
-    count = 0 if finishing else max(0, target - len(pods))
+
+def _create_missing(p: _Pass) -> None:
+    """Rule 4 (below the target): create missing Pods at the lowest free indices (a Pod
+    being deleted, or failed and being replaced, keeps its slot until it is gone)."""
+    present = {x.index for x in p.pods}
+    free = (i for i in range(p.target + len(present)) if i not in present)
+    count = 0 if p.finishing else max(0, p.target - len(p.pods))
     missing = [next(free) for _ in range(count)]
     for index in missing:
-        name = f"{job.name}-{index}"
-        plan.create.append(CreatePod(name, index))
-        if st.start_time is not None and name not in plan.remove_nodes:
-            plan.remove_nodes.append(name)  # a stale node of a deleted Pod
+        name = f"{p.job.name}-{index}"
+        p.plan.create.append(CreatePod(name, index))
+        if p.st.start_time is not None and name not in p.plan.remove_nodes:
+            p.plan.remove_nodes.append(name)  # a stale node of a deleted Pod
     if missing:
-        names = ", ".join(f"{job.name}-{i}" for i in missing)
-        plan.events.append(Event("Normal", "CreatingPods", f"creating {names}"))
+        names = ", ".join(f"{p.job.name}-{i}" for i in missing)
+        p.plan.events.append(Event("Normal", "CreatingPods", f"creating {names}"))
 
-    # 7. phase
-    replacing = bool(waiting) or (st.start_time is not None and len(running) < spec.min_nodes)
-    if finishing:
-        phase, reason = "Running", "Finishing"
-        message = f"{len(succeeded)} pod(s) succeeded, {len(running)} still running"
-    elif replacing and st.start_time is not None:
-        phase, reason = "Restarting", "ReplacingPods"
-        failing = ", ".join(p.name for p in waiting) or "pods missing"
-        message = f"{len(running)}/{spec.min_nodes} required pods running; replacing {failing}"
-    elif len(running) >= spec.min_nodes:
-        phase, reason = "Running", "PodsRunning"
-        message = f"{len(running)} pod(s) running (minReplicas {spec.min_nodes})"
-        st.start_time = st.start_time or stamp
-    else:
-        phase, reason = "Pending", "WaitingForPods"
-        message = f"{len(running)}/{spec.min_nodes} required pods running"
-    return _finish(job.generation, old, st, plan, phase, reason, message, stamp, now, wakeups)
+
+def _phase(p: _Pass) -> _Outcome:
+    """Rule 7: the phase otherwise."""
+    spec, st, running = p.spec, p.st, p.running
+    replacing = bool(p.waiting) or (st.start_time is not None and len(running) < spec.min_nodes)
+    if p.finishing:
+        return "Running", "Finishing", (
+            f"{len(p.succeeded)} pod(s) succeeded, {len(running)} still running"
+        )  # fmt: skip
+    if replacing and st.start_time is not None:
+        failing = ", ".join(x.name for x in p.waiting) or "pods missing"
+        return "Restarting", "ReplacingPods", (
+            f"{len(running)}/{spec.min_nodes} required pods running; replacing {failing}"
+        )  # fmt: skip
+    if len(running) >= spec.min_nodes:
+        st.start_time = st.start_time or p.stamp
+        return "Running", "PodsRunning", (
+            f"{len(running)} pod(s) running (minReplicas {spec.min_nodes})"
+        )  # fmt: skip
+    return "Pending", "WaitingForPods", f"{len(running)}/{spec.min_nodes} required pods running"
+
+
+def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: RendezvousView) -> Plan:
+    """The rules of the module docstring, in order."""
+    p = _observe(job, pods, now, rdzv)
+    phase = p.old.phase or "Pending"
+    if phase in TERMINAL_PHASES:  # rule 1: only clean up
+        _cleanup(p.spec, p.live, p.plan, f"job {phase.lower()}")
+        return p.finish(phase, None, None)
+    _note_failures(p)
+    for ending in (_job_failed, _job_succeeded):
+        outcome = ending(p)
+        if outcome is not None:
+            return p.finish(*outcome)
+    _resize(p)
+    _scale_down(p)
+    outcome = _replace_failed(p)
+    if outcome is not None:
+        return p.finish(*outcome)
+    _replace_outdated(p)
+    _create_missing(p)
+    return p.finish(*_phase(p))
 
 
 def _finish(
