@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from kelastic import contract
 from kelastic._control import ProtocolError, encode_message, parse_message
 from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic.control_messages import Exited
 from kelastic.errors import parse_error_data
 from kelastic_operator.rendezvous_store import view_from_keys
 from kelastic_sidecar.control import ControlProtocolError, parse_launcher_message
@@ -152,7 +153,7 @@ def _sidecar_side(raw: bytes) -> None:
         msg = parse_launcher_message(raw)
     except ControlProtocolError:
         return
-    assert isinstance(msg["type"], str)
+    assert isinstance(msg.type, str)
 
 
 def _fifo(raw: bytes) -> None:
@@ -235,8 +236,8 @@ def test_valid_documents_still_decode() -> None:
     assert decode_state(encode_state(STATE)) == STATE
     assert decode_record(encode_record(RECORD)) == RECORD
     assert decode_master(b'{"addr": "10.0.0.1", "port": 29500}', "k") == ("10.0.0.1", 29500)
-    assert parse_launcher_message(json.dumps(STARTED).encode()) == STARTED
-    assert parse_launcher_message(json.dumps(EXITED).encode()) == EXITED
+    assert parse_launcher_message(json.dumps(STARTED).encode()).as_dict() == STARTED
+    assert parse_launcher_message(json.dumps(EXITED).encode()).as_dict() == EXITED
     assert _parse(json.dumps(FIFO_LINE).encode()).pid == 4242
 
 
@@ -348,4 +349,5 @@ def test_fuzz_a_workers_error_file_never_stops_its_exit_report(data: Any, timest
     for value in (data, doc, {"message": "x", "timestamp": timestamp}):
         error = parse_error_data(value)
         message = {**EXITED, "error": error, "tail": ["a", "b"]}
-        assert parse_launcher_message(encode_message(message).rstrip(b"\n"))["error"] == error
+        exited = parse_launcher_message(encode_message(message).rstrip(b"\n"))
+        assert isinstance(exited, Exited) and exited.error == error

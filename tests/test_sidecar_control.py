@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from kelastic_sidecar.control import ControlServer
+from kelastic_sidecar.control import ControlServer, Message
 from tests.conftest import strict_umask, wait_for
 
 CONNECT_AS_NOBODY = textwrap.dedent(
@@ -28,7 +28,7 @@ def test_a_launcher_of_another_user_can_connect(pod_run_dir: Path) -> None:
     """With access "pod" (the default on Kubernetes); locally only the sidecar's user may
     connect (tests/test_timer_hostile.py)."""
     assert os.getuid() == 0, "the test suite runs as root (CI) to switch users"
-    got: list[dict[str, object]] = []
+    got: list[Message] = []
     path = pod_run_dir / "control.sock"
     server = ControlServer(path, got.append, access="pod")
     with strict_umask():
@@ -36,6 +36,6 @@ def test_a_launcher_of_another_user_can_connect(pod_run_dir: Path) -> None:
     try:
         assert path.stat().st_mode & 0o777 == 0o666
         subprocess.run([sys.executable, "-c", CONNECT_AS_NOBODY, str(path)], check=True, timeout=60)
-        wait_for(lambda: any(m.get("type") == "hello" for m in got), what="hello")
+        wait_for(lambda: any(m.type == "hello" for m in got), what="hello")
     finally:
         server.close()

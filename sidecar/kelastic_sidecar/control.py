@@ -7,9 +7,9 @@ at a time; a new connection replaces the old one (the trainer container restarte
 
 Messages are handed to a callback from the reader thread; a malformed line is logged and
 dropped (it never kills the sidecar), and the connection's end is reported as a
-``{"type": "disconnected"}`` message. Each line is decoded within bounds and the fields
-of known message types are checked (:func:`parse_launcher_message`), so the supervisor
-can use them without further checks.
+:class:`Disconnected` message. Each line is decoded within bounds into a typed message
+(:func:`kelastic.control_messages.parse_launcher_message`, the protocol defined once in
+the worker library), so the supervisor can use its fields without further checks.
 
 The socket is created with the same access rule as the timer FIFO
 (:func:`~kelastic_sidecar.timer_wire.ipc_access`, ``$KELASTIC_IPC_ACCESS``): locally
@@ -25,103 +25,68 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import ClassVar
 
 from kelastic import contract
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic.control_messages import (
+    MAX_NPROC,
+    MAX_PID,
+    Assign,
+    Exited,
+    Hello,
+    LauncherMessage,
+    ProtocolError,
+    Shutdown,
+    Started,
+    Stop,
+    Stopped,
+    Unknown,
+    parse_launcher_message,
+)
 from kelastic.sockaddr import unix_address
 
 from .timer_wire import ipc_access, socket_mode
+
+__all__ = [
+    "MAX_NPROC",
+    "MAX_PID",
+    "MSG_DISCONNECTED",
+    "ControlProtocolError",
+    "ControlServer",
+    "Disconnected",
+    "Exited",
+    "Hello",
+    "Message",
+    "SidecarMessage",
+    "Started",
+    "Stopped",
+    "Unknown",
+    "parse_launcher_message",
+]
 
 log = logging.getLogger("kelastic_sidecar.control")
 
 #: Pseudo message delivered when the launcher's connection ends.
 MSG_DISCONNECTED = "disconnected"
 
-Message = dict[str, Any]
-
-#: Bounds of launcher messages: workers per node, pids, exit codes.
-MAX_NPROC: Final = 4096
-MAX_PID: Final = 2**31 - 1
-_MAX_ATTEMPT: Final = 2**53
-_MAX_TYPE_LEN: Final = 64
+#: A line from the launcher is not a valid message (reason in the text); a ValueError.
+ControlProtocolError = ProtocolError
 
 
-class ControlProtocolError(ValueError):
-    """A line from the launcher is not a valid message (reason in the text)."""
+@dataclass(frozen=True)
+class Disconnected:
+    """Delivered (never sent) when the launcher's connection ends."""
+
+    type: ClassVar[str] = MSG_DISCONNECTED
 
 
-def _check_int(msg: Message, name: str, low: int, high: int, *, optional: bool = False) -> None:
-    value = msg.get(name)
-    if optional and value is None:
-        return
-    if type(value) is not int or not low <= value <= high:  # bool is not an int here
-        raise ControlProtocolError(
-            f"{msg['type']!r} message needs {name!r} in {low}..{high}, got {value!r:.40}"
-        )
+#: What :class:`ControlServer` hands to its callback.
+Message = LauncherMessage | Disconnected
 
-
-def _check_started(msg: Message) -> None:
-    pids = msg.get("pids")
-    if not isinstance(pids, dict) or len(pids) > MAX_NPROC:
-        raise ControlProtocolError("'started' message needs a 'pids' object")
-    for rank, pid in pids.items():
-        if not (rank.isascii() and rank.isdigit() and len(rank) <= 5 and int(rank) < MAX_NPROC):
-            raise ControlProtocolError(f"'started' pids has a bad local rank {rank!r:.40}")
-        if type(pid) is not int or not 1 <= pid <= MAX_PID:
-            raise ControlProtocolError(f"'started' pids has a bad pid {pid!r:.40}")
-    _check_int(msg, "warm", 0, MAX_NPROC, optional=True)
-
-
-def _check_exited(msg: Message) -> None:
-    _check_int(msg, "local_rank", 0, MAX_NPROC - 1)
-    _check_int(msg, "pid", 1, MAX_PID, optional=True)
-    _check_int(msg, "exitcode", -(2**31), 2**31 - 1, optional=True)
-    _check_int(msg, "signal", 1, 64, optional=True)
-    error, tail = msg.get("error"), msg.get("tail")
-    if error is not None and not isinstance(error, dict):
-        raise ControlProtocolError("'exited' message: 'error' must be an object or null")
-    if tail is not None and not (isinstance(tail, list) and all(isinstance(t, str) for t in tail)):
-        raise ControlProtocolError("'exited' message: 'tail' must be a list of strings or null")
-
-
-def parse_launcher_message(line: bytes) -> Message:
-    """Decode and validate one line from the launcher (newline excluded).
-
-    The line is decoded by :func:`kelastic._safejson.loads_bounded` (at most
-    :data:`kelastic.contract.CONTROL_MAX_LINE` bytes, nested at most 32 deep, integers
-    of at most 19 digits, finite numbers). Known types are checked: ``hello`` (``pid``,
-    ``nproc`` in 1..:data:`MAX_NPROC`), ``started`` (``attempt``, ``pids`` mapping
-    local ranks to pids, ``warm``), ``exited`` (``attempt``, ``local_rank``, ``pid``,
-    ``exitcode``, ``signal`` in 1..64, ``error`` object, ``tail`` strings),
-    ``stopped`` (``attempt``). Other types pass with a string ``type`` only.
-
-    Returns:
-        The message (a dict with a string ``type``).
-
-    Raises:
-        ControlProtocolError: not bounded JSON, not an object, or a bad field.
-    """
-    try:
-        msg = loads_bounded(line, max_bytes=contract.CONTROL_MAX_LINE)
-    except UnsafeJSONError as exc:
-        raise ControlProtocolError(str(exc)) from None
-    if not isinstance(msg, dict):
-        raise ControlProtocolError("not a JSON object")
-    kind = msg.get("type")
-    if not isinstance(kind, str) or not 0 < len(kind) <= _MAX_TYPE_LEN:
-        raise ControlProtocolError("no string 'type'")
-    if kind == contract.MSG_HELLO:
-        _check_int(msg, "pid", 1, MAX_PID, optional=True)
-        _check_int(msg, "nproc", 1, MAX_NPROC, optional=True)
-    elif kind in (contract.MSG_STARTED, contract.MSG_EXITED, contract.MSG_STOPPED):
-        _check_int(msg, "attempt", 0, _MAX_ATTEMPT)
-        if kind == contract.MSG_STARTED:
-            _check_started(msg)
-        elif kind == contract.MSG_EXITED:
-            _check_exited(msg)
-    return msg
+#: What the supervisor sends to the launcher.
+SidecarMessage = Assign | Stop | Shutdown
 
 
 class ControlServer:
@@ -129,8 +94,9 @@ class ControlServer:
 
     Args:
         path: socket path (removed and re-created on :meth:`start`).
-        on_message: called from the reader thread with each decoded message (a dict with a
-            string ``type``), and with ``{"type": "disconnected"}`` when a connection ends.
+        on_message: called from the reader thread with each decoded message
+            (:data:`kelastic.control_messages.LauncherMessage`), and with
+            :class:`Disconnected` when a connection ends.
         access: who may connect (``owner``, ``group``, ``pod``); default
             :func:`~kelastic_sidecar.timer_wire.ipc_access`.
 
@@ -173,9 +139,9 @@ class ControlServer:
         """True while a launcher is connected."""
         return self._conn is not None
 
-    def send(self, msg: Message) -> bool:
+    def send(self, msg: SidecarMessage) -> bool:
         """Send one message to the launcher; False if none is connected or the send failed."""
-        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+        data = (json.dumps(msg.as_dict(), separators=(",", ":")) + "\n").encode()
         with self._send_lock:
             conn = self._conn
             if conn is None:
@@ -184,7 +150,7 @@ class ControlServer:
                 conn.sendall(data)
                 return True
             except OSError as exc:
-                log.warning("sending %s to the launcher failed: %s", msg.get("type"), exc)
+                log.warning("sending %s to the launcher failed: %s", msg.type, exc)
                 return False
 
     def close(self) -> None:
@@ -245,7 +211,7 @@ class ControlServer:
                     self._conn = None
             conn.close()
             if current and not self._closed.is_set():
-                self._on_message({"type": MSG_DISCONNECTED})
+                self._on_message(Disconnected())
 
     def _dispatch(self, line: bytes) -> None:
         if not line.strip():

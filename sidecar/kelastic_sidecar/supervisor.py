@@ -19,6 +19,14 @@ trainer container (started by :mod:`kelastic.launch` over the control socket):
    reports success in etcd and exits 0.
 
 All inputs arrive as events on one queue, handled by the main thread; no polling loop.
+
+The parts are split as torch's agent is: the wiring (servers, clients, typed events) is
+:mod:`~kelastic_sidecar.supervisor_wiring`; the current attempt's workers and the event
+loop of a round, :mod:`~kelastic_sidecar.attempt_monitor`; what ended a round, the pure
+:mod:`~kelastic_sidecar.round_end`; the workers' environment,
+:mod:`~kelastic_sidecar.assignment`. This module is the node's course through rounds and
+how it ends (report, leave or close, tell the launcher): one cohesive thing, which is
+why it is over 400 lines.
 """
 
 from __future__ import annotations
@@ -26,51 +34,45 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import queue
-import secrets
 import signal
 import socket
-import threading
 import time
-from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
 from kelastic import contract
 from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic.control_messages import (
+    Shutdown,
+)
 
+from .assignment import build_assign
+from .attempt_monitor import AttemptMonitor
 from .config import SidecarConfig
-from .control import MSG_DISCONNECTED, ControlServer, Message
 from .etcd_store import EtcdStore, EtcdUnavailableError
 from .failure import (
-    CAUSE_HANG,
-    CAUSE_NODE_LOST,
     CAUSE_PEER,
     CAUSE_SCALE,
     CAUSE_START_FAILURE,
-    CAUSE_WORKER_FAILURE,
-    NOT_STARTED_EXIT_CODES,
     Failure,
     signal_name,
 )
-from .http import SidecarHttpServer
-from .metrics import SidecarMetrics
 from .rendezvous import (
-    DEPARTURE_REJOIN,
     EtcdRendezvousHandler,
     RendezvousClosedError,
     RendezvousError,
     RendezvousInfo,
     RendezvousSettings,
 )
-from .restart_budget import RestartBudget, RestartRecordError
-from .timer_server import ReapEvent, TimerServer
+from .restart_budget import RestartRecordError
+from .round_end import (
+    RoundEnd,
+    RoundEndKind,
+    closed_outcome,
+)
+from .supervisor_wiring import Hooks, build_parts
 
 log = logging.getLogger("kelastic_sidecar.supervisor")
-
-#: Departures that end a round without spending the restart budget: a scale-down, and a
-#: peer exiting to re-rendezvous (its own failure, if any, was charged by that peer).
-_PLANNED_DEPARTURES = frozenset({contract.DEPARTURE_SCALE_DOWN, DEPARTURE_REJOIN})
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
@@ -83,15 +85,6 @@ class SidecarShutdown(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal_name(signum))
         self.signum = signum
-
-
-@dataclass(frozen=True)
-class _RoundEnd:
-    """How monitoring one round ended."""
-
-    kind: str  # "succeeded" | "failed" | "restart" | "closed" | "launcher_lost" | "removed"
-    failure: Failure | None = None
-    reason: str = ""
 
 
 class Supervisor:
@@ -107,37 +100,17 @@ class Supervisor:
 
     def __init__(self, config: SidecarConfig, store: EtcdStore | None = None) -> None:
         self.cfg = config
-        self.keys = contract.Keys(config.prefix)
-        self.store = store or EtcdStore(config.etcd_endpoints, tls_dir=config.tls_dir)
-        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self.timer = TimerServer(
-            contract.timer_fifo_path(config.run_dir),
-            on_reap=lambda ev: self._events.put(("reaped", ev)),
-        )
-        self.metrics = SidecarMetrics(self.timer.stats)
-        # Every failed etcd call counts, the lease keep-alive's and the watches' included.
-        self.store.on_error = self._on_etcd_error
-        self._etcd_error: tuple[float, str] | None = None  # (monotonic time, message)
-        self.metrics.budget_max.set(config.max_restarts)
-        self.control = ControlServer(
-            contract.control_socket_path(config.run_dir),
-            on_message=lambda msg: self._events.put(("control", msg)),
-        )
-        self.http = SidecarHttpServer(
-            config.http_host,
-            config.http_port,
-            self.metrics.registry,
-            healthy=lambda: self._alive,
-            ready=lambda: self._running,
-            status=self.status,
-        )
+        hooks = Hooks(healthy=lambda: self._alive, ready=lambda: self._running, status=self.status)
+        parts = build_parts(config, store, hooks)
+        self.keys = parts.keys
+        self.store = parts.store
+        self.timer = parts.timer
+        self.metrics = parts.metrics
+        self.control = parts.control
+        self.http = parts.http
+        self.budget = parts.budget
+        self.etcd_health = parts.etcd_health
         self.handler: EtcdRendezvousHandler | None = None
-        self.budget = RestartBudget(
-            self.store,
-            self.keys,
-            config.max_restarts,
-            on_repair=self.metrics.corrupt_values.labels(source="restart_record").inc,
-        )
         self._alive = True
         self._running = False
         self._phase = "starting"
@@ -147,17 +120,14 @@ class Supervisor:
             lambda: 1.0 if self._phase == "rendezvous" else 0.0
         )
         self._info: RendezvousInfo | None = None
-        self._attempt = 0
         self._nproc = config.nproc_per_node
-        self._pids: dict[int, int] = {}  # local rank -> pid
-        # local rank -> its timer token this attempt (see kelastic_sidecar.timer_server)
-        self._tokens: dict[int, str] = {}
-        self._warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
-        self._reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
+        #: The current attempt's workers and the events about them.
+        self.workers = AttemptMonitor(
+            config.node, config.nproc_per_node, parts.events, self.control, self.timer,
+            self.metrics, config.stop_grace,
+        )  # fmt: skip
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
-        self._watch_stop = threading.Event()
-        self._rdzv_queued = threading.Event()  # an ("rdzv", None) event waits in the queue
         self._last_failure: Failure | None = None
         self._shutting_down = False  # a SidecarShutdown was raised
         self._spent = 0
@@ -186,29 +156,17 @@ class Supervisor:
             "group_rank": info.group_rank if info else None,
             "group_world_size": info.group_world_size if info else None,
             "world_size": info.group_world_size * self._nproc if info else None,
-            "attempt": self._attempt,
+            "attempt": self.workers.attempt,
             "restarts_spent": self._spent,
             "max_restarts": self.cfg.max_restarts,
             "progress_count": stats.acquired,
             "attempt_progress_count": stats.acquired - self._acquired_at_start,
             "last_progress_age_s": (time.time() - last) if last else None,
             "timers_active": stats.active,
-            "workers_warm": self._warm,
+            "workers_warm": self.workers.warm,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
-            "etcd_unreachable": self._etcd_outage(),
+            "etcd_unreachable": self.etcd_health.outage(),
         }
-
-    def _on_etcd_error(self, exc: EtcdUnavailableError) -> None:
-        self.metrics.etcd_errors.inc()
-        self._etcd_error = (time.monotonic(), str(exc))
-
-    def _etcd_outage(self) -> str | None:
-        """The last etcd error (it names the endpoint) while no call has succeeded since;
-        None while etcd answers. The store keeps retrying meanwhile."""
-        err = self._etcd_error
-        if err is None or self.store.last_success > err[0]:
-            return None
-        return err[1]
 
     def run(self) -> int:
         """Supervise the node until the job ends for it; return the exit code."""
@@ -235,7 +193,7 @@ class Supervisor:
         finally:
             self._alive = False
             self._running = False
-            self._watch_stop.set()
+            self.workers.watch_stop.set()
             for s, h in old.items():
                 signal.signal(s, h)
             if self.handler is not None:
@@ -285,8 +243,9 @@ class Supervisor:
             self.handler.open()
         except EtcdUnavailableError as exc:
             log.warning("etcd unavailable at start (%s); the rendezvous will retry", exc)
-        hello = self._wait_control("hello")
-        self._nproc = int(hello.get("nproc") or self._nproc)
+        hello = self.workers.wait_hello()
+        self._nproc = hello.nproc or self._nproc
+        self.workers.nproc = self._nproc
         if self._nproc != self.cfg.nproc_per_node:
             log.warning(
                 "launcher runs %d workers per node, the job says %d; using the launcher's",
@@ -300,31 +259,35 @@ class Supervisor:
             except (RendezvousError, EtcdUnavailableError) as exc:
                 return self._fail_fatal(f"rendezvous failed: {exc}")
             try:
-                master = self._master(info)
+                master = round_master(
+                    self.store, self.keys.master(info.round), self.cfg.pod_ip,
+                    publish=info.group_rank == 0, timeout=min(self.cfg.join_timeout, 60.0),
+                )  # fmt: skip
             except (TimeoutError, EtcdUnavailableError, ValueError) as exc:
                 if type(exc) is ValueError:  # decode_master refused the record
                     self.metrics.corrupt_values.labels(source="master_record").inc()
                 log.warning("round %d: no master address (%s); re-rendezvous", info.round, exc)
                 continue
             self._start_workers(info, master)
-            end = self._monitor(info)
+            end = self.workers.monitor(self.handler, info, self._on_started)
             self._running = False
-            if end.kind == "succeeded":
+            if end.kind is RoundEndKind.SUCCEEDED:
                 return self._finish_succeeded()
-            if end.kind == "closed":
+            if end.kind is RoundEndKind.CLOSED:
                 self._stop_workers("rendezvous closed")
                 return self._finish_closed(self.handler.closed_reason())
-            if end.kind == "removed":
+            if end.kind is RoundEndKind.REMOVED:
                 return self._finish_removed(end.reason or self._departure_reason())
-            if end.kind == "launcher_lost":
+            if end.kind is RoundEndKind.LAUNCHER_LOST:
                 self._leave("shutdown")
                 self._report("failed", "trainer container (launcher) disconnected")
                 return EXIT_FAILED
             self._down_since = time.time()
-            pids = dict(self._pids)  # _stop_workers forgets them; a stopped one is named below
+            pids = dict(self.workers.pids)  # stop forgets them; a stopped one is named below
             self._stop_workers(end.reason or (end.failure.summary() if end.failure else ""))
-            if end.kind == "failed" and end.failure is not None:
-                end = _RoundEnd("failed", self._blame_lost_peer(info, end.failure))
+            if end.kind is RoundEndKind.FAILED and end.failure is not None:
+                blamed = self.workers.blame_lost_peer(self.handler, info, end.failure)
+                end = RoundEnd(RoundEndKind.FAILED, blamed)
                 assert end.failure is not None
                 self._last_failure = end.failure
                 self._down_cause = end.failure.cause
@@ -336,17 +299,10 @@ class Supervisor:
                 self._down_cause = end.reason or CAUSE_PEER
                 self.metrics.restarts.labels(cause=self._down_cause).inc()
                 log.info("round %d: restarting the worker group (%s)", info.round, end.reason)
-                stopped = self._stopped_failure(info, pids)
+                stopped = self.workers.stopped_failure(info, pids)
                 if stopped is not None:  # a peer restarted first, but it was waiting on ours
                     self._last_failure = stopped
                     log.error("round %d: %s", info.round, stopped.summary())
-
-    def _wait_control(self, msg_type: str) -> Message:
-        """Block until the launcher sends ``msg_type``; other events are dropped."""
-        while True:
-            kind, payload = self._next_event()
-            if kind == "control" and payload.get("type") == msg_type:
-                return dict(payload)
 
     def _rendezvous(self) -> RendezvousInfo:
         assert self.handler is not None
@@ -367,300 +323,37 @@ class Supervisor:
         )  # fmt: skip
         return info
 
-    def _master(self, info: RendezvousInfo) -> tuple[str, int]:
-        """Publish (group rank 0) or look up the round's MASTER_ADDR/PORT."""
-        key = self.keys.master(info.round)
-        if info.group_rank == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((self.cfg.pod_ip, 0))
-                port = int(sock.getsockname()[1])
-            self.store.put(key, json.dumps({"addr": self.cfg.pod_ip, "port": port}).encode())
-            return self.cfg.pod_ip, port
-        raw = self.store.wait_value(key, timeout=min(self.cfg.join_timeout, 60.0))
-        return decode_master(raw, key)
-
     def _start_workers(self, info: RendezvousInfo, master: tuple[str, int]) -> None:
-        self._attempt += 1
         self._acquired_at_start = self.timer.stats().acquired
-        self._pids.clear()
-        self._reaped.clear()
-        self.timer.forget_all()
+        tokens = self.workers.new_attempt()
         try:
             self._spent = self.budget.read().count
         except (EtcdUnavailableError, RestartRecordError) as exc:
             log.error("cannot read the restart budget: %s", exc)
         spent = self._spent
         self.metrics.budget_spent.set(spent)
-        world = info.group_world_size * self._nproc
-        workers = []
-        self._tokens = {r: secrets.token_hex(16) for r in range(self._nproc)}
-        for local_rank in range(self._nproc):
-            rank = info.group_rank * self._nproc + local_rank
-            env = {
-                contract.RANK: rank,
-                contract.LOCAL_RANK: local_rank,
-                contract.WORLD_SIZE: world,
-                contract.LOCAL_WORLD_SIZE: self._nproc,
-                contract.GROUP_RANK: info.group_rank,
-                contract.GROUP_WORLD_SIZE: info.group_world_size,
-                contract.ROLE_RANK: rank,
-                contract.ROLE_WORLD_SIZE: world,
-                contract.ROLE_NAME: contract.DEFAULT_ROLE,
-                contract.MASTER_ADDR: master[0],
-                contract.MASTER_PORT: master[1],
-                contract.TORCHELASTIC_RUN_ID: self.cfg.job_uid,
-                contract.TORCHELASTIC_RESTART_COUNT: spent,
-                contract.TORCHELASTIC_MAX_RESTARTS: self.cfg.max_restarts,
-                contract.KELASTIC_ROUND: info.round,
-                contract.KELASTIC_TIMER_TOKEN: self._tokens[local_rank],
-                # The c10d store is created by rank 0 from MASTER_ADDR/PORT, not by us.
-                "TORCHELASTIC_USE_AGENT_STORE": "False",
-            }
-            workers.append({"local_rank": local_rank, "env": {k: str(v) for k, v in env.items()}})
         self._phase = "starting_workers"
-        self.control.send(
-            {
-                "type": contract.MSG_ASSIGN,
-                "attempt": self._attempt,
-                "round": info.round,
-                "workers": workers,
-            }
+        assign = build_assign(
+            attempt=self.workers.attempt,
+            round_=info.round,
+            group_rank=info.group_rank,
+            group_world_size=info.group_world_size,
+            nproc=self._nproc,
+            master=master,
+            run_id=self.cfg.job_uid,
+            restart_count=spent,
+            max_restarts=self.cfg.max_restarts,
+            tokens=tokens,
         )
+        self.control.send(assign)
 
-    def _monitor(self, info: RendezvousInfo) -> _RoundEnd:
-        """Handle events until the round ends for this node."""
-        assert self.handler is not None
-        handler = self.handler
-        succeeded: set[int] = set()
-        self._watch_stop.clear()
-        watcher = threading.Thread(target=self._watch_rendezvous, name="rdzv-watch", daemon=True)
-        watcher.start()
-        # A change may have happened between the round completing and the watch starting.
-        self._queue_check()
-        try:
-            while True:
-                kind, payload = self._next_event()
-                if kind == "reaped":
-                    self._on_reaped(payload)
-                elif kind == "rdzv":
-                    end = self._check_round(handler, info)
-                    if end is not None:
-                        return end
-                elif kind == "control":
-                    end = self._on_control(payload, info, succeeded)
-                    if end is not None:
-                        return end
-        finally:
-            self._watch_stop.set()
-
-    def _watch_rendezvous(self) -> None:
-        handler = self.handler
-        assert handler is not None
-        while not self._watch_stop.is_set():
-            try:
-                changed = handler.wait_for_change(1.0)
-            except (RendezvousError, EtcdUnavailableError) as exc:
-                log.warning("watching the rendezvous failed: %s", exc)
-                self._watch_stop.wait(0.5)
-                changed = True
-            recheck = handler.take_recheck()  # a grace after an etcd outage is over
-            if (changed or handler.lease_lost or recheck) and not self._watch_stop.is_set():
-                self._queue_check()
-
-    def _queue_check(self) -> None:
-        """Queue a rendezvous check unless one already waits: a check reads the current
-        state, so a second one adds nothing, and while etcd is down (each check then takes
-        the store's whole timeout, and the watch fails faster) the repeats would bury the
-        workers' exits behind them."""
-        if not self._rdzv_queued.is_set():
-            self._rdzv_queued.set()
-            self._events.put(("rdzv", None))
-
-    def _next_event(self, timeout: float | None = None) -> tuple[str, Any]:
-        """The next event (``queue.Empty`` after ``timeout`` s); a rendezvous check taken
-        off the queue lets the next change queue another."""
-        kind, payload = self._events.get(timeout=timeout)
-        if kind == "rdzv":
-            self._rdzv_queued.clear()
-        return kind, payload
-
-    def _check_round(
-        self, handler: EtcdRendezvousHandler, info: RendezvousInfo
-    ) -> _RoundEnd | None:
-        try:
-            check = handler.check_round(info)
-        except (RendezvousError, EtcdUnavailableError) as exc:
-            log.warning("checking round %d failed: %s", info.round, exc)
-            return None
-        if check.healthy:
-            return None
-        nodes = ", ".join(check.nodes)
-        if check.reason == "closed":
-            return _RoundEnd("closed")
-        if self.cfg.node in check.nodes and check.reason in (
-            "participant_left",
-            "participant_lost",
-        ):
-            # The operator removed this node from the round (scale-down, or its Pod is
-            # going away): stop here instead of rejoining.
-            return _RoundEnd("removed", reason=dict(check.departures).get(self.cfg.node, ""))
-        if check.reason == "participant_lost":
-            return _RoundEnd(
-                "failed",
-                Failure(
-                    cause=CAUSE_NODE_LOST,
-                    node=nodes,
-                    round=info.round,
-                    message="its liveness key is gone (lease expired or node removed)",
-                ),
-            )
-        if check.reason == "participant_left":
-            departures = dict(check.departures)
-            unplanned = {
-                n: departures.get(n, "?")
-                for n in check.nodes
-                if departures.get(n) not in _PLANNED_DEPARTURES
-            }
-            if unplanned:
-                # A node stopped in mid-round without being scaled down (Pod deleted,
-                # preempted, drained): a disruption, charged like a lost node.
-                return _RoundEnd(
-                    "failed",
-                    Failure(
-                        cause=CAUSE_NODE_LOST,
-                        node=", ".join(sorted(unplanned)),
-                        round=info.round,
-                        message="left the round: "
-                        + ", ".join(f"{n} ({r})" for n, r in sorted(unplanned.items())),
-                    ),
-                )
-        reason = {
-            "nodes_waiting": CAUSE_SCALE,
-            "participant_left": CAUSE_SCALE,
-        }.get(check.reason, CAUSE_PEER)
-        log.info("round %d: %s (%s)", info.round, check.reason, nodes)
-        return _RoundEnd("restart", reason=reason)
-
-    def _blame_lost_peer(self, info: RendezvousInfo, failure: Failure) -> Failure:
-        """The root cause of a worker failure: a peer node lost in the same round when
-        there is one (its workers' connections reset, so ours fail first; the operator or
-        ``kelastic run`` takes a dead Pod's node out at once), else ``failure`` itself.
-        Checked after our workers stopped, so that the loss had time to show."""
-        if failure.cause != CAUSE_WORKER_FAILURE or self.handler is None:
-            return failure
-        end = self._check_round(self.handler, info)
-        lost = end.failure if end is not None and end.kind == "failed" else None
-        if lost is None or lost.cause != CAUSE_NODE_LOST:
-            return failure
-        log.warning("round %d: %s; it explains %s", info.round, lost.summary(), failure.summary())
-        return replace(lost, message=f"{lost.message}; then {failure.summary()}")
-
-    def _stopped_failure(
-        self, info: RendezvousInfo, pids: dict[int, int] | None = None
-    ) -> Failure | None:
-        """The hang of a worker of this attempt that was reaped while stopped, if any.
-
-        Its peers' timers expire too while they wait for it in a collective, so it is
-        the root cause of the round's hangs, whichever exit is reported first.
-
-        Args:
-            info: the round.
-            pids: local rank -> pid of the attempt's workers (default: the current ones;
-                a peer's restart can stop ours before their exits are reported).
-        """
-        for local_rank, pid in sorted((self._pids if pids is None else pids).items()):
-            reap = self._reaped.get(pid)
-            if reap is not None and reap.state in ("T", "t"):
-                return Failure(
-                    cause=CAUSE_HANG,
-                    node=self.cfg.node,
-                    round=info.round,
-                    rank=info.group_rank * self._nproc + local_rank,
-                    local_rank=local_rank,
-                    signal=reap.signal,
-                    message=f"timer {reap.scope_id!r} expired; reaped by the timer server "
-                    "(it was stopped, not waiting on a peer)",
-                    stopped=True,
-                )
-        return None
-
-    def _on_reaped(self, ev: ReapEvent) -> None:
-        self._reaped[ev.pid] = ev
-        log.warning(
-            "worker pid %d hung: timer %r expired %.3fs ago; killed with %s",
-            ev.pid, ev.scope_id, ev.reaped_at - ev.expiration_time, signal_name(ev.signal),
-        )  # fmt: skip
-
-    def _on_control(
-        self, msg: Message, info: RendezvousInfo, succeeded: set[int]
-    ) -> _RoundEnd | None:
-        mtype = msg.get("type")
-        if mtype == MSG_DISCONNECTED:
-            return _RoundEnd("launcher_lost")
-        if msg.get("attempt") != self._attempt:
-            return None  # late news from an earlier attempt
-        if mtype == contract.MSG_STARTED:
-            pids = msg.get("pids") or {}
-            warm = msg.get("warm")
-            self._warm = min(warm, len(pids)) if isinstance(warm, int) and warm > 0 else 0
-            self.metrics.worker_starts.labels(start="warm").inc(self._warm)
-            self.metrics.worker_starts.labels(start="cold").inc(len(pids) - self._warm)
-            for local_rank, pid in pids.items():
-                self._pids[int(local_rank)] = int(pid)
-                try:
-                    self.timer.watch_pid(int(pid), self._tokens.get(int(local_rank)))
-                except ValueError as exc:  # pid <= 1 or our own: never reapable
-                    log.error("not watching worker pid %s: %s", pid, exc)
-            self._running = True
-            self._phase = "running"
-            if self._down_since is not None:
-                self.metrics.downtime.labels(cause=self._down_cause).inc(
-                    time.time() - self._down_since
-                )
-                self._down_since = None
-            return None
-        if mtype != contract.MSG_EXITED:
-            return None
-        local_rank = int(msg.get("local_rank", -1))
-        pid = msg.get("pid")  # None when the worker could not even be started
-        if isinstance(pid, int):
-            self.timer.forget_pid(pid)
-        exitcode, sig = msg.get("exitcode"), msg.get("signal")
-        code_label = signal_name(int(sig)) if sig is not None else str(exitcode)
-        self.metrics.worker_exits.labels(code=code_label).inc()
-        if exitcode == 0:
-            succeeded.add(local_rank)
-            if len(succeeded) >= self._nproc:
-                return _RoundEnd("succeeded")
-            return None
-        reap = self._reaped.get(pid) if isinstance(pid, int) else None
-        error = msg.get("error") or {}
-        message = str(error.get("message") or "") if isinstance(error, dict) else ""
-        tail = tuple(str(x) for x in msg.get("tail") or ())
-        if reap is not None:
-            # Workers blocked in a collective on a stopped peer are reaped with it: name
-            # the stopped one of this node, whichever exit was reported first.
-            culprit = self._stopped_failure(info)
-            if culprit is not None:
-                log.error("round %d failed: %s", info.round, culprit.summary())
-                return _RoundEnd("failed", culprit)
-            message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
-        cause = CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE
-        if reap is None and (pid is None or exitcode in NOT_STARTED_EXIT_CODES):
-            cause = CAUSE_START_FAILURE  # exec failed, or the command is not there
-        failure = Failure(
-            cause=cause,
-            node=self.cfg.node,
-            round=info.round,
-            rank=info.group_rank * self._nproc + local_rank,
-            local_rank=local_rank,
-            exitcode=int(exitcode) if exitcode is not None else None,
-            signal=int(sig) if sig is not None else None,
-            message=message,
-            tail=tail,
-        )
-        log.error("round %d failed: %s", info.round, failure.summary())
-        return _RoundEnd("failed", failure)
+    def _on_started(self) -> None:
+        """The launcher reported the attempt's workers started."""
+        self._running = True
+        self._phase = "running"
+        if self._down_since is not None:
+            self.metrics.downtime.labels(cause=self._down_cause).inc(time.time() - self._down_since)
+            self._down_since = None
 
     # --------------------------------------------------------------------- transitions
 
@@ -686,33 +379,10 @@ class Supervisor:
 
     def _stop_workers(self, reason: str) -> None:
         """Ask the launcher to stop the current attempt's workers and wait for it."""
-        if not self._pids and self._attempt == 0:
+        if not self.workers.pids and self.workers.attempt == 0:
             return
         self._phase = "stopping"
-        if not self.control.send(
-            {"type": contract.MSG_STOP, "attempt": self._attempt, "reason": reason}
-        ):
-            return
-        deadline = time.monotonic() + self.cfg.stop_grace + 10.0
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                kind, payload = self._next_event(timeout=left)
-            except queue.Empty:
-                break
-            if kind == "control" and payload.get("type") == MSG_DISCONNECTED:
-                break
-            if (
-                kind == "control"
-                and payload.get("type") == contract.MSG_STOPPED
-                and payload.get("attempt") == self._attempt
-            ):
-                break
-            if kind == "reaped":
-                self._on_reaped(payload)
-        else:
-            log.warning("the launcher did not confirm the stop of attempt %d", self._attempt)
-        self.timer.forget_all()
-        self._pids.clear()
+        self.workers.stop_workers(reason)
 
     def _departure_reason(self) -> str:
         """``scale_down`` when the operator posted a departure notice for this node (it is
@@ -739,7 +409,7 @@ class Supervisor:
             log.error("cannot write the node report to etcd: %s", exc)
 
     def _shutdown_launcher(self, exitcode: int, summary: str) -> None:
-        self.control.send({"type": contract.MSG_SHUTDOWN, "exitcode": exitcode, "summary": summary})
+        self.control.send(Shutdown(exitcode=exitcode, summary=summary))
 
     def _finish_succeeded(self) -> int:
         self._phase = "succeeded"
@@ -768,27 +438,25 @@ class Supervisor:
 
     def _finish_exhausted(self, failure: Failure) -> int:
         self._phase = "failed"
-        assert self.handler is not None
-        reason = failure.as_dict()
-        reason["max_restarts"] = self.cfg.max_restarts
         log.error(
             "restart budget of %d spent; failing the job: %s",
             self.cfg.max_restarts, failure.summary(),
         )  # fmt: skip
-        try:
-            self.handler.close(reason)
-        except (RendezvousError, EtcdUnavailableError) as exc:
-            log.error("closing the rendezvous failed: %s", exc)
-        return self._finish_closed(reason)
+        return self._close_job(failure, "max_restarts", self.cfg.max_restarts)
 
     def _finish_not_started(self, failure: Failure) -> int:
         """A worker could not be started: fail the job at once (a restart would run the
         same command again), closing the rendezvous so that every node stops."""
         self._phase = "failed"
+        log.error("a worker could not be started; failing the job: %s", failure.summary())
+        return self._close_job(failure, "not_retried", True)
+
+    def _close_job(self, failure: Failure, key: str, value: object) -> int:
+        """Close the rendezvous with ``failure`` (plus ``key: value``) as the reason."""
+        self._phase = "failed"
         assert self.handler is not None
         reason = failure.as_dict()
-        reason["not_retried"] = True
-        log.error("a worker could not be started; failing the job: %s", failure.summary())
+        reason[key] = value
         try:
             self.handler.close(reason)
         except (RendezvousError, EtcdUnavailableError) as exc:
@@ -797,25 +465,7 @@ class Supervisor:
 
     def _finish_closed(self, reason: dict[str, Any] | None) -> int:
         self._phase = "failed"
-        failure = None
-        if reason:
-            with contextlib.suppress(KeyError, TypeError):
-                failure = Failure.from_dict(reason)
-        if failure is not None and reason and reason.get("not_retried"):
-            text = (
-                f"{contract.JOB_FAILED_PREFIX}: a worker could not be started (not retried); "
-                f"root cause: {failure.details()}"
-            )
-        elif failure is not None:
-            text = (
-                f"{contract.JOB_FAILED_PREFIX} after {self.cfg.max_restarts} restarts "
-                "(budget spent); "
-                f"root cause: {failure.details()}"
-            )
-        else:
-            text = f"{contract.JOB_FAILED_PREFIX}: the rendezvous was closed" + (
-                f" ({reason})" if reason else ""
-            )
+        failure, text = closed_outcome(reason, self.cfg.max_restarts)
         self._last_failure = failure or self._last_failure
         self._report("failed", text, failure)
         self._shutdown_launcher(EXIT_FAILED, text)
@@ -827,6 +477,29 @@ class Supervisor:
         self._report("failed", text)
         self._shutdown_launcher(EXIT_FAILED, text)
         return EXIT_FAILED
+
+
+def round_master(
+    store: EtcdStore, key: str, pod_ip: str, *, publish: bool, timeout: float
+) -> tuple[str, int]:
+    """Publish (group rank 0: ``publish``) or look up a round's MASTER_ADDR/PORT at ``key``.
+
+    Group rank 0 picks a free port on ``pod_ip`` fresh each round, so that a restarted
+    round never meets a stale c10d store (pytorch/pytorch#135712).
+
+    Raises:
+        TimeoutError: the record did not appear within ``timeout`` s.
+        EtcdUnavailableError: etcd did not answer.
+        ValueError: the record is corrupt (:func:`decode_master`).
+    """
+    if publish:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((pod_ip, 0))
+            port = int(sock.getsockname()[1])
+        store.put(key, json.dumps({"addr": pod_ip, "port": port}).encode())
+        return pod_ip, port
+    raw = store.wait_value(key, timeout=timeout)
+    return decode_master(raw, key)
 
 
 def decode_master(raw: bytes, key: str) -> tuple[str, int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kelastic_sidecar.control import MSG_DISCONNECTED, ControlServer, Message
+from kelastic_sidecar.control import MSG_DISCONNECTED, ControlServer, Hello, Message
 from kelastic_sidecar.etcd_store import EtcdStore
 from kelastic_sidecar.rendezvous_state import RendezvousStateError, decode_state
 from kelastic_sidecar.restart_budget import RestartBudget, decode_record
@@ -104,11 +104,11 @@ def test_hostile_control_lines_are_dropped_and_the_launcher_stays_connected(
                 b'{"type": "hello", "pid": 10, "nproc": 2}',
             ):
                 conn.sendall(line + b"\n")
-            wait_for(lambda: any(m["type"] == "hello" for m in got), 30, what="the valid hello")
+            wait_for(lambda: any(m.type == "hello" for m in got), 30, what="the valid hello")
             assert server.connected
-        assert got[0] == {"type": "hello", "pid": 10, "nproc": 2}
+        assert got[0] == Hello(pid=10, nproc=2)
         assert server.malformed == 5
-        wait_for(lambda: got[-1]["type"] == MSG_DISCONNECTED, 30, what="the disconnect")
+        wait_for(lambda: got[-1].type == MSG_DISCONNECTED, 30, what="the disconnect")
     finally:
         server.close()
 

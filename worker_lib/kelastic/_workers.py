@@ -23,7 +23,11 @@ from the launcher's main loop; ``Popen.wait``/``poll`` are never used.
 Warm start (:mod:`kelastic._warm`: workers forked by a zygote that imported torch) is
 another way to produce a :class:`Worker`'s pid in :meth:`Worker.start` (a
 :data:`Spawner`); tee, reaping and termination do not depend on how the process was
-created. Stdlib only, Linux.
+created (the two ways are the strategies of :mod:`kelastic._starters`). Stdlib only,
+Linux.
+
+Over ~400 lines as one cohesive thing: the life of a worker process (spawn, output,
+reap, terminate) and of the group of one attempt, which share these primitives.
 """
 
 from __future__ import annotations

@@ -15,13 +15,19 @@ the sidecar's supervisor asks:
 With ``--warm-start`` the workers are forked by a zygote process that imported torch
 (and DDP's lazy imports) while the node joined the rendezvous, instead of starting a
 new interpreter each attempt; see :mod:`kelastic._warm`. Anything that keeps a command
-from starting warm is logged and the workers start cold.
+from starting warm is logged and the workers start cold. Cold and warm starts are two
+strategies of one interface (:mod:`kelastic._starters`).
 
 If the sidecar goes away or sends a malformed message, or the launcher gets
 SIGTERM/SIGINT/SIGHUP/SIGQUIT, it stops the workers, writes a summary to the termination
 log and exits (1, or 128+signum). Worker semantics follow torch elastic's
 ``SubprocessContext`` (``torch/distributed/elastic/multiprocessing/api.py``); see
-:mod:`kelastic._workers`. Stdlib only; Linux.
+:mod:`kelastic._workers`. The control messages, both directions, are typed and
+defined once in :mod:`kelastic.control_messages`. Stdlib only; Linux.
+
+Over ~400 lines as one cohesive thing: the public entry point (CLI, :class:`LaunchConfig`,
+:func:`main`) and the :class:`Launcher` control loop it runs; the parts that stand on
+their own live in ``_control``, ``_starters``, ``_workers`` and ``_warm``.
 """
 
 from __future__ import annotations
@@ -44,23 +50,29 @@ from types import FrameType
 from typing import Any
 
 from kelastic import contract
-from kelastic._control import (
-    Assign,
-    LineBuffer,
-    ProtocolError,
-    Shutdown,
-    Stop,
-    Unknown,
-    encode_message,
-    parse_message,
-)
-from kelastic._warm import DEFAULT_PRELOAD, Zygote, ZygoteError, parse_python_command
+from kelastic._control import LineBuffer
+from kelastic._starters import ColdStart, WorkerStarter, make_starter
+from kelastic._warm import DEFAULT_PRELOAD
 from kelastic._workers import (
     Worker,
     WorkerGroup,
     WorkerSpec,
     become_subreaper,
     reap_children,
+)
+from kelastic.control_messages import (
+    Assign,
+    Exited,
+    Hello,
+    LauncherMessage,
+    Message,
+    ProtocolError,
+    Shutdown,
+    Started,
+    Stop,
+    Stopped,
+    encode_message,
+    parse_message,
 )
 from kelastic.errors import ErrorInfo, read_error_file
 from kelastic.sockaddr import unix_address
@@ -240,7 +252,8 @@ class Launcher:
         #: One-paragraph description of the first failure of the latest failed attempt.
         self._root_cause: str | None = None
         self._root_cause_attempt: int | None = None
-        self._zygote: Zygote | None = None
+        #: How workers start (cold, or warm from a zygote): set by :meth:`run`.
+        self._starter: WorkerStarter = ColdStart()
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -250,14 +263,18 @@ class Launcher:
         """
         with self._signals:
             subreaper = become_subreaper()
-            if self.config.warm_start:
-                self._start_zygote(subreaper)
+            self._starter = make_starter(
+                self.config.warm_start,
+                subreaper,
+                self.config.cmd,
+                self.config.preload,
+                os.environ,
+                self.config.warm_start_timeout,
+            )
             try:
                 try:
                     self._connect()
-                    self._send(
-                        {"type": contract.MSG_HELLO, "pid": os.getpid(), "nproc": self.config.nproc}
-                    )
+                    self._send(Hello(pid=os.getpid(), nproc=self.config.nproc))
                     self._loop()
                 except _Exit as e:
                     return self._finish(e)
@@ -280,73 +297,11 @@ class Launcher:
         if group is not None and not group.stopped:
             self._reap()
             group.terminate(self.config.stop_grace, self._wait_during_stop)
-        if self._zygote is not None:
-            self._zygote.close(reap=True)
+        self._starter.close()
         self._reap()
         write_termination_log(exit_.summary)
         logger.info("exiting with code %d", exit_.code)
         return exit_.code
-
-    # ------------------------------------------------------------------ warm start
-    def _start_zygote(self, subreaper: bool) -> None:
-        if not subreaper:
-            logger.warning(
-                "warm start needs PR_SET_CHILD_SUBREAPER (Linux), which failed: workers start cold"
-            )
-            return
-        try:
-            command = parse_python_command(self.config.cmd, os.environ.get("PATH"))
-        except ValueError as e:
-            logger.warning("warm start is off for this command (%s): workers start cold", e)
-            return
-        zygote = Zygote(command, self.config.preload, os.environ, self.config.cmd)
-        try:
-            zygote.start()
-        except ZygoteError as e:
-            logger.warning("warm start is off: %s; workers start cold", e)
-            return
-        self._zygote = zygote
-
-    def _drop_zygote(self, reason: str) -> None:
-        zygote = self._zygote
-        if zygote is None:
-            return
-        logger.warning("warm start is off from now on: %s; workers start cold", reason)
-        zygote.close()
-        self._zygote = None
-
-    def _await_zygote(self) -> None:
-        """Wait (handling signals) until the zygote preloaded, failed or timed out."""
-        zygote = self._zygote
-        if zygote is None or zygote.ready:
-            return
-        timeout = self.config.warm_start_timeout
-        deadline = time.monotonic() + timeout
-        logger.info("waiting for the warm-start zygote to finish preloading")
-        while True:
-            if time.monotonic() >= deadline:
-                self._drop_zygote(f"the zygote was not ready within {timeout:g}s")
-                return
-            try:
-                if zygote.wait_ready(deadline - time.monotonic(), self._signals.fileno()):
-                    return
-            except ZygoteError as e:
-                self._drop_zygote(str(e))
-                return
-            self._on_signals(self._signals.drain())
-            self._reap()
-            if self._term_signal is not None:
-                raise self._signal_exit()
-
-    def _spawn_warm(self, spec: WorkerSpec, stdout_fd: int, stderr_fd: int) -> int | None:
-        zygote = self._zygote
-        if zygote is None or not zygote.ready:
-            return None
-        try:
-            return zygote.spawn(spec.env, os.getcwd(), stdout_fd, stderr_fd)
-        except ZygoteError as e:
-            self._drop_zygote(f"local_rank {spec.local_rank}: {e}")
-            return None
 
     # --------------------------------------------------------------------- connect
     def _connect(self) -> None:
@@ -443,7 +398,7 @@ class Launcher:
                 if self._term_signal is not None:
                     raise self._signal_exit()
 
-    def _dispatch(self, msg: Assign | Stop | Shutdown | Unknown) -> None:
+    def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Assign):
             self._on_assign(msg)
         elif isinstance(msg, Stop):
@@ -475,7 +430,7 @@ class Launcher:
                 )
             old.terminate(self.config.stop_grace, self._wait_during_stop)
             if was_running:
-                self._send({"type": contract.MSG_STOPPED, "attempt": old.attempt})
+                self._send(Stopped(attempt=old.attempt))
         logger.info(
             "attempt %d (round %d): starting %d workers", msg.attempt, msg.round, len(msg.workers)
         )
@@ -498,19 +453,16 @@ class Launcher:
             }
             label = entry.env.get(contract.RANK) or str(entry.local_rank)
             specs.append(WorkerSpec(entry.local_rank, label, env, log_dir))
-        self._await_zygote()
-        zygote = self._zygote
-        keep = frozenset({zygote.pid}) if zygote is not None and zygote.pid else frozenset()
-        group = WorkerGroup(msg.attempt, specs, keep)
+        self._starter.prepare(self._signals.fileno(), self._on_wake)
+        group = WorkerGroup(msg.attempt, specs, self._starter.keep())
         self._group = group
-        group.start(self.config.cmd, self._spawn_warm if zygote is not None else None)
+        group.start(self.config.cmd, self._starter.spawner())
         self._send(
-            {
-                "type": contract.MSG_STARTED,
-                "attempt": msg.attempt,
-                "pids": {str(r): p for r, p in group.pids.items()},
-                "warm": sum(1 for w in group.workers.values() if w.warm),
-            }
+            Started(
+                attempt=msg.attempt,
+                pids=dict(group.pids),
+                warm=sum(1 for w in group.workers.values() if w.warm),
+            )
         )
         self._report_exits()  # workers that failed to start
 
@@ -523,14 +475,14 @@ class Launcher:
                     msg.attempt,
                     group.attempt,
                 )
-            self._send({"type": contract.MSG_STOPPED, "attempt": msg.attempt})
+            self._send(Stopped(attempt=msg.attempt))
             return
         if not group.stopped:
             self._report_exits()  # exits that happened before the stop are real failures
             logger.info("attempt %d: stop requested: %s", msg.attempt, msg.reason or "(no reason)")
             group.terminate(self.config.stop_grace, self._wait_during_stop)
             logger.info("attempt %d: all workers stopped", msg.attempt)
-        self._send({"type": contract.MSG_STOPPED, "attempt": msg.attempt})
+        self._send(Stopped(attempt=msg.attempt))
 
     def _report_exits(self) -> None:
         group = self._group
@@ -561,16 +513,15 @@ class Launcher:
             if failed and self._root_cause_attempt != group.attempt:
                 self._root_cause_attempt = group.attempt
                 self._root_cause = self._describe_failure(group.attempt, worker, error)
-            message = {
-                "type": contract.MSG_EXITED,
-                "attempt": group.attempt,
-                "local_rank": spec.local_rank,
-                "pid": worker.pid,
-                "exitcode": worker.exitcode,
-                "signal": worker.signal,
-                "error": error,
-                "tail": list(worker.tail),
-            }
+            message = Exited(
+                attempt=group.attempt,
+                local_rank=spec.local_rank,
+                pid=worker.pid,
+                exitcode=worker.exitcode,
+                signal=worker.signal,
+                error=dict(error) if error is not None else None,
+                tail=tuple(worker.tail),
+            )
             worker.reported = True
             self._send(message)
 
@@ -595,8 +546,9 @@ class Launcher:
         return f"{headline}\nfirst worker failure: {self._root_cause}"
 
     # -------------------------------------------------------------------- helpers
-    def _send(self, obj: dict[str, Any]) -> None:
+    def _send(self, msg: LauncherMessage) -> None:
         assert self._sock is not None
+        obj = msg.as_dict()
         try:
             data = encode_message(obj)
         except ValueError as e:  # too long: drop the bulky parts
@@ -620,13 +572,9 @@ class Launcher:
         group = self._group
         for pid, returncode in reap_children():
             worker = group.by_pid(pid) if group is not None else None
-            zygote = self._zygote
             if worker is not None:
                 worker.set_reaped(returncode)
-            elif zygote is not None and pid == zygote.pid:
-                zygote.set_reaped(returncode)
-                self._drop_zygote(f"the zygote (pid {pid}) exited with returncode {returncode}")
-            else:
+            elif not self._starter.on_reaped(pid, returncode):
                 logger.debug("reaped descendant %d (returncode %d)", pid, returncode)
 
     def _on_signals(self, signums: Sequence[int]) -> None:
@@ -639,6 +587,13 @@ class Launcher:
             elif not self._hurry:
                 self._hurry = True
                 logger.warning("received %s again: killing the workers now", _signal_name(num))
+
+    def _on_wake(self) -> None:
+        """Handle signals and reap while waiting for the starter; raise to stop."""
+        self._on_signals(self._signals.drain())
+        self._reap()
+        if self._term_signal is not None:
+            raise self._signal_exit()
 
     def _wait_during_stop(self, timeout: float) -> bool:
         select.select([self._signals], [], [], timeout)

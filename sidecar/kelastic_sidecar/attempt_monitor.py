@@ -1,0 +1,288 @@
+"""One node's workers, attempt by attempt: the supervisor's event loop while a round runs.
+
+The :class:`~kelastic_sidecar.supervisor.Supervisor` decides the node's course (join a
+round, charge the budget, finish); :class:`AttemptMonitor` keeps the current attempt's
+workers (their pids, timer tokens and reaps) and turns the events on the supervisor's
+queue (:mod:`kelastic_sidecar.supervisor_wiring`) into how the round ended
+(:class:`~kelastic_sidecar.round_end.RoundEnd`, classified by the pure
+:mod:`kelastic_sidecar.round_end`). The rendezvous is watched from a thread that only
+queues a :class:`RendezvousChanged` (at most one waits), so every input is handled by
+the main thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+from kelastic.control_messages import Exited, Hello, Started, Stop, Stopped
+
+from .control import ControlServer, Disconnected, Message
+from .etcd_store import EtcdUnavailableError
+from .failure import CAUSE_WORKER_FAILURE, Failure, signal_name
+from .metrics import SidecarMetrics
+from .rendezvous import EtcdRendezvousHandler, RendezvousError, RendezvousInfo
+from .round_end import (
+    RoundEnd,
+    RoundEndKind,
+    RoundOf,
+    blame_lost_peer,
+    classify_check,
+    classify_exit,
+    lost_peer,
+    stopped_failure,
+)
+from .supervisor_wiring import Event, FromLauncher, RendezvousChanged, WorkerReaped
+from .timer_server import ReapEvent, TimerServer
+
+__all__ = ["AttemptMonitor"]
+
+log = logging.getLogger("kelastic_sidecar.supervisor")
+
+
+class AttemptMonitor:
+    """The current attempt's workers and the events about them.
+
+    Args:
+        node: this node's name.
+        nproc: workers per node (the launcher's ``hello`` may change :attr:`nproc`).
+        events: the supervisor's queue.
+        control: the launcher's connection.
+        timer: the timer server (watches the workers' pids).
+        metrics: the sidecar's metrics.
+        stop_grace: how long the launcher waits for workers to stop (``stop`` waits 10 s
+            more for its confirmation).
+    """
+
+    def __init__(
+        self,
+        node: str,
+        nproc: int,
+        events: queue.Queue[Event],
+        control: ControlServer,
+        timer: TimerServer,
+        metrics: SidecarMetrics,
+        stop_grace: float,
+    ) -> None:
+        self.node = node
+        self.nproc = nproc
+        self._events = events
+        self._control = control
+        self._timer = timer
+        self._metrics = metrics
+        self._stop_grace = stop_grace
+        self.attempt = 0
+        self.pids: dict[int, int] = {}  # local rank -> pid
+        # local rank -> its timer token this attempt (see kelastic_sidecar.timer_server)
+        self.tokens: dict[int, str] = {}
+        self.warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
+        self.reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
+        self.watch_stop = threading.Event()
+        self._rdzv_queued = threading.Event()  # a RendezvousChanged waits in the queue
+
+    # ------------------------------------------------------------------- attempts
+
+    def new_attempt(self) -> dict[int, str]:
+        """Start the next attempt: forget the last one's workers; return the new timer
+        tokens (local rank -> token)."""
+        self.attempt += 1
+        self.pids.clear()
+        self.reaped.clear()
+        self._timer.forget_all()
+        self.tokens = {r: secrets.token_hex(16) for r in range(self.nproc)}
+        return self.tokens
+
+    def stop_workers(self, reason: str) -> None:
+        """Ask the launcher to stop the current attempt's workers and wait for it (the
+        caller checked there is an attempt)."""
+        if not self._control.send(Stop(attempt=self.attempt, reason=reason)):
+            return
+        deadline = time.monotonic() + self._stop_grace + 10.0
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = self.next_event(timeout=left)
+            except queue.Empty:
+                break
+            if isinstance(event, FromLauncher):
+                msg = event.message
+                if isinstance(msg, Disconnected):
+                    break
+                if isinstance(msg, Stopped) and msg.attempt == self.attempt:
+                    break
+            if isinstance(event, WorkerReaped):
+                self.on_reaped(event.reap)
+        else:
+            log.warning("the launcher did not confirm the stop of attempt %d", self.attempt)
+        self._timer.forget_all()
+        self.pids.clear()
+
+    # --------------------------------------------------------------------- events
+
+    def wait_hello(self) -> Hello:
+        """Block until the launcher sends ``hello``; other events are dropped."""
+        while True:
+            event = self.next_event()
+            if isinstance(event, FromLauncher) and isinstance(event.message, Hello):
+                return event.message
+
+    def next_event(self, timeout: float | None = None) -> Event:
+        """The next event (``queue.Empty`` after ``timeout`` s); a rendezvous check taken
+        off the queue lets the next change queue another."""
+        event = self._events.get(timeout=timeout)
+        if isinstance(event, RendezvousChanged):
+            self._rdzv_queued.clear()
+        return event
+
+    def queue_check(self) -> None:
+        """Queue a rendezvous check unless one already waits: a check reads the current
+        state, so a second one adds nothing, and while etcd is down (each check then takes
+        the store's whole timeout, and the watch fails faster) the repeats would bury the
+        workers' exits behind them."""
+        if not self._rdzv_queued.is_set():
+            self._rdzv_queued.set()
+            self._events.put(RendezvousChanged())
+
+    def monitor(
+        self,
+        handler: EtcdRendezvousHandler,
+        info: RendezvousInfo,
+        on_started: Callable[[], None],
+    ) -> RoundEnd:
+        """Handle events until the round ends for this node.
+
+        Args:
+            handler: the rendezvous (watched from a thread meanwhile).
+            info: the round.
+            on_started: called when the launcher reports the attempt's workers started.
+        """
+        succeeded: set[int] = set()
+        self.watch_stop.clear()
+        watcher = threading.Thread(
+            target=self._watch_rendezvous, args=(handler,), name="rdzv-watch", daemon=True
+        )
+        watcher.start()
+        # A change may have happened between the round completing and the watch starting.
+        self.queue_check()
+        try:
+            while True:
+                event = self.next_event()
+                if isinstance(event, WorkerReaped):
+                    self.on_reaped(event.reap)
+                elif isinstance(event, RendezvousChanged):
+                    end = self.check_round(handler, info)
+                    if end is not None:
+                        return end
+                else:
+                    end = self._on_control(event.message, info, succeeded, on_started)
+                    if end is not None:
+                        return end
+        finally:
+            self.watch_stop.set()
+
+    def _watch_rendezvous(self, handler: EtcdRendezvousHandler) -> None:
+        while not self.watch_stop.is_set():
+            try:
+                changed = handler.wait_for_change(1.0)
+            except (RendezvousError, EtcdUnavailableError) as exc:
+                log.warning("watching the rendezvous failed: %s", exc)
+                self.watch_stop.wait(0.5)
+                changed = True
+            recheck = handler.take_recheck()  # a grace after an etcd outage is over
+            if (changed or handler.lease_lost or recheck) and not self.watch_stop.is_set():
+                self.queue_check()
+
+    # -------------------------------------------------------------- classification
+
+    def round_of(self, info: RendezvousInfo) -> RoundOf:
+        """The round as :mod:`~kelastic_sidecar.round_end` reads it."""
+        return RoundOf(self.node, info.round, info.group_rank, self.nproc)
+
+    def check_round(self, handler: EtcdRendezvousHandler, info: RendezvousInfo) -> RoundEnd | None:
+        """What the rendezvous says of the round now (None: healthy, or etcd failed)."""
+        try:
+            check = handler.check_round(info)
+        except (RendezvousError, EtcdUnavailableError) as exc:
+            log.warning("checking round %d failed: %s", info.round, exc)
+            return None
+        end = classify_check(check, self.node, info.round)
+        if end is not None and end.kind is RoundEndKind.RESTART:
+            log.info("round %d: %s (%s)", info.round, check.reason, ", ".join(check.nodes))
+        return end
+
+    def blame_lost_peer(
+        self, handler: EtcdRendezvousHandler | None, info: RendezvousInfo, failure: Failure
+    ) -> Failure:
+        """The root cause of a worker failure (:func:`~.round_end.blame_lost_peer`), from
+        a rendezvous check taken after our workers stopped, so that a loss had time to
+        show (the operator or ``kelastic run`` takes a dead Pod's node out at once)."""
+        if failure.cause != CAUSE_WORKER_FAILURE or handler is None:
+            return failure
+        lost = lost_peer(self.check_round(handler, info))
+        if lost is None:
+            return failure
+        log.warning("round %d: %s; it explains %s", info.round, lost.summary(), failure.summary())
+        return blame_lost_peer(failure, lost)
+
+    def stopped_failure(
+        self, info: RendezvousInfo, pids: dict[int, int] | None = None
+    ) -> Failure | None:
+        """The hang of a worker of this attempt reaped while stopped (see
+        :func:`~.round_end.stopped_failure`); ``pids`` default to the current ones (a
+        peer's restart can stop ours before their exits are reported)."""
+        return stopped_failure(
+            self.round_of(info), self.pids if pids is None else pids, self.reaped
+        )
+
+    def on_reaped(self, ev: ReapEvent) -> None:
+        """The timer server killed a hung worker."""
+        self.reaped[ev.pid] = ev
+        log.warning(
+            "worker pid %d hung: timer %r expired %.3fs ago; killed with %s",
+            ev.pid, ev.scope_id, ev.reaped_at - ev.expiration_time, signal_name(ev.signal),
+        )  # fmt: skip
+
+    def _on_control(
+        self,
+        msg: Message,
+        info: RendezvousInfo,
+        succeeded: set[int],
+        on_started: Callable[[], None],
+    ) -> RoundEnd | None:
+        if isinstance(msg, Disconnected):
+            return RoundEnd(RoundEndKind.LAUNCHER_LOST)
+        if isinstance(msg, Started) and msg.attempt == self.attempt:
+            self._on_started(msg)
+            on_started()
+        elif isinstance(msg, Exited) and msg.attempt == self.attempt:
+            return self._on_exited(msg, info, succeeded)
+        return None  # another type, or late news from an earlier attempt
+
+    def _on_started(self, msg: Started) -> None:
+        pids = msg.pids
+        self.warm = min(msg.warm, len(pids)) if msg.warm > 0 else 0
+        self._metrics.worker_starts.labels(start="warm").inc(self.warm)
+        self._metrics.worker_starts.labels(start="cold").inc(len(pids) - self.warm)
+        for local_rank, pid in pids.items():
+            self.pids[local_rank] = pid
+            try:
+                self._timer.watch_pid(pid, self.tokens.get(local_rank))
+            except ValueError as exc:  # pid <= 1 or our own: never reapable
+                log.error("not watching worker pid %s: %s", pid, exc)
+
+    def _on_exited(self, msg: Exited, info: RendezvousInfo, succeeded: set[int]) -> RoundEnd | None:
+        if msg.pid is not None:
+            self._timer.forget_pid(msg.pid)
+        code_label = signal_name(msg.signal) if msg.signal is not None else str(msg.exitcode)
+        self._metrics.worker_exits.labels(code=code_label).inc()
+        if msg.exitcode == 0:
+            succeeded.add(msg.local_rank)
+            if len(succeeded) >= self.nproc:
+                return RoundEnd(RoundEndKind.SUCCEEDED)
+            return None
+        failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped)
+        log.error("round %d failed: %s", info.round, failure.summary())
+        return RoundEnd(RoundEndKind.FAILED, failure)

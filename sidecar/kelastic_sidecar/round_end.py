@@ -1,0 +1,315 @@
+"""How a round ended for this node: pure classification of the supervisor's inputs.
+
+The supervisor (:mod:`kelastic_sidecar.supervisor`) monitors a round until something
+ends it: every local worker exited 0, a worker failed or hung, the rendezvous changed
+(nodes waiting, a participant lost or left, closed), or the launcher went away. This
+module decides *what* that something means, as :class:`RoundEnd` (a
+:class:`RoundEndKind` and, for a failure, its root cause as a
+:class:`~kelastic_sidecar.failure.Failure`); the supervisor decides what to *do* about
+it (stop the workers, charge the restart budget, rejoin, finish).
+
+Everything here is a function of its arguments (a :class:`Failure` stamps its own
+time): no etcd, no processes, no logging (import-linter keeps it so). It is tested
+like ``reconcile``, with tables of inputs (``tests/test_round_end.py``). The inputs
+it reads are described structurally (:class:`ReapLike`, :class:`CheckLike`), so it
+needs neither the timer server nor the rendezvous handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from kelastic import contract
+from kelastic.control_messages import Exited
+
+from .failure import (
+    CAUSE_HANG,
+    CAUSE_NODE_LOST,
+    CAUSE_PEER,
+    CAUSE_SCALE,
+    CAUSE_START_FAILURE,
+    CAUSE_WORKER_FAILURE,
+    NOT_STARTED_EXIT_CODES,
+    Failure,
+)
+from .rendezvous_state import DEPARTURE_REJOIN
+
+__all__ = [
+    "CheckLike",
+    "ReapLike",
+    "RoundEnd",
+    "RoundEndKind",
+    "RoundOf",
+    "blame_lost_peer",
+    "classify_check",
+    "classify_exit",
+    "closed_outcome",
+    "lost_peer",
+    "stopped_failure",
+]
+
+#: Departures that end a round without spending the restart budget: a scale-down, and a
+#: peer exiting to re-rendezvous (its own failure, if any, was charged by that peer).
+PLANNED_DEPARTURES = frozenset({contract.DEPARTURE_SCALE_DOWN, DEPARTURE_REJOIN})
+
+
+class RoundEndKind(enum.Enum):
+    """How monitoring one round ended."""
+
+    #: every local worker exited 0
+    SUCCEEDED = "succeeded"
+    #: a worker failed or hung, or a peer node was lost: charge the budget, rejoin
+    FAILED = "failed"
+    #: the round must re-form at no cost (scale event, a peer's restart)
+    RESTART = "restart"
+    #: the rendezvous was closed (the job failed or is over)
+    CLOSED = "closed"
+    #: the trainer container's launcher disconnected
+    LAUNCHER_LOST = "launcher_lost"
+    #: this node was taken out of the job (scale-down, its Pod going away)
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """How monitoring one round ended.
+
+    Attributes:
+        kind: what happened.
+        failure: the root cause, for :attr:`RoundEndKind.FAILED`.
+        reason: for ``RESTART`` the restart's cause (``CAUSE_SCALE``, ``CAUSE_PEER``);
+            for ``REMOVED`` the node's departure reason (may be empty).
+    """
+
+    kind: RoundEndKind
+    failure: Failure | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RoundOf:
+    """The round as this node sees it: enough to name a failed worker's global rank."""
+
+    node: str
+    round: int
+    group_rank: int
+    nproc: int
+
+    def rank(self, local_rank: int) -> int:
+        """The global rank of a local rank of this node."""
+        return self.group_rank * self.nproc + local_rank
+
+
+class ReapLike(Protocol):
+    """What classification reads of a reap (``kelastic_sidecar.timer_server.ReapEvent``)."""
+
+    @property
+    def scope_id(self) -> str: ...
+    @property
+    def signal(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+
+
+class CheckLike(Protocol):
+    """What classification reads of a round check (``rendezvous_state.RoundCheck``)."""
+
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def nodes(self) -> tuple[str, ...]: ...
+    @property
+    def departures(self) -> tuple[tuple[str, str], ...]: ...
+
+
+def classify_check(check: CheckLike, node: str, round_: int) -> RoundEnd | None:
+    """What a rendezvous check means for this node's round; None while it is healthy.
+
+    - ``closed``: :attr:`RoundEndKind.CLOSED`;
+    - this node among the nodes that left or were lost: ``REMOVED`` (the operator took
+      it out), with its departure reason;
+    - a participant lost (its liveness key is gone): ``FAILED``, ``CAUSE_NODE_LOST``;
+    - participants that left without a planned departure (:data:`PLANNED_DEPARTURES`):
+      ``FAILED``, ``CAUSE_NODE_LOST`` naming them (a disruption: Pod deleted, preempted);
+    - otherwise ``RESTART``: ``CAUSE_SCALE`` for nodes waiting or planned departures,
+      ``CAUSE_PEER`` for the rest (lease lost, round advanced).
+    """
+    if check.healthy:
+        return None
+    if check.reason == "closed":
+        return RoundEnd(RoundEndKind.CLOSED)
+    if node in check.nodes and check.reason in ("participant_left", "participant_lost"):
+        # The operator removed this node from the round (scale-down, or its Pod is
+        # going away): stop here instead of rejoining.
+        return RoundEnd(RoundEndKind.REMOVED, reason=dict(check.departures).get(node, ""))
+    if check.reason == "participant_lost":
+        return RoundEnd(
+            RoundEndKind.FAILED,
+            Failure(
+                cause=CAUSE_NODE_LOST,
+                node=", ".join(check.nodes),
+                round=round_,
+                message="its liveness key is gone (lease expired or node removed)",
+            ),
+        )
+    if check.reason == "participant_left":
+        departures = dict(check.departures)
+        unplanned = {
+            n: departures.get(n, "?")
+            for n in check.nodes
+            if departures.get(n) not in PLANNED_DEPARTURES
+        }
+        if unplanned:
+            # A node stopped in mid-round without being scaled down (Pod deleted,
+            # preempted, drained): a disruption, charged like a lost node.
+            return RoundEnd(
+                RoundEndKind.FAILED,
+                Failure(
+                    cause=CAUSE_NODE_LOST,
+                    node=", ".join(sorted(unplanned)),
+                    round=round_,
+                    message="left the round: "
+                    + ", ".join(f"{n} ({r})" for n, r in sorted(unplanned.items())),
+                ),
+            )
+    reason = {
+        "nodes_waiting": CAUSE_SCALE,
+        "participant_left": CAUSE_SCALE,
+    }.get(check.reason, CAUSE_PEER)
+    return RoundEnd(RoundEndKind.RESTART, reason=reason)
+
+
+def stopped_failure(
+    round_: RoundOf, pids: Mapping[int, int], reaped: Mapping[int, ReapLike]
+) -> Failure | None:
+    """The hang of a worker that was reaped while stopped (``T``/``t``), if any.
+
+    Its peers' timers expire too while they wait for it in a collective, so it is the
+    root cause of the round's hangs, whichever exit is reported first.
+
+    Args:
+        round_: the round.
+        pids: local rank -> pid of the attempt's workers.
+        reaped: pid -> reap of the attempt.
+    """
+    for local_rank, pid in sorted(pids.items()):
+        reap = reaped.get(pid)
+        if reap is not None and reap.state in ("T", "t"):
+            return Failure(
+                cause=CAUSE_HANG,
+                node=round_.node,
+                round=round_.round,
+                rank=round_.rank(local_rank),
+                local_rank=local_rank,
+                signal=reap.signal,
+                message=f"timer {reap.scope_id!r} expired; reaped by the timer server "
+                "(it was stopped, not waiting on a peer)",
+                stopped=True,
+            )
+    return None
+
+
+def classify_exit(
+    round_: RoundOf, msg: Exited, pids: Mapping[int, int], reaped: Mapping[int, ReapLike]
+) -> Failure:
+    """The failure a non-zero exit of a worker of this attempt stands for.
+
+    - the worker was reaped by the timer server: ``CAUSE_HANG``, unless a stopped worker
+      of this node was reaped too (:func:`stopped_failure`): that one is the cause;
+    - it could not be started (no pid, or an exit code of
+      :data:`~kelastic_sidecar.failure.NOT_STARTED_EXIT_CODES`): ``CAUSE_START_FAILURE``;
+    - else ``CAUSE_WORKER_FAILURE``, with its error file's message and its last lines.
+
+    Args:
+        round_: the round.
+        msg: the launcher's ``exited`` message (its ``exitcode`` is not 0).
+        pids: local rank -> pid of the attempt's workers (to find a stopped one).
+        reaped: pid -> reap of the attempt.
+    """
+    pid = msg.pid  # None when the worker could not even be started
+    reap = reaped.get(pid) if pid is not None else None
+    error = msg.error or {}
+    message = str(error.get("message") or "")
+    if reap is not None:
+        # Workers blocked in a collective on a stopped peer are reaped with it: name
+        # the stopped one of this node, whichever exit was reported first.
+        culprit = stopped_failure(round_, pids, reaped)
+        if culprit is not None:
+            return culprit
+        message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
+    cause = CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE
+    if reap is None and (pid is None or msg.exitcode in NOT_STARTED_EXIT_CODES):
+        cause = CAUSE_START_FAILURE  # exec failed, or the command is not there
+    return Failure(
+        cause=cause,
+        node=round_.node,
+        round=round_.round,
+        rank=round_.rank(msg.local_rank),
+        local_rank=msg.local_rank,
+        exitcode=msg.exitcode,
+        signal=msg.signal,
+        message=message,
+        tail=msg.tail,
+    )
+
+
+def lost_peer(check_end: RoundEnd | None) -> Failure | None:
+    """The peer node lost in the round, from a :func:`classify_check` result; else None."""
+    lost = check_end.failure if check_end is not None else None
+    if check_end is None or check_end.kind is not RoundEndKind.FAILED or lost is None:
+        return None
+    return lost if lost.cause == CAUSE_NODE_LOST else None
+
+
+def blame_lost_peer(failure: Failure, lost: Failure | None) -> Failure:
+    """The root cause of a worker failure: a peer node lost in the same round when
+    there is one (its workers' connections reset, so ours fail first), else ``failure``.
+
+    Args:
+        failure: this node's failure.
+        lost: the lost peer (:func:`lost_peer`) seen after our workers stopped, or None.
+    """
+    if failure.cause != CAUSE_WORKER_FAILURE or lost is None:
+        return failure
+    return replace(lost, message=f"{lost.message}; then {failure.summary()}")
+
+
+def closed_outcome(reason: dict[str, Any] | None, max_restarts: int) -> tuple[Failure | None, str]:
+    """The root cause and the one-line summary of a job whose rendezvous was closed.
+
+    Args:
+        reason: the rendezvous' closed reason: a :meth:`Failure.as_dict` plus
+            ``not_retried`` (a worker could not be started) or ``max_restarts`` (the
+            budget was spent), or anything else a closer wrote (None when unknown).
+        max_restarts: the job's budget.
+
+    Returns:
+        ``(failure or None, summary)``; the summary starts with
+        :data:`kelastic.contract.JOB_FAILED_PREFIX`.
+    """
+    failure = None
+    if reason:
+        with contextlib.suppress(KeyError, TypeError):
+            failure = Failure.from_dict(reason)
+    if failure is not None and reason and reason.get("not_retried"):
+        text = (
+            f"{contract.JOB_FAILED_PREFIX}: a worker could not be started (not retried); "
+            f"root cause: {failure.details()}"
+        )
+    elif failure is not None:
+        text = (
+            f"{contract.JOB_FAILED_PREFIX} after {max_restarts} restarts "
+            "(budget spent); "
+            f"root cause: {failure.details()}"
+        )
+    else:
+        text = f"{contract.JOB_FAILED_PREFIX}: the rendezvous was closed" + (
+            f" ({reason})" if reason else ""
+        )
+    return failure, text
