@@ -1,16 +1,22 @@
 """The operator's Prometheus metrics (served on ``/metrics`` by ``python -m kelastic_operator``).
 
 Metrics live in their own :class:`prometheus_client.CollectorRegistry` so that tests can
-run several operators in one process and read each one's numbers.
+run several operators in one process and read each one's numbers. No label is named
+``job`` (Prometheus' own target label): an ElasticJob's name is ``elasticjob``, as on the
+sidecars' series. ``/metrics`` is ``prometheus_client``'s server, which answers in
+OpenMetrics when the scraper asks for ``application/openmetrics-text``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import platform
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+import kelastic
 
 #: ``kind`` values of ``kelastic_operator_reconcile_errors_total``.
 ERROR_KINDS = ("api", "crash")
@@ -28,11 +34,22 @@ class OperatorMetrics:
         jobs: ElasticJobs per phase (kept by :meth:`set_phase` / :meth:`forget`).
         pods_created, pods_deleted: Pods the operator created / deleted, by reason.
         nodes_removed: rendezvous nodes removed.
-        phase: 1 for the phase each job is in (``namespace``, ``job``, ``phase`` labels).
+        phase: 1 for the phase each job is in (``namespace``, ``elasticjob``, ``phase``
+            labels: the ElasticJob's namespace and name).
+        build_info: ``kelastic_build_info`` 1, labelled with the kelastic ``version`` and the
+            ``python_version``.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.build_info = Info(
+            "kelastic_build",
+            "1, labelled with the kelastic version and the Python version running it",
+            registry=self.registry,
+        )
+        self.build_info.info(
+            {"version": kelastic.__version__, "python_version": platform.python_version()}
+        )
         self.reconciles = Counter(
             "kelastic_operator_reconciles", "Reconcile passes", ["outcome"], registry=self.registry
         )
@@ -77,17 +94,17 @@ class OperatorMetrics:
         self.phase = Gauge(
             "kelastic_operator_job_phase",
             "1 for the current phase of each ElasticJob",
-            ["namespace", "job", "phase"],
+            ["namespace", "elasticjob", "phase"],
             registry=self.registry,
         )
 
     def set_phase(
-        self, namespace: str, job: str, phase: str | None, phases: tuple[str, ...]
+        self, namespace: str, elasticjob: str, phase: str | None, phases: tuple[str, ...]
     ) -> None:
-        """Mark ``phase`` as the job's phase (every other phase 0)."""
+        """Mark ``phase`` as the ElasticJob's phase (every other phase 0)."""
         for p in phases:
-            self.phase.labels(namespace, job, p).set(1 if p == phase else 0)
-        self._job_phase[(namespace, job)] = phase
+            self.phase.labels(namespace, elasticjob, p).set(1 if p == phase else 0)
+        self._job_phase[(namespace, elasticjob)] = phase
         self._count_jobs(phases)
 
     def _count_jobs(self, phases: tuple[str, ...]) -> None:
@@ -110,12 +127,12 @@ class OperatorMetrics:
         finally:
             self.reconcile_duration.observe(time.monotonic() - started)
 
-    def forget(self, namespace: str, job: str, phases: tuple[str, ...]) -> None:
-        """Drop a deleted job's phase series."""
+    def forget(self, namespace: str, elasticjob: str, phases: tuple[str, ...]) -> None:
+        """Drop a deleted ElasticJob's phase series."""
         for p in phases:
             with contextlib.suppress(KeyError):
-                self.phase.remove(namespace, job, p)
-        self._job_phase.pop((namespace, job), None)
+                self.phase.remove(namespace, elasticjob, p)
+        self._job_phase.pop((namespace, elasticjob), None)
         self._count_jobs(phases)
 
 

@@ -3,6 +3,10 @@
 ``/healthz`` is 200 while the supervisor loop is alive; ``/readyz`` is 200 while workers of
 a completed round are running; ``/status`` is a small JSON document (round, world size,
 restarts, progress) that local mode uses for its progress line.
+
+``/metrics`` answers as ``prometheus_client``'s own server does: in OpenMetrics when the
+``Accept`` header asks for ``application/openmetrics-text`` (as Prometheus does), else in
+the Prometheus text format.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 
 class SidecarHttpServer:
@@ -35,17 +40,22 @@ class SidecarHttpServer:
         ready: Callable[[], bool],
         status: Callable[[], dict[str, Any]],
     ) -> None:
-        routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
-            "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
-            "/healthz": lambda: _probe(healthy()),
-            "/readyz": lambda: _probe(ready()),
-            "/status": lambda: (200, "application/json", json.dumps(status()).encode()),
+        def metrics(accept: str) -> tuple[int, str, bytes]:
+            encode, content_type = choose_encoder(accept)
+            return 200, content_type, encode(registry)
+
+        routes: dict[str, Callable[[str], tuple[int, str, bytes]]] = {
+            "/metrics": metrics,
+            "/healthz": lambda _: _probe(healthy()),
+            "/readyz": lambda _: _probe(ready()),
+            "/status": lambda _: (200, "application/json", json.dumps(status()).encode()),
         }
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 route = routes.get(self.path.split("?", 1)[0])
-                code, ctype, body = route() if route else (404, "text/plain", b"not found\n")
+                accept = self.headers.get("Accept") or ""
+                code, ctype, body = route(accept) if route else (404, "text/plain", b"not found\n")
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))

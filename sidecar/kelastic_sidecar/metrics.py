@@ -1,18 +1,23 @@
 """The sidecar's Prometheus metrics (prometheus-client, one registry per sidecar).
 
 Names follow Prometheus conventions: ``kelastic_`` prefix, base units in the name,
-``_total`` for counters. Every series carries no job label of its own: Prometheus adds the
-Pod's labels at scrape time.
+``_total`` for counters. No series carries a label naming its job (least of all ``job``,
+Prometheus' own target label): the scrape config adds the Pod's ``namespace``, ``pod`` and
+``elasticjob`` (the chart's PodMonitor). ``kelastic_build_info`` is 1, labelled with the
+kelastic ``version`` and the ``python_version``.
 """
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+import kelastic
 
 from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_PEER, CAUSE_SCALE, CAUSE_WORKER_FAILURE
 from .timer_server import TimerStats
@@ -145,6 +150,14 @@ class SidecarMetrics:
 
     def __init__(self, timer_stats: Callable[[], TimerStats]) -> None:
         r = self.registry = CollectorRegistry()
+        self.build_info = Info(
+            "kelastic_build",
+            "1, labelled with the kelastic version and the Python version running it",
+            registry=r,
+        )
+        self.build_info.info(
+            {"version": kelastic.__version__, "python_version": platform.python_version()}
+        )
         r.register(TimerCollector(timer_stats))
         self.goodput = GoodputClock()
         r.register(GoodputCollector(self.goodput))

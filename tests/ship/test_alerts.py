@@ -1,18 +1,22 @@
 """The alert rules: ``promtool check rules`` and ``promtool test rules`` (every alert has a
-unit test in charts/kelastic/tests/alerts.test.yaml), each with a runbook line."""
+unit test in charts/kelastic/tests/alerts.test.yaml), each with a ``runbook_url`` into
+docs/runbooks.md (a section of its own there)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
 import yaml
 
-from .tools import CHART, ToolMissing, system_tool
+from .tools import CHART, ROOT, ToolMissing, system_tool
 
 RULES = CHART / "rules" / "kelastic.rules.yaml"
 TESTS = CHART / "tests" / "alerts.test.yaml"
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+RUNBOOK_URL = "https://github.com/kelastic/kelastic/blob/main/docs/runbooks.md#"
 ALERTS = {
     "KelasticJobFailing",
     "KelasticRestartBudgetNearlySpent",
@@ -52,7 +56,10 @@ def test_every_alert_has_severity_runbook_and_a_unit_test() -> None:
     assert {r["alert"] for r in rules} == ALERTS
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
-        assert {"summary", "description", "runbook"} <= set(rule["annotations"]), rule["alert"]
+        assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}, rule
+        # `job` is Prometheus' scrape job only; the ElasticJob is `elasticjob`, as exposed
+        assert "label_replace" not in rule["expr"], rule["alert"]
+        assert set(re.findall(r'\bjob="([^"]*)"', rule["expr"])) <= {"kelastic-operator"}
     tests = yaml.safe_load(TESTS.read_text())["tests"]
     firing = {
         case["alertname"] for t in tests for case in t["alert_rule_test"] if case["exp_alerts"]
@@ -61,3 +68,23 @@ def test_every_alert_has_severity_runbook_and_a_unit_test() -> None:
         case["alertname"] for t in tests for case in t["alert_rule_test"] if not case["exp_alerts"]
     }
     assert firing == ALERTS and quiet == ALERTS  # each alert: fires when it should, not before
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of the markdown's headings (lower case, spaces as dashes, no
+    punctuation)."""
+    return {
+        re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#{1,6} (.+)$", markdown, flags=re.MULTILINE)
+    }
+
+
+def test_every_runbook_url_names_a_section_of_docs_runbooks() -> None:
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    anchors = _anchors(RUNBOOKS.read_text())
+    urls = {r["alert"]: r["annotations"]["runbook_url"] for r in rules}
+    for alert, url in urls.items():
+        assert url == RUNBOOK_URL + alert.lower(), (alert, url)
+        assert alert.lower() in anchors, f"docs/runbooks.md has no section {alert}"
+    # one section per alert, and none for an alert that does not exist
+    assert anchors - {"runbooks-of-the-kelastic-alerts"} == {a.lower() for a in ALERTS}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from .tools import (
 
 pytestmark = pytest.mark.timeout(180)
 
+#: The scrape jobs the ServiceMonitor and the PodMonitor name (Prometheus' `job` label).
+SCRAPE_JOBS = {"kelastic-operator", "kelastic-sidecar"}
 HELM_LABELS = (
     "helm.sh/chart",
     "app.kubernetes.io/managed-by",
@@ -513,13 +516,13 @@ def test_the_packaged_chart_holds_the_crds_and_not_the_alert_tests(tmp_path: Pat
 
 def test_the_dashboard_is_well_formed() -> None:
     """Grafana's current schema: unique ids, a 24-column grid without overlaps, the data
-    source and the namespace/job variables on every query, the issue's sections."""
+    source and the namespace/elasticjob variables on every query, the issue's sections."""
     dash = json.loads((CHART / "dashboards" / "kelastic.json").read_text())
     assert dash["schemaVersion"] >= 39 and dash["uid"] == "kelastic"
     variables = {v["name"]: v for v in dash["templating"]["list"]}
-    assert set(variables) == {"datasource", "namespace", "job"}
+    assert set(variables) == {"datasource", "namespace", "elasticjob"}
     assert variables["datasource"]["type"] == "datasource"
-    assert "$namespace" in variables["job"]["query"]["query"]
+    assert "$namespace" in variables["elasticjob"]["query"]["query"]
     panels = dash["panels"]
     assert len({p["id"] for p in panels}) == len(panels)
     rows = [p["title"] for p in panels if p["type"] == "row"]
@@ -546,5 +549,7 @@ def test_the_dashboard_is_well_formed() -> None:
         for t in p["targets"]:
             assert t["expr"] and t["refId"]
             sidecar = "kelastic_operator" not in t["expr"] and "up{" not in t["expr"]
-            if sidecar:  # the sidecars' series: filtered by both variables
-                assert 'namespace="$namespace", elasticjob="$job"' in t["expr"], t["expr"]
+            # `job` is Prometheus' target label only (the scrape job), never the ElasticJob
+            assert set(re.findall(r'\bjob="([^"]*)"', t["expr"])) <= SCRAPE_JOBS, t["expr"]
+            if sidecar or "kelastic_operator_job_phase" in t["expr"]:  # by both variables
+                assert 'namespace="$namespace", elasticjob="$elasticjob"' in t["expr"], t["expr"]

@@ -287,7 +287,7 @@ def _dashboard_queries() -> list[tuple[str, str]]:
 def _grafana(expr: str, job: str, namespace: str) -> str:
     return (
         expr.replace("$namespace", namespace)
-        .replace("$job", job)
+        .replace("$elasticjob", job)
         .replace("$__rate_interval", RATE_INTERVAL)
     )
 
@@ -500,7 +500,7 @@ def _check_queries(prom: Prometheus, job: str, namespace: str) -> None:
             assert _firing(prom, alert["alert"], {"elasticjob": job}), alert["alert"]
         for name in _metric_names(alert["expr"]):
             assert prom.has_data(f'count({{__name__="{name}"}})'), name
-        assert alert["annotations"]["runbook"]
+        assert alert["annotations"]["runbook_url"]
 
     # Every metric the dashboard names exists.
     dash_names = set().union(*(_metric_names(e) for _, e in _dashboard_queries()))
@@ -515,7 +515,9 @@ def _check_queries(prom: Prometheus, job: str, namespace: str) -> None:
     assert {"worker_failure", "hang"} <= causes, causes
     goodput = float(prom.query("avg(kelastic_goodput_ratio)")["result"][0]["value"][1])
     assert 0 < goodput < 1
-    phase = prom.query(f'kelastic_operator_job_phase{{namespace="{namespace}",job="{job}"}} == 1')
+    phase = prom.query(
+        f'kelastic_operator_job_phase{{namespace="{namespace}",elasticjob="{job}"}} == 1'
+    )
     assert [r["metric"]["phase"] for r in phase["result"]] == ["Pending"]
 
 
