@@ -23,10 +23,17 @@ import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kelastic import contract
 from kelastic._extras import missing_extra
+
+if TYPE_CHECKING:
+    import kopf
+
+    from .handlers import OperatorContext
+    from .health import Health
+    from .leader import LeaseSettings
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -136,13 +143,31 @@ def _main(argv: Sequence[str] | None) -> int:
         logging.warning("--priority is ignored: leader election uses a Lease, not kopf peering")
     if args.kubeconfig:  # the kubernetes package reads it when first imported
         os.environ["KUBECONFIG"] = args.kubeconfig
-    import kopf
-    from kubernetes import config as kubernetes_config
     from prometheus_client import start_http_server
 
-    from .handlers import OperatorContext, register
     from .health import Health, serve
-    from .leader import LeaseElector
+
+    ctx = _context(args)
+    if ctx is None:
+        return 2
+    health = Health()
+    registry = _registry(ctx, health)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=ctx.metrics.registry)
+    if args.health_port:
+        serve(health, args.health_port)
+    try:
+        return _run(args, ctx, registry, health, None if args.standalone else lease_settings)
+    finally:
+        ctx.stores.close()
+
+
+def _context(args: argparse.Namespace) -> OperatorContext | None:
+    """The handlers' shared context from the arguments; None (and a line on stderr) when
+    there are no Kubernetes credentials."""
+    from kubernetes import config as kubernetes_config
+
+    from .handlers import OperatorContext
     from .metrics import OperatorMetrics
     from .pods import PodSettings
     from .rendezvous_store import EtcdRendezvousStore, StoreCache
@@ -152,7 +177,6 @@ def _main(argv: Sequence[str] | None) -> int:
         etcd_endpoints=tuple(e.strip() for e in args.etcd_endpoints.split(",") if e.strip()),
         http_port=args.sidecar_http_port,
     )
-    metrics = OperatorMetrics()
     tls_dir = Path(args.etcd_tls_dir) if args.etcd_tls_dir else None
     # etcd auth: the operator's own user, from its env (a Secret), never from the command line
     etcd_user = os.environ.get(contract.ENV_ETCD_USER) or None
@@ -165,8 +189,8 @@ def _main(argv: Sequence[str] | None) -> int:
             f"--kubeconfig or $KUBECONFIG): {exc}",
             file=sys.stderr,
         )
-        return 2
-    ctx = OperatorContext(
+        return None
+    return OperatorContext(
         api=api,
         pod_settings=settings,
         stores=StoreCache(
@@ -175,24 +199,26 @@ def _main(argv: Sequence[str] | None) -> int:
             )
         ),
         resync_seconds=args.resync_seconds,
-        metrics=metrics,
+        metrics=OperatorMetrics(),
         instance=os.environ.get("POD_ID", ""),
     )
+
+
+def _registry(ctx: OperatorContext, health: Health) -> kopf.OperatorRegistry:
+    """kopf's registry: the ElasticJob handlers, the login, and the event loop's
+    heartbeat for /healthz."""
+    import kopf
+
+    from .handlers import register
+
     registry = kopf.OperatorRegistry()
     register(registry, ctx)
+    tickers: set[asyncio.Task[None]] = set()
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         """kopf logs in as the official client does (in-cluster, else the kubeconfig)."""
         return kopf.login_via_client(**kwargs)
-
-    kopf_settings = kopf.OperatorSettings()
-    kopf_settings.posting.enabled = True
-    if args.metrics_port:
-        start_http_server(args.metrics_port, registry=metrics.registry)
-    health = Health()
-    if args.health_port:
-        serve(health, args.health_port)
 
     @kopf.on.startup(registry=registry)
     async def start_ticking(**_: Any) -> None:
@@ -201,13 +227,27 @@ def _main(argv: Sequence[str] | None) -> int:
         tickers.add(ticker)
         ticker.add_done_callback(tickers.discard)
 
-    tickers: set[asyncio.Task[None]] = set()
-    stop_kopf = threading.Event()
-    shutdown = threading.Event()
-    leading = threading.Event()
-    lost = threading.Event()
+    return registry
+
+
+def _run(
+    args: argparse.Namespace,
+    ctx: OperatorContext,
+    registry: kopf.OperatorRegistry,
+    health: Health,
+    lease_settings: LeaseSettings | None,
+) -> int:
+    """Campaign for the Lease (unless ``lease_settings`` is None: standalone), then run
+    kopf until a signal or the loss of the Lease. Returns the exit status: 1 when this
+    replica lost the election (its Pod restarts and campaigns again), else 0."""
+    import kopf
+
+    from .leader import LeaseElector
+
+    stop_kopf, shutdown = threading.Event(), threading.Event()
+    leading, lost = threading.Event(), threading.Event()
     elector_thread = None
-    if not args.standalone:
+    if lease_settings is not None:
         identity = f"{os.environ.get('POD_ID') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
         elector = LeaseElector(
             ctx.api, args.lease_namespace, args.lease_name, identity, lease_settings
@@ -233,12 +273,14 @@ def _main(argv: Sequence[str] | None) -> int:
         logging.info("waiting to lead (Lease %s/%s as %s)", args.lease_namespace,
                      args.lease_name, identity)  # fmt: skip
         leading.wait()
+    settings = kopf.OperatorSettings()
+    settings.posting.enabled = True
 
     async def run_kopf() -> None:
         try:
             await kopf.operator(
                 registry=registry,
-                settings=kopf_settings,
+                settings=settings,
                 standalone=True,
                 namespaces=args.namespace,
                 clusterwide=not args.namespace,
@@ -254,7 +296,6 @@ def _main(argv: Sequence[str] | None) -> int:
     shutdown.set()  # the elector releases the Lease
     if elector_thread is not None:
         elector_thread.join(10)
-    ctx.stores.close()
     if lost.is_set():
         logging.error("exiting: this replica lost the leader election")
         return 1
