@@ -14,9 +14,11 @@ dashboard query and every alert expression is checked against what it scraped.
 - Prometheus (Debian's package) on loopback with a 1 s scrape interval, the alert rules
   loaded, and the scrape jobs named and labelled as the chart's ServiceMonitor/PodMonitor do.
 
-Every /metrics also passes ``promtool check metrics``. In that run the restart budget is
-spent (2/2) and a hung worker is reaped, so ``KelasticRestartBudgetNearlySpent`` and
-``KelasticHangReaped`` return data and fire; the four other alerts must stay quiet there.
+Every /metrics also passes ``promtool check metrics``, has no ``job`` label (Prometheus'
+own), has ``kelastic_build_info`` and answers Prometheus' Accept header in OpenMetrics.
+In that run the restart budget is spent (2/2) and a hung worker is reaped, so
+``KelasticRestartBudgetNearlySpent`` and ``KelasticHangReaped`` return data and fire; the
+four other alerts must stay quiet there.
 
 A second test (``test_prometheus_fires_every_alert_on_real_failures``) drives each of those
 four failures for real, with real processes, and checks that the chart's alert expression
@@ -62,6 +64,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
 from kelastic_operator.local.faults import Fault
@@ -80,6 +83,11 @@ DIGITS = ROOT / "examples/digits/elasticjob.yaml"
 RATE_INTERVAL = "20s"  # what Grafana's $__rate_interval is at a 1 s scrape interval and more
 
 RULES = CHART / "rules" / "kelastic.rules.yaml"
+#: What Prometheus 2.x asks for when it scrapes.
+OPENMETRICS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 # Alert expressions that return nothing while the system is healthy (the healthy run checks
 # that they stay empty, and their series exist); the failure test drives each of them.
@@ -458,6 +466,17 @@ def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
                 timeout=30,
             )
             assert check.returncode == 0 and not check.stdout.strip(), (port, check.stdout)
+            # no `job` label from kelastic (Prometheus' own); kelastic_build_info is there
+            samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+            assert not [s for s in samples if "job" in s.labels], port
+            assert [s.value for s in samples if s.name == "kelastic_build_info"] == [1], port
+            # ... and Prometheus' Accept header gets OpenMetrics
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/metrics", headers={"Accept": OPENMETRICS_ACCEPT}
+            )
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                ctype = resp.headers["Content-Type"]
+                assert ctype.startswith("application/openmetrics-text"), (port, ctype)
         _check_queries(prom, name, ns)
         if stop is not None:
             stop.touch()
