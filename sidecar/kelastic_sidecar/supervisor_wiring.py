@@ -112,12 +112,12 @@ def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) ->
 
     Args:
         config: the node's configuration.
-        store: an etcd store; built from ``config.etcd_endpoints`` (and ``tls_dir``)
+        store: an etcd store; built from the config (endpoints, TLS, user and password)
             when None.
         hooks: the supervisor's callbacks.
     """
     keys = contract.Keys(config.prefix)
-    store = store or EtcdStore(config.etcd_endpoints, tls_dir=config.tls_dir)
+    store = store or config.etcd_client()  # endpoints, TLS, user and password
     events: queue.Queue[Event] = queue.Queue()
     timer = TimerServer(
         contract.timer_fifo_path(config.run_dir),
