@@ -63,7 +63,8 @@ def test_a_killed_sidecar_is_a_lost_pod_replaced_and_the_job_succeeds(tmp_path: 
             assert "[running,running]" not in line, line
     # No checkpoint lost: every restart resumed where the last step left it.
     starts = [int(m.group(1)) for m in re.finditer(r"from_step=(\d+)", out)]
-    assert starts[-1] >= 20 and int(ckpt.read_text()) == 200  # step 20 was reached before the kill
+    assert starts[-1] >= 20, starts  # step 20 was reached before the kill
+    assert int(ckpt.read_text()) == 200
     lost = run.time_lost(rank=0)  # the node that lived on
     print(f"\nFAULT sidecar-killed: time lost {lost:.2f}s, 1 restart charged (node_lost)")
     assert lost < 30
