@@ -17,6 +17,7 @@ and the scheduler. Not run: the node-lifecycle controller (our Nodes are run by
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import ssl
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
+from kelastic._workers import child_preexec
 from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
 
 from .certs import CertAuthority, CertFiles, signing_key_pair
@@ -273,7 +275,9 @@ class ControlPlane:
         )  # fmt: skip
         admin = ca.issue("admin", "kelastic-admin", "system:masters")
         sa = signing_key_pair(self.pki, "service-account")
-        self.etcd = EmbeddedEtcd(log_path=self.workdir / "etcd.log", binary=bin_dir / "etcd")
+        self.etcd = EmbeddedEtcd(
+            log_path=self.workdir / "etcd.log", binary=bin_dir / "etcd", die_with_parent=True
+        )
         self.etcd.start()
         self.port = free_port()
         self._ssl = ssl.create_default_context(cafile=str(ca.cert))
@@ -381,9 +385,12 @@ class ControlPlane:
 
     def _spawn(self, bin_dir: Path, name: str, args: list[str]) -> None:
         with open(self.workdir / f"{name}.log", "ab") as log:
+            # the components die with the process that started them (a test run killed by a
+            # timeout leaves no control plane behind)
             self.procs[name] = subprocess.Popen(
                 [str(bin_dir / name), *args], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                preexec_fn=functools.partial(child_preexec, os.getpid()),
             )  # fmt: skip
 
     def log_tail(self, name: str, lines: int = 30) -> str:
