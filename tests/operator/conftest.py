@@ -8,6 +8,7 @@ missing verb fails the test), serving the test's namespace, with a real etcd.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,29 +38,42 @@ def operator_client(cluster: ControlPlane, namespace: str) -> Client:
     )
 
 
-@pytest.fixture
-def operator(
-    k8s_cluster: ControlPlane, k8s: Client, etcd_server: EmbeddedEtcd
+@contextlib.contextmanager
+def running_operator(
+    cluster: ControlPlane, k8s: Client, etcd_endpoint: str, **pod_settings: Any
 ) -> Iterator[OperatorContext]:
-    """The operator's handlers serving the test's namespace, as its ServiceAccount."""
-    client = operator_client(k8s_cluster, k8s.namespace)
+    """The operator's handlers in a kopf thread serving ``k8s``'s namespace as the
+    operator's ServiceAccount, with a real etcd; ``pod_settings`` add to its PodSettings.
+    On exit the namespace's jobs are deleted while the handlers still run their
+    finalizers."""
+    client = operator_client(cluster, k8s.namespace)
     api = client.api_client()
     ctx = OperatorContext(
         api=api,
         pod_settings=PodSettings(
-            sidecar_image="kelastic:test", etcd_endpoints=(etcd_server.endpoint,)
+            sidecar_image="kelastic:test", etcd_endpoints=(etcd_endpoint,), **pod_settings
         ),
         stores=StoreCache(lambda eps: EtcdRendezvousStore(eps, timeout=3, time_retry=0.5)),
         resync_seconds=0.5,
     )
     registry = kopf.OperatorRegistry()
     register(registry, ctx)
-    with KopfThread(client, registry):
+    try:
+        with KopfThread(client, registry):
+            yield ctx
+            k8s.kubectl("delete", "elasticjobs", "--all", "--wait=false", check=False)
+    finally:
+        ctx.stores.close()
+        api.close()
+
+
+@pytest.fixture
+def operator(
+    k8s_cluster: ControlPlane, k8s: Client, etcd_server: EmbeddedEtcd
+) -> Iterator[OperatorContext]:
+    """The operator's handlers serving the test's namespace, as its ServiceAccount."""
+    with running_operator(k8s_cluster, k8s, etcd_server.endpoint) as ctx:
         yield ctx
-        # delete the namespace's jobs while the operator still runs their finalizers
-        k8s.kubectl("delete", "elasticjobs", "--all", "--wait=false", check=False)
-    ctx.stores.close()
-    api.close()
 
 
 def job_manifest(name: str = "digits", node: ManualNode | None = None, **spec: Any) -> str:

@@ -17,21 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import kopf
 import pytest
 import yaml
 
 from kelastic import contract
-from kelastic_operator.handlers import OperatorContext, register
+from kelastic_operator.handlers import OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd
-from kelastic_operator.pods import PodSettings
-from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
 from kelastic_sidecar.etcd_store import EtcdStore
 from tests.k8s.cluster import Client, ControlPlane, pods_by_name, wait_until
-from tests.k8s.kopf_thread import KopfThread
 from tests.k8s.kubelet import PLACEMENT, LocalKubelet
 
-from .conftest import DIGITS, operator_client
+from .conftest import DIGITS, running_operator
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "ghcr.io/kelastic/digits-example:0.1.0"
@@ -50,23 +46,8 @@ def running(
     k8s.claim("digits-checkpoints")
     kubelet.images[IMAGE] = DIGITS.parent
     kubelet.images["kelastic:test"] = DIGITS.parent
-    client = operator_client(k8s_cluster, k8s.namespace)
-    api = client.api_client()
-    ctx = OperatorContext(
-        api=api,
-        pod_settings=PodSettings(
-            sidecar_image="kelastic:test", etcd_endpoints=(etcd_server.endpoint,), stop_grace=3
-        ),
-        stores=StoreCache(lambda eps: EtcdRendezvousStore(eps, timeout=3, time_retry=0.5)),
-        resync_seconds=0.5,
-    )
-    registry = kopf.OperatorRegistry()
-    register(registry, ctx)
-    with KopfThread(client, registry):
+    with running_operator(k8s_cluster, k8s, etcd_server.endpoint, stop_grace=3) as ctx:
         yield ctx
-        k8s.kubectl("delete", "elasticjobs", "--all", "--wait=false", check=False)
-    ctx.stores.close()
-    api.close()
 
 
 def _status(k8s: Client) -> dict[str, Any]:
