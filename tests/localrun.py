@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -112,6 +113,24 @@ class KelasticRun:
             ) from None
         self._reader.join(10)
         return code
+
+    def finish(self, stop: Path, rank: int | None = None, more: int = 20) -> None:
+        """End a steps job that is training: wait for ``more`` further steps of ``rank``
+        (any: None), touch the workers' ``stop`` file, and assert the run exits 0."""
+        steps = len(self.step_times(rank))
+        deadline = time.monotonic() + 30
+        while len(self.step_times(rank)) <= steps + more:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {more} more steps in 30 s:\n{self.output}")
+            time.sleep(0.02)
+        stop.touch()
+        assert self.wait(60) == 0, self.output
+
+    def interrupt(self, timeout: float = 60.0) -> None:
+        """Ctrl-C the run if it still runs, and wait for it (a test's cleanup)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.wait(timeout)
 
     def when(self, text: str) -> float | None:
         """``time.monotonic()`` of the first line containing ``text``; None if none."""

@@ -125,14 +125,9 @@ def test_losing_the_leader_then_a_follower_costs_nothing(
         elected = _lose_and_restore(cluster, leader, ttl)
         follower = next(m for m in cluster if m.status() is not None and not m.is_leader())
         _lose_and_restore(cluster, follower, ttl)
-        steps = len(run.step_times())
-        wait_for(lambda: len(run.step_times()) > steps + 20, 30, what="more steps")
-        stop.touch()
-        assert run.wait(60) == 0, run.output
+        run.finish(stop)
     finally:
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGINT)
-            run.wait(60)
+        run.interrupt()
     out = run.output
     assert run.restarts_charged() == 0, out
     assert not re.search(r"round [1-9]\d*: world size", out), out

@@ -9,7 +9,6 @@ joins the next one. Its Pod is not failed or replaced.
 from __future__ import annotations
 
 import re
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,14 +50,9 @@ def test_a_node_cut_off_from_etcd_rejoins_when_the_link_is_back(
                  what="the cut to last")  # fmt: skip
         proxy.restore(sidecar.pid)
         wait_for(lambda: run.has("round 1: world size 2"), 60, what="both nodes in round 1")
-        steps = len(run.step_times(rank=1))
-        wait_for(lambda: len(run.step_times(rank=1)) > steps + 20, 30, what="more steps")
-        stop.touch()
-        assert run.wait(60) == 0, run.output
+        run.finish(stop, rank=1)
     finally:
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGINT)
-            run.wait(60)
+        run.interrupt()
     out = run.output
     assert re.search(r"restart 1/3: node_lost: node on steps-1 \(round 0\)", out), out
     assert run.restarts_charged() == 1, out
