@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,11 +105,19 @@ def _torch_timer() -> tuple[Any, Any]:
 # ------------------------------------------------------------------------ reap latency
 
 
-def _fork_hung(fifo: str, max_wait: float) -> tuple[int, int]:
-    """Fork a child that waits for its deadline (a float, ``time.time()`` seconds) on a
-    pipe, then enters torch's ``expires`` with that deadline and hangs inside it.
-    Returns ``(pid, write end of the pipe)``."""
-    expires, client_cls = _torch_timer()
+class _ChildExit(Exception):
+    """Ends a forked bench child with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _fork_waiting(max_wait: float, setup: Callable[[], Callable[[float], None]]) -> tuple[int, int]:
+    """Fork a child that runs ``setup()`` (e.g. opens its timer client), waits for its
+    deadline (a float, ``time.time()`` seconds) on a pipe, runs what ``setup`` returned
+    with it, then hangs until killed. Exit 4 on an error, or a :class:`_ChildExit`'s
+    code. Returns ``(pid, write end of the pipe)``."""
     r, w = os.pipe()
     pid = os.fork()
     if pid:
@@ -119,15 +127,36 @@ def _fork_hung(fifo: str, max_wait: float) -> tuple[int, int]:
     try:
         os.close(w)
         signal.alarm(int(max_wait) + 30)  # fallback: never outlive a failed server
-        client = client_cls(fifo)
-        deadline = float(os.read(r, 64).decode())
-        with expires(after=deadline - time.time(), scope="hung", client=client):
-            while True:
-                time.sleep(3600)
+        run = setup()
+        run(float(os.read(r, 64).decode()))
+        while True:
+            time.sleep(3600)
+    except _ChildExit as exc:
+        code = exc.code
     except BaseException:
         code = 4
     finally:
         os._exit(code)
+
+
+def _fork_hung(fifo: str, max_wait: float) -> tuple[int, int]:
+    """Fork a child that waits for its deadline on a pipe, then enters torch's
+    ``expires`` with that deadline and hangs inside it. Returns ``(pid, write end of
+    the pipe)``."""
+
+    expires, client_cls = _torch_timer()  # imported here, before the fork
+
+    def setup() -> Callable[[float], None]:
+        client = client_cls(fifo)
+
+        def hang(deadline: float) -> None:
+            with expires(after=deadline - time.time(), scope="hung", client=client):
+                while True:
+                    time.sleep(3600)
+
+        return hang
+
+    return _fork_waiting(max_wait, setup)
 
 
 def _reap_latencies(
@@ -351,36 +380,28 @@ def _fork_flood_hang(fifo: str, max_wait: float, report_w: int) -> tuple[int, in
     a worker that wants its hang covered would), writes to ``report_w`` how many of its
     attempts raised ``BlockingIOError``, then hangs. Exit 5: the acquire never got
     through before the deadline. Returns ``(pid, write end of the pipe)``."""
-    _, client_cls = _torch_timer()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid:
-        os.close(r)
-        return pid, w
-    code = 3
-    try:
-        os.close(w)
-        signal.alarm(int(max_wait) + 30)
+
+    _, client_cls = _torch_timer()  # imported here, before the fork
+
+    def setup() -> Callable[[float], None]:
         client = client_cls(fifo)
-        deadline = float(os.read(r, 64).decode())
-        time.sleep(max(0.0, deadline - _FLOOD_HANG_AFTER - time.time()))
-        refused = 0
-        while True:
-            try:
-                client.acquire("flood_hang", deadline)
-                break
-            except BlockingIOError:
-                refused += 1
-                if time.time() > deadline:
-                    code = 5
-                    raise
-        os.write(report_w, f"{refused}\n".encode())
-        while True:
-            time.sleep(3600)
-    except BaseException:
-        code = code if code == 5 else 4
-    finally:
-        os._exit(code)
+
+        def acquire(deadline: float) -> None:
+            time.sleep(max(0.0, deadline - _FLOOD_HANG_AFTER - time.time()))
+            refused = 0
+            while True:
+                try:
+                    client.acquire("flood_hang", deadline)
+                    break
+                except BlockingIOError:
+                    refused += 1
+                    if time.time() > deadline:
+                        raise _ChildExit(5) from None
+            os.write(report_w, f"{refused}\n".encode())
+
+        return acquire
+
+    return _fork_waiting(max_wait, setup)
 
 
 class _HangWatch:
