@@ -10,7 +10,7 @@ it (stop the workers, charge the restart budget, rejoin, finish).
 
 Everything here is a function of its arguments (a :class:`Failure` stamps its own
 time): no etcd, no processes, no logging (import-linter keeps it so). It is tested
-like ``reconcile``, with tables of inputs (``tests/test_round_end.py``). The inputs
+like ``reconcile``, with tables of inputs (``tests/sidecar/test_round_end.py``). The inputs
 it reads are described structurally (:class:`ReapLike`, :class:`CheckLike`), so it
 needs neither the timer server nor the rendezvous handler.
 """

@@ -20,7 +20,7 @@ from kelastic_sidecar.rendezvous_state import RendezvousStateError, decode_state
 from kelastic_sidecar.restart_budget import RestartBudget, decode_record
 from tests.conftest import wait_for
 from tests.localrun import KelasticRun, write_job
-from tests.test_rendezvous import Cluster, join_all, settings
+from tests.sidecar.test_rendezvous import Cluster, join_all, settings
 
 DEEP = b"[" * 50_000 + b"]" * 50_000
 

@@ -9,7 +9,7 @@ import yaml
 
 from kelastic_operator.model import ManifestError, load_manifest, parse_job
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _job(**spec: object) -> dict[str, object]:

@@ -7,7 +7,7 @@ import time
 
 from kelastic_sidecar.rendezvous import RECOVERY_GRACE, EtcdRendezvousHandler
 from tests.conftest import wait_for
-from tests.test_rendezvous import Cluster, cluster, join_all, settings
+from tests.sidecar.test_rendezvous import Cluster, cluster, join_all, settings
 
 __all__ = ["cluster"]  # the fixture, used by name
 

@@ -261,7 +261,7 @@ def wait_ready(run_dir: Path, attempt: int, local_ranks: list[int]) -> None:
 
 
 #: Launcher options of the "warm" worlds: a zygote that preloads two cheap stdlib modules
-#: (the torch preload is exercised in tests/test_warm_start.py).
+#: (the torch preload is exercised in tests/worker_lib/test_warm_start.py).
 WARM_ARGS = ("--warm-start", "--preload", "json,decimal")
 
 

@@ -38,7 +38,7 @@ from kelastic_sidecar.rendezvous_state import (
     sanitize,
 )
 from tests.conftest import wait_for
-from tests.test_etcd_store import OutageProxy
+from tests.etcd_client.test_etcd_store import OutageProxy
 
 RUN = "run-1"
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.localrun import KelasticRun
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "examples" / "digits" / "elasticjob.yaml"
 
 

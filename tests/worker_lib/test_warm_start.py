@@ -1,6 +1,6 @@
 """Warm start (``python -m kelastic.launch --warm-start``): workers forked by a zygote.
 
-Every launcher test of tests/test_launch.py also runs warm (its ``world`` fixture is
+Every launcher test of tests/worker_lib/test_launch.py also runs warm (its ``world`` fixture is
 parametrized); this file covers what only warm start has: the worker a zygote makes
 looks like a cold one to the program, the three command kinds, exit semantics, the
 fallbacks to cold start, the zygote's handling of bad requests, and real torch DDP in
@@ -29,7 +29,7 @@ from kelastic import contract
 from kelastic._warm import PythonCommand, parse_python_command
 from kelastic._zygote import recv_message, send_message
 from tests.conftest import wait_for
-from tests.test_launch import (
+from tests.worker_lib.test_launch import (
     MARKER,
     Env,
     _gone,

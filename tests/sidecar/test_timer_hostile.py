@@ -23,7 +23,7 @@ from kelastic_sidecar.control import ControlServer
 from kelastic_sidecar.timer_server import ReapEvent, TimerServer
 from kelastic_sidecar.timer_wire import ipc_access
 from tests.conftest import strict_umask, wait_for
-from tests.test_timer_server import finish, raw_write, request, spawn
+from tests.sidecar.test_timer_server import finish, raw_write, request, spawn
 
 # Waits for "go" on stdin, so that it is watched before its first request; then holds a
 # timer of 0.3 s and hangs in it (with $KELASTIC_TIMER_TOKEN when the test sets it).

@@ -26,7 +26,7 @@ CONNECT_AS_NOBODY = textwrap.dedent(
 
 def test_a_launcher_of_another_user_can_connect(pod_run_dir: Path) -> None:
     """With access "pod" (the default on Kubernetes); locally only the sidecar's user may
-    connect (tests/test_timer_hostile.py)."""
+    connect (tests/sidecar/test_timer_hostile.py)."""
     assert os.getuid() == 0, "the test suite runs as root (CI) to switch users"
     got: list[Message] = []
     path = pod_run_dir / "control.sock"

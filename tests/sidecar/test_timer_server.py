@@ -534,7 +534,7 @@ AS_NOBODY = """
 
 def test_a_worker_of_another_user_can_use_the_fifo(rec: Recorder, pod_run_dir: Path) -> None:
     """With access "pod" (the default on Kubernetes); locally only the sidecar's user may
-    write (tests/test_timer_hostile.py)."""
+    write (tests/sidecar/test_timer_hostile.py)."""
     assert os.getuid() == 0, "the test suite runs as root (CI) to switch users"
     fifo = pod_run_dir / "timer.fifo"
     srv = TimerServer(fifo, on_reap=rec.on_reap, kill=rec.kill, access="pod")

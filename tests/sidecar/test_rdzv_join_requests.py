@@ -17,7 +17,7 @@ from kelastic_sidecar.rendezvous_state import (
     mark_closed,
 )
 from tests.conftest import wait_for
-from tests.test_rendezvous import RUN, Cluster, join_all, settings
+from tests.sidecar.test_rendezvous import RUN, Cluster, join_all, settings
 
 NOW = 1000.0
 

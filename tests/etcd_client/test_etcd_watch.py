@@ -12,7 +12,7 @@ import pytest
 from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from kelastic_sidecar.etcd_watch import Watcher
 from tests.conftest import wait_for
-from tests.test_etcd_store import OutageProxy
+from tests.etcd_client.test_etcd_store import OutageProxy
 
 
 @pytest.fixture
