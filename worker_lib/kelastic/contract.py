@@ -26,6 +26,8 @@ ENV_RUN_DIR: Final = "KELASTIC_RUN_DIR"
 
 TIMER_FIFO_NAME: Final = "timer.fifo"
 CONTROL_SOCKET_NAME: Final = "control.sock"
+#: In-process restart: wrapped workers <-> the sidecar's coordinator (JSON lines).
+INPROCESS_SOCKET_NAME: Final = "inprocess.sock"
 LOGS_DIR_NAME: Final = "logs"
 ERROR_FILE_NAME: Final = "error.json"
 STDOUT_LOG_NAME: Final = "stdout.log"
@@ -52,6 +54,11 @@ def timer_fifo_path(base: Path | None = None) -> Path:
 def control_socket_path(base: Path | None = None) -> Path:
     """Path of the launcher <-> supervisor Unix socket under ``base``."""
     return (base or run_dir()) / CONTROL_SOCKET_NAME
+
+
+def inprocess_socket_path(base: Path | None = None) -> Path:
+    """Unix socket of the sidecar's in-process restart coordinator (``kelastic.inprocess``)."""
+    return (base or run_dir()) / INPROCESS_SOCKET_NAME
 
 
 def worker_log_dir(attempt: int, local_rank: int, base: Path | None = None) -> Path:
@@ -109,6 +116,23 @@ WORKER_ENV_NAMES: Final = (
 )
 
 DEFAULT_ROLE: Final = "default"
+
+# ------------------------------------------------------------ in-process restart env
+# Set on the trainer container (so the launcher's workers inherit them) and on the sidecar
+# when ``spec.inProcess.enabled``; ``kelastic.inprocess.Wrapper`` reads them.
+#: "1": the sidecar coordinates in-process restarts; a Wrapper without it calls once.
+ENV_INPROCESS: Final = "KELASTIC_INPROCESS"
+#: In-process restarts the job may spend before a fault restarts the worker processes.
+ENV_INPROCESS_MAX_RESTARTS: Final = "KELASTIC_INPROCESS_MAX_RESTARTS"
+#: Seconds without progress (``ping``, or an ``expires()`` acquire) before a rank is aborted.
+ENV_INPROCESS_SOFT_TIMEOUT: Final = "KELASTIC_INPROCESS_SOFT_TIMEOUT"
+#: Seconds after an abort was asked before a rank that has not unwound is killed.
+ENV_INPROCESS_HARD_TIMEOUT: Final = "KELASTIC_INPROCESS_HARD_TIMEOUT"
+#: The iteration a worker enters (set in each ``go``; 0 for the first call).
+ENV_INPROCESS_ITERATION: Final = "KELASTIC_INPROCESS_ITERATION"
+DEFAULT_INPROCESS_MAX_RESTARTS: Final = 10
+DEFAULT_INPROCESS_SOFT_TIMEOUT: Final = 60.0
+DEFAULT_INPROCESS_HARD_TIMEOUT: Final = 90.0
 
 # --------------------------------------------------------------------- launcher env
 # Defaults of ``python -m kelastic.launch`` options (the flags win).
@@ -238,6 +262,23 @@ class Keys:
         """Final report of ``node`` (JSON: outcome, root cause)."""
         return self.reports_prefix + node
 
+    @property
+    def inprocess_iteration(self) -> str:
+        """The in-process restart record (JSON: iteration, round, restarts, cause, node,
+        rank), compare-and-set on its mod_revision: the iteration number is the fencing
+        token of every in-process restart of the job."""
+        return self.prefix + "inprocess/iteration"
+
+    def inprocess_ready_prefix(self, iteration: int) -> str:
+        """Prefix of the termination-barrier keys of ``iteration``."""
+        return f"{self.prefix}inprocess/ready/{iteration}/"
+
+    def inprocess_ready(self, iteration: int, node: str) -> str:
+        """``node`` passed the termination barrier of ``iteration`` (all its local ranks
+        aborted and healthy; JSON with the port its group rank 0 would serve the store
+        on). Bound to the node's lease."""
+        return self.inprocess_ready_prefix(iteration) + node
+
 
 # ------------------------------------------------------------- control socket (JSON lines)
 # launcher -> supervisor
@@ -251,6 +292,18 @@ MSG_STOPPED: Final = "stopped"  # {"type", "attempt"}: all workers of attempt ar
 MSG_ASSIGN: Final = "assign"  # {"type", "attempt", "round", "workers": [{"local_rank", "env"}]}
 MSG_STOP: Final = "stop"  # {"type", "attempt", "reason"}
 MSG_SHUTDOWN: Final = "shutdown"  # {"type", "exitcode", "summary"}
+
+# ------------------------------------------------- in-process socket (JSON lines)
+# Typed in kelastic.inprocess_messages. wrapped worker -> sidecar coordinator:
+IP_HELLO: Final = "hello"  # {"type", "pid", "local_rank", "rank", "iteration"}
+IP_FAULT: Final = "fault"  # {"type", "iteration", "local_rank", "cause", "message"}
+IP_READY: Final = "ready"  # {"type", "iteration", "local_rank"}: aborted, healthy
+IP_PROGRESS: Final = "progress"  # {"type", "iteration", "local_rank"}: stepping (first ping)
+IP_DONE: Final = "done"  # {"type", "iteration", "local_rank"}: the function returned
+# sidecar coordinator -> wrapped worker:
+IP_ABORT: Final = "abort"  # {"type", "iteration", "reason"}: leave, next is iteration
+IP_GO: Final = "go"  # {"type", "iteration", "env"}: enter iteration with this env
+IP_GIVE_UP: Final = "give_up"  # {"type", "reason"}: no in-process restart; exit
 
 #: A termination message or node report that starts with this says the whole job failed
 #: (restart budget spent or rendezvous closed); the operator marks the job Failed on it.
