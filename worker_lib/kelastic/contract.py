@@ -130,6 +130,9 @@ ENV_INPROCESS_SOFT_TIMEOUT: Final = "KELASTIC_INPROCESS_SOFT_TIMEOUT"
 ENV_INPROCESS_HARD_TIMEOUT: Final = "KELASTIC_INPROCESS_HARD_TIMEOUT"
 #: The iteration a worker enters (set in each ``go``; 0 for the first call).
 ENV_INPROCESS_ITERATION: Final = "KELASTIC_INPROCESS_ITERATION"
+#: "1": the Wrapper turns SIGUSR1 into an exception raised in the wrapped function
+#: (``kelastic run --fault raise:rank=R,after=S``; fault injection only).
+ENV_INJECT_RAISE: Final = "KELASTIC_INJECT_RAISE"
 DEFAULT_INPROCESS_MAX_RESTARTS: Final = 10
 DEFAULT_INPROCESS_SOFT_TIMEOUT: Final = 60.0
 DEFAULT_INPROCESS_HARD_TIMEOUT: Final = 90.0
