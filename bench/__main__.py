@@ -32,9 +32,17 @@ CASES: dict[str, tuple[str, str, float, float]] = {
     "hang_recovery": ("bench.hang", "hang", 300, 150),
     "goodput": ("bench.goodput", "goodput", 420, 200),
     "operator_scale": ("bench.operator_scale", "operator_scale", 1200, 300),
+    "inprocess": ("bench.inprocess", "inprocess", 1500, 300),
 }
 #: left out of ``all --quick`` (each starts real DDP jobs); run them by name
-NOT_QUICK = {"rdzv_scale", "recovery_mttr", "hang_recovery", "goodput", "operator_scale"}
+NOT_QUICK = {
+    "rdzv_scale",
+    "recovery_mttr",
+    "hang_recovery",
+    "goodput",
+    "operator_scale",
+    "inprocess",
+}
 
 
 def _run_child(name: str, quick: bool, out: str, window: float | None) -> int:

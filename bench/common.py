@@ -267,7 +267,7 @@ spec:
   minReplicas: {replicas}
   maxReplicas: {replicas}
   nprocPerNode: {nproc}
-  maxRestarts: {max_restarts}
+  maxRestarts: {max_restarts}{extra_spec}
   rendezvous:
     lastCallTimeoutSeconds: 1
     leaseTTLSeconds: 5
@@ -305,14 +305,20 @@ def start_kelastic(
     *,
     warm: bool = False,
     max_restarts: int = 100,
+    extra_spec: str = "",
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``kelastic run`` of :data:`JOB` with ``train`` (events to ``events``), in ``tmp``."""
+    """``kelastic run`` of :data:`JOB` with ``train`` (events to ``events``), in ``tmp``.
+
+    ``extra_spec`` is YAML indented by two spaces, inserted under ``spec:`` (e.g. an
+    ``inProcess:`` block); ``extra_env`` is added to ``kelastic run``'s environment.
+    """
     job = tmp / f"{name}.yaml"
     job.write_text(
         JOB.format(name=name, replicas=replicas, nproc=nproc, max_restarts=max_restarts,
-                   train=train)
+                   train=train, extra_spec=("\n" + extra_spec.rstrip()) if extra_spec else "")
     )  # fmt: skip
-    env = child_env(BENCH_EVENTS=str(events))
+    env = child_env(BENCH_EVENTS=str(events), **(extra_env or {}))
     env.pop("TORCHELASTIC_TIMER_FILE", None)
     env.pop("BENCH_TIMER", None)
     cli = "import sys; from kelastic_operator.cli import main; sys.exit(main())"
