@@ -101,6 +101,76 @@ class WarmStartSpec(_Model):
     )
 
 
+#: CEL rule of ``spec.inProcess``: :meth:`InProcessSpec._check`, worded alike (the API
+#: server applies the defaults before it validates, so both fields are there).
+INPROCESS_CEL_RULES: list[JsonValue] = [
+    {
+        "rule": "!has(self.softTimeoutSeconds) || !has(self.hardTimeoutSeconds) || "
+        "self.hardTimeoutSeconds > self.softTimeoutSeconds",
+        "message": "hardTimeoutSeconds must be greater than softTimeoutSeconds",
+    }
+]
+
+
+class InProcessSpec(_Model):
+    """In-process restart (``spec.inProcess``): the first rung of recovery.
+
+    With ``enabled``, a fault inside the training function wrapped by
+    ``kelastic.inprocess.Wrapper`` (an exception, or no progress for
+    ``softTimeoutSeconds``) restarts only that function on every rank: the worker
+    processes, their imports and the CUDA context stay. ``maxRestarts`` such restarts are
+    spent before a fault restarts the worker processes (the job's ``maxRestarts``, the
+    next rung). A rank that has not left the function ``hardTimeoutSeconds`` after the
+    abort was asked is killed, which is a process restart. A training script that does
+    not use the Wrapper is unaffected.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={"x-kubernetes-validations": INPROCESS_CEL_RULES},
+    )
+
+    enabled: bool = Field(
+        default=False,
+        description="restart the wrapped training function in the running worker processes "
+        "before restarting the processes",
+    )
+    max_restarts: int = Field(
+        default=contract.DEFAULT_INPROCESS_MAX_RESTARTS,
+        ge=0,
+        le=1_000_000,
+        alias="maxRestarts",
+        description="in-process restarts the job may spend before a fault restarts the worker "
+        "processes (counted apart from spec.maxRestarts)",
+    )
+    soft_timeout_seconds: float = Field(
+        default=contract.DEFAULT_INPROCESS_SOFT_TIMEOUT,
+        gt=0,
+        le=86400,
+        alias="softTimeoutSeconds",
+        description="seconds a rank may go without progress (a ping, or an expires() acquire) "
+        "before every rank is asked to abort the iteration",
+    )
+    hard_timeout_seconds: float = Field(
+        default=contract.DEFAULT_INPROCESS_HARD_TIMEOUT,
+        gt=0,
+        le=86400,
+        alias="hardTimeoutSeconds",
+        description="seconds after an abort was asked before a rank that has not left the "
+        "function is killed (a process restart); must be greater than softTimeoutSeconds",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> InProcessSpec:
+        if self.hard_timeout_seconds <= self.soft_timeout_seconds:
+            raise ValueError(
+                f"hardTimeoutSeconds ({self.hard_timeout_seconds:g}) must be greater than "
+                f"softTimeoutSeconds ({self.soft_timeout_seconds:g})"
+            )
+        return self
+
+
 class PodReplacementSpec(_Model):
     """How the operator replaces failed Pods (``spec.podReplacement``)."""
 
@@ -240,6 +310,13 @@ class ElasticJobSpec(_Model):
         default_factory=WarmStartSpec,
         alias="warmStart",
         description="fork restarted workers from a process that already imported torch",
+        json_schema_extra={"default": {}},
+    )
+    in_process: InProcessSpec = Field(
+        default_factory=InProcessSpec,
+        alias="inProcess",
+        description="restart the wrapped training function inside the running workers "
+        "before restarting the worker processes",
         json_schema_extra={"default": {}},
     )
     template: dict[str, Any] = Field(

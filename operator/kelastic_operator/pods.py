@@ -16,6 +16,10 @@ selectors, tolerations, volumes, env, init containers — are kept):
 - the trainer's command wrapped by the launcher:
   ``python -m kelastic.launch --nproc-per-node N -- <command> <args>`` (args folded in),
   with ``--warm-start --preload <modules>`` when ``spec.warmStart.enabled``;
+- with ``spec.inProcess.enabled``, the in-process restart settings
+  (:func:`inprocess_env`: ``KELASTIC_INPROCESS=1``, its budget and timeouts) in *both*
+  the sidecar's env (its coordinator) and the trainer's (the launcher's workers inherit
+  it, and ``kelastic.inprocess.Wrapper`` reads it there);
 - ``terminationMessagePath``/``Policy`` so the launcher's root-cause summary reaches the
   Pod status; ``restartPolicy: Never``; ``automountServiceAccountToken: false``;
 - labels (job name, replica index, job uid), the spec's digest
@@ -40,7 +44,15 @@ from .labels import (
     SIDECAR_CONTAINER,
     pod_name,
 )
-from .model import API_GROUP, API_VERSION, KIND, TRAINER_CONTAINER, ElasticJobSpec, WarmStartSpec
+from .model import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    TRAINER_CONTAINER,
+    ElasticJobSpec,
+    InProcessSpec,
+    WarmStartSpec,
+)
 
 #: Where a ``rendezvous.tlsSecret`` is mounted in the sidecar.
 ETCD_TLS_MOUNT = "/etc/kelastic/etcd-tls"
@@ -129,6 +141,7 @@ def sidecar_env(
         {"name": contract.ENV_STOP_GRACE, "value": _num(settings.stop_grace)},
         {"name": contract.ENV_HTTP_PORT, "value": str(settings.http_port)},
         {"name": contract.ENV_RUN_DIR, "value": contract.DEFAULT_RUN_DIR},
+        *inprocess_env(spec.in_process),
     ]
     if rdzv.tls_secret:
         env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
@@ -140,6 +153,33 @@ def sidecar_env(
             ref = {"secretKeyRef": {"name": rdzv.auth_secret, "key": key}}
             env.append({"name": var, "valueFrom": ref})
     return env
+
+
+def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
+    """The in-process restart settings as env entries, the same for sidecar and trainer.
+
+    Args:
+        in_process: ``spec.inProcess``.
+
+    Returns:
+        ``KELASTIC_INPROCESS=1``, ``KELASTIC_INPROCESS_MAX_RESTARTS`` and the soft and hard
+        timeouts (seconds) when enabled; an empty list when not (the Wrapper then calls
+        the training function once, and the sidecar coordinates nothing).
+    """
+    if not in_process.enabled:
+        return []
+    return [
+        {"name": contract.ENV_INPROCESS, "value": "1"},
+        {"name": contract.ENV_INPROCESS_MAX_RESTARTS, "value": str(in_process.max_restarts)},
+        {
+            "name": contract.ENV_INPROCESS_SOFT_TIMEOUT,
+            "value": _num(in_process.soft_timeout_seconds),
+        },
+        {
+            "name": contract.ENV_INPROCESS_HARD_TIMEOUT,
+            "value": _num(in_process.hard_timeout_seconds),
+        },
+    ]
 
 
 def _run_mount() -> dict[str, Any]:
@@ -312,7 +352,13 @@ def build_pod(
         trainer, spec.nproc_per_node, settings.python, spec.warm_start
     )
     trainer.pop("args", None)
-    env = list(trainer.get("env") or [])
+    # The in-process settings are the spec's, as in the sidecar (the two must agree): a
+    # user's own entry of one of these names is replaced.
+    inprocess = inprocess_env(spec.in_process)
+    ours = {e["name"] for e in inprocess}
+    env = [
+        e for e in trainer.get("env") or [] if not isinstance(e, dict) or e.get("name") not in ours
+    ]
     have = {e.get("name") for e in env if isinstance(e, dict)}
     for var, value in (
         (contract.ENV_RUN_DIR, contract.DEFAULT_RUN_DIR),
@@ -320,7 +366,7 @@ def build_pod(
     ):
         if var not in have:
             env.append({"name": var, "value": value})
-    trainer["env"] = env
+    trainer["env"] = env + inprocess
     mounts = list(trainer.get("volumeMounts") or [])
     if not any(m.get("name") == contract.RUN_VOLUME_NAME for m in mounts):
         mounts.append(_run_mount())
@@ -380,7 +426,10 @@ def build_pod(
 
 
 #: Spec fields that do not shape the Pods: changing them replaces no Pod (``replicas``
-#: is scaling; the rest is the operator's own policy).
+#: is scaling; the rest is the operator's own policy). ``in_process`` is not among them:
+#: it is in both containers' env, so changing it needs new Pods; but while it is disabled
+#: it puts nothing in the Pod, and :func:`pod_spec_hash` leaves it out then (so the
+#: field's arrival, or an edit of a disabled one, replaces no running Pod).
 _NOT_IN_POD = frozenset(
     {
         "replicas",
@@ -394,13 +443,15 @@ _NOT_IN_POD = frozenset(
 
 def pod_spec_hash(spec: ElasticJobSpec) -> str:
     """A digest of what in ``spec`` shapes the job's Pods (template, workers per node,
-    min/max nodes, restart budget, rendezvous settings, warm start): 16 hex characters.
+    min/max nodes, restart budget, rendezvous settings, warm start, in-process restart
+    when enabled): 16 hex characters.
 
     Stored on each Pod (:data:`~kelastic_operator.labels.ANNOTATION_SPEC_HASH`); the
     operator replaces the Pods whose digest differs from the job's (see
     :func:`kelastic_operator.reconcile.reconcile`). Scaling (``replicas``) and the
     operator's policies do not change it.
     """
-    shaping = spec.model_dump(mode="json", by_alias=True, exclude=set(_NOT_IN_POD))
+    left_out = set(_NOT_IN_POD) | (set() if spec.in_process.enabled else {"in_process"})
+    shaping = spec.model_dump(mode="json", by_alias=True, exclude=left_out)
     text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -79,6 +79,12 @@ def test_kubectl_applies_the_crd_and_the_digits_example(k8s: Client) -> None:
     }
     assert stored["spec"]["rendezvous"]["joinTimeoutSeconds"] == 600.0
     assert stored["spec"]["cleanupPolicy"] == "Running"
+    assert stored["spec"]["inProcess"] == {
+        "enabled": False,
+        "maxRestarts": 10,
+        "softTimeoutSeconds": 60.0,
+        "hardTimeoutSeconds": 90.0,
+    }
     # what the server stored is still a valid ElasticJob for the model
     job = parse_job(stored)
     assert job.spec.rendezvous.lease_ttl_seconds == 5
@@ -137,6 +143,11 @@ def doc_with(**spec: object) -> str:
         ({"template": {"spec": {"containers": [{"name": "trainer", "command": []},
                                                {"name": "side", "command": ["run"]}]}}},
          "the trainer container needs a command"),
+        ({"inProcess": {"maxRestarts": -1}}, "spec.inProcess.maxRestarts"),
+        ({"inProcess": {"softTimeoutSeconds": 0}}, "spec.inProcess.softTimeoutSeconds"),
+        # the server's defaults come first: soft 120 > the default hard 90
+        ({"inProcess": {"enabled": True, "softTimeoutSeconds": 120}},
+         "hardTimeoutSeconds must be greater than softTimeoutSeconds"),
         ({"bogus": 1}, "bogus"),
     ],
 )  # fmt: skip
@@ -177,6 +188,8 @@ def test_kubectl_explain_shows_the_models_descriptions(k8s: Client) -> None:
     out = " ".join(k8s.kubectl("explain", "ej.spec.pendingTimeoutSeconds").stdout.split())
     assert "before the operator shrinks the job towards minReplicas" in out
     assert "``" not in out and "`" not in out  # plain text, no reStructuredText
+    out = " ".join(k8s.kubectl("explain", "ej.spec.inProcess.hardTimeoutSeconds").stdout.split())
+    assert "must be greater than softTimeoutSeconds" in out and "`" not in out
     out = k8s.kubectl("explain", "elasticjobs.status.lastFailure").stdout
     assert "exitCode" in out and "the most recent failure" in out
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kelastic import contract
 from kelastic_operator.model import ManifestError, load_manifest, parse_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,20 @@ def test_defaults_min_and_max_to_replicas() -> None:
     ]  # fmt: skip
 
 
+def test_in_process_restart_is_off_by_default_with_the_contracts_defaults() -> None:
+    spec = parse_job(_job()).spec.in_process
+    assert spec.enabled is False
+    assert (spec.max_restarts, spec.soft_timeout_seconds, spec.hard_timeout_seconds) == (
+        contract.DEFAULT_INPROCESS_MAX_RESTARTS,
+        contract.DEFAULT_INPROCESS_SOFT_TIMEOUT,
+        contract.DEFAULT_INPROCESS_HARD_TIMEOUT,
+    )
+    on = parse_job(_job(inProcess={"enabled": True, "maxRestarts": 0, "softTimeoutSeconds": 0.5,
+                                   "hardTimeoutSeconds": 2})).spec.in_process  # fmt: skip
+    assert (on.enabled, on.max_restarts, on.soft_timeout_seconds, on.hard_timeout_seconds) == (
+        True, 0, 0.5, 2.0)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -51,6 +66,23 @@ def test_defaults_min_and_max_to_replicas() -> None:
         ({"bogus": 1}, "spec.bogus: Extra inputs are not permitted"),
         ({"warmStart": {"preload": ["torch", "os;rm"]}}, "spec.warmStart.preload.1"),
         ({"warmStart": {"enabled": "maybe"}}, "spec.warmStart.enabled"),
+        (
+            {"inProcess": {"maxRestarts": -1}},
+            "spec.inProcess.maxRestarts: Input should be greater than or equal to 0",
+        ),
+        (
+            {"inProcess": {"softTimeoutSeconds": 0}},
+            "spec.inProcess.softTimeoutSeconds: Input should be greater than 0",
+        ),
+        (
+            {"inProcess": {"softTimeoutSeconds": 30, "hardTimeoutSeconds": 30}},
+            "spec.inProcess: hardTimeoutSeconds (30) must be greater than softTimeoutSeconds (30)",
+        ),
+        (
+            {"inProcess": {"softTimeoutSeconds": 120}},  # the default hard timeout is 90
+            "hardTimeoutSeconds (90) must be greater than softTimeoutSeconds (120)",
+        ),
+        ({"inProcess": {"enable": True}}, "spec.inProcess.enable: Extra inputs are not permitted"),
     ],
 )
 def test_bad_specs_are_rejected_clearly(spec: dict[str, object], message: str) -> None:

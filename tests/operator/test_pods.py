@@ -14,7 +14,7 @@ import yaml
 
 from kelastic import contract
 from kelastic.launch import parse_args
-from kelastic_operator.model import ElasticJobSpec, WarmStartSpec, load_manifest
+from kelastic_operator.model import ElasticJobSpec, InProcessSpec, WarmStartSpec, load_manifest
 from kelastic_operator.pods import (
     ETCD_TLS_MOUNT,
     PodBuildError,
@@ -279,3 +279,75 @@ def test_pods_carry_the_spec_hash_which_ignores_scaling() -> None:
     changed = copy.deepcopy(spec.template)
     changed["spec"]["containers"][0]["image"] = "other:2"
     assert pod_spec_hash(spec.model_copy(update={"template": changed})) != digest
+
+
+def _in_process(**fields: Any) -> ElasticJobSpec:
+    return digits_spec(in_process=InProcessSpec.model_validate(fields))
+
+
+INPROCESS_VARS = {
+    contract.ENV_INPROCESS,
+    contract.ENV_INPROCESS_MAX_RESTARTS,
+    contract.ENV_INPROCESS_SOFT_TIMEOUT,
+    contract.ENV_INPROCESS_HARD_TIMEOUT,
+}
+
+
+def test_in_process_settings_reach_both_the_sidecar_and_the_trainer() -> None:
+    spec = _in_process(enabled=True, maxRestarts=4, softTimeoutSeconds=2.5, hardTimeoutSeconds=7)
+    pod = build_pod("digits", "ml", UID, spec, 0, SETTINGS)
+    want = {
+        contract.ENV_INPROCESS: "1",
+        contract.ENV_INPROCESS_MAX_RESTARTS: "4",
+        contract.ENV_INPROCESS_SOFT_TIMEOUT: "2.5",
+        contract.ENV_INPROCESS_HARD_TIMEOUT: "7",
+    }
+    for name in ("kelastic-sidecar", "trainer"):
+        env = resolve_env(containers(pod)[name], pod, "10.1.2.3")
+        assert {k: env[k] for k in INPROCESS_VARS} == want, name
+    # the sidecar still reads its own config from the same env
+    sidecar_env = resolve_env(containers(pod)["kelastic-sidecar"], pod, "10.1.2.3")
+    assert SidecarConfig.from_env(sidecar_env).max_restarts == 3
+    # the user's other env is kept
+    assert {"name": "CHECKPOINT_DIR", "value": "/checkpoints"} in containers(pod)["trainer"]["env"]
+
+
+def test_disabled_in_process_puts_nothing_in_the_pod() -> None:
+    for spec in (digits_spec(), _in_process(enabled=False, maxRestarts=2)):
+        pod = build_pod("digits", "ml", UID, spec, 0, SETTINGS)
+        for name in ("kelastic-sidecar", "trainer"):
+            names = {e["name"] for e in containers(pod)[name]["env"]}
+            assert not names & INPROCESS_VARS, name
+
+
+def test_the_specs_in_process_settings_win_over_the_users_env() -> None:
+    """Sidecar and workers must agree: a trainer env entry of the same name is replaced."""
+    spec = _in_process(enabled=True, maxRestarts=4)
+    template = copy.deepcopy(spec.template)
+    template["spec"]["containers"][0]["env"].append(
+        {"name": contract.ENV_INPROCESS_MAX_RESTARTS, "value": "99"}
+    )
+    spec = spec.model_copy(update={"template": template})
+    trainer = containers(build_pod("digits", "ml", UID, spec, 0, SETTINGS))["trainer"]
+    values = [
+        e["value"] for e in trainer["env"] if e["name"] == contract.ENV_INPROCESS_MAX_RESTARTS
+    ]
+    assert values == ["4"]
+
+
+def test_in_process_is_in_the_spec_hash_only_when_enabled() -> None:
+    """Enabling it (or changing it while enabled) changes both containers' env: new Pods.
+    While disabled it shapes nothing, so the field's arrival replaces no running Pod."""
+    plain = pod_spec_hash(digits_spec())
+    assert pod_spec_hash(_in_process(enabled=False, maxRestarts=1)) == plain
+    on = pod_spec_hash(_in_process(enabled=True))
+    assert on != plain
+    assert pod_spec_hash(_in_process(enabled=True, softTimeoutSeconds=5)) != on
+    pod = build_pod("digits", "ml", UID, _in_process(enabled=True), 0, SETTINGS)
+    assert pod["metadata"]["annotations"]["kelastic.dev/pod-spec-hash"] == on
+
+
+def test_in_process_pods_validate_strictly_against_kubernetes_1_33() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    kv.validate(build_pod("digits", "ml", UID, _in_process(enabled=True), 0, SETTINGS),
+                "1.33.0", strict=True)  # fmt: skip
