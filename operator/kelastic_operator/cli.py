@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from .local.faults import Fault
+    from .model import ElasticJob
+
 # Only the standard library is imported before main() runs: a Ctrl-C during the imports
 # (rich, pydantic, the runner: most of the first second) must end in exit 130, not a
 # traceback.
@@ -26,14 +29,25 @@ examples:
   kelastic run examples/digits/elasticjob.yaml
   kelastic run examples/digits/elasticjob.yaml --replicas 3
   kelastic run job.yaml --fault kill:rank=1,after=3 --fault hang:rank=2,after=3
+  kelastic run examples/digits/elasticjob.yaml --in-process --fault raise:rank=1,after=4
   kelastic run job.yaml --etcd 127.0.0.1:2379
 
 faults (for demos and tests; each fires once, one after another in the given order):
   kill:rank=R,after=S   SIGKILL the worker with global rank R, S seconds into training
   hang:rank=R,after=S   SIGSTOP it instead: it hangs inside expires(...) and the sidecar's
                         timer server must reap it
+  raise:rank=R,after=S  SIGUSR1 it: kelastic.inprocess.Wrapper raises an exception inside
+                        the wrapped training function (KELASTIC_INJECT_RAISE=1 is set on
+                        the trainer); with --in-process only that function restarts, on
+                        every rank, in the same processes; without, the worker fails
   "S seconds into training": the clock starts when rank R's node has taken its first
-  timed step (expires) in an attempt begun after the previous fault fired.
+  timed step (expires) in an attempt (or in-process iteration) begun after the previous
+  fault fired.
+
+recovery, cheapest rung first: in-process restart (--in-process or spec.inProcess:
+the wrapped function restarts in the live workers, spec.inProcess.maxRestarts times),
+then process restart (the worker group restarts, spec.maxRestarts), then Pod
+replacement (spec.podReplacement).
 
 exit status: 0 the job succeeded, 1 it failed (root cause printed), 2 bad input,
 130 interrupted. Logs stay in the run dir printed at start.
@@ -105,6 +119,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default: spec.warmStart.enabled)",
     )
     run.add_argument(
+        "--in-process",
+        action="store_true",
+        help="restart the training function in the running workers after a fault, before "
+        "restarting the worker processes (turns spec.inProcess.enabled on; the script must "
+        "wrap its function with kelastic.inprocess.Wrapper, as examples/digits does)",
+    )
+    run.add_argument(
         "--status-interval",
         type=_seconds(0.0, inclusive=False),
         default=10.0,
@@ -147,6 +168,30 @@ def _main(argv: list[str] | None) -> int:
     return _run(args)
 
 
+def with_run_options(job: ElasticJob, args: argparse.Namespace, faults: list[Fault]) -> ElasticJob:
+    """The job as ``kelastic run``'s options change it (the manifest is not modified).
+
+    ``--warm-start``/``--no-warm-start`` set ``spec.warmStart.enabled``; ``--in-process``
+    sets ``spec.inProcess.enabled``; a ``raise`` fault puts ``KELASTIC_INJECT_RAISE=1`` in
+    the trainer's env (:func:`~kelastic_operator.local.faults.arm_raise`).
+
+    Args:
+        job: the validated manifest.
+        args: the parsed ``run`` arguments (``warm_start``: bool or None, ``in_process``).
+        faults: the parsed ``--fault`` values.
+    """
+    from .local.faults import arm_raise
+
+    spec = job.spec
+    if args.warm_start is not None:
+        warm = spec.warm_start.model_copy(update={"enabled": args.warm_start})
+        spec = spec.model_copy(update={"warm_start": warm})
+    if getattr(args, "in_process", False):
+        inproc = spec.in_process.model_copy(update={"enabled": True})
+        spec = spec.model_copy(update={"in_process": inproc})
+    return arm_raise(job.model_copy(update={"spec": spec}), faults)
+
+
 def _usage_error(err: Console, message: str) -> int:
     from rich.markup import escape
 
@@ -173,9 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         faults = [Fault.parse(f) for f in args.fault]
     except (ManifestError, ValueError) as exc:
         return _usage_error(err, str(exc))
-    if args.warm_start is not None:
-        warm = job.spec.warm_start.model_copy(update={"enabled": args.warm_start})
-        job = job.model_copy(update={"spec": job.spec.model_copy(update={"warm_start": warm})})
+    job = with_run_options(job, args, faults)
     spec = job.spec
     if args.replicas is not None and not spec.min_nodes <= args.replicas <= spec.max_nodes:
         return _usage_error(

@@ -1,26 +1,43 @@
-"""Fault injection for local mode: ``--fault kill:rank=R,after=S`` / ``hang:rank=R,after=S``.
+"""Fault injection for local mode: ``--fault KIND:rank=R,after=S``, KIND one of
+``kill``, ``hang``, ``raise``.
 
 ``kill`` sends SIGKILL to the worker with global rank R; ``hang`` sends SIGSTOP, so the
-worker stops inside its ``expires(...)`` block and the sidecar's timer server must reap it.
+worker stops inside its ``expires(...)`` block and the sidecar's timer server must reap it;
+``raise`` sends SIGUSR1, which ``kelastic.inprocess.Wrapper`` turns into an exception
+raised inside the wrapped training function when ``KELASTIC_INJECT_RAISE=1`` is in the
+worker's env (local mode sets it on the trainer when a ``raise`` fault is given, see
+:func:`arm_raise`): with in-process restart on, the function restarts in the same
+processes; without, the worker fails and the group restarts. A worker that installed no
+such handler dies of the signal.
 
 Faults fire once each, one after another in the order given. A fault's clock starts when
 its target is *training*: the worker with rank R runs and its node has seen a timed step
-(an ``expires`` acquire) in an attempt started after the previous fault fired. So
-``after=S`` means "S seconds into training", whatever start-up costs on this machine.
+(an ``expires`` acquire) in an attempt (or an in-process iteration of one) started after
+the previous fault fired. So ``after=S`` means "S seconds into training", whatever
+start-up costs on this machine.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import psutil
 
-FAULT_KINDS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+from kelastic import contract
+
+from ..model import ElasticJob, trainer_container
+
+#: Fault kind -> the signal sent to the target worker.
+FAULT_KINDS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "raise": signal.SIGUSR1}
+_USAGE = ", ".join(f"{k}:rank=R,after=S" for k in list(FAULT_KINDS)[:-1]) + (
+    f" or {list(FAULT_KINDS)[-1]}:rank=R,after=S"
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +45,8 @@ class Fault:
     """One fault to inject.
 
     Attributes:
-        kind: ``kill`` (SIGKILL) or ``hang`` (SIGSTOP).
+        kind: ``kill`` (SIGKILL), ``hang`` (SIGSTOP) or ``raise`` (SIGUSR1: an exception
+            in the wrapped function, see the module doc).
         rank: global rank (``RANK``) of the target worker.
         after: seconds after the target started training (see the module doc).
     """
@@ -39,12 +57,12 @@ class Fault:
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        """Parse ``kind:rank=R,after=S``.
+        """Parse ``kind:rank=R,after=S`` (``after`` in seconds, default 0).
 
         Raises:
-            ValueError: with the accepted syntax in the message.
+            ValueError: with the accepted syntax, every kind, in the message.
         """
-        usage = f"bad --fault {text!r}: expected kill:rank=R,after=S or hang:rank=R,after=S"
+        usage = f"bad --fault {text!r}: expected {_USAGE}"
         kind, sep, rest = text.partition(":")
         if kind not in FAULT_KINDS or not sep:
             raise ValueError(usage)
@@ -68,6 +86,32 @@ class Fault:
         return f"{FAULT_KINDS[self.kind].name} rank {self.rank} after {self.after:g}s"
 
 
+def arm_raise(job: ElasticJob, faults: Iterable[Fault]) -> ElasticJob:
+    """The job with ``KELASTIC_INJECT_RAISE=1`` in its trainer's env when a ``raise`` fault
+    is among ``faults`` (the launcher's workers inherit it), else ``job`` itself.
+
+    Args:
+        job: the validated manifest (not modified).
+        faults: the faults to inject.
+
+    Returns:
+        An ElasticJob whose template's trainer container has the variable set (an entry
+        of that name already there is replaced).
+    """
+    if not any(f.kind == "raise" for f in faults):
+        return job
+    template = copy.deepcopy(job.spec.template)
+    trainer = trainer_container(template)
+    env = [
+        e
+        for e in trainer.get("env") or []
+        if not isinstance(e, dict) or e.get("name") != contract.ENV_INJECT_RAISE
+    ]
+    trainer["env"] = [*env, {"name": contract.ENV_INJECT_RAISE, "value": "1"}]
+    spec = job.spec.model_copy(update={"template": template})
+    return job.model_copy(update={"spec": spec})
+
+
 def find_worker(roots: Iterable[int], rank: int) -> psutil.Process | None:
     """Return the running worker process with env ``RANK=rank`` among the children of
     ``roots`` (launcher pids), or None."""
@@ -88,9 +132,16 @@ def find_worker(roots: Iterable[int], rank: int) -> psutil.Process | None:
     return None
 
 
-#: ``training(rank)`` answers ``(node, attempt)`` once the node running ``rank`` has seen a
-#: timed step in its current attempt, else None.
-TrainingProbe = Callable[[int], "tuple[str, int] | None"]
+#: Where a node is in its course: its attempt (process restarts), or ``(attempt,
+#: in-process iteration)``; a later one compares greater (a bare attempt is ``(attempt, 0)``).
+Progress = int | tuple[int, int]
+#: ``training(rank)`` answers ``(node, progress)`` once the node running ``rank`` has seen
+#: a timed step in its current attempt, else None.
+TrainingProbe = Callable[[int], "tuple[str, Progress] | None"]
+
+
+def _mark(progress: Progress) -> tuple[int, int]:
+    return (progress, 0) if isinstance(progress, int) else progress
 
 
 class FaultInjector:
@@ -100,7 +151,7 @@ class FaultInjector:
         faults: what to inject, in order.
         launcher_pids: callable returning the current launcher pids.
         training: see :data:`TrainingProbe`.
-        attempts: callable returning each node's current attempt number.
+        attempts: callable returning each node's current :data:`Progress`.
         announce: called with a one-line description when a fault fires.
     """
 
@@ -109,7 +160,7 @@ class FaultInjector:
         faults: Iterable[Fault],
         launcher_pids: Callable[[], list[int]],
         training: TrainingProbe,
-        attempts: Callable[[], dict[str, int]],
+        attempts: Callable[[], Mapping[str, Progress]],
         announce: Callable[[str], None],
     ) -> None:
         self._faults = list(faults)
@@ -130,11 +181,11 @@ class FaultInjector:
         self._stop.set()
 
     def _run(self) -> None:
-        floor: dict[str, int] = {}  # node -> last attempt a previous fault saw
+        floor: dict[str, tuple[int, int]] = {}  # node -> where a previous fault saw it
         for fault in self._faults:
             while True:
                 seen = self._training(fault.rank)
-                if seen is not None and seen[1] > floor.get(seen[0], 0):
+                if seen is not None and _mark(seen[1]) > floor.get(seen[0], (0, 0)):
                     break
                 if self._stop.wait(0.1):
                     return
@@ -142,7 +193,7 @@ class FaultInjector:
                 return
             if not self._fire(fault):
                 return
-            floor = self._attempts()
+            floor = {node: _mark(p) for node, p in self._attempts().items()}
 
     def _fire(self, fault: Fault) -> bool:
         deadline = time.monotonic() + 60.0
