@@ -23,57 +23,35 @@ the kelastic sidecar as a native sidecar, the trainer's command wrapped by
 - every process is tied to this one (``PR_SET_PDEATHSIG``), and the run dir records its
   owner, so a ``kelastic run`` killed with SIGKILL leaves nothing running and the next one
   removes its etcd data (:mod:`kelastic_operator.local.rundirs`).
+
+This module is the run's course (etcd, signals, scale-up requests, the wait for the job's
+end, stopping everything); the replicas' processes are :mod:`~.replicas`', failed Pods
+:mod:`~.replacement`'s, what the user is told :mod:`~.progress`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import queue
 import shutil
 import signal
-import subprocess
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
 
-from kelastic import contract
-
-from ..labels import SIDECAR_CONTAINER
 from ..model import ElasticJob
-from ..pods import PodSettings, build_pod
-from ..pods import trainer_name as trainer_container_name
-from ..reconcile import backoff_seconds
-from ..rendezvous_store import EtcdRendezvousStore, RendezvousStoreError
-from .containers import local_launcher_argv
 from .etcd import EmbeddedEtcd
 from .faults import Fault, FaultInjector
-from .pods import LocalContainer, LocalPod
+from .progress import ProgressReporter, root_cause
+from .replacement import ReplacementPolicy
+from .replicas import ENV_LOCAL_RUN, Replica, Replicas
 from .rundirs import ETCD_DATA_DIR, clean_stale, mark_ended, write_owner
 
-#: Env marker on every process local mode starts (used to find strays).
-ENV_LOCAL_RUN = "KELASTIC_LOCAL_RUN"
-
-
-def root_cause(failures: list[dict[str, Any]]) -> str:
-    """The summary that best explains a restart, from the sidecars' ``last_failure``.
-
-    Among the failures of the latest round: a hung worker that was stopped (its peers'
-    timers expire too, while they wait for it), then the earliest.
-    """
-    if not failures:
-        return "see the sidecar logs"
-    latest = max(int(f.get("round", -1)) for f in failures)
-    pool = [f for f in failures if int(f.get("round", -1)) == latest]
-    pool.sort(key=lambda f: (not f.get("stopped"), float(f.get("time") or 0)))
-    return str(pool[0].get("summary") or "see the sidecar logs")
+__all__ = ["ENV_LOCAL_RUN", "LocalOptions", "LocalRunner", "root_cause"]
 
 
 @dataclass
@@ -95,51 +73,6 @@ class LocalOptions:
     workdir: Path | None = None
     stop_grace: float = 5.0
     status_interval: float = 10.0
-
-
-@dataclass
-class _Pod:
-    """One replica: the rendered Pod running as local processes."""
-
-    index: int
-    local: LocalPod
-    trainer: LocalContainer
-    sidecar: LocalContainer | None
-    status: dict[str, Any] = field(default_factory=dict)
-    #: Why the Pod failed (set once; a failed Pod is replaced or fails the job).
-    failed: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.local.name
-
-    @property
-    def dir(self) -> Path:
-        return self.local.pod_dir
-
-    @property
-    def launcher(self) -> subprocess.Popen[bytes]:
-        return self.trainer.proc
-
-    @property
-    def http_port(self) -> int:
-        return self.sidecar.http_port if self.sidecar else 0
-
-    @property
-    def termination_log(self) -> Path:
-        return self.trainer.termination_log
-
-    def termination_message(self) -> str:
-        """The trainer's termination message ("" when none)."""
-        with contextlib.suppress(OSError):
-            return self.termination_log.read_text(errors="replace").strip()
-        return ""
-
-    def job_failed(self) -> bool:
-        """The trainer ended because the *job* failed (budget spent, rendezvous closed)."""
-        return self.launcher.poll() is not None and self.termination_message().startswith(
-            contract.JOB_FAILED_PREFIX
-        )
 
 
 class LocalRunner:
@@ -173,22 +106,27 @@ class LocalRunner:
         self.workdir = (
             options.workdir or Path(os.environ.get("TMPDIR", "/tmp")) / "kelastic"
         ) / f"{job.metadata.name}-{stamp}-{self.run_id[:4]}"
-        self.pods: list[_Pod] = []
         self.etcd: EmbeddedEtcd | None = None
         self._lock = threading.Lock()
         self._interrupted = 0
-        self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}}
-        self._threads: list[threading.Thread] = []
         self._endpoints: list[str] = []
         self._run_thread: threading.Thread | None = None
         # Starts asked for by other threads, done by the run thread (see add_replica).
         self._starts: queue.Queue[Future[str]] = queue.Queue()
-        self._replacements = 0  # failed Pods replaced so far (spec.podReplacement)
-        self._replace_at: dict[int, float] = {}  # replica index -> monotonic time
-        self._retired: list[_Pod] = []  # failed Pods, stopped and replaced
-        self._job_failure = ""  # why the job failed, when not a sidecar's report
-        self._rdzv: EtcdRendezvousStore | None = None
-        self._stopping = threading.Event()
+        self._pods = Replicas(
+            job, manifest_dir, self.workdir, self.run_id, options.stop_grace, say, echo,
+            on_sidecar_exit=lambda pod, code: self._policy.sidecar_exited(pod, code),
+        )  # fmt: skip
+        self._policy = ReplacementPolicy(
+            job, self.run_id, self._pods, options.stop_grace, say,
+            endpoints=lambda: self._endpoints, restart=self._restart_pod,
+        )  # fmt: skip
+        self._progress = ProgressReporter(job, say)
+
+    @property
+    def pods(self) -> list[Replica]:
+        """The replicas, by index (a replaced Pod's successor takes its index)."""
+        return self._pods.pods
 
     # -------------------------------------------------------------------------- run
 
@@ -226,14 +164,20 @@ class LocalRunner:
                     break
                 self.add_replica()
             injector = FaultInjector(
-                self.opts.faults, self._launcher_pids, self._training, self._attempts, self.say
+                self.opts.faults,
+                self._pods.launcher_pids,
+                self._pods.training,
+                self._pods.attempts,
+                self.say,
             )
             injector.start()
             try:
                 code = self._wait()
             finally:
                 injector.stop()
-            return self._finish(code, time.monotonic() - started)
+            return self._progress.finish(
+                code, time.monotonic() - started, self.pods, self._policy.job_failure, self.workdir
+            )
         finally:
             self._stop_all()
             for s, h in old.items():
@@ -274,8 +218,16 @@ class LocalRunner:
                 raise RuntimeError("the job is not running")
             if len(self.pods) >= self.spec.max_nodes:
                 raise RuntimeError(f"already at maxReplicas ({self.spec.max_nodes})")
-            self._start_pod(len(self.pods), self._endpoints)
+            self._pods.start(len(self.pods), self._endpoints)
             return self.pods[-1].name
+
+    def _restart_pod(self, index: int) -> bool:
+        """Start replica ``index`` again (a replacement); False once the job stopped."""
+        with self._lock:
+            if not self._endpoints:
+                return False
+            self._pods.start(index, self._endpoints)
+            return True
 
     def _serve_starts(self) -> None:
         """Start the replicas other threads asked for (in the run thread)."""
@@ -300,83 +252,6 @@ class LocalRunner:
         ).start()
         return [self.etcd.endpoint]
 
-    # ------------------------------------------------------------------------- pods
-
-    def _start_pod(self, index: int, endpoints: list[str]) -> None:
-        """Render replica ``index`` with the operator's pod builder and run it locally
-        (as ``self.pods[index]``: appended, or replacing a failed Pod)."""
-        meta = self.job.metadata
-        settings = PodSettings(etcd_endpoints=tuple(endpoints), stop_grace=self.opts.stop_grace)
-        uid = meta.uid or self.run_id
-        manifest = build_pod(meta.name, meta.namespace, uid, self.spec, index, settings)
-        manifest["metadata"]["uid"] = f"{self.run_id}-{index}"
-        trainer_name = trainer_container_name(self.spec.template)
-        for c in manifest["spec"]["containers"]:
-            if c.get("name") == trainer_name:  # its workers run this interpreter too
-                c["command"] = local_launcher_argv([str(x) for x in c["command"]])
-        local = LocalPod(
-            manifest,
-            self.workdir / "pods" / manifest["metadata"]["name"],
-            shared_dir=self.workdir / "volumes",
-            cwd=lambda c: self.manifest_dir,  # no image: the code is next to the manifest
-            pipe=lambda c: c.get("name") == trainer_name,
-            env={
-                ENV_LOCAL_RUN: self.run_id,
-                "PYTHONUNBUFFERED": "1",
-                "KELASTIC_LOG_LEVEL": "WARNING",  # the runner reports rounds and restarts
-            },
-            warn=self.say,
-            die_with_parent=True,
-        )
-        try:
-            local.start()
-        finally:
-            # Whatever started is stopped by _stop_all, even if a later container failed.
-            started = {c.name: c for c in local.containers}
-            if trainer_name in started:
-                pod = _Pod(index, local, started[trainer_name], started.get(SIDECAR_CONTAINER))
-                if index < len(self.pods):
-                    self.pods[index] = pod
-                else:
-                    self.pods.append(pod)
-            elif local.containers:
-                # No trainer: stop what did start (nothing else refers to it).
-                local.stop(self.opts.stop_grace)
-        if pod.sidecar is not None:
-            watch = threading.Thread(
-                target=self._watch_sidecar, args=(pod,), name=f"sidecar-{pod.name}", daemon=True
-            )
-            watch.start()
-        for stream, is_err in ((pod.launcher.stdout, False), (pod.launcher.stderr, True)):
-            assert stream is not None
-            t = threading.Thread(target=self._pump, args=(stream, is_err), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _pump(self, stream: IO[bytes], is_err: bool) -> None:
-        for raw in iter(stream.readline, b""):
-            self.echo(raw.decode(errors="replace").rstrip("\n"), is_err)
-        stream.close()
-
-    def _training(self, rank: int) -> tuple[str, int] | None:
-        """``(pod, attempt)`` once the pod running global ``rank`` has taken a timed step."""
-        nproc = self.spec.nproc_per_node
-        for pod in list(self.pods):
-            st = pod.status
-            if (
-                st.get("phase") == "running"
-                and st.get("group_rank") == rank // nproc
-                and int(st.get("attempt_progress_count") or 0) > 0
-            ):
-                return pod.name, int(st.get("attempt") or 0)
-        return None
-
-    def _attempts(self) -> dict[str, int]:
-        return {pod.name: int(pod.status.get("attempt") or 0) for pod in list(self.pods)}
-
-    def _launcher_pids(self) -> list[int]:
-        return [p.launcher.pid for p in self.pods if p.launcher and p.launcher.poll() is None]
-
     # ---------------------------------------------------------------------- monitor
 
     def _wait(self) -> int:
@@ -386,242 +261,38 @@ class LocalRunner:
             if self._interrupted:
                 return 130
             self._serve_starts()
-            self._poll_status()
+            self._progress.poll(self.pods)
             with self._lock:
                 pods = list(self.pods)
             for pod in pods:
-                self._check_pod(pod)
-            self._replace_due()
-            if self._job_failure:
+                self._policy.check(pod)
+            self._policy.replace_due()
+            if self._policy.job_failure:
                 return 1
-            if not self._replace_at and all(p.launcher.poll() is not None for p in pods):
+            if not self._policy.replace_at and all(p.launcher.poll() is not None for p in pods):
                 if any(p.job_failed() for p in pods):
                     return 1
                 return 0 if any(p.launcher.returncode == 0 for p in pods) else 1
             if time.monotonic() >= next_status:
                 next_status = time.monotonic() + self.opts.status_interval
-                self.say(self._status_line())
+                self.say(self._progress.status_line(self.pods, self._policy.replace_at))
             time.sleep(0.25)
 
-    # ------------------------------------------------------------------ pod failures
-
-    def _watch_sidecar(self, pod: _Pod) -> None:
-        """Take a dead sidecar's node out of the rendezvous the moment it dies (as the
-        operator does when a Pod fails), so its peers name the lost node as the cause."""
-        assert pod.sidecar is not None
-        code = pod.sidecar.proc.wait()
-        if code < 0 and not self._stopping.is_set():
-            self._evict(pod)
-
-    def _rendezvous_store(self) -> EtcdRendezvousStore:
-        with self._lock:
-            if self._rdzv is None:
-                self._rdzv = EtcdRendezvousStore(self._endpoints, timeout=2.0, time_retry=0.5)
-            return self._rdzv
-
-    def _evict(self, pod: _Pod) -> None:
-        """Delete the node's alive key: its peers see it lost at once (not a lease TTL
-        later). Best effort: otherwise its lease expires by itself."""
-        meta = self.job.metadata
-        prefix = contract.job_prefix(meta.namespace, meta.name, meta.uid or self.run_id)
-        try:
-            self._rendezvous_store().remove_nodes(prefix, [pod.name])
-        except (RendezvousStoreError, RuntimeError) as exc:
-            self.say(f"{pod.name}: cannot take the node out of the rendezvous: {exc}")
-
-    def _check_pod(self, pod: _Pod) -> None:
-        """Notice a failed Pod: its sidecar was killed, or the trainer failed on its own
-        (not because the job failed). Then replace it, or fail the job.
-
-        A sidecar that exits by itself reports why and tells its launcher first (the job
-        failed, or its trainer died): the trainer's end decides then.
-        """
-        if pod.failed or self._stopping.is_set():
-            return
-        sidecar = pod.sidecar.proc.poll() if pod.sidecar is not None else None
-        trainer = pod.launcher.poll()
-        why = ""
-        if sidecar is not None and sidecar < 0 and trainer != 0:
-            why = f"its kelastic sidecar {_exit_text(sidecar)}: node lost"
-        elif trainer not in (None, 0) and not pod.job_failed():
-            why = f"its trainer {_exit_text(trainer)}"
-            if pod.sidecar is not None and sidecar is None:
-                return  # wait for its sidecar: it reports the job failed or not
-        if not why:
-            return
-        pod.failed = why
-        pod.status = {**pod.status, "phase": "lost"}
-        self._evict(pod)
-        self.say(f"{pod.name} failed: {why}; see {pod.dir}")
-        pod.local.stop(self.opts.stop_grace)
-        policy = self.spec.pod_replacement
-        finishing = any(p.launcher.returncode == 0 for p in self.pods)
-        if finishing:
-            return  # the job is finishing: nothing to replace
-        if self._replacements >= policy.max_replacements:
-            self._job_failure = (
-                f"{pod.name} failed ({why}) and the pod replacement budget "
-                f"({policy.max_replacements}) is spent"
-            )
-            return
-        delay = backoff_seconds(self.spec, self._replacements)
-        self._replace_at[pod.index] = time.monotonic() + delay
-        self.say(
-            f"replacing {pod.name} in {delay:.1f}s (replacement "
-            f"{self._replacements + 1}/{policy.max_replacements})"
-        )
-
-    def _replace_due(self) -> None:
-        """Start the replacements whose backoff has passed."""
-        now = time.monotonic()
-        for index, when in sorted(self._replace_at.items()):
-            if when > now:
-                continue
-            del self._replace_at[index]
-            old = self.pods[index]
-            self._replacements += 1
-            self._retired.append(old)
-            with contextlib.suppress(OSError):
-                old.dir.rename(old.dir.with_name(f"{old.name}.replaced-{self._replacements}"))
-            with self._lock:
-                if not self._endpoints:
-                    return
-                self._start_pod(index, self._endpoints)
-            self.say(f"{old.name}: replaced (replacement {self._replacements})")
-
-    def _fetch_status(self, pod: _Pod) -> dict[str, Any]:
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{pod.http_port}/status", timeout=1
-            ) as resp:
-                doc = json.loads(resp.read())
-                return doc if isinstance(doc, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def _poll_status(self) -> None:
-        for pod in self.pods:
-            if pod.sidecar is not None and pod.sidecar.proc.poll() is None:
-                doc = self._fetch_status(pod)
-                if doc:
-                    pod.status = doc
-        statuses = [p.status for p in self.pods if p.status]
-        if not statuses:
-            return
-        outage = next((s["etcd_unreachable"] for s in statuses if s.get("etcd_unreachable")), None)
-        if outage and not self._seen.get("etcd"):
-            self.say(f"etcd unreachable: {outage}; the sidecars keep retrying")
-        elif not outage and self._seen.get("etcd"):
-            self.say("etcd reachable again")
-        self._seen["etcd"] = outage
-        spent = max(int(s.get("restarts_spent") or 0) for s in statuses)
-        running = [
-            s for s in statuses if s.get("phase") == "running" and s.get("round") is not None
-        ]
-        rnd = max(int(s["round"]) for s in running) if running else None
-        if spent > self._seen["spent"]:
-            # The nodes report their failures within moments of each other: wait until
-            # each did (or a new round runs, or a second passed) to name the root cause.
-            failures = [s["last_failure"] for s in statuses if s.get("last_failure")]
-            latest = max((int(f.get("round", -1)) for f in failures), default=-1)
-            each = all(int((s.get("last_failure") or {}).get("round", -2)) == latest
-                       for s in statuses)  # fmt: skip
-            since = self._seen.setdefault("spent_at", time.monotonic())
-            moved_on = rnd is not None and rnd != self._seen["round"]
-            if each or moved_on or time.monotonic() - since >= 1.0:
-                top = self.spec.max_restarts
-                # The failure past the budget is no restart: it fails the job.
-                what = f"restart {spent}/{top}" if spent <= top else f"restart budget ({top}) spent"
-                self.say(f"{what}: {root_cause(failures)}")
-                self._seen["spent"] = spent
-                del self._seen["spent_at"]
-        if rnd is not None and rnd != self._seen["round"]:
-            ws = next(s.get("world_size") for s in running if s["round"] == rnd)
-            nodes = next(s.get("group_world_size") for s in running if s["round"] == rnd)
-            self._seen["round"] = rnd
-            self.say(
-                f"round {rnd}: world size {ws} ({nodes} nodes x {self.spec.nproc_per_node}),"
-                f" restarts {spent}/{self.spec.max_restarts}"
-            )
-
-    def _status_line(self) -> str:
-        statuses = [p.status for p in self.pods if p.status]
-        phases = ",".join(
-            "replacing" if p.index in self._replace_at else str(p.status.get("phase", "starting"))
-            for p in self.pods
-        )
-        ages = [
-            s["last_progress_age_s"] for s in statuses if s.get("last_progress_age_s") is not None
-        ]
-        steps = sum(int(s.get("progress_count") or 0) for s in statuses)
-        prog = f", {steps} timed steps, last {min(ages):.1f}s ago" if ages else ""
-        warm = ""
-        if self.spec.warm_start.enabled:
-            forked = sum(int(s.get("workers_warm") or 0) for s in statuses)
-            warm = f", {forked} warm-started workers"
-        etcd = ", etcd unreachable" if self._seen.get("etcd") else ""
-        return (
-            f"status: {len(self.pods)} replicas [{phases}], round {self._seen['round']}, "
-            f"restarts {self._seen['spent']}/{self.spec.max_restarts}{warm}{prog}{etcd}"
-        )
-
-    # ----------------------------------------------------------------------- finish
-
-    def _finish(self, code: int, elapsed: float) -> int:
-        if code == 0:
-            self.say(
-                f"job succeeded in {elapsed:.1f}s: round {self._seen['round']}, "
-                f"{self._seen['spent']} restart(s); logs in {self.workdir}"
-            )
-            return 0
-        if code == 130:
-            self.say(f"job interrupted after {elapsed:.1f}s; logs in {self.workdir}")
-            return 130
-        causes = [f"{p.name}: {p.termination_message()}" for p in self.pods if p.job_failed()]
-        if self._job_failure:
-            causes.insert(0, self._job_failure)
-        for pod in self.pods:
-            text = pod.termination_message()
-            if text and pod.launcher.returncode not in (None, 0):
-                causes.append(f"{pod.name}: {text}")
-        self.say(f"job FAILED after {elapsed:.1f}s; logs in {self.workdir}")
-        for cause in causes[:1] or ["(no termination message; see the sidecar logs)"]:
-            self.say(cause)
-        return 1
+    # ------------------------------------------------------------------------- stop
 
     def _stop_all(self) -> None:
         """Stop every process this run started, then etcd; nothing is left running."""
         with self._lock:
             self._endpoints = []  # no replica may be added from now on
-        self._stopping.set()
+        self._policy.stopping.set()
         while True:  # whoever waits for a start is told it will not happen
             try:
                 self._starts.get_nowait().cancel()
             except queue.Empty:
                 break
-        # Launchers first (they stop their workers), then sidecars (they leave rendezvous):
-        # Kubernetes' order, for all Pods at once.
-        for pod in self.pods:
-            for c in (pod.trainer, pod.sidecar):
-                if c is not None and c.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        c.proc.send_signal(signal.SIGTERM)
-        for pod in self.pods:
-            pod.local.stop(self.opts.stop_grace + 10.0)
-        for t in self._threads:
-            t.join(timeout=5)
-        if self._rdzv is not None:
-            self._rdzv.close()
+        self._pods.stop_all()
+        self._policy.close()
         if self.etcd is not None:
             self.etcd.stop()
             shutil.rmtree(self.workdir / ETCD_DATA_DIR, ignore_errors=True)
         mark_ended(self.workdir)
-
-
-def _exit_text(code: int) -> str:
-    """``exited with code 1`` / ``was killed by SIGKILL`` for a Popen return code."""
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
