@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import Final, Protocol
 
@@ -54,6 +55,7 @@ __all__ = [
     "TimerClient",
     "configure",
     "expires",
+    "set_progress_hook",
 ]
 
 #: Wire format version (torch's ``FileTimerRequest.version``).
@@ -246,6 +248,18 @@ def _encode(
 
 
 _CLIENTS: weakref.WeakSet[FifoTimerClient] = weakref.WeakSet()
+_progress_hook: Callable[[], None] | None = None
+
+
+def set_progress_hook(hook: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Install ``hook`` (None: remove it), called after each :func:`expires` acquire;
+    return the previous one. ``kelastic.inprocess`` counts a timed step as progress this
+    way. The hook must be cheap and must not raise."""
+    global _progress_hook
+    previous, _progress_hook = _progress_hook, hook
+    return previous
+
+
 _configure_lock = threading.Lock()
 _client: FifoTimerClient | None = None
 
@@ -320,6 +334,9 @@ class _Expires:
 
     def __enter__(self) -> None:
         self._client.acquire(self._scope, time.time() + self._after)
+        hook = _progress_hook
+        if hook is not None:
+            hook()
 
     def __exit__(
         self,

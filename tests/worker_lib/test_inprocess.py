@@ -1,0 +1,355 @@
+"""``kelastic.inprocess``: the worker's half of in-process restart, against a test
+coordinator on the real unix socket (``test_inprocess_harness``) and real worker processes.
+These workers do not use torch (the gloo cases are in ``test_inprocess_gloo.py``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kelastic import contract, timer
+from kelastic.inprocess import CallWrapper, GiveUpError, InjectedFault, RestartAbort, Wrapper
+from kelastic.inprocess import abort as ip_abort
+from kelastic.inprocess.session import summary
+from kelastic.inprocess_messages import (
+    CAUSE_EXCEPTION,
+    CAUSE_HEALTH_CHECK,
+    CAUSE_SOFT_TIMEOUT,
+    Abort,
+    Done,
+    Fault,
+    Go,
+    Hello,
+    Progress,
+    Ready,
+)
+from tests.worker_lib.test_inprocess_harness import ev, job, msg
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A short run dir (unix socket paths are limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="kl-ip-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ pass-through
+
+
+def test_without_the_env_the_function_is_called_once(
+    monkeypatch: pytest.MonkeyPatch, run_dir: Path
+) -> None:
+    monkeypatch.delenv(contract.ENV_INPROCESS, raising=False)
+    monkeypatch.setenv(contract.ENV_RUN_DIR, str(run_dir))
+    calls: list[int] = []
+
+    @Wrapper(health_check=lambda cw: calls.append(-1))
+    def train(x: int, call_wrapper: CallWrapper | None = None) -> int:
+        assert call_wrapper is not None
+        calls.append(call_wrapper.iteration)
+        call_wrapper.ping()
+        with call_wrapper.atomic(), call_wrapper.atomic():
+            pass
+        return x * 2
+
+    @Wrapper()
+    def plain() -> str:
+        return "ok"
+
+    assert train(21) == 42
+    assert plain() == "ok"
+    assert calls == [0]  # no hooks, one call, iteration 0
+    assert list(run_dir.iterdir()) == []  # no socket looked for
+    assert threading.active_count() == 1
+
+
+def test_pass_through_worker_process(run_dir: Path) -> None:
+    with job(run_dir, 1, inprocess=False, env={"KL_STEPS": "2"}) as j:
+        result = j.log.wait(ev("result"), what="result")
+        assert result["value"] == {"iteration": 0, "rank": 0}
+        assert j.wait_exit() == [0]
+    assert not contract.inprocess_socket_path(run_dir).exists()
+
+
+def test_injected_fault_without_inprocess_ends_the_process(run_dir: Path) -> None:
+    env = {contract.ENV_INJECT_RAISE: "1", "KL_STEPS": "100000", "KL_PACE": "0.01"}
+    with job(run_dir, 1, inprocess=False, env=env) as j:
+        j.log.wait(ev("step"), what="a step")
+        j.workers[0].proc.send_signal(signal.SIGUSR1)
+        assert j.wait_exit() == [1]
+        assert "InjectedFault: fault injected by kelastic run --fault raise" in j.stderr(0)
+
+
+# ------------------------------------------------------------------ protocol
+
+
+def test_raise_restarts_in_the_next_iteration(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:2", "KL_DO": "raise", "KL_STEPS": "4"}
+    with job(run_dir, 1, env=env) as j:
+        log = j.log
+        hello = log.wait(msg(Hello), what="hello")["msg"]
+        assert (hello.rank, hello.local_rank, hello.iteration) == (0, 0, 0)
+        assert hello.pid == j.workers[0].proc.pid
+        fault = log.wait(msg(Fault), what="fault")["msg"]
+        assert (fault.iteration, fault.cause) == (0, CAUSE_EXCEPTION)
+        assert fault.message == "ValueError: boom in rank 0"
+        log.wait(msg(Ready, iteration=1), what="ready(1)")
+        entered = log.wait(ev("enter", iteration=1), what="iteration 1")
+        go = log.wait(lambda e: isinstance(e.get("sent"), Go))["sent"]
+        assert entered["port"] == go.env[contract.MASTER_PORT]  # the go's env applied
+        result = log.wait(ev("result"), what="result")
+        assert result["value"] == {"iteration": 1, "rank": 0}
+        assert result["threads"] == ["MainThread"]  # the monitor thread is gone
+        log.wait(msg(Done, iteration=1), what="done(1)")
+        assert j.wait_exit() == [0]
+        # finalize and health check ran once, in the faulted iteration, before ready
+        names = [e["event"] for e in log.find(lambda e: e.get("event") in ("finalize", "health"))]
+        assert names == ["finalize", "health"]
+        health = log.wait(ev("health"))
+        assert health["iteration"] == 0 and "boom in rank 0" in health["fault"]
+        # progress once per iteration
+        assert [e["msg"].iteration for e in log.find(msg(Progress))] == [0, 1]
+
+
+def test_abort_interrupts_a_busy_python_loop(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "spin", "KL_STEPS": "3"}
+    with job(run_dir, 1, env=env, auto=False) as j:
+        j.log.wait(ev("spinning"), what="spinning")
+        assert j.coord is not None
+        j.coord.send(0, Abort(iteration=1, reason="test"))
+        aborted = j.log.wait(ev("aborted", iteration=0), what="aborted")
+        assert aborted["how"] == "RestartAbort"
+        j.log.wait(msg(Ready, iteration=1), what="ready(1)")
+        assert not j.log.find(msg(Fault))  # aborted, not faulted
+        j.coord.go(1)
+        j.log.wait(msg(Done, iteration=1), what="done(1)")
+        assert j.wait_exit() == [0]
+
+
+def test_atomic_defers_the_abort_to_its_end(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "atomic", "KL_STEPS": "3"}
+    with job(run_dir, 1, env=env) as j:
+        j.log.wait(ev("atomic_in"), what="inside atomic")
+        assert j.coord is not None
+        j.coord.send(0, Abort(iteration=1, reason="test"))
+        j.coord.iteration = 1  # the policy completes the barrier
+        j.log.wait(ev("abort_held"), what="the abort seen inside the section")
+        assert not j.log.find(ev("aborted"))  # the worker stays inside until the flag
+        j.flag("leave_atomic")
+        out = j.log.wait(ev("atomic_out"), what="atomic out")
+        aborted = j.log.wait(ev("aborted", iteration=0), what="aborted")
+        assert aborted["how"] == "RestartAbort" and aborted["t"] >= out["t"]
+        assert not j.log.find(ev("step", iteration=0, step=1))  # raised from the with
+        j.log.wait(msg(Done, iteration=1), what="done(1)")
+        assert j.wait_exit() == [0]
+
+
+def test_soft_timeout_reports_a_fault(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "wait", "KL_STEPS": "3", "KL_SOFT": "0.5"}
+    with job(run_dir, 1, env=env) as j:
+        step = j.log.wait(ev("step", iteration=0, step=0), what="first step")
+        fault = j.log.wait(msg(Fault), what="soft timeout")
+        assert fault["msg"].cause == CAUSE_SOFT_TIMEOUT and fault["msg"].iteration == 0
+        assert fault["t"] - step["t"] >= 0.5
+        j.log.wait(ev("aborted", iteration=0, how="RestartAbort"), what="aborted")
+        j.log.wait(msg(Done, iteration=1), what="done(1)")
+        assert j.wait_exit() == [0]
+        assert len(j.log.find(msg(Fault))) == 1
+
+
+def test_failed_health_check_reports_and_exits(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "raise", "KL_UNHEALTHY": "1"}
+    with job(run_dir, 1, env=env) as j:
+        fault = j.log.wait(msg(Fault, cause=CAUSE_HEALTH_CHECK), what="health fault")["msg"]
+        assert fault.iteration == 1 and fault.message == "RuntimeError: unhealthy device"
+        assert j.wait_exit() == [1]
+        assert "RuntimeError: unhealthy device" in j.stderr(0)
+        assert not j.log.find(msg(Ready))
+
+
+def test_give_up_reraises_the_fault(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "raise", "KL_DO_1": "", "KL_STEPS_1": "100000",
+           "KL_PACE_1": "0.01"}  # fmt: skip
+    with job(run_dir, 2, env=env) as j:
+        assert j.coord is not None
+        j.coord.give_up_on_fault = True
+        assert sorted(j.wait_exit()) == [1, 1]
+        assert "ValueError: boom in rank 0" in j.stderr(0)  # its own fault
+        assert "GiveUpError: in-process restart ended: the sidecar gave up" in j.stderr(1)
+        assert not j.log.find(msg(Ready))
+
+
+def test_lost_sidecar_ends_the_process(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "raise"}
+    with job(run_dir, 1, env=env, auto=False) as j:
+        j.log.wait(msg(Fault), what="fault")
+        assert j.coord is not None
+        j.coord.drop(0)
+        assert j.wait_exit() == [1]
+        assert "ValueError: boom in rank 0" in j.stderr(0)
+
+
+def test_second_abort_during_the_barrier(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "raise"}
+    with job(run_dir, 1, env=env, auto=False) as j:
+        assert j.coord is not None
+        j.log.wait(msg(Fault), what="fault")
+        j.coord.send(0, Abort(iteration=1))
+        j.log.wait(msg(Ready, iteration=1), what="ready(1)")
+        j.coord.send(0, Abort(iteration=3, reason="another fault"))
+        j.log.wait(msg(Ready, iteration=3), what="ready(3)")
+        j.coord.send(0, Go(iteration=1))  # stale: ignored
+        j.coord.go(3)
+        j.log.wait(ev("enter", iteration=3), what="iteration 3")
+        j.log.wait(msg(Done, iteration=3), what="done(3)")
+        assert j.wait_exit() == [0]
+        assert not j.log.find(ev("enter", iteration=1))
+        assert len(j.log.find(ev("health"))) == 1  # left once
+
+
+def test_sigusr1_raises_injected_fault(run_dir: Path) -> None:
+    env = {contract.ENV_INJECT_RAISE: "1", "KL_STEPS": "100000", "KL_PACE": "0.01"}
+    with job(run_dir, 1, env=env) as j:
+        j.log.wait(ev("step"), what="a step")
+        j.workers[0].proc.send_signal(signal.SIGUSR1)
+        fault = j.log.wait(msg(Fault), what="fault")["msg"]
+        assert fault.message == "InjectedFault: fault injected by kelastic run --fault raise"
+        j.log.wait(ev("enter", iteration=1), what="iteration 1")
+        j.workers[0].proc.kill()
+
+
+def test_started_into_a_running_job_says_its_iteration(run_dir: Path) -> None:
+    env = {contract.ENV_INPROCESS_ITERATION: "7", "KL_STEPS": "1"}
+    with job(run_dir, 1, env=env) as j:
+        assert j.log.wait(msg(Hello))["msg"].iteration == 7
+        j.log.wait(msg(Done, iteration=7), what="done(7)")
+        assert j.wait_exit() == [0]
+
+
+# ------------------------------------------------------------------ in this process
+
+
+def test_no_sidecar_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> None:
+    monkeypatch.setenv(contract.ENV_INPROCESS, "1")
+    monkeypatch.setenv(contract.ENV_RUN_DIR, str(run_dir))
+
+    @Wrapper(connect_timeout=0.2)
+    def train() -> None:
+        raise AssertionError("not called")
+
+    with pytest.raises(ConnectionError, match=r"inprocess\.sock within 0\.2 s"):
+        train()
+
+
+def test_timeouts_from_arguments_env_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(contract.ENV_INPROCESS_SOFT_TIMEOUT, raising=False)
+    monkeypatch.delenv(contract.ENV_INPROCESS_HARD_TIMEOUT, raising=False)
+    assert Wrapper().timeouts() == (
+        contract.DEFAULT_INPROCESS_SOFT_TIMEOUT,
+        contract.DEFAULT_INPROCESS_HARD_TIMEOUT,
+    )
+    monkeypatch.setenv(contract.ENV_INPROCESS_SOFT_TIMEOUT, "5")
+    monkeypatch.setenv(contract.ENV_INPROCESS_HARD_TIMEOUT, "7.5")
+    assert Wrapper().timeouts() == (5.0, 7.5)
+    assert Wrapper(soft_timeout=1, hard_timeout=2).timeouts() == (1, 2)
+    with pytest.raises(ValueError, match="below hard_timeout"):
+        Wrapper(soft_timeout=3, hard_timeout=2)
+    with pytest.raises(ValueError, match="positive"):
+        Wrapper(soft_timeout=float("nan"))
+    monkeypatch.setenv(contract.ENV_INPROCESS_SOFT_TIMEOUT, "soon")
+    with pytest.raises(ValueError, match="KELASTIC_INPROCESS_SOFT_TIMEOUT"):
+        Wrapper().timeouts()
+
+
+def test_expires_acquire_calls_the_progress_hook() -> None:
+    class Client:
+        def acquire(self, scope_id: str, expiration_time: float) -> None:
+            pass
+
+        def release(self, scope_id: str) -> None:
+            pass
+
+    seen: list[int] = []
+    previous = timer.set_progress_hook(lambda: seen.append(1))
+    try:
+        with timer.expires(after=5, client=Client()):
+            pass
+    finally:
+        assert timer.set_progress_hook(previous) is not None
+    assert seen == [1]
+
+
+def test_exceptions_and_summary() -> None:
+    assert not issubclass(RestartAbort, Exception)  # `except Exception` lets it pass
+    assert issubclass(InjectedFault, Exception) and issubclass(GiveUpError, RuntimeError)
+    assert summary(ValueError("a\nb")) == "ValueError: a"
+    assert summary(KeyError()) == "KeyError"
+
+
+def test_shutdown_connections_spares_listeners_the_store_and_older_sockets() -> None:
+    old_server = socket.create_server(("127.0.0.1", 0))
+    old = socket.create_connection(old_server.getsockname())
+    before = ip_abort.snapshot()
+    server = socket.create_server(("127.0.0.1", 0))
+    store_server = socket.create_server(("127.0.0.1", 0))
+    store_port = store_server.getsockname()[1]
+    conn = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    store = socket.create_connection(("127.0.0.1", store_port))
+    store_peer, _ = store_server.accept()
+    unix_a, unix_b = socket.socketpair()
+    sockets: list[Any] = [old_server, old, server, store_server, conn, peer, store, store_peer,
+                          unix_a, unix_b]  # fmt: skip
+    try:
+        # conn and peer (both ends live in this process) are the only ones
+        assert ip_abort.shutdown_connections(before, store_port=store_port) == 2
+        assert conn.recv(10) == b"" and peer.recv(10) == b""
+        store.sendall(b"x")
+        assert store_peer.recv(10) == b"x"
+        unix_a.sendall(b"y")
+        assert unix_b.recv(10) == b"y"
+        old.sendall(b"z")
+        server.settimeout(5)
+        socket.create_connection(server.getsockname()).close()  # still listening
+        server.accept()[0].close()
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_nccl_groups_are_aborted_with_torch_s_abort() -> None:
+    calls: list[str] = []
+
+    class C10d:
+        @staticmethod
+        def _abort_process_group() -> None:
+            calls.append("abort")
+
+    class Dist:
+        distributed_c10d = C10d
+
+        def __init__(self, backend: str) -> None:
+            self.backend = backend
+
+        def is_initialized(self) -> bool:
+            return True
+
+        def get_backend(self) -> str:
+            return self.backend
+
+    assert ip_abort.abort_nccl(Dist("gloo")) is False
+    assert ip_abort.nccl_in_use(Dist("nccl"))
+    assert ip_abort.abort_nccl(Dist("nccl")) is True
+    assert calls == ["abort"]

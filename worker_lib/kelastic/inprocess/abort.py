@@ -1,0 +1,182 @@
+"""Tearing down a rank's process groups so that blocked collectives return.
+
+torch is never imported here: it is used only when the training code imported it already
+(``sys.modules``), and every call into it is guarded (a broken or half-destroyed process
+group must not stop the restart).
+
+Gloo (CPU): ``ProcessGroupGloo.abort()`` and ``shutdown()`` do not release a rank blocked
+in a collective, neither this one nor its peers (measured, torch 2.13). Closing the
+connections does: a ``shutdown(SHUT_RDWR)`` of gloo's TCP sockets makes this rank's
+pending operation fail within milliseconds ("Connection closed by peer"), and the peers
+waiting on this rank fail too. A peer is released only when the rank it waits on shuts
+down, which is why every rank tears down its own connections on an abort. The sockets
+are found by difference: :func:`snapshot` lists the process's socket inodes before the
+iteration; :func:`shutdown_connections` shuts the TCP connections made since, except
+
+- listening sockets (gloo's listener: shutting it down makes gloo abort the process with
+  ``gloo::EnforceNotMet``),
+- connections from or to ``MASTER_PORT`` (the c10d ``TCPStore``, server and clients),
+- anything not ``AF_INET``/``AF_INET6`` (the sidecar's unix socket, pipes).
+
+Caveat: TCP connections the training code itself opened during the iteration (a data
+service, say) are shut down too.
+
+NCCL (GPU): ``torch.distributed.distributed_c10d._abort_process_group()`` aborts the
+communicators of all groups (NVIDIA's ``AbortTorchDistributed`` does the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import socket
+import sys
+from typing import Any, Final
+
+from kelastic import contract
+
+__all__ = [
+    "abort_nccl",
+    "destroy_process_groups",
+    "nccl_in_use",
+    "shutdown_connections",
+    "snapshot",
+]
+
+_FD_DIR: Final = "/proc/self/fd"
+
+
+def snapshot() -> frozenset[str]:
+    """The process's open sockets now, as ``/proc/self/fd`` link targets
+    (``"socket:[<inode>]"``): inodes, unlike fd numbers, are not reused."""
+    found: set[str] = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_FD_DIR):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"{_FD_DIR}/{name}")
+                if target.startswith("socket:"):
+                    found.add(target)
+    return frozenset(found)
+
+
+def _new_socket_fds(before: frozenset[str]) -> list[int]:
+    fds: list[int] = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_FD_DIR):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink(f"{_FD_DIR}/{name}")
+                if target.startswith("socket:") and target not in before:
+                    fds.append(int(name))
+    return fds
+
+
+def _store_port() -> int | None:
+    with contextlib.suppress(ValueError):
+        return int(os.environ.get(contract.MASTER_PORT, ""))
+    return None
+
+
+def shutdown_connections(before: frozenset[str], store_port: int | None = None) -> int:
+    """Shut down (``SHUT_RDWR``) the TCP connections opened since ``before`` was taken.
+
+    The descriptors stay open (their owner, gloo, closes them when the process group is
+    destroyed): each one is duplicated, the duplicate shut down and closed. Safe to call
+    from any thread and more than once. Never raises.
+
+    Args:
+        before: :func:`snapshot` taken before the process groups were made.
+        store_port: the ``TCPStore``'s port, left alone; default ``$MASTER_PORT``.
+
+    Returns:
+        How many connections were shut down.
+    """
+    port = store_port if store_port is not None else _store_port()
+    count = 0
+    for fd in _new_socket_fds(before):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed meanwhile, or not a socket after all
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue  # a listener: gloo aborts the process if it fails
+            local = sock.getsockname()[1]
+            try:
+                peer = sock.getpeername()[1]
+            except OSError:
+                continue  # not connected (yet, or any more)
+            if port is not None and port in (local, peer):
+                continue  # the TCPStore
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()  # closes the duplicate only
+    return count
+
+
+def _dist() -> Any:
+    """``torch.distributed`` if the training code imported torch, else None."""
+    if "torch" not in sys.modules:
+        return None
+    try:
+        import torch.distributed as dist
+    except Exception:
+        return None
+    try:
+        return dist if dist.is_available() else None
+    except Exception:
+        return None
+
+
+def nccl_in_use(dist: Any = None) -> bool:
+    """Whether the default process group has a NCCL backend (False when torch is not
+    imported, not initialized, or the question fails)."""
+    dist = dist if dist is not None else _dist()
+    if dist is None:
+        return False
+    try:
+        if not dist.is_initialized():
+            return False
+        return "nccl" in str(dist.get_backend()).lower()
+    except Exception:
+        return False
+
+
+def abort_nccl(dist: Any = None) -> bool:
+    """Abort all NCCL communicators (``_abort_process_group()``), when NCCL is in use and
+    torch has that function. Returns whether it was called; never raises."""
+    dist = dist if dist is not None else _dist()
+    if dist is None or not nccl_in_use(dist):
+        return False
+    c10d = getattr(dist, "distributed_c10d", None)
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is None:
+        return False
+    with contextlib.suppress(Exception):
+        abort()
+    return True
+
+
+def destroy_process_groups(dist: Any = None) -> BaseException | None:
+    """``torch.distributed.destroy_process_group()`` when a default group exists, then a
+    garbage collection (a ``TCPStore`` server frees its port when collected).
+
+    Returns:
+        The exception destroying raised (for a ``abort_failed`` fault), or None.
+    """
+    dist = dist if dist is not None else _dist()
+    error: BaseException | None = None
+    if dist is not None:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:
+            error = exc
+    while gc.collect():
+        pass
+    return error

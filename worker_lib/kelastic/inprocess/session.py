@@ -1,0 +1,287 @@
+"""One call of a wrapped function with in-process restart on: the worker's half of the
+protocol (:mod:`kelastic.inprocess_messages`). Stdlib only.
+
+::
+
+    hello(iteration n)
+    loop:
+        run the function as iteration n          -> returned: done(n), return its value
+        it raised on its own: tear down the connections, fault(n, exception)
+        wait for abort(m), m > n                 (give_up / closed: re-raise, exit)
+        leave: destroy process groups, abort, finalize, health_check hooks
+                                                 (a failure: fault(m, ...), exit)
+        ready(m); wait for go(m)                 (abort(k > m): ready(k), wait go(k))
+        os.environ.update(go.env); n = m
+
+Semantics from NVIDIA's ``CallWrapper.__call__`` (``shared/seeds/``), where the ranks'
+store barriers become messages to the sidecar's coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from kelastic import contract, timer
+from kelastic.inprocess import abort
+from kelastic.inprocess.client import Closed, Connection
+from kelastic.inprocess.errors import GiveUpError, RestartAbort
+from kelastic.inprocess.inject import Injector
+from kelastic.inprocess.interrupt import AbortGuard
+from kelastic.inprocess.monitor import Heartbeat, Monitor
+from kelastic.inprocess_messages import (
+    CAUSE_ABORT_FAILED,
+    CAUSE_EXCEPTION,
+    CAUSE_HEALTH_CHECK,
+    Abort,
+    Done,
+    Fault,
+    GiveUp,
+    Go,
+    Hello,
+    Progress,
+    Ready,
+)
+
+if TYPE_CHECKING:
+    from kelastic.inprocess.wrapper import Wrapper
+
+__all__ = ["Session", "summary"]
+
+R = TypeVar("R")
+
+#: Seconds between checks while the main thread waits for the sidecar (signals and
+#: Ctrl-C are handled in between).
+WAIT_TICK = 0.5
+
+
+def summary(exc: BaseException) -> str:
+    """``"<Type>: <first line of the message>"`` of ``exc``, at most 500 characters."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line[:500]
+
+
+def _int_env(name: str, default: int = 0) -> int:
+    try:
+        return int(os.environ.get(name, "") or default)
+    except ValueError:
+        raise ValueError(f"${name} must be an integer, got {os.environ[name]!r}") from None
+
+
+@dataclass
+class _Outcome(Generic[R]):
+    returned: bool
+    value: R | None = None
+    error: BaseException | None = None
+
+
+class _Stop(Exception):
+    """The sidecar gave up or went away (internal)."""
+
+
+class Session(Generic[R]):
+    """Runs ``fn`` through its restart iterations (made by :class:`Wrapper`; one per
+    call). See the module docstring for the sequence."""
+
+    def __init__(
+        self,
+        wrapper: Wrapper,
+        fn: Callable[..., R],
+        wants_call_wrapper: bool,
+        args: Any,
+        kwargs: Any,
+    ) -> None:
+        from kelastic.inprocess.wrapper import PARAMETER, CallWrapper
+
+        self._wrapper = wrapper
+        self._soft_timeout, _ = wrapper.timeouts()
+        self._fn = fn
+        self._args = args
+        self._local_rank = _int_env(contract.LOCAL_RANK)
+        self._rank = _int_env(contract.RANK)
+        self._first = _int_env(contract.ENV_INPROCESS_ITERATION)
+        self._snapshot = abort.snapshot()
+        self._guard = AbortGuard(self._tear_down)
+        self._heartbeat = Heartbeat(self._send_progress)
+        self.call_wrapper = CallWrapper(self._first, self._heartbeat, self._guard)
+        self._kwargs = {**kwargs, PARAMETER: self.call_wrapper} if wants_call_wrapper else kwargs
+        self._conn: Connection | None = None
+        self._monitor: Monitor | None = None
+        self._injector = Injector()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _tear_down(self) -> None:
+        abort.abort_nccl()
+        abort.shutdown_connections(self._snapshot)
+
+    def _send_progress(self, iteration: int) -> None:
+        if self._conn is not None:
+            self._conn.send(Progress(iteration=iteration, local_rank=self._local_rank))
+
+    def _fault(self, iteration: int, cause: str, exc: BaseException) -> None:
+        assert self._conn is not None
+        self._conn.send(Fault(iteration=iteration, local_rank=self._local_rank, cause=cause,
+                              message=summary(exc)))  # fmt: skip
+
+    def _next(self) -> Abort | Go | GiveUp | Closed:
+        assert self._monitor is not None
+        while True:
+            try:
+                item = self._monitor.inbox.get(timeout=WAIT_TICK)
+            except queue.Empty:
+                continue
+            if isinstance(item, (Abort, Go, GiveUp, Closed)):
+                return item
+
+    def run(self) -> R:
+        """Connect, say hello, run the iterations; return the function's value.
+
+        Raises:
+            ConnectionError: the sidecar cannot be reached.
+            BaseException: the own fault re-raised on ``give_up``, or
+                :class:`GiveUpError`; a failing hook's exception.
+        """
+        path = contract.inprocess_socket_path()
+        self._conn = Connection.connect(path, self._wrapper.connect_timeout)
+        previous_hook = timer.set_progress_hook(self._heartbeat.ping)
+        try:
+            self._conn.send(Hello(pid=os.getpid(), local_rank=self._local_rank,
+                                  rank=self._rank, iteration=self._first))  # fmt: skip
+            self._monitor = Monitor(self._conn, self._guard, self._heartbeat,
+                                    self._soft_timeout, self._local_rank)  # fmt: skip
+            self._monitor.start()
+            with self._injector:
+                return self._loop()
+        finally:
+            timer.set_progress_hook(previous_hook)
+            if self._monitor is not None:
+                self._monitor.stop()
+            self._conn.close()
+
+    # --------------------------------------------------------------- the course
+
+    def _loop(self) -> R:
+        assert self._conn is not None and self._monitor is not None
+        iteration = self._first
+        while True:
+            outcome = self._run_once(iteration)
+            aborted = self._monitor.abort_target > iteration or self._monitor.gave_up
+            if outcome.returned and not aborted:
+                self._conn.send(Done(iteration=iteration, local_rank=self._local_rank))
+                return outcome.value  # type: ignore[return-value]
+            error = outcome.error
+            if error is not None and not isinstance(error, Exception | RestartAbort):
+                raise error  # SystemExit, KeyboardInterrupt: the process is ending
+            own = not aborted
+            if own:
+                self._guard.tear_down()  # release the peers blocked on this rank now
+                self._fault(iteration, CAUSE_EXCEPTION, error or RuntimeError("no error"))
+            self.call_wrapper.fault = error
+            try:
+                target = self._await_abort(iteration)
+                self._leave(target, error)
+                iteration = self._barrier(target)
+            except _Stop as stop:
+                if own and error is not None:
+                    raise error from None
+                raise GiveUpError(f"in-process restart ended: {stop}") from error
+
+    def _run_once(self, iteration: int) -> _Outcome[R]:
+        """Call the function as ``iteration``; whatever it raises is returned."""
+        assert self._monitor is not None
+        self.call_wrapper._iteration = iteration
+        self._snapshot = abort.snapshot()
+        self._heartbeat.begin(iteration)
+        self._guard.start()
+        outcome: _Outcome[R] | None = None
+        try:
+            try:
+                self._injector.armed = True
+                if self._monitor.abort_target > iteration or self._monitor.gave_up:
+                    raise RestartAbort("aborted before the iteration started")
+                if self._wrapper.initialize is not None:
+                    self._wrapper.initialize(self.call_wrapper)
+                value = self._fn(*self._args, **self._kwargs)
+                outcome = _Outcome(returned=True, value=value)
+            except BaseException as exc:
+                outcome = _Outcome(returned=False, error=exc)
+            finally:
+                self._stop_iteration()
+        except RestartAbort as late:  # the abort landed after the function had left
+            self._stop_iteration()
+            if outcome is None:
+                outcome = _Outcome(returned=False, error=late)
+        return outcome
+
+    def _stop_iteration(self) -> None:
+        self._injector.armed = False
+        self._heartbeat.end()
+        self._guard.stop()
+
+    def _await_abort(self, iteration: int) -> int:
+        """Wait for the sidecar's ``abort`` of ``iteration``; return the next iteration."""
+        assert self._monitor is not None
+        if self._monitor.abort_target > iteration:
+            return self._monitor.abort_target
+        while True:
+            item = self._next()
+            if isinstance(item, (GiveUp, Closed)):
+                raise _Stop(_why(item))
+            if isinstance(item, Abort) and item.iteration > iteration:
+                return item.iteration
+
+    def _leave(self, target: int, error: BaseException | None) -> None:
+        """Destroy the process groups, run the hooks; a failure is reported and raised."""
+        wrapper = self._wrapper
+        failed = abort.destroy_process_groups()
+        if failed is None and wrapper.abort is not None:
+            failed = _call_hook(wrapper.abort, self.call_wrapper)
+        if failed is None and wrapper.finalize is not None:
+            failed = _call_hook(wrapper.finalize, self.call_wrapper)
+        if failed is not None:
+            self._fault(target, CAUSE_ABORT_FAILED, failed)
+            raise failed from error
+        if wrapper.health_check is not None:
+            failed = _call_hook(wrapper.health_check, self.call_wrapper)
+            if failed is not None:
+                self._fault(target, CAUSE_HEALTH_CHECK, failed)
+                raise failed from error
+
+    def _barrier(self, target: int) -> int:
+        """Termination barrier: ``ready(target)``, wait for ``go``; return the iteration
+        entered (a later ``abort`` during the wait moves the target)."""
+        assert self._conn is not None
+        self._conn.send(Ready(iteration=target, local_rank=self._local_rank))
+        while True:
+            item = self._next()
+            if isinstance(item, (GiveUp, Closed)):
+                raise _Stop(_why(item))
+            if isinstance(item, Abort) and item.iteration > target:
+                target = item.iteration
+                self._conn.send(Ready(iteration=target, local_rank=self._local_rank))
+            elif isinstance(item, Go) and item.iteration >= target:
+                os.environ.update(item.env)
+                os.environ[contract.ENV_INPROCESS_ITERATION] = str(item.iteration)
+                return item.iteration
+
+
+def _why(item: GiveUp | Closed) -> str:
+    if isinstance(item, GiveUp):
+        return f"the sidecar gave up ({item.reason or 'no reason given'})"
+    return f"lost the sidecar ({item.why})"
+
+
+def _call_hook(hook: Callable[[Any], object], call_wrapper: Any) -> Exception | None:
+    try:
+        hook(call_wrapper)
+    except Exception as exc:
+        print(f"kelastic.inprocess: {getattr(hook, '__name__', hook)!s} failed: {summary(exc)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return exc
+    return None

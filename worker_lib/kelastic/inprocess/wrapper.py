@@ -1,0 +1,236 @@
+"""``Wrapper`` and ``CallWrapper``: the public face of in-process restart (stdlib only).
+
+Semantics from NVIDIA's ``nvidia_resiliency_ext.inprocess.Wrapper`` (``shared/seeds/``),
+with the coordination (which iteration comes next, the termination barrier, the restart
+budget, the hard timeout) done by the node's kelastic sidecar instead of a TCPStore
+among the ranks; :mod:`kelastic.inprocess.session` is the worker's half of that protocol.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Final, ParamSpec, TypeVar
+
+from kelastic import contract
+from kelastic.inprocess.client import CONNECT_TIMEOUT
+from kelastic.inprocess.inject import Injector
+from kelastic.inprocess.interrupt import AbortGuard
+from kelastic.inprocess.monitor import Heartbeat
+
+__all__ = ["CallWrapper", "Hook", "Wrapper"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: A hook: called with the :class:`CallWrapper`; ``health_check`` fails by raising.
+Hook = Callable[["CallWrapper"], object]
+
+#: Name of the wrapped function's parameter that receives the :class:`CallWrapper`.
+PARAMETER: Final = "call_wrapper"
+
+
+class _Atomic:
+    """The context manager :meth:`CallWrapper.atomic` returns."""
+
+    def __init__(self, guard: AbortGuard | None) -> None:
+        self._guard = guard
+
+    def __enter__(self) -> None:
+        if self._guard is not None:
+            self._guard.enter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._guard is not None:
+            self._guard.exit()
+
+
+_NO_ATOMIC: Final = _Atomic(None)
+
+
+class CallWrapper:
+    """The state of one call of a wrapped function, across its restart iterations.
+
+    Made by :class:`Wrapper` for each call; passed to the wrapped function as its
+    ``call_wrapper`` argument when it has one, and to every hook. Semantics from
+    NVIDIA's ``CallWrapper`` (``iteration``, ``ping``, ``atomic``).
+    """
+
+    def __init__(
+        self,
+        iteration: int = 0,
+        heartbeat: Heartbeat | None = None,
+        guard: AbortGuard | None = None,
+    ) -> None:
+        self._iteration = iteration
+        self._heartbeat = heartbeat
+        self._atomic = _Atomic(guard) if guard is not None else _NO_ATOMIC
+        #: The exception that ended the last iteration on this rank (the own fault, the
+        #: :class:`RestartAbort`, or a collective's error after an abort); None in the
+        #: first iteration. Hooks may look at it.
+        self.fault: BaseException | None = None
+
+    @property
+    def iteration(self) -> int:
+        """The restart iteration being run: 0 at first (or ``$KELASTIC_INPROCESS_ITERATION``
+        for a rank started into a running job), then the one each ``go`` named."""
+        return self._iteration
+
+    def ping(self) -> None:
+        """Report progress: resets the soft-timeout clock; the first ping of an iteration
+        tells the sidecar the rank is stepping again. Cheap; never raises; a no-op when
+        in-process restart is off. A :func:`kelastic.timer.expires` acquire counts too."""
+        if self._heartbeat is not None:
+            self._heartbeat.ping()
+
+    def atomic(self) -> _Atomic:
+        """Context manager for a section no abort may interrupt (a checkpoint write, an
+        optimizer step): an abort that arrives inside it is delivered right after it (as
+        :class:`RestartAbort` raised from the ``with`` statement), and the section is not
+        entered once an abort is under way (:class:`RestartAbort` from the ``with``).
+        Reentrant; main thread only; a no-op when in-process restart is off.
+
+        Raises:
+            RestartAbort: as described.
+        """
+        return self._atomic
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a number of seconds, got {raw!r}") from None
+
+
+def _wants_call_wrapper(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return PARAMETER in params and params[PARAMETER].kind not in (
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.POSITIONAL_ONLY,
+    )
+
+
+class Wrapper:
+    """Decorator: restart the wrapped function in the same process when any rank faults.
+
+    ::
+
+        @Wrapper(health_check=check_gpu)
+        def train(call_wrapper: CallWrapper | None = None) -> None: ...
+
+    With ``$KELASTIC_INPROCESS`` other than ``"1"`` the function is simply called once
+    (with a :class:`CallWrapper` of iteration 0 whose ``ping``/``atomic`` do nothing).
+    Otherwise each call connects to the sidecar (``contract.inprocess_socket_path()``),
+    runs the function as iteration ``$KELASTIC_INPROCESS_ITERATION`` (default 0) and,
+    whenever a rank faults (an exception, a soft timeout), every rank leaves the
+    function (its process groups torn down, :class:`RestartAbort` raised in it),
+    destroys its process groups, runs ``abort``, ``finalize`` and ``health_check``,
+    waits at the termination barrier and calls the function again with the next
+    iteration's env (``MASTER_PORT`` and the like) in ``os.environ``. The function must
+    set up its process group itself, inside, each time. The call returns the function's
+    value once it returned on this rank.
+
+    Args:
+        initialize: called at the start of each iteration, before the function; an
+            exception there is the iteration's fault.
+        abort: called when leaving a faulted iteration, after the process groups were
+            destroyed (release what else the iteration holds).
+        finalize: called after ``abort``.
+        health_check: called last; raising fails it: the rank reports a
+            ``health_check`` fault and the exception ends the process (non-zero exit).
+        soft_timeout: seconds without progress (``ping``, ``expires()``) before this rank
+            reports a ``soft_timeout`` fault; default ``$KELASTIC_INPROCESS_SOFT_TIMEOUT``,
+            else :data:`kelastic.contract.DEFAULT_INPROCESS_SOFT_TIMEOUT`.
+        hard_timeout: documented value only: the sidecar kills a rank that did not reach
+            the barrier this many seconds after an abort (from
+            ``$KELASTIC_INPROCESS_HARD_TIMEOUT``); must exceed ``soft_timeout``.
+        connect_timeout: seconds to keep trying to reach the sidecar's socket.
+
+    Raises:
+        ValueError: a timeout is not a positive finite number, ``soft_timeout`` is not
+            below ``hard_timeout``, or an env value is not a number (at call time).
+        ConnectionError: (at call time) the sidecar cannot be reached.
+        GiveUpError: (at call time) the sidecar gave up, or went away, while this rank
+            had no exception of its own; else that exception is re-raised.
+    """
+
+    def __init__(
+        self,
+        *,
+        initialize: Hook | None = None,
+        abort: Hook | None = None,
+        finalize: Hook | None = None,
+        health_check: Hook | None = None,
+        soft_timeout: float | None = None,
+        hard_timeout: float | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        self.initialize = initialize
+        self.abort = abort
+        self.finalize = finalize
+        self.health_check = health_check
+        self._soft_timeout = soft_timeout
+        self._hard_timeout = hard_timeout
+        self.connect_timeout = connect_timeout
+        if soft_timeout is not None or hard_timeout is not None:
+            self.timeouts()  # fail early on explicit values
+
+    def timeouts(self) -> tuple[float, float]:
+        """``(soft_timeout, hard_timeout)`` in seconds, resolved now (argument, env,
+        contract default).
+
+        Raises:
+            ValueError: as for the constructor.
+        """
+        soft = self._soft_timeout
+        if soft is None:
+            soft = _env_seconds(contract.ENV_INPROCESS_SOFT_TIMEOUT,
+                                contract.DEFAULT_INPROCESS_SOFT_TIMEOUT)  # fmt: skip
+        hard = self._hard_timeout
+        if hard is None:
+            hard = _env_seconds(contract.ENV_INPROCESS_HARD_TIMEOUT,
+                                contract.DEFAULT_INPROCESS_HARD_TIMEOUT)  # fmt: skip
+        for name, value in (("soft_timeout", soft), ("hard_timeout", hard)):
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if soft >= hard:
+            raise ValueError(f"soft_timeout ({soft:g} s) must be below hard_timeout ({hard:g} s)")
+        return soft, hard
+
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        wants = _wants_call_wrapper(fn)
+
+        @functools.wraps(fn)
+        def wrapped(*args: P.args, **kwargs: P.kwargs) -> R:
+            return self._call(fn, wants, args, kwargs)
+
+        return wrapped
+
+    def _call(self, fn: Callable[..., R], wants: bool, args: Any, kwargs: Any) -> R:
+        if os.environ.get(contract.ENV_INPROCESS) != "1":
+            call_wrapper = CallWrapper()
+            if wants:
+                kwargs = {**kwargs, PARAMETER: call_wrapper}
+            with Injector() as injector:
+                injector.armed = True
+                return fn(*args, **kwargs)
+        from kelastic.inprocess.session import Session
+
+        session: Session[R] = Session(self, fn, wants, args, kwargs)
+        return session.run()
