@@ -329,11 +329,11 @@ def test_fuzz_fifo_stream_into_the_timer_table(
     server.watch_pid(4242, "t0k3n")
     stream = b"\n".join(lines) + b"\n"
     splitter = LineSplitter()
-    with server._lock:
+    with server._table.lock:
         for start in range(0, len(stream), cut):
             for line, oversized in splitter.feed(stream[start : start + cut]):
-                server._handle_line(line, oversized)
-    server._expire(time.time())
+                server._table.handle_line(line, oversized)
+    server._table.expire(time.time())
     assert server.active_timers() <= 8 + 4
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kelastic.contract import KELASTIC_TIMER_TOKEN
-from kelastic_sidecar import timer_server
+from kelastic_sidecar import timer_reader
 from kelastic_sidecar.control import ControlServer
 from kelastic_sidecar.timer_server import ReapEvent, TimerServer
 from kelastic_sidecar.timer_wire import ipc_access
@@ -281,9 +281,9 @@ def test_a_hang_armed_behind_a_flood_is_acted_on_before_the_flood_is_parsed(
     server = TimerServer(fifo, on_reap=on_reap, kill=lambda p, s: None)
 
     def kill(pid: int, sig: int) -> None:
-        seen[pid] = server._stats.requests  # called with the server's lock held
+        seen[pid] = server._table.stats.requests  # called with the server's lock held
 
-    server._kill = kill
+    server._table.kill = kill
     server.start()
     try:
         server.watch_pid(4_000_001)
@@ -308,9 +308,9 @@ def test_a_watched_pids_requests_keep_their_order_when_some_are_queued(
 ) -> None:
     """A watched pid's lines jump the queue only when none of its own are queued: its
     release must not be applied before its acquire (a stale timer would kill it)."""
-    monkeypatch.setattr(timer_server, "WATCHED_PER_TURN", 4)  # small turns: one read each
-    monkeypatch.setattr(timer_server, "READ_PER_TURN", 65536)
-    monkeypatch.setattr(timer_server, "LINES_PER_TURN", 16)
+    monkeypatch.setattr(timer_reader, "WATCHED_PER_TURN", 4)  # small turns: one read each
+    monkeypatch.setattr(timer_reader, "READ_PER_TURN", 65536)
+    monkeypatch.setattr(timer_reader, "LINES_PER_TURN", 16)
     fifo = tmp_path / "timer.fifo"
     hold, held = threading.Event(), threading.Event()
 
@@ -336,7 +336,7 @@ def test_a_watched_pids_requests_keep_their_order_when_some_are_queued(
         hold.set()
         wait_for(lambda: server.stats().requests == 1 + len(stream), 30, what="all read")
         assert server.stats().released == 1
-        assert (w, "s") not in server._timers  # released after it was acquired
+        assert (w, "s") not in server._table.timers  # released after it was acquired
     finally:
         hold.set()
         server.stop()

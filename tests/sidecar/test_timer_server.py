@@ -443,7 +443,7 @@ def test_heap_stays_bounded_under_acquire_release_churn(fifo: Path) -> None:
             client.release("step")
         wait_for(lambda: server.stats().requests == 10000, timeout=60, what="requests")
         assert server.active_timers() == 0
-        assert len(server._heap) <= 1024 + 2
+        assert len(server._table.heap) <= 1024 + 2
     finally:
         client.close()
         server.stop()
@@ -581,22 +581,22 @@ def test_poll_wakes_at_or_before_the_deadline_and_the_rest_is_slept(fifo: Path) 
 
     server = TimerServer(fifo, kill=lambda pid, sig: None)  # not started: no thread
     deadline = time.time() + 0.0405  # not on a whole millisecond
-    with server._lock:
-        server._apply(_Request(os.getpid(), "s", deadline, signal.SIGKILL))
+    with server._table.lock:
+        server._table.apply(_Request(os.getpid(), "s", deadline, signal.SIGKILL))
     before = time.time()
     ms = server._sleep_ms()
     assert ms is not None and before + ms / 1000 <= deadline
-    with server._lock:
-        server._timers.clear()
-        server._heap.clear()
+    with server._table.lock:
+        server._table.timers.clear()
+        server._table.heap.clear()
         soon = time.time() + FINE_SLEEP / 2
-        server._apply(_Request(os.getpid(), "s", soon, signal.SIGKILL))
+        server._table.apply(_Request(os.getpid(), "s", soon, signal.SIGKILL))
     server._sleep_to_deadline()
     assert time.time() >= soon  # slept to it: the expiry check that follows finds it due
-    with server._lock:
-        server._timers.clear()
-        server._heap.clear()
+    with server._table.lock:
+        server._table.timers.clear()
+        server._table.heap.clear()
         later = time.time() + 5.0
-        server._apply(_Request(os.getpid(), "t", later, signal.SIGKILL))
+        server._table.apply(_Request(os.getpid(), "t", later, signal.SIGKILL))
     server._sleep_to_deadline()  # far off: poll() waits for it, not a sleep
     assert time.time() < later

@@ -1,0 +1,87 @@
+"""What the timer server reports: its reaps (:class:`ReapEvent`, with the victim's process
+state) and its counters (:class:`TimerStats`).
+
+Plain data, importable without the server's machinery (FIFO, thread, kills): the
+supervisor's round-end classification and the metrics read these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ReapEvent", "TimerStats", "process_state"]
+
+
+@dataclass(frozen=True)
+class ReapEvent:
+    """A worker was signalled because its timer expired.
+
+    Attributes:
+        pid: the worker's pid.
+        scope_id: the expired timer's scope (the earliest expired one with signal > 0).
+        signal: the signal sent.
+        expiration_time: the timer's deadline, seconds since the epoch.
+        reaped_at: when the signal was sent, seconds since the epoch.
+        state: the worker's process state just before the signal (``/proc/<pid>/stat``):
+            ``T`` stopped, ``t`` stopped by a tracer, ``D`` uninterruptible sleep, ``S``
+            sleeping (e.g. blocked in a collective on a hung peer), ``R`` running;
+            empty when unknown. A stopped worker is the one that held its peers up.
+    """
+
+    pid: int
+    scope_id: str
+    signal: int
+    expiration_time: float
+    reaped_at: float
+    state: str = ""
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` from ``/proc/<pid>/stat`` (``""`` if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            stat = fp.read()
+    except OSError:
+        return ""
+    fields = stat[stat.rfind(b")") + 2 :].split(maxsplit=1)
+    return fields[0].decode(errors="replace") if fields else ""
+
+
+@dataclass
+class TimerStats:
+    """Counters of a :class:`~kelastic_sidecar.timer_server.TimerServer` since construction
+    (a snapshot).
+
+    Attributes:
+        requests: well-formed requests read (acquires and releases).
+        acquired: acquires stored in the table (new or replacing a timer).
+        released: releases that removed an active timer.
+        malformed: lines skipped as malformed (bad JSON, bad fields, partial lines).
+        oversized: lines skipped for exceeding ``PIPE_BUF`` bytes.
+        unknown_pid: expired timers dropped because their pid was not watched.
+        dropped_capacity: acquires dropped because a budget was full (the pid's own, or
+            the pool of unwatched pids).
+        dropped_unwatched: of those, acquires of unwatched pids (the pool was full).
+        forged: requests naming a watched pid refused for a wrong or missing token.
+        shed: lines of unwatched pids dropped unread because the queue was full.
+        expired: timers that reached their deadline (watched pid or not).
+        reaped: successful kills.
+        active: timers in the table now.
+        kill_failed: kills that failed other than with ``ProcessLookupError``
+            (e.g. ``PermissionError``); the pid's timers are cleared anyway.
+    """
+
+    requests: int = 0
+    acquired: int = 0
+    released: int = 0
+    malformed: int = 0
+    oversized: int = 0
+    unknown_pid: int = 0
+    dropped_capacity: int = 0
+    dropped_unwatched: int = 0
+    forged: int = 0
+    shed: int = 0
+    expired: int = 0
+    reaped: int = 0
+    active: int = 0
+    kill_failed: int = 0

@@ -1,0 +1,332 @@
+"""The timer server's table: timers by ``(pid, scope)``, their deadlines, the watched pids,
+and the reaping of watched pids whose timers expired.
+
+The semantics (torch's ``FileTimerServer`` and kelastic's differences) are
+:mod:`kelastic_sidecar.timer_server`'s module doc; which requests are taken is
+:mod:`~kelastic_sidecar.timer_admission`'s; reading the FIFO is
+:mod:`~kelastic_sidecar.timer_reader`'s. Deadlines are a heap with lazy deletion: a
+released or replaced timer's entry is skipped when it reaches the top (and the heap is
+rebuilt when stale entries outnumber live ones).
+
+One lock (:attr:`TimerTable.lock`) guards it all. :meth:`TimerTable.watch`,
+:meth:`~TimerTable.forget`, :meth:`~TimerTable.forget_all`, :meth:`~TimerTable.snapshot`,
+:meth:`~TimerTable.active`, :meth:`~TimerTable.next_deadline` and
+:meth:`~TimerTable.expire` take it; the others expect it held. Kills happen under it, so
+once :meth:`~TimerTable.forget` returns that pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Final, NamedTuple
+
+from .timer_admission import LOG_EVERY, Budgets, Watch, same_token
+from .timer_report import ReapEvent, TimerStats, process_state
+from .timer_wire import MAX_LINE, _BadRequest, _parse, _Request, _salvage
+
+__all__ = ["TimerTable"]
+
+log = logging.getLogger("kelastic_sidecar.timer")
+
+#: Most pids remembered as having had a line shed (then every pid counts as such).
+_MAX_SHED_PIDS: Final = 65536
+
+
+class _Timer(NamedTuple):
+    expiration_time: float
+    signal: int
+    seq: int  # identifies the heap entry that belongs to this timer
+    token: str | None = None  # the token its request carried
+
+
+class TimerTable:
+    """The timers, their deadlines and the watched pids (see the module doc).
+
+    Args:
+        max_timers: most timers of unwatched pids held at once (a shared pool).
+        max_timers_per_pid: most timers of one watched pid held at once.
+        kill: sends a signal to a pid (``os.kill``; injectable for tests).
+
+    Attributes:
+        lock: guards everything.
+        stats: the counters (live; :meth:`snapshot` copies them).
+        last_acquire_time: ``time.time()`` of the last stored acquire, or None.
+    """
+
+    def __init__(
+        self,
+        max_timers: int,
+        max_timers_per_pid: int,
+        kill: Callable[[int, int], None] = os.kill,
+    ) -> None:
+        self.kill = kill
+        self.lock = threading.Lock()
+        self.stats = TimerStats()
+        self.last_acquire_time: float | None = None
+        self.timers: dict[tuple[int, str], _Timer] = {}
+        self.heap: list[tuple[float, int, int, str]] = []  # (deadline, seq, pid, scope)
+        self._budgets = Budgets(max_timers, max_timers_per_pid, self.stats)
+        self._scopes: dict[int, set[str]] = {}  # pid -> scopes of its timers
+        self._unwatched = 0  # timers of unwatched pids
+        self._seq = 0
+        self._watched: dict[int, Watch] = {}
+        self._shed_pids: set[int] = set()
+        self._shed_overflow = False  # too many to remember: every pid counts as shed
+        self._bad_lines = 0
+        self._unknown_logged = 0
+
+    # ------------------------------------------------------- taking the lock itself
+
+    def watch(self, pid: int, token: str | None) -> None:
+        """Mark ``pid`` as a worker (see :meth:`TimerServer.watch_pid
+        <kelastic_sidecar.timer_server.TimerServer.watch_pid>`)."""
+        with self.lock:
+            if pid in self._watched:
+                self._watched[pid] = Watch(token)
+                return
+            self._watched[pid] = watch = Watch(token)
+            self._unwatched -= len(self._scopes.get(pid, ()))
+            if self._shed_overflow or pid in self._shed_pids:
+                self._clear_pid(pid)
+                return
+            timers = [(s, self.timers[(pid, s)]) for s in self._scopes.get(pid, ())]
+            if token is not None:
+                for scope, timer in timers:
+                    if timer.token is not None and not same_token(timer.token, token):
+                        self._drop((pid, scope))
+                        self.stats.forged += 1
+                if any(self.timers[(pid, s)].token is not None for s in self._scopes.get(pid, ())):
+                    self._prove(pid, watch)  # the worker already sent its token
+
+    def forget(self, pid: int) -> None:
+        """Drop ``pid``'s timers and stop watching it."""
+        with self.lock:
+            self._clear_pid(pid)
+            self._watched.pop(pid, None)
+
+    def forget_all(self) -> None:
+        """Drop all timers and watched pids."""
+        with self.lock:
+            self._watched.clear()
+            self.timers.clear()
+            self._scopes.clear()
+            self._unwatched = 0
+            self.heap.clear()
+            self._shed_pids.clear()
+            self._shed_overflow = False
+
+    def snapshot(self) -> TimerStats:
+        """A consistent snapshot of the counters."""
+        with self.lock:
+            return dataclasses.replace(self.stats, active=len(self.timers))
+
+    def active(self) -> int:
+        """Number of timers in the table now (any pid)."""
+        with self.lock:
+            return len(self.timers)
+
+    def next_deadline(self) -> float | None:
+        """The earliest live deadline (stale heap entries on top are removed); None if no
+        timers."""
+        with self.lock:
+            while self.heap and not self._is_live(self.heap[0]):
+                heapq.heappop(self.heap)
+            return self.heap[0][0] if self.heap else None
+
+    # ------------------------------------------------------------- with lock held
+
+    def is_watched(self, pid: int | None) -> bool:
+        return pid in self._watched
+
+    def shed(self, pid: int | None) -> None:
+        """A line (of ``pid``, when known) was dropped unread: count it, and remember the
+        pid (its timers from before it is watched are dropped when it is)."""
+        self.stats.shed += 1
+        if pid is None:
+            return
+        if len(self._shed_pids) >= _MAX_SHED_PIDS:
+            self._shed_overflow = True
+        else:
+            self._shed_pids.add(pid)
+
+    def handle_line(self, line: bytes, oversized: bool) -> None:
+        """Apply one line read from the FIFO (bad lines are counted and skipped; a valid
+        request glued after a bad fragment is still applied)."""
+        if oversized:
+            self.stats.oversized += 1
+            self._warn_bad(line, f"longer than {MAX_LINE} bytes")
+        elif not line.strip():
+            return  # blank line: nothing to do
+        else:
+            try:
+                self.apply(_parse(line))
+                return
+            except _BadRequest as exc:
+                self.stats.malformed += 1
+                self._warn_bad(line, str(exc))
+        request = _salvage(line)
+        if request is not None:
+            self.apply(request)
+
+    def _warn_bad(self, line: bytes, reason: str) -> None:
+        self._bad_lines += 1
+        if self._bad_lines % LOG_EVERY == 1:
+            log.warning(
+                "timer FIFO: skipped a bad line (%s): %r... (%d bad lines so far; "
+                "logging one in %d)",
+                reason,
+                line[:80],
+                self._bad_lines,
+                LOG_EVERY,
+            )
+
+    def _authentic(self, request: _Request, watch: Watch) -> bool:
+        """Whether a request naming the watched pid may act on its timers."""
+        if not watch.admits(request.token):
+            return False
+        if watch.proven_by(request.token):
+            self._prove(request.pid, watch)
+        return True
+
+    def _prove(self, pid: int, watch: Watch) -> None:
+        """The worker sent its token: from now on only requests with it count; drop the
+        timers that tokenless requests (anyone's) set for it."""
+        watch.proven = True
+        for scope in list(self._scopes.get(pid, ())):
+            if self.timers[(pid, scope)].token is None:
+                self._drop((pid, scope))
+
+    def apply(self, request: _Request) -> None:
+        """Apply one well-formed request: acquire (store or replace) or release a timer."""
+        self.stats.requests += 1
+        key = (request.pid, request.scope_id)
+        watch = self._watched.get(request.pid)
+        if watch is not None and not self._authentic(request, watch):
+            self.stats.forged += 1
+            if self.stats.forged % LOG_EVERY == 1:
+                log.warning(
+                    "timer server: refused a request naming watched pid %d without its "
+                    "token (%d refused so far)",
+                    request.pid,
+                    self.stats.forged,
+                )
+            return
+        if request.expiration_time < 0:  # negative expiration: release
+            if key in self.timers:
+                self._drop(key)
+                self.stats.released += 1
+            return
+        if key not in self.timers:
+            watched = watch is not None
+            held = len(self._scopes.get(request.pid, ())) if watched else self._unwatched
+            if not self._budgets.room_for(request.pid, watched, held):
+                return
+        self._seq += 1
+        if key not in self.timers:
+            self._scopes.setdefault(request.pid, set()).add(request.scope_id)
+            if watch is None:
+                self._unwatched += 1
+        self.timers[key] = _Timer(request.expiration_time, request.signal, self._seq, request.token)
+        heapq.heappush(self.heap, (request.expiration_time, self._seq, *key))
+        self.stats.acquired += 1
+        self.last_acquire_time = time.time()
+        if len(self.heap) > 2 * len(self.timers) + 1024:
+            self._compact()
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        """Remove one timer (its heap entry is skipped when reached)."""
+        if self.timers.pop(key, None) is None:
+            return
+        scopes = self._scopes.get(key[0])
+        if scopes is not None:
+            scopes.discard(key[1])
+            if not scopes:
+                del self._scopes[key[0]]
+        if key[0] not in self._watched:
+            self._unwatched -= 1
+
+    def _is_live(self, entry: tuple[float, int, int, str]) -> bool:
+        timer = self.timers.get((entry[2], entry[3]))
+        return timer is not None and timer.seq == entry[1]
+
+    def _compact(self) -> None:
+        """Rebuild the heap from live timers (lazy deletion leaves stale entries)."""
+        self.heap = [(t.expiration_time, t.seq, *key) for key, t in self.timers.items()]
+        heapq.heapify(self.heap)
+
+    def _clear_pid(self, pid: int) -> None:
+        for scope in list(self._scopes.get(pid, ())):
+            self._drop((pid, scope))
+
+    # ------------------------------------------------------------------- reaping
+
+    def expire(self, now: float) -> list[ReapEvent]:
+        """Pop expired timers; signal watched pids (under the lock, so that a pid is
+        never signalled after :meth:`forget` returned). Returns the reaps."""
+        events: list[ReapEvent] = []
+        with self.lock:
+            expired: dict[int, list[tuple[str, _Timer]]] = {}
+            while self.heap and self.heap[0][0] <= now:
+                entry = heapq.heappop(self.heap)
+                if self._is_live(entry):
+                    key = (entry[2], entry[3])
+                    timer = self.timers[key]
+                    self._drop(key)
+                    expired.setdefault(key[0], []).append((key[1], timer))
+                    self.stats.expired += 1
+            for pid, timers in expired.items():  # each list is in deadline order
+                event = self._reap(pid, timers)
+                if event is not None:
+                    events.append(event)
+        return events
+
+    def _reap(self, pid: int, timers: list[tuple[str, _Timer]]) -> ReapEvent | None:
+        scopes = [scope for scope, _ in timers]
+        if pid not in self._watched:
+            self.stats.unknown_pid += len(timers)
+            self._unknown_logged += 1
+            if self._unknown_logged % LOG_EVERY == 1:
+                log.warning(
+                    "timer server: timers %s of unwatched pid %d expired; dropped, "
+                    "not signalled (%d such pids so far)",
+                    scopes,
+                    pid,
+                    self._unknown_logged,
+                )
+            return None
+        chosen = next(((s, t) for s, t in timers if t.signal > 0), None)
+        if chosen is None:
+            log.info("timer server: timers %s of pid %d expired with signal 0", scopes, pid)
+            return None
+        scope_id, timer = chosen
+        event: ReapEvent | None = None
+        state = process_state(pid)  # before the signal changes it
+        try:
+            self.kill(pid, timer.signal)  # first: logging can wait, the deadline cannot
+        except ProcessLookupError:
+            log.info("timer server: pid %d is already gone", pid)
+            self._clear_pid(pid)
+            self._watched.pop(pid, None)
+        except Exception:
+            log.exception("timer server: could not signal pid %d", pid)
+            self.stats.kill_failed += 1
+        else:
+            self.stats.reaped += 1
+            log.warning(
+                "timer server: reaped pid %d with signal %d (state %s); expired timers: %s",
+                pid,
+                timer.signal,
+                state or "?",
+                scopes,
+            )
+            event = ReapEvent(
+                pid, scope_id, timer.signal, timer.expiration_time, time.time(), state
+            )
+        self._clear_pid(pid)
+        return event
