@@ -6,6 +6,15 @@ and every rank resumes from the last checkpoint after a restart, so a killed or 
 worker costs at most one epoch. Each step runs inside ``expires(after=...)``: a worker
 that hangs is reaped by the sidecar's timer server.
 
+The training function is wrapped by ``kelastic.inprocess.Wrapper``: with in-process
+restart on (``spec.inProcess.enabled``, ``kelastic run --in-process``) a fault restarts
+only that function, on every rank, in the same processes. Data, model and optimizer are
+built once per process, outside it, and kept across its calls (*iterations*); each
+iteration starts by taking rank 0's model, optimizer state and position (epoch, step),
+since ranks stop at different steps when an iteration is aborted, and prints
+``iteration N: params sha256 XXXXXXXX`` on every rank (equal hashes: equal state).
+Without in-process restart the Wrapper calls the function once.
+
 Run it with ``kelastic run examples/digits/elasticjob.yaml``; under torchrun it works
 too (without the timer if ``TORCHELASTIC_TIMER_FILE`` is unset).
 """
@@ -13,9 +22,15 @@ too (without the timer if ``TORCHELASTIC_TIMER_FILE`` is unset).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import hashlib
 import os
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,10 +40,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from kelastic.errors import record
+from kelastic.inprocess import CallWrapper, Wrapper
 from kelastic.timer import expires
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
@@ -44,7 +60,7 @@ def parse_args() -> argparse.Namespace:
         help="shared by all nodes (default $CHECKPOINT_DIR or ./checkpoints)",
     )
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def load_data(seed: int) -> tuple[torch.Tensor, ...]:
@@ -62,64 +78,163 @@ def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ep
     os.replace(tmp, path)  # atomic: a crash never leaves a torn checkpoint
 
 
-@record
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(1)
+def params_digest(model: nn.Module) -> str:
+    """The first 8 hex digits of the sha256 of every parameter's bytes, in order."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:8]
+
+
+@dataclass
+class Training:
+    """What one worker process keeps across the wrapped function's iterations.
+
+    Attributes:
+        args: the command line.
+        data: ``(x_train, x_test, y_train, y_test)``.
+        model, opt: the module and its optimizer (never rebuilt in this process).
+        epoch: the epoch in progress (0-based); ``step``: steps of it done.
+        ckpt_path: rank 0's checkpoint, read when the process starts.
+        acc: the last epoch's test accuracy (NaN before one ended).
+    """
+
+    args: argparse.Namespace
+    data: tuple[torch.Tensor, ...]
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    ckpt_path: Path
+    epoch: int = 0
+    step: int = 0
+    acc: float = float("nan")
+
+    @classmethod
+    def create(cls, args: argparse.Namespace) -> Training:
+        """Data, model and optimizer, from the last checkpoint when there is one."""
+        torch.manual_seed(args.seed)
+        model = nn.Sequential(
+            nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
+            nn.ReLU(), nn.Linear(args.hidden, 10),
+        )  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        run = cls(args, load_data(args.seed), model, opt, args.checkpoint_dir / "digits.pt")
+        if run.ckpt_path.exists():
+            state = torch.load(run.ckpt_path, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            run.epoch = state["epoch"] + 1
+            if os.environ.get("RANK", "0") == "0":
+                restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                print(f"resumed from checkpoint: epoch {state['epoch']} done (restart {restart})")
+        return run
+
+    def sync_from_rank0(self) -> None:
+        """Take rank 0's model, optimizer state and position (every rank calls this)."""
+        mine: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+        }
+        box: list[Any] = [mine if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+        if dist.get_rank() != 0:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["opt"])
+            self.epoch, self.step = state["epoch"], state["step"]
+
+
+def train(run: Training, call_wrapper: CallWrapper | None = None) -> None:
+    """One iteration: join the process group, take rank 0's state, train to the end.
+
+    Raises:
+        whatever the training raises; under in-process restart the Wrapper then starts
+        the next iteration (an abort arrives as ``RestartAbort``).
+    """
+    iteration = call_wrapper.iteration if call_wrapper is not None else 0
+    if dist.is_initialized():  # the Wrapper destroyed the last iteration's: be sure
+        dist.destroy_process_group()
+    gc.collect()  # the last iteration's DDP module, if a reference cycle kept it
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    torch.manual_seed(args.seed)
-    x_tr, x_te, y_tr, y_te = load_data(args.seed)
-    model = nn.Sequential(
-        nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
-        nn.Linear(args.hidden, 10),
-    )  # fmt: skip
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    ckpt_path = args.checkpoint_dir / "digits.pt"
-    start_epoch = 0
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start_epoch = state["epoch"] + 1
-        if rank == 0:
-            print(f"resumed from checkpoint: epoch {state['epoch']} done (restart {restart})")
-    ddp = DDP(model)
+    run.sync_from_rank0()
+    digest = params_digest(run.model)
+    print(
+        f"iteration {iteration}: params sha256 {digest} (epoch {run.epoch}, step {run.step})",
+        flush=True,
+    )
+    ddp = DDP(run.model)
+    try:
+        _epochs(run, ddp, rank, world, call_wrapper)
+    except BaseException as exc:
+        # The failed iteration's frames hold its DDP module, whose reducer's autograd hooks
+        # (on our parameters) would still fire in the next one: let them go now, even if
+        # the exception is kept (the Wrapper reports it).
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        del ddp
+    dist.barrier()
+    if rank == 0:
+        print(f"final test accuracy {run.acc:.4f}")
+    dist.destroy_process_group()
+
+
+def _epochs(
+    run: Training, ddp: nn.Module, rank: int, world: int, call_wrapper: CallWrapper | None
+) -> None:
+    """Train from ``run``'s position to the last epoch; rank 0 checkpoints each epoch."""
+    args, model, opt = run.args, run.model, run.opt
+    x_tr, x_te, y_tr, y_te = run.data
     loss_fn = nn.CrossEntropyLoss()
-    # Shard by rank: rank r takes every world-th sample of the epoch's permutation.
-    for epoch in range(start_epoch, args.epochs):
+    atomic = call_wrapper.atomic if call_wrapper is not None else contextlib.nullcontext
+    # Every rank takes the same number of steps: an extra step on one rank would wait in
+    # all-reduce for peers that already left the loop (a hang the timer would reap).
+    steps = len(x_tr) // (world * args.batch_size)
+    while run.epoch < args.epochs:
         t0 = time.monotonic()
-        gen = torch.Generator().manual_seed(args.seed + epoch)
+        # Shard by rank: rank r takes every world-th sample of the epoch's permutation.
+        gen = torch.Generator().manual_seed(args.seed + run.epoch)
         idx = torch.randperm(len(x_tr), generator=gen)[rank::world]
-        # Every rank takes the same number of steps: an extra step on one rank would wait
-        # in all-reduce for peers that already left the loop (a hang the timer would reap).
-        steps = len(x_tr) // (world * args.batch_size)
         ddp.train()
         total = 0.0
-        for step in range(steps):
+        for step in range(run.step, steps):
             batch = idx[step * args.batch_size : (step + 1) * args.batch_size]
             with expires(after=args.step_timeout, scope="train_step"):
                 opt.zero_grad()
                 loss = loss_fn(ddp(x_tr[batch]), y_tr[batch])
                 loss.backward()
-                opt.step()
+                with atomic():  # an abort never lands between the update and its count
+                    opt.step()
+                    run.step = step + 1
+            if call_wrapper is not None:
+                call_wrapper.ping()
             total += loss.item()
         ddp.eval()
         with torch.no_grad():
-            acc = (model(x_te).argmax(1) == y_te).float().mean().item()
+            run.acc = (model(x_te).argmax(1) == y_te).float().mean().item()
         if rank == 0:
-            save_checkpoint(ckpt_path, model, opt, epoch)
+            save_checkpoint(run.ckpt_path, model, opt, run.epoch)
             print(
-                f"epoch {epoch + 1}/{args.epochs} step {(epoch + 1) * steps} "
-                f"loss {total / max(steps, 1):.4f} test_acc {acc:.4f} "
+                f"epoch {run.epoch + 1}/{args.epochs} step {(run.epoch + 1) * steps} "
+                f"loss {total / max(steps, 1):.4f} test_acc {run.acc:.4f} "
                 f"world {world} ({time.monotonic() - t0:.2f}s)",
                 flush=True,
             )
-    dist.barrier()
-    if rank == 0:
-        print(f"final test accuracy {acc if args.epochs > start_epoch else float('nan'):.4f}")
-    dist.destroy_process_group()
+        run.epoch, run.step = run.epoch + 1, 0
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    torch.set_num_threads(1)
+    run = Training.create(parse_args(argv))  # once per process: kept across iterations
+
+    @Wrapper()
+    def wrapped(call_wrapper: CallWrapper | None = None) -> None:
+        train(run, call_wrapper)
+
+    wrapped()
 
 
 if __name__ == "__main__":

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import select
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kelastic_operator.local.etcd import free_port
 from tests.localrun import KelasticRun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +70,67 @@ def test_digits_with_warm_start_restarts_from_the_zygote(tmp_path: Path) -> None
     acc = [float(x) for x in re.findall(r"final test accuracy (\d\.\d+)", out)]
     assert acc and acc[-1] >= 0.90, out
     assert run.strays() == []
+
+
+@contextlib.contextmanager
+def _drained_fifo(path: Path) -> Iterator[None]:
+    """A timer FIFO nobody serves but that is read (the workers' ``expires`` writes go
+    nowhere): stands in for the sidecar's timer server."""
+    os.mkfifo(path)
+    fd = os.open(path, os.O_RDWR)  # a reader (and a writer: never EOF) for the test's life
+    stop = threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            if select.select([fd], [], [], 0.1)[0]:
+                os.read(fd, 65536)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_the_wrapped_training_function_runs_once_without_in_process(tmp_path: Path) -> None:
+    """No sidecar, no ``KELASTIC_INPROCESS``: ``kelastic.inprocess.Wrapper`` calls the
+    training function once (iteration 0) on each of 2 plain processes; they start from the
+    same parameters, train, checkpoint, and a second run resumes from the checkpoint."""
+    fifo = tmp_path / "timer.fifo"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KELASTIC_", "TORCHELASTIC"))}
+    base |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "worker_lib"), base.get("PYTHONPATH", "")]),
+             "TORCHELASTIC_TIMER_FILE": str(fifo), "MASTER_ADDR": "127.0.0.1",
+             "WORLD_SIZE": "2", "CHECKPOINT_DIR": str(tmp_path / "ckpt")}  # fmt: skip
+
+    def run(epochs: int) -> list[str]:
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(MANIFEST.parent / "train.py"), "--epochs", str(epochs)],
+                env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "MASTER_PORT": port},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        return outs
+
+    with _drained_fifo(fifo):
+        first = run(2)
+        digests = [re.findall(r"^iteration 0: params sha256 ([0-9a-f]{8}) \(epoch 0, step 0\)$",
+                              out, re.M) for out in first]  # fmt: skip
+        assert digests[0] and digests[0] == digests[1], first
+        assert "iteration 1" not in "".join(first)  # called once
+        assert "epoch 2/2" in first[0] and "final test accuracy" in first[0]
+        again = run(3)
+    assert "resumed from checkpoint: epoch 1 done" in again[0], again
+    assert re.search(r"^iteration 0: params sha256 [0-9a-f]{8} \(epoch 2, step 0\)$", again[1],
+                     re.M), again  # fmt: skip
+    assert "epoch 3/3" in again[0]
