@@ -15,8 +15,9 @@ since ranks stop at different steps when an iteration is aborted, and prints
 ``iteration N: params sha256 XXXXXXXX`` on every rank (equal hashes: equal state).
 Without in-process restart the Wrapper calls the function once.
 
-Run it with ``kelastic run examples/digits/elasticjob.yaml``; under torchrun it works
-too (without the timer if ``TORCHELASTIC_TIMER_FILE`` is unset).
+Run it with ``kelastic run examples/digits/elasticjob.yaml`` (``--in-process`` for
+in-process restart); under torchrun it works too, given a timer FIFO for ``expires()``
+(``TORCHELASTIC_ENABLE_FILE_TIMER=1`` makes torchrun serve one).
 """
 
 from __future__ import annotations
