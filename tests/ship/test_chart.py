@@ -52,9 +52,11 @@ EXTERNAL = (
     "etcd.external.endpoints={etcd-a.example:2379,etcd-b.example:2379}",
     "etcd.external.tlsSecret=kelastic-etcd-tls",
 )
+EXTERNAL_AUTH = (*EXTERNAL, "etcd.external.authSecret=kelastic-etcd-auth")
 VARIANTS = {
     "default": (),
     "external-etcd": EXTERNAL,
+    "external-etcd-auth": EXTERNAL_AUTH,
     "etcd-3-members-no-persistence": ("etcd.replicas=3", "etcd.persistence.enabled=false"),
     "namespaced-and-tuned": (
         "operator.namespaces={ml,research}",
@@ -302,6 +304,102 @@ def test_external_etcd_values() -> None:
         {"name": "etcd-tls", "secret": {"secretName": "kelastic-etcd-tls", "defaultMode": 0o400}}
     ]
     assert c["volumeMounts"][0]["readOnly"] is True
+
+
+def test_external_etcd_auth_reaches_the_operator_as_env_from_its_secret() -> None:
+    """``etcd.external.authSecret``: the operator's etcd user and password come from the
+    Secret's ``username``/``password`` as the env the operator reads (never its args), the
+    same keys a job's ``spec.rendezvous.authSecret`` gives its sidecar."""
+    from kelastic import contract
+    from kelastic_operator.model import ElasticJob
+    from kelastic_operator.pods import PodSettings, sidecar_env
+
+    def operator_container(*values: str) -> dict[str, Any]:
+        (dep,) = [o for o in render(*values) if o["kind"] == "Deployment"]
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        return c
+
+    c = operator_container(*EXTERNAL_AUTH)
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in c["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert refs == {
+        contract.ENV_ETCD_USER: {"name": "kelastic-etcd-auth", "key": "username"},
+        contract.ENV_ETCD_PASSWORD: {"name": "kelastic-etcd-auth", "key": "password"},
+    }
+    assert not any("auth" in a or "password" in a for a in c["args"]), c["args"]
+    # the TLS mount is independent of it
+    assert {"name": contract.ENV_ETCD_TLS_DIR, "value": "/etc/kelastic/etcd-tls"} in c["env"]
+    no_tls = [v for v in EXTERNAL_AUTH if not v.startswith("etcd.external.tlsSecret")]
+    c = operator_container(*no_tls)
+    names = {e["name"] for e in c["env"]}
+    assert {contract.ENV_ETCD_USER, contract.ENV_ETCD_PASSWORD} <= names
+    assert contract.ENV_ETCD_TLS_DIR not in names and "volumeMounts" not in c
+    # bundled etcd (no auth) or no Secret: no such env
+    for values in (("etcd.external.authSecret=kelastic-etcd-auth",), EXTERNAL):
+        names = {e["name"] for e in operator_container(*values)["env"]}
+        assert not names & {contract.ENV_ETCD_USER, contract.ENV_ETCD_PASSWORD}, values
+    # a job's authSecret gives its sidecar the same env from the same keys
+    trainer = {"name": "t", "image": "i", "command": ["x"]}
+    job = ElasticJob.model_validate({
+        "apiVersion": "kelastic.dev/v1alpha1", "kind": "ElasticJob",
+        "metadata": {"name": "j", "namespace": "ml"},
+        "spec": {"replicas": 1, "rendezvous": {"authSecret": "kelastic-etcd-auth"},
+                 "template": {"spec": {"containers": [trainer]}}},
+    })  # fmt: skip
+    job_refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in sidecar_env("j", "uid", job.spec, PodSettings(etcd_endpoints=("e:2379",)))
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert job_refs == refs
+
+
+#: The labels the Prometheus Operator gives a ServiceMonitor's targets (beside ``instance``).
+TARGET_LABELS = {"job", "instance", "namespace", "service", "pod", "container", "endpoint"}
+
+
+def test_honor_labels_stays_for_the_operators_namespace_label_only() -> None:
+    """The ServiceMonitor keeps ``honorLabels: true`` for one reason: the operator's
+    ``kelastic_operator_job_phase{namespace,elasticjob,phase}`` names the ElasticJob's own
+    namespace, which the alerts aggregate by (without it Prometheus would rename it
+    ``exported_namespace`` and put the operator's there). It is not there for the job's
+    name (``elasticjob``, no clash) nor for ``job`` (the operator exposes none: the scrape
+    job stays ``kelastic-operator``), and nothing else of the operator's clashes with a
+    target label. The sidecars' PodMonitor honors no label (it sets ``elasticjob``, ``namespace``
+    and ``pod`` from the Pod)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.metrics import MetricWrapperBase
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kelastic_operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    exposed = {n for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)
+               for n in v._labelnames}  # fmt: skip
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        exposed |= {label for sample in family.samples for label in sample.labels}
+    assert "elasticjob" in exposed
+    assert exposed & TARGET_LABELS == {"namespace"}, exposed & TARGET_LABELS
+
+    objects = render(api_versions=MONITORING_APIS)
+    (sm,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True
+    assert endpoint["relabelings"] == [
+        {"action": "replace", "targetLabel": "job", "replacement": "kelastic-operator"}
+    ]
+    (pm,) = [o for o in objects if o["kind"] == "PodMonitor"]
+    assert not any("honorLabels" in e for e in pm["spec"]["podMetricsEndpoints"])
+    rules = yaml.safe_load((CHART / "rules" / "kelastic.rules.yaml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    assert not any("label_replace" in e or "exported_" in e for e in exprs)
+    phase_rules = [e for e in exprs if "kelastic_operator_job_phase" in e]
+    assert phase_rules and all("by (namespace, elasticjob)" in e for e in phase_rules)
+    for text in (CHART / "templates" / "monitoring.yaml", CHART / "README.md"):
+        assert "honorLabels" in text.read_text() and "namespace" in text.read_text(), text
 
 
 def test_a_three_member_etcd_forms_one_cluster() -> None:
