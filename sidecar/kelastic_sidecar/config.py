@@ -6,6 +6,7 @@ variable, so a misconfigured Pod fails fast with a readable message.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,53 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """The sidecar's environment is incomplete or invalid; the message lists each problem."""
+
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class InProcessSettings:
+    """In-process restarts (``spec.inProcess``; coordinated by
+    :mod:`~kelastic_sidecar.inprocess_coordinator`; NVIDIA's in-process restart wrapper's
+    knobs, ``shared/seeds/nvrx_inprocess_wrapper.txt``).
+
+    Attributes:
+        enabled: ``$KELASTIC_INPROCESS`` is ``1`` (or ``true``/``yes``/``on``).
+        max_restarts: in-process restarts the whole job may spend (>= 0), counted in the
+            etcd iteration record; a fault beyond it restarts the worker processes.
+        soft_timeout: seconds without progress before a rank is aborted (the worker's
+            Wrapper enforces it; here for validation and ``/status``).
+        hard_timeout: seconds after an abort before a rank that has not passed the
+            termination barrier is killed (SIGKILL by the sidecar); > ``soft_timeout``.
+    """
+
+    enabled: bool = False
+    max_restarts: int = contract.DEFAULT_INPROCESS_MAX_RESTARTS
+    soft_timeout: float = contract.DEFAULT_INPROCESS_SOFT_TIMEOUT
+    hard_timeout: float = contract.DEFAULT_INPROCESS_HARD_TIMEOUT
+
+    @property
+    def barrier_timeout(self) -> float:
+        """Seconds after the first abort of a restart before a node whose termination
+        barrier is not complete gives up (its ranks fall back to the process restart):
+        ``soft_timeout + hard_timeout``, above the hard timeout as NVIDIA's wrapper
+        requires (``soft < hard < barrier``)."""
+        return self.soft_timeout + self.hard_timeout
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings (empty when valid)."""
+        out = []
+        if self.max_restarts < 0:
+            out.append(f"{contract.ENV_INPROCESS_MAX_RESTARTS} must be >= 0")
+        if not 0 < self.soft_timeout < math.inf:
+            out.append(f"{contract.ENV_INPROCESS_SOFT_TIMEOUT} must be > 0 seconds")
+        if not self.soft_timeout < self.hard_timeout < math.inf:
+            out.append(
+                f"{contract.ENV_INPROCESS_HARD_TIMEOUT} ({self.hard_timeout}) must be above "
+                f"{contract.ENV_INPROCESS_SOFT_TIMEOUT} ({self.soft_timeout})"
+            )
+        return out
 
 
 @dataclass(frozen=True)
@@ -44,6 +92,7 @@ class SidecarConfig:
         run_dir: the shared volume (FIFO, control socket, logs).
         etcd_user, etcd_password: etcd's user and password when etcd has auth enabled
             (``None``: no auth), beside or without TLS.
+        inprocess: in-process restarts (:class:`InProcessSettings`).
     """
 
     job_name: str
@@ -67,6 +116,7 @@ class SidecarConfig:
     run_dir: Path
     etcd_user: str | None = None
     etcd_password: str = field(default="", repr=False)
+    inprocess: InProcessSettings = field(default_factory=InProcessSettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -102,6 +152,11 @@ class SidecarConfig:
             e.strip() for e in text(contract.ENV_ETCD_ENDPOINTS).split(",") if e.strip()
         )
         tls = env.get(contract.ENV_ETCD_TLS_DIR)
+        ip_max, ip_soft, ip_hard = (
+            contract.ENV_INPROCESS_MAX_RESTARTS,
+            contract.ENV_INPROCESS_SOFT_TIMEOUT,
+            contract.ENV_INPROCESS_HARD_TIMEOUT,
+        )
         cfg = cls(
             job_name=text(contract.ENV_JOB_NAME),
             namespace=text(contract.ENV_NAMESPACE, "default"),
@@ -126,6 +181,12 @@ class SidecarConfig:
             run_dir=contract.run_dir(),
             etcd_user=env.get(contract.ENV_ETCD_USER) or None,
             etcd_password=env.get(contract.ENV_ETCD_PASSWORD, ""),
+            inprocess=InProcessSettings(
+                enabled=env.get(contract.ENV_INPROCESS, "").strip().lower() in _TRUE,
+                max_restarts=num(ip_max, int, contract.DEFAULT_INPROCESS_MAX_RESTARTS),
+                soft_timeout=num(ip_soft, float, contract.DEFAULT_INPROCESS_SOFT_TIMEOUT),
+                hard_timeout=num(ip_hard, float, contract.DEFAULT_INPROCESS_HARD_TIMEOUT),
+            ),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")
@@ -150,7 +211,7 @@ class SidecarConfig:
             out.append(f"lease_ttl must be >= 1 second, got {self.lease_ttl}")
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
-        return out
+        return out + self.inprocess.problems()
 
     def etcd_client(self, timeout: float = 5.0) -> EtcdClient:
         """A client for the configured etcd (endpoints, TLS, user and password)."""

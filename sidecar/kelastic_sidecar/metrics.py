@@ -20,12 +20,19 @@ from prometheus_client.registry import Collector
 import kelastic
 
 from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_PEER, CAUSE_SCALE, CAUSE_WORKER_FAILURE
+from .inprocess_server import DROP_REASONS
 from .timer_server import TimerStats
 
 #: The ``cause`` label values of the restart and downtime counters.
 CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_PEER)
+#: The ``level`` label values of ``kelastic_restarts_total``: ``process`` (the worker
+#: group's processes restarted), ``inprocess`` (the ranks re-entered the wrapped function
+#: in the same processes: :mod:`~kelastic_sidecar.inprocess_coordinator`).
+LEVELS = ("process", "inprocess")
 #: The ``source`` label values of ``kelastic_corrupt_values_total``.
-CORRUPT_SOURCES = ("rdzv_state", "restart_record", "master_record")
+CORRUPT_SOURCES = (
+    "rdzv_state", "restart_record", "master_record", "inprocess_record", "inprocess_ready"
+)  # fmt: skip
 
 
 class TimerCollector(Collector):
@@ -184,8 +191,31 @@ class SidecarMetrics:
         )
         self.restarts = Counter(
             "kelastic_restarts_total",
-            "Worker-group restarts this node took part in, by cause",
-            ["cause"],
+            "Restarts this node took part in, by level (process: the worker group's "
+            "processes; inprocess: the ranks re-entered the function) and cause",
+            ["level", "cause"],
+            registry=r,
+        )
+        self.inprocess_restart = Histogram(
+            "kelastic_inprocess_restart_seconds",
+            "In-process restarts: from the abort sent to this node's ranks until every one "
+            "of them reported progress in the new iteration",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.inprocess_dropped = Counter(
+            "kelastic_inprocess_sessions_dropped_total",
+            "Worker connections to the in-process socket dropped for bad behaviour, by "
+            "reason: malformed, no_hello, oversized, flood, send_timeout, too_many",
+            ["reason"],
+            registry=r,
+        )
+        for reason in DROP_REASONS:
+            self.inprocess_dropped.labels(reason=reason)
+        self.inprocess_killed = Counter(
+            "kelastic_inprocess_workers_killed_total",
+            "Ranks killed (SIGKILL) for not passing the termination barrier within the "
+            "in-process hard timeout",
             registry=r,
         )
         self.budget_spent = Gauge(
@@ -224,7 +254,9 @@ class SidecarMetrics:
         self.corrupt_values = Counter(
             "kelastic_corrupt_values_total",
             "Corrupt or hostile values refused, by where they were read: rdzv_state and "
-            "restart_record (etcd; replaced with fresh ones), master_record (etcd)",
+            "restart_record (etcd; replaced with fresh ones), master_record (etcd), "
+            "inprocess_record (etcd; that fault restarts the processes), inprocess_ready "
+            "(etcd; not counted as ready)",
             ["source"],
             registry=r,
         )
@@ -233,5 +265,6 @@ class SidecarMetrics:
         # Every cause exists from the start (at 0): a series born at 1 hides its first
         # increase from rate()/increase(), so a job's first restart would not show.
         for cause in CAUSES:
-            self.restarts.labels(cause=cause)
+            for level in LEVELS:
+                self.restarts.labels(level=level, cause=cause)
             self.downtime.labels(cause=cause)

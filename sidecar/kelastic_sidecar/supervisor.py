@@ -24,9 +24,12 @@ The parts are split as torch's agent is: the wiring (servers, clients, typed eve
 :mod:`~kelastic_sidecar.supervisor_wiring`; the current attempt's workers and the event
 loop of a round, :mod:`~kelastic_sidecar.attempt_monitor`; what ended a round, the pure
 :mod:`~kelastic_sidecar.round_end`; the workers' environment,
-:mod:`~kelastic_sidecar.assignment`. This module is the node's course through rounds and
-how it ends (report, leave or close, tell the launcher): one cohesive thing, which is
-why it is over 400 lines.
+:mod:`~kelastic_sidecar.assignment`; in-process restarts within a round,
+:mod:`~kelastic_sidecar.inprocess_coordinator`.
+
+Over ~400 lines as one cohesive thing: this module is the node's course through rounds
+and how it ends (report, leave or close, tell the launcher), the helpers it writes etcd
+with beside it.
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ class Supervisor:
         self.http = parts.http
         self.budget = parts.budget
         self.etcd_health = parts.etcd_health
+        self.inprocess = parts.inprocess
         self.handler: EtcdRendezvousHandler | None = None
         self._alive = True
         self._running = False
@@ -166,6 +170,7 @@ class Supervisor:
             "workers_warm": self.workers.warm,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
             "etcd_unreachable": self.etcd_health.outage(),
+            "inprocess": self.inprocess.status(),
         }
 
     def run(self) -> int:
@@ -174,6 +179,7 @@ class Supervisor:
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.timer.start()
         self.control.start()
+        self.inprocess.start()
         self.http.start()
         log.info(
             "sidecar for %s/%s node %s: nodes %d..%d x %d workers, budget %d restarts, "
@@ -200,6 +206,7 @@ class Supervisor:
                 with contextlib.suppress(Exception):
                     self.handler.shutdown()
             self.timer.stop()
+            self.inprocess.close()
             self.control.close()
             self.http.stop()
             with contextlib.suppress(Exception):
@@ -270,6 +277,7 @@ class Supervisor:
                 continue
             self._start_workers(info, master)
             end = self.workers.monitor(self.handler, info, self._on_started)
+            self.inprocess.end_round(end.kind.value)  # the process path takes over
             self._running = False
             if end.kind is RoundEndKind.SUCCEEDED:
                 return self._finish_succeeded()
@@ -297,7 +305,7 @@ class Supervisor:
                     return self._finish_exhausted(end.failure)
             else:
                 self._down_cause = end.reason or CAUSE_PEER
-                self.metrics.restarts.labels(cause=self._down_cause).inc()
+                self.metrics.restarts.labels(level="process", cause=self._down_cause).inc()
                 log.info("round %d: restarting the worker group (%s)", info.round, end.reason)
                 stopped = self.workers.stopped_failure(info, pids)
                 if stopped is not None:  # a peer restarted first, but it was waiting on ours
@@ -345,7 +353,7 @@ class Supervisor:
             max_restarts=self.cfg.max_restarts,
             tokens=tokens,
         )
-        self.control.send(assign)
+        self.control.send(self.inprocess.begin_round(assign, info, self.handler))
 
     def _on_started(self) -> None:
         """The launcher reported the attempt's workers started."""
@@ -370,7 +378,7 @@ class Supervisor:
             return False
         self._spent = charge.count
         self.metrics.budget_spent.set(charge.count)
-        self.metrics.restarts.labels(cause=failure.cause).inc()
+        self.metrics.restarts.labels(level="process", cause=failure.cause).inc()
         if charge.charged:
             log.warning(
                 "restart %d/%d (%s)", charge.count, self.cfg.max_restarts, failure.summary()

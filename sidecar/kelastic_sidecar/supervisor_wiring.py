@@ -2,8 +2,8 @@
 
 :func:`build_parts` constructs what one node's :class:`~kelastic_sidecar.supervisor.Supervisor`
 runs with (etcd store, timer server, control server, ``/metrics`` HTTP server,
-restart budget, metrics) and connects their callbacks to the supervisor's event queue
-as typed events (:class:`WorkerReaped`, :class:`FromLauncher`,
+restart budget, metrics, in-process restart coordinator) and connects their callbacks
+to the supervisor's event queue as typed events (:class:`WorkerReaped`, :class:`FromLauncher`,
 :class:`RendezvousChanged`), so that the supervisor holds no construction code.
 """
 
@@ -21,6 +21,7 @@ from .config import SidecarConfig
 from .control import ControlServer, Message
 from .etcd_store import EtcdStore, EtcdUnavailableError
 from .http import SidecarHttpServer
+from .inprocess_coordinator import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .restart_budget import RestartBudget
 from .timer_server import ReapEvent, TimerServer
@@ -105,6 +106,7 @@ class Parts:
     http: SidecarHttpServer
     budget: RestartBudget
     etcd_health: EtcdHealth
+    inprocess: InProcessCoordinator
 
 
 def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) -> Parts:
@@ -146,4 +148,7 @@ def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) ->
         config.max_restarts,
         on_repair=metrics.corrupt_values.labels(source="restart_record").inc,
     )
-    return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health)
+    inprocess = InProcessCoordinator(
+        config.inprocess, store, keys, config.node, metrics, config.run_dir, config.pod_ip
+    )
+    return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess)

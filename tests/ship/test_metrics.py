@@ -24,7 +24,7 @@ def _samples(registry: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
 
 def test_the_sidecar_exports_every_listed_metric() -> None:
     m = SidecarMetrics(lambda: TimerStats(acquired=5, expired=1, reaped=1, active=2))
-    m.restarts.labels(cause="hang").inc()
+    m.restarts.labels(level="process", cause="hang").inc()
     m.worker_exits.labels(code="SIGKILL").inc()
     m.downtime.labels(cause="hang").inc(1.5)
     names = {name for name, _ in _samples(m.registry)}
@@ -47,6 +47,9 @@ def test_the_sidecar_exports_every_listed_metric() -> None:
         "kelastic_etcd_errors_total",
         "kelastic_worker_starts_total",
         "kelastic_restart_budget_spent",
+        "kelastic_inprocess_restart_seconds_count",
+        "kelastic_inprocess_sessions_dropped_total",
+        "kelastic_inprocess_workers_killed_total",
     ):
         assert name in names, name
 

@@ -42,11 +42,13 @@ def test_timer_counters_are_exported_from_the_live_server(tmp_path: Path) -> Non
         assert samples["kelastic_timer_bad_requests_total"] == 1
         assert samples["kelastic_workers_reaped_total"] == 0
         before = _samples(metrics)
-        assert before["kelastic_restarts_total{cause=hang}"] == 0  # exists before the first
+        assert before["kelastic_restarts_total{cause=hang,level=process}"] == 0  # before the first
+        assert before["kelastic_restarts_total{cause=hang,level=inprocess}"] == 0
         assert before["kelastic_downtime_seconds_total{cause=node_lost}"] == 0
-        metrics.restarts.labels(cause="hang").inc()
+        metrics.restarts.labels(level="process", cause="hang").inc()
         after = _samples(metrics)
-        assert after["kelastic_restarts_total{cause=hang}"] == 1
-        assert after["kelastic_restarts_total{cause=worker_failure}"] == 0
+        assert after["kelastic_restarts_total{cause=hang,level=process}"] == 1
+        assert after["kelastic_restarts_total{cause=hang,level=inprocess}"] == 0
+        assert after["kelastic_restarts_total{cause=worker_failure,level=process}"] == 0
     finally:
         server.stop()

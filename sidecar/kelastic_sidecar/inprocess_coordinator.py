@@ -1,0 +1,344 @@
+"""In-process restarts of a job, coordinated by the sidecars through etcd.
+
+NVIDIA's in-process restart (``shared/seeds/nvrx_inprocess_wrapper.txt``) restarts the
+wrapped function in the same processes: a fault in *iteration* ``n`` makes every rank
+abort, pass a *termination barrier*, and call the function again as iteration ``n + 1``.
+There the coordination lives in a store served by rank 0's process; here nothing lives
+only on one rank: each node's sidecar runs one :class:`InProcessCoordinator` that speaks
+to its local ranks over ``inprocess.sock`` (:mod:`~kelastic_sidecar.inprocess_server`,
+protocol :mod:`kelastic.inprocess_messages`) and agrees with the other nodes through etcd
+(:mod:`~kelastic_sidecar.inprocess_record`):
+
+1. ``fault(n)`` from a local rank, ``n`` the current iteration: compare-and-set the
+   iteration record ``n -> n + 1`` (one restart spent) while the job's in-process budget
+   lasts; a lost race (record already past ``n``) is the fencing at work. Budget spent,
+   corrupt record, etcd failing: ``give_up`` to that rank only (it exits; the process
+   restart follows, and the supervisor's worker-group stop ends the others). A fault of
+   an older iteration is stale and ignored.
+2. One etcd watch on the record (and the barrier keys): a higher iteration ``m`` sends
+   ``abort(m)`` to every local rank and starts the hard-timeout clock: a rank that has not
+   sent ``ready(m)`` within ``hard_timeout`` seconds is SIGKILLed by pid (its exit is then
+   the launcher's to report: the process path).
+3. Every local rank ``ready(m)``: write ``inprocess/ready/<m>/<node>`` (group rank, pod IP,
+   a port picked now), bound to the node's rendezvous lease; once every node of the round
+   wrote one: ``go(m)`` to each local rank with the round's env, ``MASTER_ADDR``/``PORT``
+   from group rank 0's key and ``KELASTIC_INPROCESS_ITERATION=m``. A barrier not complete
+   within ``barrier_timeout`` after the abort gives up (``give_up`` to every local rank).
+4. A new abort during the barrier (another fault, ``m2 > m``) supersedes it: only the
+   highest iteration is honoured.
+5. The round ends (the supervisor's monitor returned): ``give_up`` to every connected rank
+   and forget the round. A worker process's exit is still the process path's; the hybrid
+   rung (only the dead rank restarts) will hook :meth:`InProcessCoordinator.end_round`.
+
+All state changes run on one thread (``inprocess-loop``) from a queue fed by the socket's
+reader threads, the etcd watch thread and the supervisor's calls: no locks around the
+state, no polling (the loop sleeps until the next event or deadline).
+
+Iterations are job-wide and only grow. A round's workers start in the record's iteration
+(the supervisor's ``assign`` carries ``KELASTIC_INPROCESS_ITERATION``, added by
+:meth:`InProcessCoordinator.begin_round`); a worker whose ``hello`` says 0 in a later
+iteration is taken to be in the round's first one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from kelastic import contract
+from kelastic.control_messages import Assign, WorkerAssignment
+from kelastic_etcd import EtcdError, Watcher
+
+from .config import InProcessSettings
+from .etcd_store import EtcdStore
+from .inprocess_machine import RestartMachine
+from .inprocess_record import (
+    IterationRecord,
+    IterationRecordError,
+    decode_iteration_record,
+    encode_iteration_record,
+)
+from .inprocess_round import RoundContext
+from .inprocess_server import InProcessServer
+from .metrics import SidecarMetrics
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .rendezvous import EtcdRendezvousHandler, RendezvousInfo
+
+__all__ = ["InProcessCoordinator", "RoundContext", "lease_of"]
+
+log = logging.getLogger("kelastic_sidecar.inprocess")
+
+T = TypeVar("T")
+
+#: Seconds a supervisor call waits for the coordinator's thread.
+CALL_TIMEOUT: Final = 30.0
+
+
+def lease_of(handler: EtcdRendezvousHandler | None) -> Callable[[], int | None]:
+    """A :attr:`RoundContext.lease_id` reading ``handler``'s current lease (it changes
+    when etcd was away longer than the lease TTL)."""
+
+    def current() -> int | None:
+        lease = handler.state.lease if handler is not None else None
+        return lease.id if lease is not None and not lease.lost else None
+
+    return current
+
+
+class InProcessCoordinator:
+    """One node's in-process restart coordinator (see the module doc): the socket
+    server, the loop thread running the :class:`~.inprocess_machine.RestartMachine`,
+    the etcd watch thread, and the supervisor's calls.
+
+    Args:
+        settings: the knobs; when not ``enabled`` every method is a no-op and
+            :meth:`status` is None.
+        store: the etcd client.
+        keys: the job's key layout.
+        node: this node's name.
+        metrics: the sidecar's metrics.
+        run_dir: where ``inprocess.sock`` is created.
+        pod_ip: this node's address (``MASTER_ADDR`` of an iteration when group rank 0).
+        kill: how a rank is killed (``os.kill``; tests may watch it).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        settings: InProcessSettings,
+        store: EtcdStore,
+        keys: contract.Keys,
+        node: str,
+        metrics: SidecarMetrics,
+        run_dir: Path,
+        pod_ip: str,
+        *,
+        kill: Callable[[int, int], None] = os.kill,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.enabled = settings.enabled
+        self._store = store
+        self._keys = keys
+        self.node = node
+        self.pod_ip = pod_ip
+        self._metrics = metrics
+        self._clock = clock
+        self._events: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.server = InProcessServer(
+            contract.inprocess_socket_path(run_dir),
+            on_message=lambda s, m: self._events.put(lambda: self.machine.message(s, m)),
+            on_closed=lambda s: self._events.put(lambda: self.machine.closed(s)),
+            on_drop=lambda reason: metrics.inprocess_dropped.labels(reason=reason).inc(),
+        )
+        #: The state; only the loop thread touches it.
+        self.machine = RestartMachine(
+            settings, store, keys, node, metrics, self.server.drop, kill, clock
+        )
+        self._status: dict[str, Any] | None = self.machine.status_doc() if self.enabled else None
+
+    # ------------------------------------------------------------------ supervisor API
+
+    def start(self) -> None:
+        """Bind ``inprocess.sock`` and start the coordinator and etcd watch threads.
+
+        Raises:
+            OSError: the socket cannot be created.
+        """
+        if not self.enabled:
+            return
+        self.server.start()
+        for target, name in ((self._loop, "inprocess-loop"), (self._watch, "inprocess-watch")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info(
+            "in-process restarts on: budget %d, soft timeout %.1fs, hard timeout %.1fs",
+            self.settings.max_restarts, self.settings.soft_timeout, self.settings.hard_timeout,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the threads and the socket (connected ranks see it close); idempotent."""
+        if not self.enabled:
+            return
+        self._stop.set()
+        self._events.put(lambda: None)
+        self.server.close()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+
+    def begin_round(
+        self, assign: Assign, info: RendezvousInfo, handler: EtcdRendezvousHandler | None
+    ) -> Assign:
+        """A round starts with ``assign`` (not sent yet): remember its context (the ready
+        keys are bound to ``handler``'s lease), and return the ``assign`` with
+        ``KELASTIC_INPROCESS_ITERATION`` (the job's current iteration) in every worker's
+        env. Unchanged when disabled. Raises nothing (a coordinator that does not answer
+        within 30 s is logged; the round then goes on without in-process restarts).
+        """
+        if not self.enabled:
+            return assign
+        ctx = RoundContext(
+            round=info.round, group_rank=info.group_rank,
+            group_world_size=info.group_world_size, nproc=len(assign.workers),
+            envs={w.local_rank: dict(w.env) for w in assign.workers}, pod_ip=self.pod_ip,
+            participants=tuple(info.participants), lease_id=lease_of(handler),
+        )  # fmt: skip
+        base = self.begin(ctx)
+        workers = tuple(
+            WorkerAssignment(w.local_rank, {**w.env, contract.ENV_INPROCESS_ITERATION: str(base)})
+            for w in assign.workers
+        )
+        return replace(assign, workers=workers)
+
+    def begin(self, ctx: RoundContext) -> int:
+        """Start coordinating the round ``ctx``; return the iteration its workers start in
+        (the record's, read now; the last known when etcd does not answer). A corrupt
+        record is counted and replaced by a fresh one past every iteration this node knew
+        of (as :class:`~kelastic_sidecar.restart_budget.RestartBudget` repairs its own)."""
+        record = self._read_or_repair() or IterationRecord()
+        try:
+            return self._call(lambda: self.machine.begin(ctx, record))
+        except TimeoutError:
+            log.error("the in-process coordinator is stuck; round %d starts without it", ctx.round)
+            return record.iteration
+
+    def end_round(self, reason: str) -> None:
+        """The round ended for this node: ``give_up`` to every connected rank, forget the
+        round (the job's iteration stays)."""
+        if not self.enabled:
+            return
+        try:
+            self._call(lambda: self.machine.end(reason))
+        except TimeoutError:
+            log.error("the in-process coordinator is stuck; its ranks are stopped anyway")
+
+    def status(self) -> dict[str, Any] | None:
+        """``/status``'s ``inprocess``: ``enabled``, ``iteration``, ``restarts``,
+        ``max_restarts``, ``phase``, ``last`` (``iteration``, ``cause``, ``rank``,
+        ``node``, ``message``, ``resumed_s``: seconds from the abort until every local
+        rank progressed, None until then); None when disabled."""
+        doc = self._status
+        return None if doc is None else {**doc, "last": dict(doc["last"] or {}) or None}
+
+    # ------------------------------------------------------------------ threads
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the loop thread and return its result.
+
+        Raises:
+            TimeoutError: the loop did not run it within :data:`CALL_TIMEOUT` seconds.
+        """
+        box: list[T] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append(fn())
+            finally:
+                done.set()
+
+        self._events.put(run)
+        if not done.wait(CALL_TIMEOUT) or not box:
+            raise TimeoutError("the in-process coordinator did not answer")
+        return box[0]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            deadline = self.machine.next_deadline()
+            wait = None if deadline is None else max(0.0, deadline - self._clock())
+            try:
+                event = self._events.get(timeout=wait)
+            except queue.Empty:
+                event = None
+            try:
+                if event is not None:
+                    event()
+                self.machine.expire()
+            except Exception:  # one bad event must not end coordination
+                log.exception("in-process coordinator: unexpected error")
+            self._status = self.machine.status_doc()
+
+    def _watch(self) -> None:
+        """The etcd watch on ``inprocess/`` (record and barrier keys): on each change,
+        read the record and the current iteration's barrier keys, hand them to the loop."""
+        ready_root = self._keys.inprocess_ready_prefix(0)[: -len("0/")]
+        watcher: Watcher | None = None
+        since = 0
+        while not self._stop.is_set():
+            try:
+                if watcher is None:
+                    watcher = Watcher(self._store, [self._keys.inprocess_iteration, ready_root])
+                    since = 0
+                if since and not watcher.wait(since, 1.0):
+                    continue
+                since = self._read_view()
+            except EtcdError as exc:
+                log.warning("in-process watch: %s; retrying", exc)
+                if watcher is not None:
+                    watcher.close()
+                watcher = None
+                self._stop.wait(1.0)
+        if watcher is not None:
+            watcher.close()
+
+    def _read_view(self) -> int:
+        """Read the record and a barrier prefix, queue them; return the read's revision.
+
+        Raises:
+            EtcdError: etcd did not answer.
+        """
+        guess = self.machine.iteration
+        key = self._keys.inprocess_iteration
+        snap = self._store.read([key, self._keys.inprocess_ready_prefix(guess)])
+        raw = snap.values.get(key)
+        target = guess
+        if raw is not None:
+            with contextlib.suppress(IterationRecordError):
+                target = max(guess, decode_iteration_record(raw[0], key).iteration)
+        ready_prefix = self._keys.inprocess_ready_prefix(target)
+        if target == guess:
+            ready = {k: v for k, v in snap.values.items() if k.startswith(ready_prefix)}
+        else:
+            ready = self._store.get_prefix(ready_prefix)
+        self._events.put(lambda: self.machine.view(raw, target, ready))
+        return snap.revision
+
+    def _read_or_repair(self) -> IterationRecord | None:
+        key = self._keys.inprocess_iteration
+        try:
+            got = self._store.get(key)
+            if got is None:
+                return IterationRecord()
+            try:
+                return decode_iteration_record(got[0], key)
+            except IterationRecordError as exc:
+                self._metrics.corrupt_values.labels(source="inprocess_record").inc()
+                known = self.machine
+                fresh = IterationRecord(iteration=known.iteration + 1, restarts=known.restarts)
+                log.error("%s; replacing it with iteration %d", exc, fresh.iteration)
+                self._store.cas(key, encode_iteration_record(fresh), got[1])
+                return self._read_or_repair_once()
+        except EtcdError as exc:
+            log.error("cannot read the in-process record: %s", exc)
+            return None
+
+    def _read_or_repair_once(self) -> IterationRecord | None:
+        got = self._store.get(self._keys.inprocess_iteration)
+        try:
+            return IterationRecord() if got is None else decode_iteration_record(got[0])
+        except IterationRecordError:
+            return None

@@ -1,0 +1,340 @@
+"""The in-process restart record and the termination-barrier keys in etcd (pure: no I/O
+but through the store handed to :func:`advance_iteration`).
+
+The record at :attr:`kelastic.contract.Keys.inprocess_iteration` is one JSON object::
+
+    {"iteration": 3, "round": 2, "restarts": 3, "cause": "exception", "node": "job-1",
+     "rank": 5, "message": "ValueError: boom", "time": 1718000000.0}
+
+``iteration`` is the job's current in-process iteration and the *fencing token* of every
+in-process restart (NVIDIA's in-process restart calls it the restart iteration,
+``shared/seeds/nvrx_inprocess_wrapper.txt``): a fault of iteration ``n`` moves the record
+from ``n`` to ``n + 1`` by compare-and-set on its ``mod_revision``, so that however many
+ranks and nodes report a fault of ``n``, one restart happens. ``restarts`` counts the
+in-process restarts the job spent (the budget, job-wide); the other fields describe the
+fault that caused the latest one (``rank`` is the global rank, -1 when unknown).
+A missing record is iteration 0 with nothing spent.
+
+A node whose local ranks all passed the termination barrier of iteration ``m`` writes
+:meth:`kelastic.contract.Keys.inprocess_ready` ``(m, node)``::
+
+    {"group_rank": 0, "addr": "10.0.0.7", "port": 29517, "round": 4}
+
+(``addr``/``port``: where this node's group rank 0 would serve the c10d store, used as
+``MASTER_ADDR``/``MASTER_PORT`` of iteration ``m`` when this node is group rank 0;
+``round``, an addition to the fields the contract names: the rendezvous round the node
+was in, so that a key left by an earlier round at the same iteration never counts).
+
+Every decoder is bounded like the product's others (:func:`kelastic._safejson.loads_bounded`,
+:mod:`~kelastic_sidecar.restart_budget`) and raises only its error, whatever the bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, TypeGuard
+
+from kelastic._safejson import UnsafeJSONError, loads_bounded
+
+__all__ = [
+    "MAX_COUNTER",
+    "MAX_RECORD_BYTES",
+    "Advance",
+    "AdvanceOutcome",
+    "IterationRecord",
+    "IterationRecordError",
+    "ReadyRecord",
+    "RecordStore",
+    "advance_iteration",
+    "decode_iteration_record",
+    "decode_ready",
+    "encode_iteration_record",
+    "encode_ready",
+    "next_record",
+]
+
+#: Largest record (or ready value) accepted, bytes.
+MAX_RECORD_BYTES: Final = 64 * 1024
+#: Highest iteration, round, restart count or rank accepted (2**53: exact as a float).
+MAX_COUNTER: Final = 2**53
+#: Longest ``cause``, ``node`` or ``message`` kept, characters (longer ones are refused
+#: on read; :func:`next_record` cuts them before writing).
+MAX_TEXT: Final = 8 * 1024
+_MAX_ADDR: Final = 255
+_MAX_CAS: Final = 100  # compare-and-set tries; each failure means another node's write
+
+
+class IterationRecordError(ValueError):
+    """An in-process record or ready value in etcd is corrupt (the message says how)."""
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """The decoded iteration record (see the module doc).
+
+    Attributes:
+        iteration: the job's current in-process iteration (the fencing token).
+        round: the rendezvous round of the latest restart (-1 before any).
+        restarts: in-process restarts the job spent.
+        cause: why the latest restart happened (a :data:`kelastic.inprocess_messages.CAUSES`
+            value, or ``""``).
+        node: the node that reported the fault (``""`` before any).
+        rank: the global rank that faulted (-1 when unknown).
+        message: the fault's one-line summary.
+        time: ``time.time()`` of the write, seconds (0 before any).
+    """
+
+    iteration: int = 0
+    round: int = -1
+    restarts: int = 0
+    cause: str = ""
+    node: str = ""
+    rank: int = -1
+    message: str = ""
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """A node passed the termination barrier (see the module doc).
+
+    Attributes:
+        group_rank: the node's rank in the round.
+        addr: its pod IP.
+        port: a free TCP port picked on it for the c10d store of the next iteration.
+        round: the rendezvous round (-1 when the writer did not say).
+    """
+
+    group_rank: int
+    addr: str
+    port: int
+    round: int = -1
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _load_object(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        doc = loads_bounded(raw, max_bytes=MAX_RECORD_BYTES, max_depth=4)
+    except UnsafeJSONError as exc:
+        raise IterationRecordError(f"{where}: {exc}: {raw[:80]!r}") from None
+    if not isinstance(doc, dict):
+        raise IterationRecordError(f"{where}: not a JSON object: {raw[:80]!r}")
+    return doc
+
+
+def _int_field(doc: dict[str, Any], name: str, where: str, low: int = 0) -> int:
+    value = doc.get(name)
+    if not _is_int(value) or not low <= value <= MAX_COUNTER:
+        raise IterationRecordError(
+            f"{where}: {name!r} must be an integer in {low}..{MAX_COUNTER}, got {value!r:.80}"
+        )
+    return value
+
+
+def _text_field(doc: dict[str, Any], name: str, where: str) -> str:
+    value = doc.get(name, "")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise IterationRecordError(f"{where}: {name!r} must be a string of <= {MAX_TEXT}")
+    return value
+
+
+def decode_iteration_record(raw: bytes, where: str = "in-process record") -> IterationRecord:
+    """Parse and validate the iteration record.
+
+    Bounds: at most :data:`MAX_RECORD_BYTES` bytes nested at most 4 deep; integers of at
+    most 19 digits, finite numbers (:func:`kelastic._safejson.loads_bounded`);
+    ``iteration`` and ``restarts`` in 0..2**53, ``round`` and ``rank`` in -1..2**53,
+    texts of at most :data:`MAX_TEXT` characters, ``time`` a finite number. Unknown
+    fields are ignored (additions by a later version).
+
+    Raises:
+        IterationRecordError: not JSON, over a bound, a missing or mistyped field.
+            Never another exception, whatever ``raw`` holds.
+    """
+    doc = _load_object(raw, where)
+    when = doc.get("time", 0.0)
+    if not isinstance(when, int | float) or isinstance(when, bool) or not math.isfinite(when):
+        raise IterationRecordError(f"{where}: 'time' must be a finite number, got {when!r:.80}")
+    return IterationRecord(
+        iteration=_int_field(doc, "iteration", where),
+        round=_int_field(doc, "round", where, low=-1),
+        restarts=_int_field(doc, "restarts", where),
+        cause=_text_field(doc, "cause", where),
+        node=_text_field(doc, "node", where),
+        rank=_int_field(doc, "rank", where, low=-1),
+        message=_text_field(doc, "message", where),
+        time=float(when),
+    )
+
+
+def encode_iteration_record(record: IterationRecord) -> bytes:
+    """Serialize ``record`` to the JSON stored in etcd (the module doc's layout)."""
+    doc = {
+        "iteration": record.iteration,
+        "round": record.round,
+        "restarts": record.restarts,
+        "cause": record.cause,
+        "node": record.node,
+        "rank": record.rank,
+        "message": record.message,
+        "time": record.time,
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_ready(raw: bytes, where: str = "in-process ready key") -> ReadyRecord:
+    """Parse and validate a termination-barrier value ``{"group_rank", "addr", "port"}``.
+
+    Raises:
+        IterationRecordError: not bounded JSON (as :func:`decode_iteration_record`), a
+            group rank outside 0..2**53, an address that is not a string of 1..255
+            characters, a port outside 1..65535, a round outside -1..2**53. Never another
+            exception.
+    """
+    doc = _load_object(raw, where)
+    addr, port = doc.get("addr"), doc.get("port")
+    if not isinstance(addr, str) or not 0 < len(addr) <= _MAX_ADDR:
+        raise IterationRecordError(f"{where}: bad 'addr': {raw[:120]!r}")
+    if not _is_int(port) or not 0 < port < 65536:
+        raise IterationRecordError(f"{where}: bad 'port': {raw[:120]!r}")
+    round_ = doc.get("round", -1)
+    if not _is_int(round_) or not -1 <= round_ <= MAX_COUNTER:
+        raise IterationRecordError(f"{where}: bad 'round': {raw[:120]!r}")
+    return ReadyRecord(_int_field(doc, "group_rank", where), addr, port, round_)
+
+
+def encode_ready(ready: ReadyRecord) -> bytes:
+    """Serialize a termination-barrier value."""
+    doc = {"group_rank": ready.group_rank, "addr": ready.addr, "port": ready.port,
+           "round": ready.round}  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def next_record(
+    record: IterationRecord,
+    *,
+    round_: int,
+    cause: str,
+    node: str,
+    rank: int,
+    message: str,
+    now: float,
+) -> IterationRecord:
+    """The record after a fault of ``record.iteration``: the next iteration, one more
+    restart spent, the fault described (texts cut to :data:`MAX_TEXT`)."""
+    return IterationRecord(
+        iteration=record.iteration + 1,
+        round=round_,
+        restarts=record.restarts + 1,
+        cause=cause[:MAX_TEXT],
+        node=node[:MAX_TEXT],
+        rank=rank,
+        message=message[:MAX_TEXT],
+        time=now,
+    )
+
+
+class RecordStore(Protocol):
+    """What :func:`advance_iteration` needs of an etcd client
+    (:class:`kelastic_etcd.EtcdClient` is one)."""
+
+    def get(self, key: str) -> tuple[bytes, int] | None: ...
+
+    def cas(
+        self, key: str, value: bytes, expected_mod_revision: int | None
+    ) -> tuple[bool, bytes | None, int]: ...
+
+
+class Advance(enum.Enum):
+    """How :func:`advance_iteration` ended."""
+
+    #: This call moved the record to the next iteration.
+    ADVANCED = "advanced"
+    #: The record is already past the faulted iteration (another node won the race).
+    SUPERSEDED = "superseded"
+    #: ``restarts`` reached the budget: no in-process restart for this fault.
+    EXHAUSTED = "exhausted"
+    #: The stored record is corrupt (:attr:`AdvanceOutcome.error` says how).
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class AdvanceOutcome:
+    """Outcome of :func:`advance_iteration`.
+
+    Attributes:
+        kind: what happened.
+        record: the record as stored now (the one written on :attr:`Advance.ADVANCED`);
+            ``None`` on :attr:`Advance.CORRUPT`.
+        revision: its ``mod_revision`` (0 when missing or corrupt).
+        error: the decoder's message on :attr:`Advance.CORRUPT`.
+    """
+
+    kind: Advance
+    record: IterationRecord | None
+    revision: int = 0
+    error: str = ""
+
+
+def advance_iteration(
+    store: RecordStore,
+    key: str,
+    faulted: int,
+    max_restarts: int,
+    *,
+    round_: int,
+    cause: str,
+    node: str,
+    rank: int,
+    message: str,
+    now: float,
+) -> AdvanceOutcome:
+    """Move the record from iteration ``faulted`` to ``faulted + 1`` (one restart spent),
+    by compare-and-set on its ``mod_revision`` (the fencing of every in-process restart).
+
+    A record *behind* ``faulted`` (deleted, or rewritten by hand) is moved to
+    ``faulted + 1`` as well, keeping its ``restarts``: iterations never go back.
+
+    Args:
+        store: the etcd client.
+        key: :attr:`kelastic.contract.Keys.inprocess_iteration`.
+        faulted: the iteration the fault happened in.
+        max_restarts: in-process restarts the job may spend (>= 0).
+        round_, cause, node, rank, message, now: the fault (see :func:`next_record`).
+
+    Returns:
+        the outcome; :attr:`Advance.SUPERSEDED` is the fenced-out loser of a race.
+
+    Raises:
+        kelastic_etcd.EtcdError: etcd did not answer (or refused).
+        RuntimeError: the record kept changing for 100 tries.
+    """
+    for _ in range(_MAX_CAS):
+        got = store.get(key)
+        try:
+            record = IterationRecord() if got is None else decode_iteration_record(got[0], key)
+        except IterationRecordError as exc:
+            return AdvanceOutcome(Advance.CORRUPT, None, got[1] if got else 0, str(exc))
+        revision = got[1] if got else 0
+        if record.iteration > faulted:
+            return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
+        if record.restarts >= max_restarts:
+            return AdvanceOutcome(Advance.EXHAUSTED, record, revision)
+        base = IterationRecord(iteration=faulted, restarts=record.restarts)
+        new = next_record(
+            base, round_=round_, cause=cause, node=node, rank=rank, message=message, now=now
+        )
+        ok, _, new_revision = store.cas(
+            key, encode_iteration_record(new), revision if got else None
+        )
+        if ok:
+            return AdvanceOutcome(Advance.ADVANCED, new, new_revision)
+    raise RuntimeError(f"could not update {key} after {_MAX_CAS} tries")

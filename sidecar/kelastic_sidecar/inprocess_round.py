@@ -1,0 +1,126 @@
+"""A round as the in-process coordinator sees it, and the termination barrier's verdict
+(pure: no etcd, no sockets, no threads).
+
+:class:`RoundContext` is what the supervisor hands the coordinator per rendezvous round;
+:func:`barrier_verdict` reads the ready keys of an iteration (NVIDIA's termination
+barrier, ``shared/seeds/nvrx_inprocess_wrapper.txt``, kept in etcd instead of rank 0's
+store) and :func:`go_env` builds the env a rank re-enters the function with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+from kelastic import contract
+from kelastic.inprocess_messages import CAUSE_SOFT_TIMEOUT
+
+from .failure import CAUSE_HANG, CAUSE_WORKER_FAILURE
+from .inprocess_record import IterationRecordError, ReadyRecord, decode_ready
+
+__all__ = ["BarrierVerdict", "RoundContext", "barrier_verdict", "cause_label", "go_env"]
+
+#: Most corrupt ready keys described in a :class:`BarrierVerdict`.
+_MAX_ERRORS: Final = 16
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What the coordinator needs of a rendezvous round (from the supervisor).
+
+    Attributes:
+        round: the round number.
+        group_rank: this node's rank in the round.
+        group_world_size: nodes in the round.
+        nproc: local ranks of this node.
+        envs: local rank -> the env the ``assign`` gave that worker.
+        pod_ip: this node's address (``MASTER_ADDR`` when it is group rank 0).
+        participants: node names by group rank (empty: unknown; then any node's ready
+            key counts by the group rank it states).
+        lease_id: returns this node's rendezvous lease id (None: none held); the ready
+            keys are bound to it.
+    """
+
+    round: int
+    group_rank: int
+    group_world_size: int
+    nproc: int
+    envs: Mapping[int, Mapping[str, str]]
+    pod_ip: str
+    participants: tuple[str, ...] = ()
+    lease_id: Callable[[], int | None] = field(default=lambda: None, compare=False)
+
+
+@dataclass(frozen=True)
+class BarrierVerdict:
+    """What the ready keys of an iteration say.
+
+    Attributes:
+        master: group rank 0's ready value once every node of the round is ready (its
+            ``addr``/``port`` are the iteration's ``MASTER_ADDR``/``PORT``); else None.
+        ready: group ranks ready so far.
+        corrupt: one message per corrupt value (at most 16).
+    """
+
+    master: ReadyRecord | None
+    ready: frozenset[int]
+    corrupt: tuple[str, ...] = ()
+
+
+def barrier_verdict(
+    values: Mapping[str, tuple[bytes, int]], prefix: str, ctx: RoundContext
+) -> BarrierVerdict:
+    """Whether every node of ``ctx``'s round passed the termination barrier.
+
+    Args:
+        values: key -> ``(value, mod_revision)`` read under ``prefix`` (other keys are
+            ignored).
+        prefix: :meth:`kelastic.contract.Keys.inprocess_ready_prefix` of the iteration.
+        ctx: the round.
+
+    A key counts when its value decodes (:func:`~.inprocess_record.decode_ready`), its
+    ``round`` is the round's (or unstated), its group rank is in the round, and, when the
+    participants are known, the key's node is the one of that group rank: a key left by
+    an earlier round, or by a node not in this one, never counts.
+    """
+    by_rank: dict[int, ReadyRecord] = {}
+    corrupt: list[str] = []
+    for key, (raw, _) in values.items():
+        if not key.startswith(prefix):
+            continue
+        try:
+            ready = decode_ready(raw, key)
+        except IterationRecordError as exc:
+            corrupt.append(str(exc))
+            continue
+        if ready.round not in (-1, ctx.round) or ready.group_rank >= ctx.group_world_size:
+            continue
+        if ctx.participants and ctx.participants[ready.group_rank] != key[len(prefix) :]:
+            continue
+        by_rank[ready.group_rank] = ready
+    complete = len(by_rank) >= ctx.group_world_size
+    master = by_rank.get(0) if complete else None
+    return BarrierVerdict(master, frozenset(by_rank), tuple(corrupt[:_MAX_ERRORS]))
+
+
+def go_env(
+    ctx: RoundContext, local_rank: int, master: ReadyRecord, iteration: int
+) -> dict[str, str]:
+    """The env a local rank enters ``iteration`` with: the round's (ranks unchanged),
+    ``MASTER_ADDR``/``MASTER_PORT`` from group rank 0's ready key (a fresh port per
+    iteration: a restarted iteration never meets a stale c10d store), and
+    ``KELASTIC_INPROCESS_ITERATION``."""
+    env = dict(ctx.envs.get(local_rank, {}))
+    env[contract.MASTER_ADDR] = master.addr
+    env[contract.MASTER_PORT] = str(master.port)
+    env[contract.ENV_INPROCESS_ITERATION] = str(iteration)
+    return env
+
+
+def cause_label(cause: str) -> str:
+    """The ``cause`` of ``kelastic_restarts_total{level="inprocess"}`` for a fault's cause:
+    the process restarts' vocabulary (``soft_timeout`` is a ``hang``, every other cause a
+    ``worker_failure``), so that ``sum by (cause)`` stays one set of values; the fault's
+    own cause is in the record and ``/status``."""
+    return CAUSE_HANG if cause == CAUSE_SOFT_TIMEOUT else CAUSE_WORKER_FAILURE

@@ -1,0 +1,336 @@
+"""In-process restarts coordinated by two sidecars' coordinators over a real etcd, with
+ranks played by clients of the real unix socket."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kelastic import contract
+from kelastic.inprocess_messages import Abort, GiveUp, Go, Progress
+from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_sidecar.inprocess_record import (
+    IterationRecord,
+    advance_iteration,
+    decode_iteration_record,
+)
+from tests.conftest import wait_for
+from tests.sidecar.inprocess_harness import Node, Rank, make_node, sample, settings
+
+AB = ("node-a", "node-b")
+
+
+@pytest.fixture
+def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
+    s = EtcdStore([etcd_endpoint])
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def two(store: EtcdStore, job_prefix: str) -> Iterator[tuple[Node, Node]]:
+    with (
+        make_node("node-a", store, job_prefix, "127.0.0.1") as a,
+        make_node("node-b", store, job_prefix, "127.0.0.2") as b,
+    ):
+        a.begin(1, 0, AB)
+        b.begin(1, 1, AB)
+        yield a, b
+
+
+def _record(store: EtcdStore, prefix: str) -> IterationRecord:
+    got = store.get(contract.Keys(prefix).inprocess_iteration)
+    return IterationRecord() if got is None else decode_iteration_record(got[0])
+
+
+def _restart(nodes: tuple[Node, ...], iteration: int) -> list[Go]:
+    """Every rank expects abort(iteration), answers ready, and gets go: the go's."""
+    ranks = [r for n in nodes for r in n.ranks]
+    for r in ranks:
+        assert r.expect(Abort).iteration == iteration  # type: ignore[attr-defined]
+    for r in ranks:
+        r.ready(iteration)
+    gos = [r.expect(Go) for r in ranks]
+    assert all(isinstance(g, Go) and g.iteration == iteration for g in gos)
+    return gos  # type: ignore[return-value]
+
+
+def test_a_fault_on_one_node_restarts_both_with_one_env(
+    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+) -> None:
+    a, b = two
+    started = time.monotonic()
+    b.ranks[1].fault(0, "RuntimeError: NCCL timeout")
+    gos = _restart(two, 1)
+    took = time.monotonic() - started
+    print(f"fault -> go, 2 nodes x 2 ranks, real etcd: {took * 1000:.1f} ms")
+    masters = {(g.env[contract.MASTER_ADDR], g.env[contract.MASTER_PORT]) for g in gos}
+    assert len(masters) == 1
+    addr, port = masters.pop()
+    assert addr == "127.0.0.1" and 0 < int(port) < 65536  # group rank 0's node (a)
+    assert [g.env[contract.RANK] for g in gos] == ["0", "1", "2", "3"]  # ranks unchanged
+    assert {g.env[contract.ENV_INPROCESS_ITERATION] for g in gos} == {"1"}
+    assert gos[3].env[contract.KELASTIC_TIMER_TOKEN] == "token-node-b-1"  # the round's env
+    record = _record(store, job_prefix)
+    assert (record.iteration, record.restarts, record.node, record.rank) == (1, 1, "node-b", 3)
+    assert record.cause == "exception" and record.message == "RuntimeError: NCCL timeout"
+    # the restart ends when every local rank progresses in the new iteration
+    for node in two:
+        for r in node.ranks:
+            r.progress(1)
+    for node in two:
+        wait_for(
+            lambda n=node: sample(n.metrics, "kelastic_inprocess_restart_seconds_count") == 1,
+            10, what="the restart's duration observed",
+        )  # fmt: skip
+        status = node.coordinator.status()
+        assert status is not None
+        assert (status["iteration"], status["restarts"], status["phase"]) == (1, 1, "running")
+        last = status["last"]
+        assert (last["iteration"], last["node"], last["rank"]) == (1, "node-b", 3)
+        assert 0 < last["resumed_s"] < 30
+        level = {"level": "inprocess", "cause": "worker_failure"}
+        assert sample(node.metrics, "kelastic_restarts_total", **level) == 1
+        level = {"level": "process", "cause": "worker_failure"}
+        assert sample(node.metrics, "kelastic_restarts_total", **level) == 0
+    # a second fault, in iteration 1, restarts again into 2 (the ready keys of 1 go)
+    a.ranks[0].fault(1)
+    gos = _restart(two, 2)
+    assert {g.env[contract.ENV_INPROCESS_ITERATION] for g in gos} == {"2"}
+    keys = contract.Keys(job_prefix)
+    wait_for(lambda: not store.get_prefix(keys.inprocess_ready_prefix(1)), 10,
+             what="the ready keys of iteration 1 deleted")  # fmt: skip
+    assert store.get(keys.inprocess_ready(2, "node-a")) is not None
+
+
+def test_two_nodes_faulting_the_same_iteration_restart_once(
+    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+) -> None:
+    a, b = two
+    a.ranks[0].fault(0)
+    b.ranks[0].fault(0)
+    a.ranks[1].fault(0)
+    _restart(two, 1)
+    record = _record(store, job_prefix)
+    assert (record.iteration, record.restarts) == (1, 1)
+    for node in two:
+        node.flush()
+        assert node.coordinator.status()["restarts"] == 1  # type: ignore[index]
+        assert sample(node.metrics, "kelastic_restarts_total", level="inprocess",
+                      cause="worker_failure") == 1  # fmt: skip
+        for r in node.ranks:  # one abort and one go each, nothing else (streams are ordered)
+            assert [type(m) for m in r.got] == [Abort, Go]
+
+
+def test_a_stale_fault_is_ignored(
+    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+) -> None:
+    a, _ = two
+    a.ranks[0].fault(0)
+    _restart(two, 1)
+    a.ranks[1].fault(0)  # a late report of the iteration already left
+    wait_for(lambda: a.coordinator.machine.stale_faults == 1, 10, what="the stale fault seen")
+    assert _record(store, job_prefix).iteration == 1
+
+
+def test_a_new_iteration_during_the_barrier_supersedes_it(
+    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+) -> None:
+    a, b = two
+    a.ranks[0].fault(0)
+    ranks = [*a.ranks, *b.ranks]
+    for r in ranks:
+        assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+    for r in a.ranks:  # node a passes its termination barrier; node b's ranks not yet
+        r.ready(1)
+    key = contract.Keys(job_prefix).inprocess_ready(1, "node-a")
+    wait_for(lambda: store.get(key), 10, what="node a's ready key")
+    out = advance_iteration(  # another fault of iteration 1 lands meanwhile (a late node)
+        store, contract.Keys(job_prefix).inprocess_iteration, 1, 10,
+        round_=1, cause="soft_timeout", node="node-c", rank=9, message="hung", now=0.0,
+    )  # fmt: skip
+    assert out.record is not None and out.record.iteration == 2
+    for r in ranks:
+        assert r.expect(Abort).iteration == 2  # type: ignore[attr-defined]
+    b.ranks[0].ready(1)  # late answers to the superseded abort count for nothing
+    for r in ranks:
+        r.ready(2)
+    for r in ranks:
+        go = r.expect(Go)
+        assert go.iteration == 2  # type: ignore[attr-defined]
+    for node in two:
+        assert all(not (isinstance(m, Go) and m.iteration == 1) for r in node.ranks for m in r.got)
+        status = node.coordinator.status()
+        assert status is not None and status["last"]["cause"] == "soft_timeout"
+        hang = {"level": "inprocess", "cause": "hang"}
+        assert sample(node.metrics, "kelastic_restarts_total", **hang) == 1
+
+
+def test_budget_spent_gives_up_to_the_faulted_rank_only(store: EtcdStore, job_prefix: str) -> None:
+    with make_node("solo", store, job_prefix, cfg=settings(max_restarts=1)) as n:
+        n.begin(1, 0, ("solo",))
+        n.ranks[0].fault(0)
+        _restart((n,), 1)
+        n.ranks[1].fault(1, "the second one")
+        give_up = n.ranks[1].expect(GiveUp)
+        assert "budget of 1 spent" in give_up.reason  # type: ignore[attr-defined]
+        record = _record(store, job_prefix)
+        assert (record.iteration, record.restarts) == (1, 1)
+        n.coordinator.end_round("failed")
+        # rank 0's stream: abort, go, and then only the round's end (nothing in between)
+        assert isinstance(n.ranks[0].expect(GiveUp), GiveUp)
+        assert [type(m) for m in n.ranks[0].got] == [Abort, Go, GiveUp]
+        assert n.ranks[0].closed()
+        status = n.coordinator.status()
+        assert status is not None and status["phase"] == "idle"
+
+
+_NEVER_READY = """
+import json, os, socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
+s.sendall(json.dumps(hello).encode() + b"\\n")
+print("connected", flush=True)
+while True:
+    time.sleep(60)  # hung in a collective: never aborts, never sends ready
+"""
+
+
+def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdStore, job_prefix: str) -> None:
+    with make_node("solo", store, job_prefix, cfg=settings(soft=0.2, hard=0.5)) as n:
+        n.begin(1, 0, ("solo",), connect=False)
+        hung = subprocess.Popen(
+            [sys.executable, "-c", _NEVER_READY, str(n.socket_path)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert hung.stdout is not None and hung.stdout.readline().strip() == "connected"
+            coord = n.coordinator
+            wait_for(lambda: coord._call(lambda: coord.machine.has_session(1)), 10, what="hello")
+            n.ranks = [n.connect(0)]
+            n.ranks[0].fault(0)
+            assert n.ranks[0].expect(Abort).iteration == 1  # type: ignore[attr-defined]
+            n.ranks[0].ready(1)
+            assert hung.wait(timeout=20) == -9  # SIGKILL, by pid, after the hard timeout
+            assert n.killed == [(hung.pid, 9)]
+            assert sample(n.metrics, "kelastic_inprocess_workers_killed_total") == 1
+        finally:
+            if hung.poll() is None:
+                hung.kill()
+                hung.wait()
+
+
+def test_bad_connections_are_dropped_and_the_others_unaffected(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    from kelastic.inprocess_messages import MAX_LINE
+    from kelastic_sidecar.inprocess_server import MAX_PENDING
+
+    with make_node("solo", store, job_prefix) as n:
+        n.begin(1, 0, ("solo",))
+        coord = n.coordinator
+
+        def raw_client(payload: bytes) -> Rank:
+            r = Rank(n.socket_path, 1, 1)  # sends a valid hello first
+            r.sock.sendall(payload)
+            return r
+
+        garbage = raw_client(b"not json at all\n")
+        assert garbage.closed()
+        huge = raw_client(b"x" * (MAX_LINE + 10))
+        assert huge.closed()
+        again = raw_client(b'{"type": "hello", "pid": 1, "local_rank": 1, "rank": 1, '
+                           b'"iteration": 0}\n')  # fmt: skip
+        assert again.closed()
+        typed = raw_client(b'{"type": "fault", "iteration": -1, "local_rank": 0}\n')
+        assert typed.closed()
+        # a flood: the loop is held up while one client sends more than MAX_PENDING lines
+        hold = threading.Event()
+        coord._events.put(hold.wait)
+        flood = raw_client(b"".join(
+            b'{"type": "progress", "iteration": 0, "local_rank": 1}\n'
+            for _ in range(MAX_PENDING + 50)
+        ))  # fmt: skip
+        assert flood.closed()
+        hold.set()
+        dropped = coord.server.dropped
+        assert dropped["malformed"] == 3 and dropped["oversized"] == 1
+        assert dropped["flood"] == 1
+        for reason, count in (("malformed", 3), ("oversized", 1), ("flood", 1)):
+            value = sample(n.metrics, "kelastic_inprocess_sessions_dropped_total", reason=reason)
+            assert value == count
+        # a connection that never says hello first is dropped too
+        import socket
+
+        from kelastic.sockaddr import unix_address
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            with unix_address(n.socket_path) as address:
+                s.connect(address)
+            s.sendall(b'{"type": "ready", "iteration": 0, "local_rank": 0}\n')
+            s.settimeout(10)
+            assert s.recv(10) == b""
+        assert coord.server.dropped["no_hello"] == 1
+        # the well-behaved ranks never noticed: a fault still restarts them
+        n.ranks[1] = n.connect(1)
+        n.ranks[0].fault(0)
+        _restart((n,), 1)
+
+
+def test_a_corrupt_record_is_counted_and_falls_back(store: EtcdStore, job_prefix: str) -> None:
+    keys = contract.Keys(job_prefix)
+    with make_node("solo", store, job_prefix) as n:
+        n.begin(1, 0, ("solo",))
+        store.put(keys.inprocess_iteration, b'{"iteration": ' + b"9" * 5000 + b"}")
+        source = {"source": "inprocess_record"}
+        wait_for(lambda: sample(n.metrics, "kelastic_corrupt_values_total", **source) == 1,
+                 10, what="the corrupt record counted")  # fmt: skip
+        n.ranks[0].fault(0)
+        give_up = n.ranks[0].expect(GiveUp)  # this fault restarts the processes instead
+        assert "corrupt" in give_up.reason  # type: ignore[attr-defined]
+        assert sample(n.metrics, "kelastic_corrupt_values_total", **source) == 2
+        n.coordinator.end_round("failed")
+        # the next round repairs it: an iteration past every one this node knew of
+        assert n.begin(2, 0, ("solo",), connect=False) == 1
+        assert _record(store, job_prefix).iteration == 1
+        assert sample(n.metrics, "kelastic_corrupt_values_total", **source) == 3
+        n.ranks = [n.connect(0, 1), n.connect(1, 0)]  # hello 0 is taken as the round's 1
+        n.ranks[1].fault(0)  # its own count: iteration 0, the round's 1
+        _restart((n,), 2)
+
+
+def test_end_round_gives_up_and_a_late_rank_is_aborted(
+    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+) -> None:
+    a, b = two
+    b.ranks[1].close()  # b's rank 1 is restarting (its process): it connects late
+    wait_for(lambda: b.coordinator._call(lambda: not b.coordinator.machine.has_session(1)), 10)
+    a.ranks[0].fault(0)
+    for r in (*a.ranks, b.ranks[0]):
+        assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+    late = b.connect(1, 0)
+    assert late.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+    b.ranks[1] = late
+    for node in two:
+        node.coordinator.end_round("restart")
+    for r in (*a.ranks, *b.ranks):
+        assert r.expect(GiveUp).reason == "round ended: restart"  # type: ignore[attr-defined]
+        assert r.closed()
+    # after the round, a fault cannot restart in-process
+    orphan = Rank(a.socket_path, 0, 0, 1)
+    orphan.fault(1)
+    assert isinstance(orphan.expect(GiveUp), GiveUp)
+    orphan.close()
+
+
+def test_progress_before_any_restart_is_not_a_restart(two: tuple[Node, Node]) -> None:
+    a, _ = two
+    a.ranks[0].send(Progress(0, 0))
+    a.flush()
+    assert sample(a.metrics, "kelastic_inprocess_restart_seconds_count") == 0
