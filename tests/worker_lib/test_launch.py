@@ -563,8 +563,21 @@ def test_sidecar_gone_stops_workers_and_exits_1(world: Env) -> None:
         (b'{"type": "assign", "round": 1, "workers": []}\n', "integer 'attempt'"),
         (b'{"type": "stop", "attempt": "one"}\n', "integer 'attempt'"),
         (b'{"type": "x", "pad": "' + b"a" * contract.CONTROL_MAX_LINE + b'"}\n', "limit"),
+        (b'{"type": "respawn", "attempt": 0, "local_rank": 4096, "env": {}}\n', "above 4095"),
+        (
+            b'{"type": "respawn", "attempt": 0, "local_rank": 1, "env": {"A=B": "1"}}\n',
+            "invalid name",
+        ),
     ],
-    ids=["not-json", "not-object", "assign-no-attempt", "stop-bad-attempt", "too-long"],
+    ids=[
+        "not-json",
+        "not-object",
+        "assign-no-attempt",
+        "stop-bad-attempt",
+        "too-long",
+        "respawn-rank-too-big",
+        "respawn-bad-env",
+    ],
 )
 def test_malformed_message_exits_1(world: Env, line: bytes, reason: str) -> None:
     sup, launcher = world.start()
@@ -667,4 +680,37 @@ def test_second_sigint_skips_the_grace_period(world: Env) -> None:
     assert time.monotonic() - start < 20
     assert "received SIGINT again" in launcher.stderr()
     assert all(_gone(pid) for pid in pids.values())
+    assert marker_procs(world.marker) == []
+
+
+def test_respawn_starts_only_the_dead_worker_again(world: Env) -> None:
+    # The hybrid rung of in-process restart: the peers keep running, only the dead local
+    # rank becomes a process again, in the same attempt, with the sidecar's env on top.
+    sup, launcher = world.start()
+    sup.send(assign(attempt=2, modes={0: "sleep", 1: "sleep"}))
+    pids = sup.expect("started")["pids"]
+    wait_ready(world.run_dir, 2, [0, 1])
+    os.kill(pids["1"], signal.SIGKILL)
+    msg = sup.expect("exited")
+    assert (msg["local_rank"], msg["signal"]) == (1, signal.SIGKILL)
+    env = {contract.KELASTIC_ROUND: "5", "KL_MODE_1": "ok", "KELASTIC_INPROCESS_ITERATION": "3"}
+    sup.send({"type": "respawn", "attempt": 2, "local_rank": 1, "env": env})
+    again = sup.expect("started")
+    assert again["attempt"] == 2 and set(again["pids"]) == {"1"}
+    assert again["pids"]["1"] != pids["1"] and again["warm"] == (1 if world.warm else 0)
+    done = sup.expect("exited")
+    assert (done["local_rank"], done["pid"], done["exitcode"]) == (1, again["pids"]["1"], 0)
+    seen = json.loads((world.out_dir / "env_1.json").read_text())
+    assert seen["KELASTIC_INPROCESS_ITERATION"] == "3"
+    assert seen[contract.RANK] == "3" and seen[contract.LOCAL_RANK] == "1"
+    assert psutil.pid_exists(pids["0"]) and not _gone(pids["0"])  # the peer never stopped
+    # the respawned worker's output appends to the same log: nothing of the dead one lost
+    assert contains(log_file(world.run_dir, 2, 1, contract.STDOUT_LOG_NAME), "ready\nout line")
+    # a respawn for a worker that runs, or for another attempt, is ignored
+    sup.send({"type": "respawn", "attempt": 2, "local_rank": 0, "env": {}})
+    sup.send({"type": "respawn", "attempt": 9, "local_rank": 1, "env": {}})
+    sup.send({"type": "stop", "attempt": 2, "reason": "done"})
+    assert sup.expect("stopped") == {"type": "stopped", "attempt": 2}
+    sup.send({"type": "shutdown", "exitcode": 0, "summary": ""})
+    assert launcher.wait() == 0
     assert marker_procs(world.marker) == []

@@ -471,6 +471,27 @@ class WorkerGroup:
                     " (warm)" if worker.warm else "",
                 )
 
+    def respawn(self, spec: WorkerSpec, cmd: list[str], spawner: Spawner | None = None) -> Worker:
+        """Start the worker of ``spec.local_rank`` again (its last process exited and was
+        reported); its logs append to the same files.
+
+        Raises:
+            ValueError: no such local rank, or its process still runs.
+        """
+        old = self.workers.get(spec.local_rank)
+        if old is None or old.running or not old.reported:
+            raise ValueError(f"local_rank {spec.local_rank} has no exited, reported worker")
+        worker = Worker(spec)
+        self.workers[spec.local_rank] = worker
+        worker.start(cmd, spawner)
+        if worker.pid is not None:
+            logger.info(
+                "attempt %d: started local_rank %d (rank %s) again, pid %d%s",
+                self.attempt, spec.local_rank, spec.label, worker.pid,
+                " (warm)" if worker.warm else "",
+            )  # fmt: skip
+        return worker
+
     @property
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of the workers that were started."""

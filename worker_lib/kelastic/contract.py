@@ -295,6 +295,7 @@ MSG_STOPPED: Final = "stopped"  # {"type", "attempt"}: all workers of attempt ar
 MSG_ASSIGN: Final = "assign"  # {"type", "attempt", "round", "workers": [{"local_rank", "env"}]}
 MSG_STOP: Final = "stop"  # {"type", "attempt", "reason"}
 MSG_SHUTDOWN: Final = "shutdown"  # {"type", "exitcode", "summary"}
+MSG_RESPAWN: Final = "respawn"  # {"type", "attempt", "local_rank", "env"}: start it again
 
 # ------------------------------------------------- in-process socket (JSON lines)
 # Typed in kelastic.inprocess_messages. wrapped worker -> sidecar coordinator:

@@ -6,6 +6,7 @@ one object per line (UTF-8, ``\\n``-terminated, at most
 :data:`kelastic.contract.CONTROL_MAX_LINE` bytes including the newline).
 
 - Downward (sidecar -> launcher): :class:`Assign`, :class:`Stop`, :class:`Shutdown`,
+  :class:`Respawn`,
   decoded by :func:`parse_message`.
 - Upward (launcher -> sidecar): :class:`Hello`, :class:`Started`, :class:`Exited`,
   :class:`Stopped`, decoded by :func:`parse_launcher_message`.
@@ -40,6 +41,7 @@ __all__ = [
     "LauncherMessage",
     "Message",
     "ProtocolError",
+    "Respawn",
     "Shutdown",
     "Started",
     "Stop",
@@ -121,6 +123,28 @@ class Shutdown:
 
 
 @dataclass(frozen=True)
+class Respawn:
+    """``{"type": "respawn", "attempt", "local_rank", "env"}``: start the worker of
+    ``local_rank`` of ``attempt`` again (it exited; its peers restart in process), with
+    the attempt's env for it updated by ``env``. The launcher answers ``started`` with
+    the new pid (a rung of in-process restart: only the dead rank becomes a process)."""
+
+    type: ClassVar[str] = contract.MSG_RESPAWN
+    attempt: int
+    local_rank: int
+    env: dict[str, str]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The wire form."""
+        return {
+            "type": self.type,
+            "attempt": self.attempt,
+            "local_rank": self.local_rank,
+            "env": self.env,
+        }
+
+
+@dataclass(frozen=True)
 class Unknown:
     """A well-formed message of a type this launcher does not know (version skew)."""
 
@@ -131,7 +155,7 @@ class Unknown:
         return {"type": self.type}
 
 
-Message = Assign | Stop | Shutdown | Unknown
+Message = Assign | Stop | Shutdown | Respawn | Unknown
 
 
 def excerpt(line: bytes, limit: int = 200) -> str:
@@ -165,22 +189,19 @@ def _str_field(obj: dict[str, Any], name: str, line: bytes) -> str:
     return value
 
 
-def _env(value: object, index: int, line: bytes) -> dict[str, str]:
+def _env(value: object, where: str, line: bytes) -> dict[str, str]:
     if not isinstance(value, dict):
-        raise ProtocolError(f"assign workers[{index}].env must be an object: " + excerpt(line))
+        raise ProtocolError(f"{where}.env must be an object: " + excerpt(line))
     env: dict[str, str] = {}
     for key, val in value.items():
         if not key or "=" in key or "\0" in key:
-            raise ProtocolError(
-                f"assign workers[{index}].env has an invalid name {key!r}: " + excerpt(line)
-            )
+            raise ProtocolError(f"{where}.env has an invalid name {key!r}: " + excerpt(line))
         # Integers are accepted for convenience (RANK: 0); everything else must be a string.
         if isinstance(val, int) and not isinstance(val, bool):
             val = str(val)
         if not isinstance(val, str) or "\0" in val:
             raise ProtocolError(
-                f"assign workers[{index}].env[{key!r}] must be a string, got {val!r}: "
-                + excerpt(line)
+                f"{where}.env[{key!r}] must be a string, got {val!r}: " + excerpt(line)
             )
         env[key] = val
     return env
@@ -212,7 +233,9 @@ def _parse_assign(obj: dict[str, Any], line: bytes) -> Assign:
                 f"assign workers[{i}] repeats local_rank {local_rank}: " + excerpt(line)
             )
         seen.add(local_rank)
-        workers.append(WorkerAssignment(local_rank, _env(entry.get("env", {}), i, line)))
+        workers.append(
+            WorkerAssignment(local_rank, _env(entry.get("env", {}), f"assign workers[{i}]", line))
+        )
     return Assign(attempt=attempt, round=round_, workers=tuple(workers))
 
 
@@ -223,7 +246,8 @@ def parse_message(line: bytes) -> Message:
         line: one line without its trailing newline.
 
     Returns:
-        :class:`Assign`, :class:`Stop`, :class:`Shutdown`, or :class:`Unknown` for a
+        :class:`Assign`, :class:`Stop`, :class:`Shutdown`, :class:`Respawn`, or
+        :class:`Unknown` for a
         JSON object whose ``type`` is a string this version does not know (extra fields
         of known types are ignored, for forward compatibility).
 
@@ -251,6 +275,17 @@ def parse_message(line: bytes) -> Message:
     if kind == contract.MSG_STOP:
         return Stop(
             attempt=_int_field(obj, "attempt", line), reason=_str_field(obj, "reason", line)
+        )
+    if kind == contract.MSG_RESPAWN:
+        local_rank = _int_field(obj, "local_rank", line, minimum=0)
+        if local_rank > MAX_LOCAL_RANK:
+            raise ProtocolError(
+                f"respawn local_rank {local_rank} is above {MAX_LOCAL_RANK}: " + excerpt(line)
+            )
+        return Respawn(
+            attempt=_int_field(obj, "attempt", line, minimum=0),
+            local_rank=local_rank,
+            env=_env(obj.get("env", {}), "respawn", line),
         )
     if kind == contract.MSG_SHUTDOWN:
         exitcode = _int_field(obj, "exitcode", line, minimum=0)

@@ -67,6 +67,7 @@ from kelastic.control_messages import (
     LauncherMessage,
     Message,
     ProtocolError,
+    Respawn,
     Shutdown,
     Started,
     Stop,
@@ -403,6 +404,8 @@ class Launcher:
             self._on_assign(msg)
         elif isinstance(msg, Stop):
             self._on_stop(msg)
+        elif isinstance(msg, Respawn):
+            self._on_respawn(msg)
         elif isinstance(msg, Shutdown):
             summary = msg.summary or self._summary(
                 f"kelastic launcher: shutdown by the sidecar with exit code {msg.exitcode}"
@@ -465,6 +468,31 @@ class Launcher:
             )
         )
         self._report_exits()  # workers that failed to start
+
+    def _on_respawn(self, msg: Respawn) -> None:
+        """Start one exited worker of the running attempt again (its peers restart in
+        process); answered by ``started`` with its pid, or ``exited`` if it cannot start."""
+        group = self._group
+        if group is None or group.attempt != msg.attempt or group.stopping or group.stopped:
+            logger.warning("respawn of local_rank %d for attempt %d ignored: not running",
+                           msg.local_rank, msg.attempt)  # fmt: skip
+            return
+        self._report_exits()  # the dead worker's exit goes out first
+        old = group.workers.get(msg.local_rank)
+        if old is None or old.running:
+            logger.warning("respawn of local_rank %d ignored: %s", msg.local_rank,
+                           "no such worker" if old is None else "it still runs")  # fmt: skip
+            return
+        spec = WorkerSpec(
+            old.spec.local_rank, msg.env.get(contract.RANK) or old.spec.label,
+            {**old.spec.env, **msg.env}, old.spec.log_dir,
+        )  # fmt: skip
+        self._starter.prepare(self._signals.fileno(), self._on_wake)
+        worker = group.respawn(spec, self.config.cmd, self._starter.spawner())
+        if worker.pid is not None:
+            self._send(Started(attempt=group.attempt, pids={spec.local_rank: worker.pid},
+                               warm=1 if worker.warm else 0))  # fmt: skip
+        self._report_exits()  # it could not start
 
     def _on_stop(self, msg: Stop) -> None:
         group = self._group
