@@ -1,0 +1,296 @@
+"""What :func:`kelastic_operator.reconcile.reconcile` reads and what it returns.
+
+The inputs are views of the observed world: the job (:class:`JobView`), its Pods
+(:class:`PodView`, read from a Pod object by :func:`pod_view`, with how the trainer ended,
+:class:`Termination`, and what a failed Pod says about its failure, :func:`failure_of`),
+and what the job's etcd keys say (:class:`RendezvousView`). The output is a :class:`Plan`
+(:class:`CreatePod`, :class:`DeletePod`, :class:`Event`, the new status). Pure data and
+pure readers, as :mod:`~kelastic_operator.reconcile` is: nothing here talks to Kubernetes or
+etcd.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from kelastic import contract
+
+from .labels import ANNOTATION_SPEC_HASH, pod_index
+from .model import ElasticJobSpec, ElasticJobStatus, LastFailure
+
+__all__ = [
+    "ACTIVE_PHASES",
+    "JOB_FAILED_PREFIX",
+    "CreatePod",
+    "DeletePod",
+    "Event",
+    "JobView",
+    "Plan",
+    "PodView",
+    "RendezvousView",
+    "Termination",
+    "failure_of",
+    "format_time",
+    "is_job_failure",
+    "parse_time",
+    "pod_view",
+]
+
+#: The sidecar's termination message for a failed *job* (budget spent, rendezvous closed)
+#: starts with this; any other failure is the Pod's own and the Pod is replaced.
+JOB_FAILED_PREFIX = contract.JOB_FAILED_PREFIX
+#: Pod phases in which a Pod still runs or may run.
+ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
+
+_RANK = re.compile(r"\brank (\d+)\b")
+
+
+# ------------------------------------------------------------------------------- time
+
+
+def format_time(t: datetime) -> str:
+    """RFC 3339 in UTC with second precision, as Kubernetes writes times."""
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    """Parse an RFC 3339 time (``Z`` or an offset); None for None or garbage."""
+    if not text:
+        return None
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+# --------------------------------------------------------------------------- observed
+
+
+@dataclass(frozen=True)
+class Termination:
+    """How the trainer container of a Pod ended.
+
+    Attributes:
+        exit_code: the container's exit code.
+        signal: the signal that ended it, if known.
+        reason: Kubernetes' reason (``Error``, ``OOMKilled``, ``Completed``...).
+        message: the termination message (the launcher's root-cause summary).
+        finished_at: when it ended.
+    """
+
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""
+    message: str = ""
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What reconcile needs to know about one of the job's Pods.
+
+    Attributes:
+        name: ``<job>-<index>``; index: its replica index.
+        phase: the Pod phase (Pending, Running, Succeeded, Failed, Unknown).
+        ready: the Ready condition is True.
+        created: creationTimestamp; deleting: it has a deletionTimestamp.
+        trainer: how the trainer container ended, when it did.
+        reason, message: the Pod's own ``status.reason``/``status.message`` (``Evicted``...).
+        spec_hash: the digest of the spec it was built from (None: built by an operator
+            that did not record it).
+        scheduled: the scheduler bound it to a Node (``PodScheduled=True``); a Pending Pod
+            that is scheduled is starting (image pull, ``ContainerCreating``).
+        unschedulable_since: when the scheduler reported it ``Unschedulable``
+            (``PodScheduled=False``), None otherwise.
+    """
+
+    name: str
+    index: int
+    phase: str = "Pending"
+    ready: bool = False
+    created: datetime | None = None
+    deleting: bool = False
+    trainer: Termination | None = None
+    reason: str = ""
+    message: str = ""
+    spec_hash: str | None = None
+    scheduled: bool = False
+    unschedulable_since: datetime | None = None
+
+
+@dataclass(frozen=True)
+class RendezvousView:
+    """What the job's etcd keys say (all optional: etcd may be unreachable).
+
+    Attributes:
+        round: the current rendezvous round; world_size: workers in it.
+        restarts_spent: the global restart counter.
+        failed_reports: node -> summary of sidecars that reported the job failed.
+        succeeded_nodes: nodes whose sidecars reported success.
+    """
+
+    round: int | None = None
+    world_size: int | None = None
+    restarts_spent: int | None = None
+    failed_reports: Mapping[str, str] = field(default_factory=dict)
+    succeeded_nodes: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The ElasticJob as reconcile sees it.
+
+    Attributes:
+        name, namespace, uid: identity; generation: ``metadata.generation``.
+        spec: the validated spec; status: the current status (empty for a new job).
+    """
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: ElasticJobSpec
+    status: ElasticJobStatus
+
+
+# ---------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class CreatePod:
+    """Create Pod ``name`` (replica ``index``) from the job's template."""
+
+    name: str
+    index: int
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    """Delete Pod ``name``; ``reason`` says why (for logs)."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event on the job: ``type`` Normal or Warning, CamelCase ``reason``."""
+
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    """What to do, in this order: remove nodes from rendezvous, delete Pods, create Pods,
+    patch the status (when ``status_changed``), post events; then reconcile again after
+    ``requeue_after`` seconds (None: only on the next change)."""
+
+    status: ElasticJobStatus
+    status_changed: bool = False
+    create: list[CreatePod] = field(default_factory=list)
+    delete: list[DeletePod] = field(default_factory=list)
+    remove_nodes: list[str] = field(default_factory=list)
+    #: Nodes removed on purpose (scale-down): their departure notice is posted first, so
+    #: their peers re-rendezvous without spending the restart budget.
+    depart_nodes: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+
+
+# ------------------------------------------------------------------------ observation
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodView | None:
+    """Read a Pod object (a dict as the API returns it) into a :class:`PodView`.
+
+    Args:
+        job: the job name (the Pod must be named ``<job>-<index>``).
+        pod: the Pod object.
+        trainer: the trainer container's name.
+
+    Returns:
+        The view, or None when the Pod's name is not ``<job>-<index>``.
+    """
+    meta = pod.get("metadata") or {}
+    name = str(meta.get("name", ""))
+    index = pod_index(job, name)
+    if index is None:
+        return None
+    status = pod.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+        if isinstance(c, dict)
+    )
+    scheduled, unschedulable_since = bool((pod.get("spec") or {}).get("nodeName")), None
+    for c in status.get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == "PodScheduled":
+            scheduled = scheduled or c.get("status") == "True"
+            if c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                unschedulable_since = parse_time(c.get("lastTransitionTime")) or parse_time(
+                    meta.get("creationTimestamp")
+                )
+    term: Termination | None = None
+    for cs in status.get("containerStatuses") or []:
+        if not isinstance(cs, dict) or cs.get("name") != trainer:
+            continue
+        state = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get(
+            "terminated"
+        )
+        if isinstance(state, dict):
+            term = Termination(
+                exit_code=_int(state.get("exitCode")),
+                signal=_int(state.get("signal")),
+                reason=str(state.get("reason") or ""),
+                message=str(state.get("message") or "").strip(),
+                finished_at=parse_time(state.get("finishedAt")),
+            )
+    return PodView(
+        name=name,
+        index=index,
+        phase=str(status.get("phase") or "Pending"),
+        ready=ready,
+        created=parse_time(meta.get("creationTimestamp")),
+        deleting=bool(meta.get("deletionTimestamp")),
+        trainer=term,
+        reason=str(status.get("reason") or ""),
+        message=str(status.get("message") or ""),
+        spec_hash=(meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
+        scheduled=scheduled,
+        unschedulable_since=unschedulable_since,
+    )
+
+
+def failure_of(pod: PodView, now: datetime) -> LastFailure:
+    """The :class:`LastFailure` record of a failed Pod (rank parsed from its message)."""
+    term = pod.trainer or Termination()
+    pod_says = ": ".join(x for x in (pod.reason, pod.message) if x)
+    message = term.message or pod_says or term.reason or f"pod {pod.name} failed"
+    rank_match = _RANK.search(term.message)
+    sig = term.signal
+    if sig is None and term.exit_code is not None and 128 < term.exit_code < 160:
+        sig = term.exit_code - 128
+    return LastFailure(
+        pod=pod.name,
+        rank=int(rank_match.group(1)) if rank_match else None,
+        exitCode=term.exit_code,
+        signal=sig,
+        message=message,
+        time=format_time(term.finished_at or pod.created or now),
+    )
+
+
+def is_job_failure(pod: PodView) -> bool:
+    """The Pod's trainer ended because the whole job failed (not a Pod-level failure)."""
+    return bool(pod.trainer and pod.trainer.message.startswith(JOB_FAILED_PREFIX))
