@@ -351,3 +351,94 @@ def test_fuzz_a_workers_error_file_never_stops_its_exit_report(data: Any, timest
         message = {**EXITED, "error": error, "tail": ["a", "b"]}
         exited = parse_launcher_message(encode_message(message).rstrip(b"\n"))
         assert isinstance(exited, Exited) and exited.error == error
+
+
+# ---------------------------------------- the in-process record and barrier keys (issue 12)
+
+IP_RECORD = {"iteration": 3, "round": 2, "restarts": 3, "cause": "exception", "node": "job-1",
+             "rank": 5, "message": "ValueError: boom", "time": 1.7e9}  # fmt: skip
+IP_READY = {"group_rank": 0, "addr": "10.0.0.7", "port": 29517, "round": 2}
+
+
+def _inprocess_record(raw: bytes) -> None:
+    from kelastic_sidecar.inprocess_record import (
+        MAX_COUNTER,
+        IterationRecordError,
+        decode_iteration_record,
+        encode_iteration_record,
+    )
+
+    try:
+        record = decode_iteration_record(raw)
+    except IterationRecordError:
+        return
+    assert 0 <= record.iteration <= MAX_COUNTER and 0 <= record.restarts <= MAX_COUNTER
+    assert math.isfinite(record.time)
+    assert decode_iteration_record(encode_iteration_record(record)) == record
+
+
+def _inprocess_ready(raw: bytes) -> None:
+    from kelastic_sidecar.inprocess_record import IterationRecordError, decode_ready, encode_ready
+
+    try:
+        ready = decode_ready(raw)
+    except IterationRecordError:
+        return
+    assert 0 < ready.port < 65536 and 0 < len(ready.addr) <= 255
+    assert decode_ready(encode_ready(ready)) == ready
+
+
+IP_DECODERS: dict[str, tuple[Callable[[bytes], None], dict[str, Any]]] = {
+    "inprocess_record": (_inprocess_record, IP_RECORD),
+    "inprocess_ready": (_inprocess_ready, IP_READY),
+}
+
+
+@pytest.mark.parametrize("raw", CRAFTED)
+@pytest.mark.parametrize("name", sorted(IP_DECODERS))
+def test_inprocess_decoders_survive_crafted_values(name: str, raw: bytes) -> None:
+    decode, valid = IP_DECODERS[name]
+    decode(raw)
+    for field in valid:
+        for literal in (HUGE, "NaN", "1e999", "-1", "true", "[" * 5000 + "]" * 5000):
+            decode(_with(valid, field, literal))
+
+
+def test_inprocess_valid_documents_decode_and_crafted_counters_do_not() -> None:
+    from kelastic_sidecar.inprocess_record import (
+        IterationRecordError,
+        decode_iteration_record,
+        decode_ready,
+    )
+
+    assert decode_iteration_record(json.dumps(IP_RECORD).encode()).iteration == 3
+    assert decode_ready(json.dumps(IP_READY).encode()).port == 29517
+    for literal in (HUGE, "NaN", "Infinity", "1e999", "-2", "true", "9007199254740993"):
+        with pytest.raises(IterationRecordError):
+            decode_iteration_record(_with(IP_RECORD, "iteration", literal))
+    with pytest.raises(IterationRecordError):
+        decode_ready(_with(IP_READY, "port", "65536"))
+
+
+@pytest.mark.parametrize("name", sorted(IP_DECODERS))
+@FUZZ
+@given(raw=st.binary(max_size=400), value=json_values)
+def test_fuzz_inprocess_decoders(name: str, raw: bytes, value: Any) -> None:
+    decode, _ = IP_DECODERS[name]
+    decode(raw)
+    decode(_dumps(value))
+
+
+@pytest.mark.parametrize("name", sorted(IP_DECODERS))
+@FUZZ
+@given(data=st.data(), value=json_values, depth=st.integers(0, 60))
+def test_fuzz_one_field_of_a_valid_inprocess_document(
+    name: str, data: st.DataObject, value: Any, depth: int
+) -> None:
+    decode, valid = IP_DECODERS[name]
+    doc = dict(valid)
+    field = data.draw(st.sampled_from(sorted(doc)))
+    for _ in range(depth):
+        value = [value]
+    doc[field] = value
+    decode(_dumps(doc))

@@ -1,0 +1,131 @@
+"""The in-process iteration record on a real etcd (fencing by compare-and-set), and the
+termination barrier's verdict over ready keys."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kelastic import contract
+from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_sidecar.inprocess_record import (
+    Advance,
+    AdvanceOutcome,
+    IterationRecord,
+    IterationRecordError,
+    ReadyRecord,
+    advance_iteration,
+    decode_iteration_record,
+    decode_ready,
+    encode_iteration_record,
+    encode_ready,
+)
+from kelastic_sidecar.inprocess_round import RoundContext, barrier_verdict, go_env
+
+
+@pytest.fixture
+def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
+    s = EtcdStore([etcd_endpoint])
+    yield s
+    s.close()
+
+
+def _advance(
+    store: EtcdStore, key: str, faulted: int, budget: int = 10, node: str = "n"
+) -> Advance:
+    out = advance_iteration(
+        store, key, faulted, budget, round_=1, cause="exception", node=node, rank=0,
+        message="boom", now=1.0,
+    )  # fmt: skip
+    return out.kind
+
+
+def test_round_trip_and_defaults() -> None:
+    record = IterationRecord(4, 2, 3, "soft_timeout", "job-1", 7, "no progress in 60s", 1.5)
+    assert decode_iteration_record(encode_iteration_record(record)) == record
+    ready = ReadyRecord(1, "10.0.0.2", 29500, 4)
+    assert decode_ready(encode_ready(ready)) == ready
+    assert decode_ready(b'{"group_rank": 1, "addr": "a", "port": 1}').round == -1  # unstated
+    for bad in (b"[]", b'{"iteration": 1}', b'{"iteration": true, "round": 0}', b"\xff"):
+        with pytest.raises(IterationRecordError):
+            decode_iteration_record(bad)
+
+
+def test_racing_nodes_advance_an_iteration_once(store: EtcdStore, job_prefix: str) -> None:
+    key = contract.Keys(job_prefix).inprocess_iteration
+    outcomes: list[Advance] = []
+    lock = threading.Lock()
+    start = threading.Barrier(8)
+
+    def report(i: int) -> None:
+        start.wait()
+        kind = _advance(store, key, 0, node=f"n{i}")
+        with lock:
+            outcomes.append(kind)
+
+    threads = [threading.Thread(target=report, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(o.value for o in outcomes) == ["advanced"] + ["superseded"] * 7
+    got = store.get(key)
+    assert got is not None
+    record = decode_iteration_record(got[0])
+    assert (record.iteration, record.restarts) == (1, 1)
+    # a stale report of iteration 0 spends nothing; the next iteration's fault does
+    assert _advance(store, key, 0) is Advance.SUPERSEDED
+    assert _advance(store, key, 1) is Advance.ADVANCED
+
+
+def test_budget_and_a_record_behind(store: EtcdStore, job_prefix: str) -> None:
+    key = contract.Keys(job_prefix).inprocess_iteration
+    assert _advance(store, key, 0, budget=1) is Advance.ADVANCED
+    assert _advance(store, key, 1, budget=1) is Advance.EXHAUSTED
+    # a record behind the faulted iteration (rewritten by hand) moves past it, restarts kept
+    store.put(key, encode_iteration_record(IterationRecord(iteration=0, restarts=1)))
+    out: AdvanceOutcome = advance_iteration(
+        store, key, 5, 3, round_=2, cause="exception", node="n", rank=1, message="", now=0.0
+    )
+    assert out.kind is Advance.ADVANCED and out.record is not None
+    assert (out.record.iteration, out.record.restarts, out.record.round) == (6, 2, 2)
+    store.put(key, b"{corrupt")
+    corrupt = advance_iteration(
+        store, key, 6, 3, round_=2, cause="exception", node="n", rank=1, message="", now=0.0
+    )
+    assert corrupt.kind is Advance.CORRUPT and "not JSON" in corrupt.error
+
+
+def _ctx(round_: int = 3, participants: tuple[str, ...] = ("a", "b")) -> RoundContext:
+    return RoundContext(
+        round=round_, group_rank=1, group_world_size=2, nproc=1,
+        envs={0: {contract.RANK: "1", contract.MASTER_PORT: "1"}}, pod_ip="10.0.0.2",
+        participants=participants,
+    )  # fmt: skip
+
+
+def test_the_barrier_counts_only_this_rounds_participants() -> None:
+    prefix = "/p/inprocess/ready/4/"
+    ctx = _ctx()
+
+    def val(group_rank: int, round_: int = 3, port: int = 29500) -> tuple[bytes, int]:
+        return encode_ready(ReadyRecord(group_rank, f"10.0.0.{group_rank + 1}", port, round_)), 1
+
+    assert barrier_verdict({prefix + "a": val(0)}, prefix, ctx).master is None
+    stale = {prefix + "a": val(0), prefix + "b": val(1, round_=2)}  # b's key of round 2
+    assert barrier_verdict(stale, prefix, ctx).ready == {0}
+    wrong = {prefix + "a": val(0), prefix + "c": val(1)}  # c is not b
+    assert barrier_verdict(wrong, prefix, ctx).master is None
+    corrupt = {prefix + "a": val(0), prefix + "b": (b'{"port": 1e999}', 1)}
+    verdict = barrier_verdict(corrupt, prefix, ctx)
+    assert verdict.master is None and len(verdict.corrupt) == 1
+    done = barrier_verdict({prefix + "a": val(0, port=4242), prefix + "b": val(1)}, prefix, ctx)
+    assert done.master == ReadyRecord(0, "10.0.0.1", 4242, 3)
+    env = go_env(ctx, 0, done.master, 4)
+    assert env[contract.MASTER_ADDR] == "10.0.0.1" and env[contract.MASTER_PORT] == "4242"
+    assert env[contract.RANK] == "1" and env[contract.ENV_INPROCESS_ITERATION] == "4"
+    # participants unknown: the group ranks the keys state count
+    anon = barrier_verdict({prefix + "x": val(0), prefix + "y": val(1)}, prefix, _ctx(3, ()))
+    assert anon.master is not None
