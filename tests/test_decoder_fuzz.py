@@ -442,3 +442,90 @@ def test_fuzz_one_field_of_a_valid_inprocess_document(
         value = [value]
     doc[field] = value
     decode(_dumps(doc))
+
+
+# ------------------------------------- the in-process restart protocol's messages
+
+from kelastic import inprocess_messages as ipm  # noqa: E402
+
+IPM_WORKER = {"type": "fault", "iteration": 3, "local_rank": 1, "cause": "exception",
+              "message": "ValueError: boom"}  # fmt: skip
+IPM_COORDINATOR = {"type": "go", "iteration": 4, "env": {"MASTER_PORT": "29500"}}
+
+
+def _ipm_worker(raw: bytes) -> None:
+    try:
+        message = ipm.parse_worker_message(raw)
+    except ipm.ProtocolError:
+        return
+    if not isinstance(message, ipm.Unknown):
+        assert 0 <= message.iteration <= ipm.MAX_COUNTER
+        assert 0 <= message.local_rank <= 4095
+        ipm.encode(message)  # what was accepted can be sent on
+
+
+def _ipm_coordinator(raw: bytes) -> None:
+    try:
+        message = ipm.parse_coordinator_message(raw)
+    except ipm.ProtocolError:
+        return
+    if isinstance(message, ipm.Go):
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in message.env.items())
+    if not isinstance(message, ipm.Unknown):
+        ipm.encode(message)
+
+
+IPM_DECODERS: dict[str, tuple[Callable[[bytes], None], dict[str, Any]]] = {
+    "inprocess_worker": (_ipm_worker, IPM_WORKER),
+    "inprocess_coordinator": (_ipm_coordinator, IPM_COORDINATOR),
+}
+
+
+def test_inprocess_messages_valid_documents_decode() -> None:
+    assert ipm.parse_worker_message(ipm.encode(ipm.Fault(3, 1, "exception", "x"))[:-1]) == (
+        ipm.Fault(3, 1, "exception", "x")
+    )
+    assert ipm.parse_coordinator_message(json.dumps(IPM_COORDINATOR).encode()) == ipm.Go(
+        4, {"MASTER_PORT": "29500"}
+    )
+
+
+@pytest.mark.parametrize("raw", CRAFTED)
+@pytest.mark.parametrize("name", sorted(IPM_DECODERS))
+def test_inprocess_messages_survive_crafted_values(name: str, raw: bytes) -> None:
+    decode, valid = IPM_DECODERS[name]
+    decode(raw)
+    for field in valid:
+        for literal in (HUGE, "NaN", "1e999", "true", "[" * 5000 + "]" * 5000):
+            decode(_with(valid, field, literal))
+
+
+@pytest.mark.parametrize("name", sorted(IPM_DECODERS))
+@FUZZ
+@given(raw=st.binary(max_size=400))
+def test_fuzz_inprocess_messages_bytes(name: str, raw: bytes) -> None:
+    IPM_DECODERS[name][0](raw)
+
+
+@pytest.mark.parametrize("name", sorted(IPM_DECODERS))
+@FUZZ
+@given(value=json_values)
+def test_fuzz_inprocess_messages_json_values(name: str, value: Any) -> None:
+    IPM_DECODERS[name][0](_dumps(value))
+
+
+@pytest.mark.parametrize("name", sorted(IPM_DECODERS))
+@FUZZ
+@given(data=st.data(), value=json_values, depth=st.integers(0, 60),
+       kind=st.sampled_from(["hello", "fault", "progress", "ready", "done", "abort", "go",
+                             "give_up", "other"]))  # fmt: skip
+def test_fuzz_inprocess_messages_one_field(
+    name: str, data: st.DataObject, value: Any, depth: int, kind: str
+) -> None:
+    decode, valid = IPM_DECODERS[name]
+    doc = {**valid, "type": kind, "pid": 42, "rank": 0, "reason": "r"}
+    field = data.draw(st.sampled_from(sorted(doc)))
+    for _ in range(depth):
+        value = [value]
+    doc[field] = value
+    decode(_dumps(doc))

@@ -21,6 +21,7 @@ from kelastic.inprocess import CallWrapper, GiveUpError, InjectedFault, RestartA
 from kelastic.inprocess import abort as ip_abort
 from kelastic.inprocess.session import summary
 from kelastic.inprocess_messages import (
+    CAUSE_ABORT_FAILED,
     CAUSE_EXCEPTION,
     CAUSE_HEALTH_CHECK,
     CAUSE_SOFT_TIMEOUT,
@@ -177,6 +178,15 @@ def test_failed_health_check_reports_and_exits(run_dir: Path) -> None:
         assert j.wait_exit() == [1]
         assert "RuntimeError: unhealthy device" in j.stderr(0)
         assert not j.log.find(msg(Ready))
+
+
+def test_failed_finalize_is_an_abort_failure(run_dir: Path) -> None:
+    env = {"KL_FAULT": "0:1", "KL_DO": "raise", "KL_BAD_FINALIZE": "1"}
+    with job(run_dir, 1, env=env) as j:
+        fault = j.log.wait(msg(Fault, cause=CAUSE_ABORT_FAILED), what="abort_failed")["msg"]
+        assert fault.message == "OSError: cannot release the device"
+        assert j.wait_exit() == [1]
+        assert not j.log.find(ev("health")) and not j.log.find(msg(Ready))
 
 
 def test_give_up_reraises_the_fault(run_dir: Path) -> None:

@@ -68,6 +68,8 @@ WORKER = textwrap.dedent(
 
     def finalize(cw):
         emit("finalize", iteration=cw.iteration)
+        if opt("BAD_FINALIZE") == "1":
+            raise OSError("cannot release the device")
 
     SOFT = float(opt("SOFT", "0")) or None
     FAULT_AT = [int(x) for x in opt("FAULT", "-1:-1").split(":")]  # iteration:step
@@ -190,6 +192,7 @@ class Coordinator:
         self.log = log
         self.auto = auto
         self.give_up_on_fault = False
+        self.failed = ""
         self.iteration = 0
         self.conns: dict[int, socket.socket] = {}  # by rank
         self._lock = threading.RLock()
@@ -233,9 +236,15 @@ class Coordinator:
 
     def _policy(self, rank: int, message: WorkerMessage) -> None:
         with self._lock:
-            if isinstance(message, Fault) and message.iteration == self.iteration:
+            if isinstance(message, Hello):  # a late rank learns what it missed
+                if self.failed:
+                    self.send(rank, GiveUp(reason=self.failed))
+                elif message.iteration < self.iteration:
+                    self.send(rank, Abort(iteration=self.iteration, reason="late"))
+            elif isinstance(message, Fault) and message.iteration == self.iteration:
                 if self.give_up_on_fault:
-                    self.broadcast(GiveUp(reason=f"rank {rank}: {message.cause}"))
+                    self.failed = f"rank {rank}: {message.cause}"
+                    self.broadcast(GiveUp(reason=self.failed))
                     return
                 self.iteration += 1
                 self.broadcast(Abort(iteration=self.iteration, reason=f"rank {rank} faulted"))

@@ -180,8 +180,10 @@ class Session(Generic[R]):
                 raise error  # SystemExit, KeyboardInterrupt: the process is ending
             own = not aborted
             if own:
-                self._guard.tear_down()  # release the peers blocked on this rank now
+                # Report first: the peers this teardown releases fail too, and their
+                # faults should not overtake the cause.
                 self._fault(iteration, CAUSE_EXCEPTION, error or RuntimeError("no error"))
+                self._guard.tear_down()  # release the peers blocked on this rank now
             self.call_wrapper.fault = error
             try:
                 target = self._await_abort(iteration)

@@ -1,0 +1,84 @@
+"""In-process restart of real torch gloo ranks (CPU) in an ``all_reduce`` loop, against the
+test coordinator (``test_inprocess_harness``): a fault in one rank aborts all of them,
+ranks blocked in a collective are released, and every rank re-enters the function with
+the next iteration's ``MASTER_PORT`` and finishes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kelastic.inprocess_messages import Abort, Done, Fault, Ready
+from tests.worker_lib.test_inprocess_harness import ev, job, msg
+
+pytest.importorskip("torch")
+
+#: Seconds a rank blocked in a collective may take to leave it after the abort (measured
+#: in milliseconds; the bound leaves room for a loaded machine).
+RELEASE_BOUND = 10.0
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kl-ipg-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_raise_in_one_rank_restarts_every_rank(run_dir: Path) -> None:
+    world = 3
+    env = {"KL_GLOO": "1", "KL_STEPS": "8", "KL_FAULT_1": "0:3", "KL_DO_1": "raise"}
+    with job(run_dir, world, env=env) as j:
+        raised = j.log.wait(ev("raising", rank=1), what="rank 1 raising")
+        first = j.log.wait(msg(Fault, iteration=0), what="a fault")["msg"]
+        assert first.local_rank == 1 and first.message == "ValueError: boom in rank 1"
+        for rank in range(world):
+            j.log.wait(ev("aborted", rank=rank, iteration=0), what=f"rank {rank} aborted")
+        entered = [
+            j.log.wait(ev("enter", rank=rank, iteration=1), what=f"rank {rank} in iteration 1")
+            for rank in range(world)
+        ]
+        for rank in range(world):
+            j.log.wait(msg(Done, iteration=1, local_rank=rank), what=f"done from rank {rank}")
+            result = j.log.wait(ev("result", rank=rank))
+            assert result["value"] == {"iteration": 1, "rank": rank}
+            assert result["threads"] == ["MainThread"]
+        assert j.wait_exit() == [0] * world
+        steps = {e["rank"] for e in j.log.find(ev("step", iteration=1, step=7))}
+        assert steps == set(range(world))  # all steps of iteration 1 done, together
+        restart = max(e["t"] for e in entered) - raised["t"]
+        print(f"\nraise -> all {world} ranks in iteration 1: {restart * 1000:.0f} ms")
+
+
+def test_abort_releases_ranks_blocked_in_all_reduce(run_dir: Path) -> None:
+    world = 3
+    env = {"KL_GLOO": "1", "KL_STEPS": "6", "KL_FAULT_1": "0:2", "KL_DO_1": "blocked"}
+    with job(run_dir, world, env=env, auto=False) as j:
+        assert j.coord is not None
+        j.log.wait(ev("blocking", rank=1), what="rank 1 stops stepping")
+        for rank in (0, 2):  # they finished step 2; the next all_reduce waits for rank 1
+            j.log.wait(ev("step", rank=rank, iteration=0, step=2), what=f"rank {rank} step 2")
+        j.coord.broadcast(Abort(iteration=1, reason="test"))
+        sent_at = j.log.wait(lambda e: isinstance(e.get("sent"), Abort))["t"]
+        released = {}
+        for rank in range(world):
+            aborted = j.log.wait(ev("aborted", rank=rank, iteration=0), what=f"rank {rank} out")
+            released[rank] = aborted["t"] - sent_at
+            assert released[rank] < RELEASE_BOUND, released
+        assert not j.log.find(msg(Fault))  # aborted, none faulted
+        for rank in range(world):
+            j.log.wait(msg(Ready, iteration=1, local_rank=rank), what=f"ready from {rank}")
+        j.coord.go(1)
+        for rank in range(world):
+            j.log.wait(msg(Done, iteration=1, local_rank=rank), what=f"done from rank {rank}")
+        assert j.wait_exit() == [0] * world
+        hows = {rank: j.log.wait(ev("aborted", rank=rank))["how"] for rank in range(world)}
+        took = {r: f"{s * 1000:.0f} ms ({hows[r]})" for r, s in released.items()}
+        print(f"\nabort -> out of the function, per rank: {took}")
