@@ -36,15 +36,16 @@ Differences from torch, each for a reason (docs/architecture.md, "Rendezvous"):
   the winner wrote), so no read follows a write; a joining node writes a *join
   request* (``rdzv/joining/<node>``, bound to its lease) together with its alive key,
   and whoever writes the state for its own join applies the pending requests of the
-  others too (:func:`~kelastic_sidecar.rendezvous_state.admit_requests`), in the same
+  others too (:func:`~kelastic_sidecar.rendezvous_steps.admit_requests`), in the same
   transaction, which deletes them and fails if one was withdrawn meanwhile. A node
   withdraws its request before it acts on its own join timeout. The requests only
   save writes: each node still writes its own join if nobody admitted it first.
 
 The state machine is pure: :class:`~kelastic_sidecar.rendezvous_state.RendezvousState`
-plus the transition and step functions of :mod:`kelastic_sidecar.rendezvous_state`,
-unit-testable without etcd. Three classes run it against etcd, as torch's
-``DynamicRendezvousHandler`` splits its state holder, operation executor and handler:
+and its transitions (:mod:`kelastic_sidecar.rendezvous_state`) plus the step functions
+of :mod:`kelastic_sidecar.rendezvous_steps`, unit-testable without etcd. Three classes
+run it against etcd, as torch's ``DynamicRendezvousHandler`` splits its state holder,
+operation executor and handler:
 :class:`~kelastic_sidecar.rendezvous_holder.RendezvousStateHolder` (read, write and
 sync the state by compare-and-set, the join requests, the node's lease, alive key and
 watch), :class:`~kelastic_sidecar.rendezvous_executor.RendezvousExecutor` (runs an
@@ -88,6 +89,8 @@ from .rendezvous_state import (
     RendezvousStateError,
     RendezvousTimeoutError,
     RoundCheck,
+)
+from .rendezvous_steps import (
     close_step,
     evaluate_round,
     exit_step,

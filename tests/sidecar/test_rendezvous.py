@@ -25,17 +25,19 @@ from kelastic_sidecar.rendezvous import (
     RendezvousTimeoutError,
 )
 from kelastic_sidecar.rendezvous_state import (
-    Action,
-    Clock,
     RendezvousState,
     decode_state,
     encode_state,
+    remove_participant,
+    sanitize,
+)
+from kelastic_sidecar.rendezvous_steps import (
+    Action,
+    Clock,
     evaluate_round,
     exit_step,
     join_step,
     leave_step,
-    remove_participant,
-    sanitize,
 )
 from tests.conftest import wait_for
 from tests.etcd_client.test_etcd_store import OutageProxy
