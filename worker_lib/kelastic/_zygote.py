@@ -43,6 +43,11 @@ from the launcher's environment, not the assignment's (kelastic's assignment onl
 carries torch elastic's rendezvous variables, which torch reads later); the
 interpreter options other than ``-u`` and ``-B`` cannot change (the launcher starts
 such commands cold). Stdlib only; Linux.
+
+Over ~400 lines because it is one cohesive thing: the program of one process (started as
+``python -m kelastic._zygote``, importing nothing of the launcher): its protocol with the
+launcher, the preload, the double fork and the child's turning into the worker, which
+must agree step by step; this docstring, their design, is a fifth of it.
 """
 
 from __future__ import annotations

@@ -224,6 +224,23 @@ def _describe_exit(worker: Worker) -> str:
     return f"exited with code {worker.exitcode}"
 
 
+def _describe_failure(attempt: int, worker: Worker, error: ErrorInfo | None) -> str:
+    """A failed worker for the termination log: who, how it ended, its error, its last
+    stderr lines."""
+    spec = worker.spec
+    lines = [
+        f"rank {spec.label} (local_rank {spec.local_rank}, pid {worker.pid}, "
+        f"attempt {attempt}) {_describe_exit(worker)}"
+    ]
+    if error is not None:
+        lines.append(error["message"])
+    tail = list(worker.tail)[-10:]
+    if tail:
+        lines.append("last stderr lines:")
+        lines.extend(tail)
+    return "\n".join(lines)
+
+
 def _cap_error(error: ErrorInfo | None) -> ErrorInfo | None:
     if error is None:
         return None
@@ -540,7 +557,7 @@ class Launcher:
             )
             if failed and self._root_cause_attempt != group.attempt:
                 self._root_cause_attempt = group.attempt
-                self._root_cause = self._describe_failure(group.attempt, worker, error)
+                self._root_cause = _describe_failure(group.attempt, worker, error)
             message = Exited(
                 attempt=group.attempt,
                 local_rank=spec.local_rank,
@@ -552,21 +569,6 @@ class Launcher:
             )
             worker.reported = True
             self._send(message)
-
-    @staticmethod
-    def _describe_failure(attempt: int, worker: Worker, error: ErrorInfo | None) -> str:
-        spec = worker.spec
-        lines = [
-            f"rank {spec.label} (local_rank {spec.local_rank}, pid {worker.pid}, "
-            f"attempt {attempt}) {_describe_exit(worker)}"
-        ]
-        if error is not None:
-            lines.append(error["message"])
-        tail = list(worker.tail)[-10:]
-        if tail:
-            lines.append("last stderr lines:")
-            lines.extend(tail)
-        return "\n".join(lines)
 
     def _summary(self, headline: str) -> str:
         if self._root_cause is None:
