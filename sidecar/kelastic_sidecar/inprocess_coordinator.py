@@ -285,7 +285,7 @@ class InProcessCoordinator:
                     since = 0
                 if since and not watcher.wait(since, 1.0):
                     continue
-                since = self._read_view()
+                since = self._read_view(watcher, since)
             except EtcdError as exc:
                 log.warning("in-process watch: %s; retrying", exc)
                 if watcher is not None:
@@ -295,14 +295,20 @@ class InProcessCoordinator:
         if watcher is not None:
             watcher.close()
 
-    def _read_view(self) -> int:
+    def _read_view(self, watcher: Watcher, since: int) -> int:
         """Read the record and a barrier prefix, queue them; return the read's revision.
+        When the only change since ``since`` was a write of the record (an abort), the
+        watch event's value is used: no read.
 
         Raises:
             EtcdError: etcd did not answer.
         """
         guess = self.machine.iteration
         key = self._keys.inprocess_iteration
+        put = watcher.value_if_only_change(key, since) if since else None
+        if put is not None:
+            self._events.put(lambda: self.machine.view(put, -1, {}))
+            return put[1]
         snap = self._store.read([key, self._keys.inprocess_ready_prefix(guess)])
         raw = snap.values.get(key)
         target = guess

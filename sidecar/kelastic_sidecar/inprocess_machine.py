@@ -53,6 +53,7 @@ from .inprocess_record import (
     ReadyRecord,
     advance_iteration,
     decode_iteration_record,
+    encode_iteration_record,
     encode_ready,
 )
 from .inprocess_round import RoundContext, barrier_verdict, cause_label, go_env
@@ -127,6 +128,7 @@ class RestartMachine:
         self._kill_at: dict[int, float] = {}  # local rank -> when it is SIGKILLed
         self._barrier_until: float | None = None
         self._published: list[str] = []  # our ready keys, oldest first
+        self._known: tuple[bytes | None, int] | None = None  # the record as last read
         self._corrupt_revision = -1  # the corrupt record's revision already counted
         self._last: dict[str, Any] | None = None
         #: Stale faults ignored (of an iteration already left).
@@ -253,6 +255,13 @@ class RestartMachine:
         if ctx is None or self._phase == FAILED:
             session.send(GiveUp(reason="no in-process restart now (no round, or it failed)"))
             return
+        if iteration == self._iteration and self._phase in (ABORTING, BARRIER):
+            # its abort, finalize or health check failed: it exits (the process path)
+            log.error("local rank %d could not leave for iteration %d (%s: %s); its exit "
+                      "restarts the worker processes", msg.local_rank, iteration, msg.cause,
+                      msg.message)  # fmt: skip
+            session.send(GiveUp(reason=f"{msg.cause}: no in-process restart for this rank"))
+            return
         if iteration < self._iteration or self._phase != RUNNING:
             self.stale_faults += 1
             log.info("stale fault of iteration %d from local rank %d ignored (now %d)",
@@ -270,6 +279,7 @@ class RestartMachine:
                 self._store, self._keys.inprocess_iteration, iteration,
                 self.settings.max_restarts, round_=ctx.round, cause=msg.cause,
                 node=self.node, rank=session.hello.rank, message=msg.message, now=time.time(),
+                known=self._known,
             )  # fmt: skip
         except (EtcdError, RuntimeError) as exc:
             session.send(GiveUp(reason=f"cannot record the in-process restart: {exc}"))
@@ -282,6 +292,7 @@ class RestartMachine:
             budget = self.settings.max_restarts
             session.send(GiveUp(reason=f"in-process restart budget of {budget} spent"))
         elif out.record is not None:
+            self._known = (encode_iteration_record(out.record), out.revision)
             self._apply(out.record)
 
     def _readied(self, session: Session, iteration: int, msg: Ready) -> None:
@@ -323,6 +334,8 @@ class RestartMachine:
     ) -> None:
         """A read of the record (``raw``: value and revision, None when missing) and of
         ``iteration``'s barrier keys."""
+        if raw is None or self._known is None or raw[1] >= self._known[1]:
+            self._known = raw if raw is not None else (None, 0)
         if raw is not None:
             try:
                 record = decode_iteration_record(raw[0], self._keys.inprocess_iteration)

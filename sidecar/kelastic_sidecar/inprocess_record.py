@@ -296,9 +296,13 @@ def advance_iteration(
     rank: int,
     message: str,
     now: float,
+    known: tuple[bytes | None, int] | None = None,
 ) -> AdvanceOutcome:
     """Move the record from iteration ``faulted`` to ``faulted + 1`` (one restart spent),
     by compare-and-set on its ``mod_revision`` (the fencing of every in-process restart).
+
+    One etcd request when ``known`` is the stored record (the compare-and-set returns
+    the current value when it fails, so a lost race needs no read either).
 
     A record *behind* ``faulted`` (deleted, or rewritten by hand) is moved to
     ``faulted + 1`` as well, keeping its ``restarts``: iterations never go back.
@@ -309,6 +313,8 @@ def advance_iteration(
         faulted: the iteration the fault happened in.
         max_restarts: in-process restarts the job may spend (>= 0).
         round_, cause, node, rank, message, now: the fault (see :func:`next_record`).
+        known: the record as last read (``(value, mod_revision)``; ``(None, 0)``: it did
+            not exist); None: read it first.
 
     Returns:
         the outcome; :attr:`Advance.SUPERSEDED` is the fenced-out loser of a race.
@@ -317,8 +323,13 @@ def advance_iteration(
         kelastic_etcd.EtcdError: etcd did not answer (or refused).
         RuntimeError: the record kept changing for 100 tries.
     """
-    for _ in range(_MAX_CAS):
+    got: tuple[bytes, int] | None
+    if known is None:
         got = store.get(key)
+    else:
+        value, known_revision = known
+        got = None if value is None else (value, known_revision)
+    for _ in range(_MAX_CAS):
         try:
             record = IterationRecord() if got is None else decode_iteration_record(got[0], key)
         except IterationRecordError as exc:
@@ -332,9 +343,10 @@ def advance_iteration(
         new = next_record(
             base, round_=round_, cause=cause, node=node, rank=rank, message=message, now=now
         )
-        ok, _, new_revision = store.cas(
+        ok, current, new_revision = store.cas(
             key, encode_iteration_record(new), revision if got else None
         )
         if ok:
             return AdvanceOutcome(Advance.ADVANCED, new, new_revision)
+        got = None if current is None else (current, new_revision)
     raise RuntimeError(f"could not update {key} after {_MAX_CAS} tries")

@@ -125,7 +125,10 @@ class Node:
         participants: tuple[str, ...],
         nproc: int = 2,
         connect: bool = True,
+        master: bool = True,
     ) -> int:
+        """Begin round ``round_`` as ``group_rank`` (the ranks' env names a placeholder
+        master unless not ``master``); connect the ranks as clients when ``connect``."""
         world = len(participants) * nproc
         envs = {
             lr: {
@@ -138,6 +141,9 @@ class Node:
             }
             for lr in range(nproc)
         }
+        for env in envs.values():
+            if not master:
+                del env[contract.MASTER_ADDR], env[contract.MASTER_PORT]
         self.ctx = RoundContext(
             round=round_,
             group_rank=group_rank,

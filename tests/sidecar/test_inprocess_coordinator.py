@@ -8,11 +8,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
 from kelastic import contract
-from kelastic.inprocess_messages import Abort, GiveUp, Go, Progress
+from kelastic.inprocess_messages import Abort, Fault, GiveUp, Go, Progress
 from kelastic_sidecar.etcd_store import EtcdStore
 from kelastic_sidecar.inprocess_record import (
     IterationRecord,
@@ -334,3 +335,41 @@ def test_progress_before_any_restart_is_not_a_restart(two: tuple[Node, Node]) ->
     a.ranks[0].send(Progress(0, 0))
     a.flush()
     assert sample(a.metrics, "kelastic_inprocess_restart_seconds_count") == 0
+
+
+def test_a_rank_failing_to_leave_gets_give_up_and_the_others_wait(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    with make_node("solo", store, job_prefix) as n:
+        n.begin(1, 0, ("solo",))
+        n.ranks[0].fault(0)
+        for r in n.ranks:
+            assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+        # rank 1's health check fails after the abort: it reports a fault of iteration 1
+        n.ranks[1].send(Fault(1, 1, "health_check", "RuntimeError: unhealthy device"))
+        give_up = n.ranks[1].expect(GiveUp)
+        assert "health_check" in give_up.reason  # type: ignore[attr-defined]
+        n.flush()
+        assert n.coordinator.machine.stale_faults == 0
+        assert _record(store, job_prefix).iteration == 1  # no second restart for it
+        status = n.coordinator.status()
+        assert status is not None and status["phase"] == "aborting"
+
+
+def test_ready_keys_are_bound_to_the_nodes_lease(store: EtcdStore, job_prefix: str) -> None:
+    lease = store.grant_lease(30)
+    keys = contract.Keys(job_prefix)
+    try:
+        with make_node("solo", store, job_prefix) as n:
+            n.begin(1, 0, ("solo",), connect=False)
+            assert n.ctx is not None
+            n.ctx = replace(n.ctx, lease_id=lambda: lease.id)
+            n.coordinator.begin(n.ctx)
+            n.ranks = [n.connect(0), n.connect(1)]
+            n.ranks[0].fault(0)
+            _restart((n,), 1)
+            assert store.get(keys.inprocess_ready(1, "solo")) is not None
+            lease.revoke()  # the node is gone: so is its ready key
+            assert store.get(keys.inprocess_ready(1, "solo")) is None
+    finally:
+        lease.revoke()
