@@ -372,9 +372,11 @@ class RestartMachine:
         self._abort_at = self._abort_at if self._abort_at is not None else now
         if self._barrier_until is None:
             self._barrier_until = now + self.settings.barrier_timeout
-        log.warning("in-process restart %d/%d: aborting into iteration %d (%s)",
-                    record.restarts, self.settings.max_restarts, record.iteration,
-                    self._reason())  # fmt: skip
+        log.warning(
+            "in-process restart %d/%d (iteration %d): rank %d %s: %s (node %s); aborting "
+            "every local rank", record.restarts, self.settings.max_restarts,
+            record.iteration, record.rank, record.cause, record.message, record.node,
+        )  # fmt: skip
         for local_rank, session in list(self._sessions.items()):
             self._abort_one(session, local_rank)
 
