@@ -24,6 +24,10 @@ selectors, tolerations, volumes, env, init containers — are kept):
   Pod status; ``restartPolicy: Never``; ``automountServiceAccountToken: false``;
 - labels (job name, replica index, job uid), the spec's digest
   (:func:`pod_spec_hash`) as an annotation, and a controller owner reference to the job.
+
+Over ~400 lines because it is one Pod's rendering from one spec: every part above (the
+sidecar, its env and security context, the launcher command, volumes, the trainer's env,
+the spec digest) must agree with the others, and it is tested as one function's output.
 """
 
 from __future__ import annotations
