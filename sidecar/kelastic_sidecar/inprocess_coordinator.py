@@ -248,6 +248,7 @@ class InProcessCoordinator:
         def run() -> None:
             try:
                 box.append(fn())
+                self._status = self.machine.status_doc()  # what the caller sees next
             finally:
                 done.set()
 

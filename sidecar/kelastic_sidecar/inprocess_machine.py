@@ -369,7 +369,9 @@ class RestartMachine:
         self._phase = ABORTING
         self._ready.clear()
         self._progress.clear()
-        self._abort_at = self._abort_at if self._abort_at is not None else now
+        if self._abort_at is None:  # the first abort of this restart
+            self._abort_at = now
+            self._metrics.goodput.set_running(False)  # productive again at the go
         if self._barrier_until is None:
             self._barrier_until = now + self.settings.barrier_timeout
         log.warning(
@@ -425,6 +427,10 @@ class RestartMachine:
         master = verdict.master
         if master is None:
             return
+        if self._abort_at is not None:  # the time no rank ran the function: downtime
+            cause = cause_label((self._last or {}).get("cause", ""))
+            self._metrics.downtime.labels(cause=cause).inc(self._clock() - self._abort_at)
+            self._metrics.goodput.set_running(True)
         for local_rank, session in self._sessions.items():
             session.send(Go(self._iteration, go_env(ctx, local_rank, master, self._iteration)))
             self._offset[session.id] = 0

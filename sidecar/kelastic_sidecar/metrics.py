@@ -238,7 +238,8 @@ class SidecarMetrics:
         )
         self.downtime = Counter(
             "kelastic_downtime_seconds_total",
-            "Seconds without running workers after a start, by cause",
+            "Seconds without running workers after a start (an in-process restart's: from "
+            "its abort to its go), by cause",
             ["cause"],
             registry=r,
         )

@@ -77,6 +77,9 @@ def test_a_fault_on_one_node_restarts_both_with_one_env(
     assert [g.env[contract.RANK] for g in gos] == ["0", "1", "2", "3"]  # ranks unchanged
     assert {g.env[contract.ENV_INPROCESS_ITERATION] for g in gos} == {"1"}
     assert gos[3].env[contract.KELASTIC_TIMER_TOKEN] == "token-node-b-1"  # the round's env
+    for node in two:  # abort -> go is downtime; productive again from the go
+        assert sample(node.metrics, "kelastic_downtime_seconds_total", cause="worker_failure") > 0
+        assert node.metrics.goodput.running
     record = _record(store, job_prefix)
     assert (record.iteration, record.restarts, record.node, record.rank) == (1, 1, "node-b", 3)
     assert record.cause == "exception" and record.message == "RuntimeError: NCCL timeout"
@@ -89,6 +92,7 @@ def test_a_fault_on_one_node_restarts_both_with_one_env(
             lambda n=node: sample(n.metrics, "kelastic_inprocess_restart_seconds_count") == 1,
             10, what="the restart's duration observed",
         )  # fmt: skip
+        node.flush()
         status = node.coordinator.status()
         assert status is not None
         assert (status["iteration"], status["restarts"], status["phase"]) == (1, 1, "running")

@@ -98,6 +98,7 @@ def test_a_raise_on_one_node_restarts_both_nodes_in_process(
                     lambda n=node: sample(n.metrics, "kelastic_inprocess_restart_seconds_count"),
                     30, what="every local rank progressed in iteration 1",
                 )  # fmt: skip
+                node.flush()
                 restarts = {"level": "inprocess", "cause": "worker_failure"}
                 assert sample(node.metrics, "kelastic_restarts_total", **restarts) == 1
                 status = node.coordinator.status()
