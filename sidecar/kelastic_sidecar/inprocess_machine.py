@@ -82,6 +82,20 @@ def pick_port(ip: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def abort_reason(last: Mapping[str, Any] | None) -> str:
+    """The ``reason`` of an ``abort``: the fault that caused it (``last`` of the status)."""
+    last = last or {}
+    return (f"node {last.get('node')} rank {last.get('rank')}: {last.get('cause')}: "
+            f"{last.get('message')}")  # fmt: skip
+
+
+def victim_pid(session: Session) -> int | None:
+    """The pid to kill for ``session``'s rank: the kernel's peer pid, else the one its
+    ``hello`` claims; never 0, 1 or the sidecar's own."""
+    candidates = (session.peer_pid, session.hello.pid if session.hello else None)
+    return next((p for p in candidates if p is not None and p > 1 and p != os.getpid()), None)
+
+
 class RestartMachine:
     """One node's in-process restart state (see the module doc).
 
@@ -382,14 +396,9 @@ class RestartMachine:
         for local_rank, session in list(self._sessions.items()):
             self._abort_one(session, local_rank)
 
-    def _reason(self) -> str:
-        last = self._last or {}
-        return (f"node {last.get('node')} rank {last.get('rank')}: {last.get('cause')}: "
-                f"{last.get('message')}")  # fmt: skip
-
     def _abort_one(self, session: Session, local_rank: int) -> None:
         self._offset[session.id] = 0  # the rank takes the abort's iteration as it is
-        if session.send(Abort(iteration=self._iteration, reason=self._reason())):
+        if session.send(Abort(iteration=self._iteration, reason=abort_reason(self._last))):
             self._kill_at.setdefault(local_rank, self._clock() + self.settings.hard_timeout)
 
     def _publish_ready(self) -> None:
@@ -461,8 +470,7 @@ class RestartMachine:
         session = self._sessions.get(local_rank)
         if session is None or session.hello is None:
             return
-        candidates = (session.peer_pid, session.hello.pid)
-        pid = next((p for p in candidates if p is not None and p > 1 and p != os.getpid()), None)
+        pid = victim_pid(session)
         if pid is None:
             log.error("local rank %d missed the hard timeout, but has no pid to kill", local_rank)
             return
