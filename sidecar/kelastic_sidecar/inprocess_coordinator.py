@@ -287,8 +287,11 @@ class InProcessCoordinator:
                 if since and not watcher.wait(since, 1.0):
                     continue
                 since = self._read_view(watcher, since)
-            except EtcdError as exc:
-                log.warning("in-process watch: %s; retrying", exc)
+            except Exception as exc:  # EtcdError, or a bug: the watch must go on
+                if isinstance(exc, EtcdError):
+                    log.warning("in-process watch: %s; retrying", exc)
+                else:
+                    log.exception("in-process watch: unexpected error; retrying")
                 if watcher is not None:
                     watcher.close()
                 watcher = None
@@ -325,6 +328,8 @@ class InProcessCoordinator:
         return snap.revision
 
     def _read_or_repair(self) -> IterationRecord | None:
+        """The record now (a missing one is iteration 0); a corrupt one is counted and
+        replaced by compare-and-set; None when etcd does not answer (logged)."""
         key = self._keys.inprocess_iteration
         try:
             got = self._store.get(key)

@@ -377,3 +377,19 @@ def test_ready_keys_are_bound_to_the_nodes_lease(store: EtcdStore, job_prefix: s
             assert store.get(keys.inprocess_ready(1, "solo")) is None
     finally:
         lease.revoke()
+
+
+def test_etcd_unreachable_falls_back_to_the_process_path(job_prefix: str) -> None:
+    from kelastic_operator.local.etcd import free_port
+
+    dead = EtcdStore([f"127.0.0.1:{free_port()}"], timeout=0.5)  # nothing listens there
+    try:
+        with make_node("solo", dead, job_prefix) as n:
+            assert n.begin(1, 0, ("solo",)) == 0  # the record cannot be read: iteration 0
+            n.ranks[0].fault(0)
+            give_up = n.ranks[0].expect(GiveUp)
+            assert "cannot record the in-process restart" in give_up.reason  # type: ignore[attr-defined]
+            n.coordinator.end_round("failed")
+            assert isinstance(n.ranks[1].expect(GiveUp), GiveUp)  # nothing before the end
+    finally:
+        dead.close()
