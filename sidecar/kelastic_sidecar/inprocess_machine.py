@@ -90,10 +90,13 @@ def abort_reason(last: Mapping[str, Any] | None) -> str:
 
 
 def victim_pid(session: Session) -> int | None:
-    """The pid to kill for ``session``'s rank: the kernel's peer pid, else the one its
-    ``hello`` claims; never 0, 1 or the sidecar's own."""
-    candidates = (session.peer_pid, session.hello.pid if session.hello else None)
-    return next((p for p in candidates if p is not None and p > 1 and p != os.getpid()), None)
+    """The pid to kill for ``session``'s rank: the kernel's peer pid (none when the peer
+    is outside our pid namespace: its ``hello`` pid would name another process here);
+    the one its ``hello`` claims only where the kernel cannot tell. Never 0, 1 or the
+    sidecar's own."""
+    claimed = session.hello.pid if session.hello else None
+    pid = session.peer_pid if session.peer_known else claimed
+    return pid if pid is not None and pid > 1 and pid != os.getpid() else None
 
 
 class RestartMachine:

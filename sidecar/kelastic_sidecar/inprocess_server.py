@@ -79,7 +79,10 @@ class Session:
 
     Attributes:
         id: a number unique in this server's life.
-        peer_pid: the connecting process's pid per the kernel (``SO_PEERCRED``), or None.
+        peer_pid: the connecting process's pid per the kernel (``SO_PEERCRED``), or None
+            (unknown, or 0: the peer is outside this pid namespace).
+        peer_known: whether the kernel answered ``SO_PEERCRED`` (then :attr:`peer_pid`
+            is the only pid that may be killed for this session).
         hello: the worker's ``hello`` (None until it arrives).
     """
 
@@ -91,7 +94,7 @@ class Session:
         self._pending = 0
         self._pending_lock = threading.Lock()
         self.closed = threading.Event()
-        self.peer_pid = _peer_pid(conn)
+        self.peer_known, self.peer_pid = _peer_pid(conn)
         self.hello: Hello | None = None
 
     def __repr__(self) -> str:
@@ -133,13 +136,14 @@ class Session:
             return self._pending <= MAX_PENDING
 
 
-def _peer_pid(conn: socket.socket) -> int | None:
+def _peer_pid(conn: socket.socket) -> tuple[bool, int | None]:
+    """(whether the kernel told, the peer's pid in our pid namespace or None)."""
     try:
         raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid = struct.unpack("3i", raw)[0]
     except (OSError, AttributeError, struct.error):
-        return None
-    return int(pid) if pid > 0 else None
+        return False, None
+    return True, (int(pid) if pid > 0 else None)
 
 
 def _is_timeout(exc: OSError) -> bool:
@@ -300,6 +304,9 @@ class InProcessServer:
                 self.drop(session, "malformed")
                 return False
             session.hello = msg
+            if session.peer_known and session.peer_pid != msg.pid:
+                log.warning("%r says it is pid %d; the kernel's pid is the one killed if "
+                            "need be", session, msg.pid)  # fmt: skip
         if not session._queued():
             log.error("%r: over %d messages pending (a flood); dropping it", session, MAX_PENDING)
             self.drop(session, "flood")
