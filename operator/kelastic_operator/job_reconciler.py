@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from kelastic import contract
 
+from .inprocess_status import restart_increases
 from .labels import LABEL_UID, selector
 from .metrics import OperatorMetrics
 from .model import API_GROUP, API_VERSION, PHASES, ElasticJobSpec, ElasticJobStatus
@@ -253,6 +254,8 @@ class JobReconciler:
                     self.ctx.cache.drop_job_body(self.namespace, self.name)
                 raise
             self.ctx.cache.put_job(cast("dict[str, Any]", written))
+            for level, grew in restart_increases(old, plan.status).items():
+                self.ctx.metrics.restarts.labels(level).inc(grew)
         if plan.depart_nodes and store is not None:
             try:
                 store.mark_departing(prefix, plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN)

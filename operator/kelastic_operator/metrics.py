@@ -20,6 +20,9 @@ import kelastic
 
 #: ``kind`` values of ``kelastic_operator_reconcile_errors_total``.
 ERROR_KINDS = ("api", "crash")
+#: ``level`` values of ``kelastic_operator_restarts_total``, cheapest rung first (the
+#: sidecars' ``kelastic_restarts_total`` has ``inprocess`` and ``process`` too, per node).
+RESTART_LEVELS = ("inprocess", "process", "pod")
 
 
 class OperatorMetrics:
@@ -31,6 +34,8 @@ class OperatorMetrics:
         reconcile_errors: failed reconcile passes, by kind (api, crash).
         reconcile_duration: seconds per reconcile pass (see :meth:`time_reconcile`).
         pod_replacements: Pods created in place of a failed or deleted one.
+        restarts: restarts of the jobs by ``level`` (:data:`RESTART_LEVELS`), job-wide,
+            counted from the growth of the status the operator stored.
         jobs: ElasticJobs per phase (kept by :meth:`set_phase` / :meth:`forget`).
         pods_created, pods_deleted: Pods the operator created / deleted, by reason.
         nodes_removed: rendezvous nodes removed.
@@ -76,6 +81,17 @@ class OperatorMetrics:
             "Pods created in place of a failed or deleted Pod of a job",
             registry=self.registry,
         )
+        self.restarts = Counter(
+            "kelastic_operator_restarts",
+            "Restarts of the operator's jobs, one per restart job-wide, by level of the "
+            "restart ladder (inprocess: the ranks re-entered the training function in the "
+            "same processes; process: the worker group's processes restarted; pod: a failed "
+            "Pod replaced), as the jobs' status counts them",
+            ["level"],
+            registry=self.registry,
+        )
+        for level in RESTART_LEVELS:
+            self.restarts.labels(level)
         self.jobs = Gauge(
             "kelastic_operator_jobs", "ElasticJobs per phase", ["phase"], registry=self.registry
         )

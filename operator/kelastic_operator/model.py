@@ -454,6 +454,24 @@ class LastFailure(_Status):
     time: str | None = Field(default=None, description="when it failed", json_schema_extra=_TIME)
 
 
+class InProcessRestart(_Status):
+    """The job's latest in-process restart (``status.lastInProcessRestart``), as the
+    sidecars recorded it in etcd (``inprocess/iteration``)."""
+
+    iteration: int = Field(
+        description="the in-process iteration the restart started (the function's call number)"
+    )
+    cause: str = Field(
+        default="", description="why the wrapped function was restarted, e.g. exception or hang"
+    )
+    rank: int | None = Field(default=None, description="global rank that faulted, when known")
+    node: str = Field(default="", description="the Pod whose sidecar reported the fault")
+    message: str = Field(default="", description="the fault's one-line summary")
+    time: str | None = Field(
+        default=None, description="when the restart was agreed (RFC 3339)", json_schema_extra=_TIME
+    )
+
+
 class ElasticJobStatus(_Status):
     """``status`` of an ElasticJob, written by the operator only."""
 
@@ -477,6 +495,17 @@ class ElasticJobStatus(_Status):
     )
     restarts_spent: int | None = Field(
         default=None, alias="restartsSpent", description="worker-group restarts spent so far"
+    )
+    in_process_restarts: int | None = Field(
+        default=None,
+        alias="inProcessRestarts",
+        description=(
+            "in-process restarts spent so far (spec.inProcess): every rank re-entered the "
+            "training function in the same processes"
+        ),
+    )
+    last_in_process_restart: InProcessRestart | None = Field(
+        default=None, alias="lastInProcessRestart", description="the latest in-process restart"
     )
     replacements: int | None = Field(default=None, description="failed Pods replaced so far")
     next_replacement_time: str | None = Field(

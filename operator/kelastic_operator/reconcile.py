@@ -36,7 +36,9 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    reason, message, ``observedGeneration``; ``lastTransitionTime`` moves only when the
    status does): ``RendezvousReady`` (Running with a complete round's world size),
    ``Complete`` and ``Failed`` (added when the job succeeds / fails). An Event marks each
-   phase transition, each failed Pod, each replacement, resize and worker-group restart.
+   phase transition, each failed Pod, each replacement, resize and worker-group restart;
+   ``status.inProcessRestarts`` and an ``InProcessRestart`` Event mirror the sidecars'
+   in-process restart record (:mod:`~kelastic_operator.inprocess_status`).
 8. Nodes leave rendezvous (their alive keys are deleted) the moment their Pod is seen
    failed (and on every pass until it is gone: deleting a key is idempotent), being
    deleted, gone, or deleted on scale-down.
@@ -56,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from .inprocess_status import apply_inprocess
 from .labels import selector
 from .model import (
     TERMINAL_PHASES,
@@ -333,7 +336,8 @@ def _observe(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezv
 def _note_failures(p: _Pass) -> None:
     """Rule 8 and the announcements: failed and deleted Pods' nodes leave the rendezvous
     (every pass until the Pod is gone: idempotent); a new failure (newest last) is recorded
-    and announced once; worker-group restarts the sidecars spent are announced."""
+    and announced once; worker-group restarts the sidecars spent are announced, and the
+    in-process restarts recorded (:func:`~kelastic_operator.inprocess_status.apply_inprocess`)."""
     for pod in sorted(p.failed, key=lambda x: (failure_of(x, p.now).time or "", x.index)):
         failure = failure_of(pod, p.now)
         p.plan.remove_nodes.append(pod.name)
@@ -354,6 +358,9 @@ def _note_failures(p: _Pass) -> None:
             Event("Warning", "WorkersRestarted", f"worker group restarted: {spent}/"
                   f"{p.spec.max_restarts} restarts spent (round {round_})")
         )  # fmt: skip
+    inprocess = apply_inprocess(p.spec, p.old, p.st, p.rdzv.inprocess)
+    if inprocess is not None:
+        p.plan.events.append(inprocess)
 
 
 def _job_failed(p: _Pass) -> _Outcome | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from kelastic import contract
 
+from .inprocess_record import InProcessRecord
 from .labels import ANNOTATION_SPEC_HASH, pod_index
 from .model import ElasticJobSpec, ElasticJobStatus, LastFailure
 
@@ -132,6 +133,7 @@ class RendezvousView:
         restarts_spent: the global restart counter.
         failed_reports: node -> summary of sidecars that reported the job failed.
         succeeded_nodes: nodes whose sidecars reported success.
+        inprocess: the in-process restart record (None: none, or unreadable).
     """
 
     round: int | None = None
@@ -139,6 +141,7 @@ class RendezvousView:
     restarts_spent: int | None = None
     failed_reports: Mapping[str, str] = field(default_factory=dict)
     succeeded_nodes: frozenset[str] = frozenset()
+    inprocess: InProcessRecord | None = None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 The operator does three things with etcd (key layout: :class:`kelastic.contract.Keys`):
 
-- reads the rendezvous state, the restart counter and the sidecars' reports
+- reads the rendezvous state, the restart counter, the in-process restart record and
+  the sidecars' reports, all in one range request over the job's prefix
   (:meth:`RendezvousStore.read`, parsed by the pure :func:`view_from_keys`);
 - removes a node from rendezvous the moment its Pod fails or is deleted by deleting its
   alive key (the sidecars treat a node without one as dead at once);
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 from kelastic import contract
 from kelastic._safejson import UnsafeJSONError, loads_bounded
 
+from .inprocess_record import decode_record
 from .reconcile import JOB_FAILED_PREFIX, RendezvousView
 
 log = logging.getLogger("kelastic_operator.etcd")
@@ -126,6 +128,7 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) ->
         restarts_spent=spent if isinstance(spent, int) else None,
         failed_reports=failed,
         succeeded_nodes=frozenset(succeeded),
+        inprocess=decode_record(kv.get(keys.inprocess_iteration)),
     )
 
 
