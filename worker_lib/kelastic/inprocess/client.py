@@ -9,7 +9,6 @@ a lock; only the monitor thread receives.
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import socket
 import threading
@@ -27,6 +26,7 @@ from kelastic.inprocess_messages import (
     encode,
     parse_coordinator_message,
 )
+from kelastic.sockaddr import unix_address
 
 __all__ = ["CONNECT_TIMEOUT", "Closed", "Connection"]
 
@@ -71,7 +71,8 @@ class Connection:
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(os.fspath(path))
+                with unix_address(path) as address:  # paths past sun_path's 108 bytes
+                    sock.connect(address)
             except OSError as exc:
                 sock.close()
                 left = deadline - time.monotonic()
