@@ -8,6 +8,12 @@ queue (:mod:`kelastic_sidecar.supervisor_wiring`) into how the round ended
 :mod:`kelastic_sidecar.round_end`). The rendezvous is watched from a thread that only
 queues a :class:`RendezvousChanged` (at most one waits), so every input is handled by
 the main thread.
+
+With in-process restart on, a worker's non-zero exit is first offered to the in-process
+coordinator (:meth:`~kelastic_sidecar.inprocess_coordinator.InProcessCoordinator.absorb_exit`,
+the hybrid rung of issue 12): taken, the round goes on (its peers restart in process) and
+the coordinator's :class:`RespawnDue` becomes a ``respawn`` for the launcher, whose
+``started`` adds the new pid; refused, the round ends as without it.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from kelastic.control_messages import Exited, Hello, Started, Stop, Stopped
+from kelastic.control_messages import Exited, Hello, Respawn, Started, Stop, Stopped
 
 from .control import ControlServer, Disconnected, Message
 from .etcd_store import EtcdUnavailableError
-from .failure import CAUSE_WORKER_FAILURE, Failure, signal_name
+from .failure import CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
+from .inprocess_coordinator import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .rendezvous import EtcdRendezvousHandler, RendezvousError, RendezvousInfo
 from .round_end import (
@@ -36,7 +43,7 @@ from .round_end import (
     lost_peer,
     stopped_failure,
 )
-from .supervisor_wiring import Event, FromLauncher, RendezvousChanged, WorkerReaped
+from .supervisor_wiring import Event, FromLauncher, RendezvousChanged, RespawnDue, WorkerReaped
 from .timer_server import ReapEvent, TimerServer
 
 __all__ = ["AttemptMonitor"]
@@ -56,6 +63,8 @@ class AttemptMonitor:
         metrics: the sidecar's metrics.
         stop_grace: how long the launcher waits for workers to stop (``stop`` waits 10 s
             more for its confirmation).
+        inprocess: the in-process coordinator (offered a worker's non-zero exit first);
+            None: every such exit ends the round.
     """
 
     def __init__(
@@ -67,6 +76,7 @@ class AttemptMonitor:
         timer: TimerServer,
         metrics: SidecarMetrics,
         stop_grace: float,
+        inprocess: InProcessCoordinator | None = None,
     ) -> None:
         self.node = node
         self.nproc = nproc
@@ -75,6 +85,7 @@ class AttemptMonitor:
         self._timer = timer
         self._metrics = metrics
         self._stop_grace = stop_grace
+        self._inprocess = inprocess
         self.attempt = 0
         self.pids: dict[int, int] = {}  # local rank -> pid
         # local rank -> its timer token this attempt (see kelastic_sidecar.timer_server)
@@ -92,6 +103,7 @@ class AttemptMonitor:
         self.attempt += 1
         self.pids.clear()
         self.reaped.clear()
+        self.warm = 0
         self._timer.forget_all()
         self.tokens = {r: secrets.token_hex(16) for r in range(self.nproc)}
         return self.tokens
@@ -176,6 +188,9 @@ class AttemptMonitor:
                     end = self.check_round(handler, info)
                     if end is not None:
                         return end
+                elif isinstance(event, RespawnDue):
+                    if event.round == info.round:  # else a late one of an earlier round
+                        self._control.send(Respawn(self.attempt, event.local_rank, event.env))
                 else:
                     end = self._on_control(event.message, info, succeeded, on_started)
                     if end is not None:
@@ -262,10 +277,12 @@ class AttemptMonitor:
         return None  # another type, or late news from an earlier attempt
 
     def _on_started(self, msg: Started) -> None:
+        """The attempt's workers started, or (a partial ``started``) one started again."""
         pids = msg.pids
-        self.warm = min(msg.warm, len(pids)) if msg.warm > 0 else 0
-        self._metrics.worker_starts.labels(start="warm").inc(self.warm)
-        self._metrics.worker_starts.labels(start="cold").inc(len(pids) - self.warm)
+        warm = min(msg.warm, len(pids)) if msg.warm > 0 else 0
+        self.warm += warm  # a respawn's adds to the attempt's
+        self._metrics.worker_starts.labels(start="warm").inc(warm)
+        self._metrics.worker_starts.labels(start="cold").inc(len(pids) - warm)
         for local_rank, pid in pids.items():
             self.pids[local_rank] = pid
             try:
@@ -284,5 +301,11 @@ class AttemptMonitor:
                 return RoundEnd(RoundEndKind.SUCCEEDED)
             return None
         failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped)
+        coordinator = self._inprocess if failure.cause != CAUSE_START_FAILURE else None
+        if coordinator is not None and coordinator.absorb_exit(msg.local_rank, msg.pid, failure):
+            log.warning("round %d: %s; its peers restart in process, it starts again",
+                        info.round, failure.summary())  # fmt: skip
+            self.pids.pop(msg.local_rank, None)
+            return None
         log.error("round %d failed: %s", info.round, failure.summary())
         return RoundEnd(RoundEndKind.FAILED, failure)

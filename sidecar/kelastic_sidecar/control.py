@@ -38,6 +38,7 @@ from kelastic.control_messages import (
     Hello,
     LauncherMessage,
     ProtocolError,
+    Respawn,
     Shutdown,
     Started,
     Stop,
@@ -86,7 +87,7 @@ class Disconnected:
 Message = LauncherMessage | Disconnected
 
 #: What the supervisor sends to the launcher.
-SidecarMessage = Assign | Stop | Shutdown
+SidecarMessage = Assign | Stop | Shutdown | Respawn
 
 
 class ControlServer:

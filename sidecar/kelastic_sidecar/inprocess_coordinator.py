@@ -26,9 +26,13 @@ protocol :mod:`kelastic.inprocess_messages`) and agrees with the other nodes thr
    within ``barrier_timeout`` after the abort gives up (``give_up`` to every local rank).
 4. A new abort during the barrier (another fault, ``m2 > m``) supersedes it: only the
    highest iteration is honoured.
-5. The round ends (the supervisor's monitor returned): ``give_up`` to every connected rank
-   and forget the round. A worker process's exit is still the process path's; the hybrid
-   rung (only the dead rank restarts) will hook :meth:`InProcessCoordinator.end_round`.
+5. A worker *process* died (its non-zero exit, from the supervisor's monitor:
+   :meth:`InProcessCoordinator.absorb_exit`): the hybrid rung
+   (:mod:`~kelastic_sidecar.inprocess_respawn`): the record moves ``n -> n + 1`` as for a
+   fault, the dead rank counts as ready and is started again at the ``go`` (the
+   supervisor sends the launcher ``respawn``); refused, the exit is the process path's.
+6. The round ends (the supervisor's monitor returned): ``give_up`` to every connected rank
+   and forget the round.
 
 All state changes run on one thread (``inprocess-loop``) from a queue fed by the socket's
 reader threads, the etcd watch thread and the supervisor's calls: no locks around the
@@ -58,13 +62,14 @@ from kelastic_etcd import EtcdError, Watcher
 
 from .config import InProcessSettings
 from .etcd_store import EtcdStore
-from .inprocess_machine import RestartMachine
+from .failure import Failure
 from .inprocess_record import (
     IterationRecord,
     IterationRecordError,
     decode_iteration_record,
     encode_iteration_record,
 )
+from .inprocess_respawn import HybridMachine, OnRespawn
 from .inprocess_round import RoundContext
 from .inprocess_server import InProcessServer
 from .metrics import SidecarMetrics
@@ -111,6 +116,9 @@ class InProcessCoordinator:
         pod_ip: this node's address (``MASTER_ADDR`` of an iteration when group rank 0).
         kill: how a rank is killed (``os.kill``; tests may watch it).
         clock: monotonic seconds.
+        on_respawn: ``(round, local_rank, env)``: start that dead local rank again with
+            ``env`` (called on the loop thread; it must not block; the supervisor queues a
+            ``respawn`` for the launcher).
     """
 
     def __init__(
@@ -125,6 +133,7 @@ class InProcessCoordinator:
         *,
         kill: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
+        on_respawn: OnRespawn | None = None,
     ) -> None:
         self.settings = settings
         self.enabled = settings.enabled
@@ -144,9 +153,10 @@ class InProcessCoordinator:
             on_drop=lambda reason: metrics.inprocess_dropped.labels(reason=reason).inc(),
         )
         #: The state; only the loop thread touches it.
-        self.machine = RestartMachine(
-            settings, store, keys, node, metrics, self.server.drop, kill, clock
-        )
+        self.machine = HybridMachine(
+            settings, store, keys, node, metrics, self.server.drop, kill, clock,
+            **({"on_respawn": on_respawn} if on_respawn is not None else {}),
+        )  # fmt: skip
         self._status: dict[str, Any] | None = self.machine.status_doc() if self.enabled else None
 
     # ------------------------------------------------------------------ supervisor API
@@ -226,11 +236,33 @@ class InProcessCoordinator:
         except TimeoutError:
             log.error("the in-process coordinator is stuck; its ranks are stopped anyway")
 
+    def absorb_exit(self, local_rank: int, pid: int | None, failure: Failure) -> bool:
+        """A worker of the round exited non-zero (``failure``, from
+        :func:`~kelastic_sidecar.round_end.classify_exit`; a timer-server reap and this
+        coordinator's hard-timeout kill included): True when the hybrid rung takes it (its
+        peers restart in process, it is started again at the ``go`` through
+        ``on_respawn``); False for the process path: disabled, no round running in process,
+        the in-process budget spent, etcd failing, a rank that died again before its
+        ``hello`` (see :func:`~kelastic_sidecar.inprocess_hybrid.absorb_verdict`), or a
+        coordinator that does not answer within 30 s. Raises nothing.
+        """
+        if not self.enabled:
+            return False
+        try:
+            return self._call(lambda: self.machine.absorb(local_rank, pid, failure))
+        except TimeoutError:
+            log.error("the in-process coordinator is stuck; local rank %d's exit ends the round",
+                      local_rank)  # fmt: skip
+            return False
+
     def status(self) -> dict[str, Any] | None:
         """``/status``'s ``inprocess``: ``enabled``, ``iteration``, ``restarts``,
-        ``max_restarts``, ``phase``, ``last`` (``iteration``, ``cause``, ``rank``,
-        ``node``, ``message``, ``resumed_s``: seconds from the abort until every local
-        rank progressed, None until then); None when disabled."""
+        ``max_restarts``, ``phase``, ``respawns`` (dead local ranks this node started
+        again: the hybrid rung), ``last`` (``iteration``, ``cause`` (a fault's, or
+        ``worker_died``/``hang`` for a dead worker), ``rank``, ``node``, ``message``,
+        ``signal`` (a dead worker's, e.g. ``SIGKILL``, when this node recorded it),
+        ``resumed_s``: seconds from the abort until every local rank progressed, None
+        until then); None when disabled."""
         doc = self._status
         return None if doc is None else {**doc, "last": dict(doc["last"] or {}) or None}
 

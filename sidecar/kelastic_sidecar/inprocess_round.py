@@ -120,7 +120,9 @@ def go_env(
 
 def cause_label(cause: str) -> str:
     """The ``cause`` of ``kelastic_restarts_total{level="inprocess"}`` for a fault's cause:
-    the process restarts' vocabulary (``soft_timeout`` is a ``hang``, every other cause a
-    ``worker_failure``), so that ``sum by (cause)`` stays one set of values; the fault's
-    own cause is in the record and ``/status``."""
-    return CAUSE_HANG if cause == CAUSE_SOFT_TIMEOUT else CAUSE_WORKER_FAILURE
+    the process restarts' vocabulary (``soft_timeout`` and ``hang`` are a ``hang``, every
+    other cause a ``worker_failure``), so that ``sum by (cause)`` stays one set of values;
+    the fault's own cause is in the record and ``/status``. A dead worker's record says
+    ``worker_died`` (a ``worker_failure``) or ``hang`` (reaped, or killed at the hard
+    timeout: :func:`~kelastic_sidecar.inprocess_hybrid.death_cause`)."""
+    return CAUSE_HANG if cause in (CAUSE_SOFT_TIMEOUT, CAUSE_HANG) else CAUSE_WORKER_FAILURE

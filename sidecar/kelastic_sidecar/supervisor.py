@@ -128,7 +128,7 @@ class Supervisor:
         #: The current attempt's workers and the events about them.
         self.workers = AttemptMonitor(
             config.node, config.nproc_per_node, parts.events, self.control, self.timer,
-            self.metrics, config.stop_grace,
+            self.metrics, config.stop_grace, self.inprocess,
         )  # fmt: skip
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE

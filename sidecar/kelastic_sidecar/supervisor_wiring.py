@@ -4,7 +4,7 @@
 runs with (etcd store, timer server, control server, ``/metrics`` HTTP server,
 restart budget, metrics, in-process restart coordinator) and connects their callbacks
 to the supervisor's event queue as typed events (:class:`WorkerReaped`, :class:`FromLauncher`,
-:class:`RendezvousChanged`), so that the supervisor holds no construction code.
+:class:`RendezvousChanged`, :class:`RespawnDue`), so that the supervisor holds no construction code.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
     "Hooks",
     "Parts",
     "RendezvousChanged",
+    "RespawnDue",
     "WorkerReaped",
     "build_parts",
 ]
@@ -53,12 +54,22 @@ class FromLauncher:
 
 
 @dataclass(frozen=True)
+class RespawnDue:
+    """The in-process coordinator wants a dead local rank started again (the hybrid
+    rung): ``env`` on top of its attempt's, for the round ``round``."""
+
+    round: int
+    local_rank: int
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
 class RendezvousChanged:
     """The rendezvous may have changed: check the round (at most one waits queued)."""
 
 
 #: What the supervisor's main thread takes off its queue.
-Event = WorkerReaped | FromLauncher | RendezvousChanged
+Event = WorkerReaped | FromLauncher | RendezvousChanged | RespawnDue
 
 
 class EtcdHealth:
@@ -149,6 +160,7 @@ def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) ->
         on_repair=metrics.corrupt_values.labels(source="restart_record").inc,
     )
     inprocess = InProcessCoordinator(
-        config.inprocess, store, keys, config.node, metrics, config.run_dir, config.pod_ip
-    )
+        config.inprocess, store, keys, config.node, metrics, config.run_dir, config.pod_ip,
+        on_respawn=lambda round_, local_rank, env: events.put(RespawnDue(round_, local_rank, env)),
+    )  # fmt: skip
     return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess)
