@@ -137,9 +137,9 @@ def _master(raw: bytes) -> None:
 
 def _report(raw: bytes) -> None:
     keys = contract.Keys("/p/")
-    view = view_from_keys(
-        "/p/", {keys.rdzv_state: raw, keys.restarts: raw, keys.report("n"): raw}, 2
-    )
+    kv = {keys.rdzv_state: raw, keys.restarts: raw, keys.report("n"): raw,
+          keys.inprocess_iteration: raw}  # fmt: skip
+    view = view_from_keys("/p/", kv, 2)
     assert view.round is None or isinstance(view.round, int)
 
 
@@ -388,8 +388,22 @@ def _inprocess_ready(raw: bytes) -> None:
     assert decode_ready(encode_ready(ready)) == ready
 
 
+def _inprocess_record_operator(raw: bytes) -> None:
+    """The operator's own tolerant reader: a record within bounds, or None."""
+    from kelastic_operator.inprocess_record import MAX_COUNTER, MAX_TEXT, decode_record
+
+    record = decode_record(raw)
+    if record is None:
+        return
+    assert 0 <= record.iteration <= MAX_COUNTER and 0 <= record.restarts <= MAX_COUNTER
+    assert record.rank is None or 0 <= record.rank <= MAX_COUNTER
+    assert record.time is None or math.isfinite(record.time)
+    assert max(len(record.cause), len(record.node), len(record.message)) <= MAX_TEXT
+
+
 IP_DECODERS: dict[str, tuple[Callable[[bytes], None], dict[str, Any]]] = {
     "inprocess_record": (_inprocess_record, IP_RECORD),
+    "inprocess_record_operator": (_inprocess_record_operator, IP_RECORD),
     "inprocess_ready": (_inprocess_ready, IP_READY),
 }
 

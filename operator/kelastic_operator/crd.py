@@ -35,6 +35,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "World Size", "type": "integer", "jsonPath": ".status.worldSize"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restartsSpent"},
     {
+        "name": "In-Process",
+        "type": "integer",
+        "priority": 1,
+        "description": "in-process restarts spent (kubectl get -o wide)",
+        "jsonPath": ".status.inProcessRestarts",
+    },
+    {
         "name": "Reason",
         "type": "string",
         "description": "why the job failed (the Failed condition's reason)",

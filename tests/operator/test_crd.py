@@ -114,6 +114,13 @@ def test_printer_columns_show_status(k8s: Client) -> None:
     )  # fmt: skip
     row = k8s.kubectl("get", "ej", "digits", "--no-headers").stdout.split()
     assert row[:6] == ["digits", "Running", "2", "2", "4", "1"]
+    k8s.kubectl("patch", "ej", "digits", "--subresource=status", "--type=merge",
+                "-p", json.dumps({"status": {"inProcessRestarts": 7}}))  # fmt: skip
+    wide = k8s.kubectl("get", "ej", "digits", "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[:7] == ["NAME", "PHASE", "REPLICAS", "READY", "WORLD", "SIZE",
+                                   "RESTARTS"]  # fmt: skip
+    assert wide[0].split()[7] == "IN-PROCESS" and wide[1].split()[:7] == [
+        "digits", "Running", "2", "2", "4", "1", "7"]  # fmt: skip
 
 
 def doc_with(**spec: object) -> str:

@@ -154,3 +154,33 @@ def test_a_repeated_event_is_counted_on_one_event_object(
     restarts = [e for e in k8s.objects("events") if e["reason"] == "WorkersRestarted"]
     assert len(restarts) == 1
     assert (restarts[0]["count"], restarts[0]["message"]) == (4, "4/10 restarts")
+
+
+def test_an_in_process_restart_shows_in_the_status_events_and_metrics_once(
+    k8s: Client, ctx: OperatorContext, manual_node: ManualNode, etcd_server: EmbeddedEtcd
+) -> None:
+    """The sidecars' in-process record, read in the same range request as the rest of the
+    job's keys: the status shows it, an InProcessRestart Event announces it, the
+    operator's restart counter counts every rung once (a second pass adds nothing)."""
+    job = apply_job(k8s, manual_node)
+    prefix = round_two(etcd_server.endpoint, k8s, job["metadata"]["uid"])
+    record = {"iteration": 1, "round": 2, "restarts": 1, "cause": "exception",
+              "node": "digits-1", "rank": 3, "message": "InjectedFault: SIGUSR1",
+              "time": 1.7e9}  # fmt: skip
+    with EtcdStore([etcd_server.endpoint]) as store:
+        store.put(contract.Keys(prefix).inprocess_iteration, json.dumps(record).encode())
+    sample = ctx.metrics.registry.get_sample_value
+    for _ in range(2):
+        JobReconciler(ctx, k8s.namespace, "digits").reconcile_once()
+        st = (k8s.get("elasticjob", "digits") or {})["status"]
+        assert st["inProcessRestarts"] == 1
+        assert st["lastInProcessRestart"] == {
+            "iteration": 1, "cause": "exception", "rank": 3, "node": "digits-1",
+            "message": "InjectedFault: SIGUSR1", "time": "2023-11-14T22:13:20Z",
+        }  # fmt: skip
+        (message,) = [m for _, r, m in events(k8s) if r == "InProcessRestart"]
+        assert message == ("in-process restart 1/10 (iteration 1): rank 3 on digits-1: "
+                           "exception: InjectedFault: SIGUSR1")  # fmt: skip
+        levels = {level: sample("kelastic_operator_restarts_total", {"level": level})
+                  for level in ("inprocess", "process", "pod")}  # fmt: skip
+        assert levels == {"inprocess": 1, "process": 1, "pod": 0}

@@ -1,0 +1,186 @@
+"""In-process restart on the operator's path (issue 12): the digits job with
+``spec.inProcess.enabled`` on the real test cluster (kubectl, kopf as the operator's
+ServiceAccount, real etcd, the local kubelet running each Pod's sidecar and trainer as
+processes, real torch DDP training in a ``restricted`` namespace).
+
+One worker raises inside the wrapped training function (SIGUSR1 with
+``KELASTIC_INJECT_RAISE=1`` in the trainer's env, as ``kelastic run --fault raise:...``
+does): every rank re-enters the function in the same processes. Asserted: no Pod replaced
+and no worker process restarted (same Pod UIDs, same worker pids), no process restart
+spent, the restart in the job status (``inProcessRestarts``, ``lastInProcessRestart``) and
+in an ``InProcessRestart`` Event, ``kelastic_restarts_total{level="inprocess"}`` on the
+sidecars' ``/metrics`` and ``kelastic_operator_restarts_total{level="inprocess"}`` on the
+operator's, equal parameter hashes on every rank in the new iteration, and the job
+succeeding with its accuracy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from kelastic import contract
+from kelastic_operator.handlers import OperatorContext
+from kelastic_operator.local.etcd import EmbeddedEtcd
+from tests.k8s.cluster import Client, ControlPlane, pods_by_name, wait_until
+from tests.k8s.kubelet import PLACEMENT, LocalKubelet
+
+from .conftest import DIGITS, running_operator
+
+IMAGE = "ghcr.io/kelastic/digits-example:0.1.0"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+T = 120.0  # seconds a step of the scenario may take on a loaded 2-core machine
+RAISING_RANK = 1
+_INPROCESS = re.compile(r'^kelastic_restarts_total\{[^}]*level="inprocess"[^}]*\} (\S+)$', re.M)
+_HASH = re.compile(r"^\[(\d+)\]: iteration (\d+): params sha256 ([0-9a-f]{8})", re.M)
+
+
+@pytest.fixture
+def running(
+    k8s_cluster: ControlPlane, k8s: Client, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
+) -> Iterator[OperatorContext]:
+    """The operator (as its ServiceAccount) serving a restricted namespace whose Pods the
+    local kubelet runs."""
+    k8s.kubectl("label", "namespace", k8s.namespace,
+                "pod-security.kubernetes.io/enforce=restricted")  # fmt: skip
+    k8s.claim("digits-checkpoints")
+    kubelet.images[IMAGE] = DIGITS.parent
+    kubelet.images["kelastic:test"] = DIGITS.parent
+    with running_operator(k8s_cluster, k8s, etcd_server.endpoint, stop_grace=3) as ctx:
+        yield ctx
+
+
+def _manifest() -> str:
+    """The digits example with in-process restart on, the Wrapper's fault injection armed
+    (SIGUSR1 raises inside the wrapped function), fewer epochs, on the local kubelet."""
+    doc = yaml.safe_load(DIGITS.read_text())
+    doc["spec"]["inProcess"] = {"enabled": True}
+    pod = doc["spec"]["template"]["spec"]
+    pod.update(PLACEMENT)
+    trainer = pod["containers"][0]
+    trainer["args"] = ["--epochs", "20", "--batch-size", "8", "--step-timeout", "5"]
+    trainer["env"].append({"name": contract.ENV_INJECT_RAISE, "value": "1"})
+    return yaml.safe_dump(doc)
+
+
+def _status(k8s: Client) -> dict[str, Any]:
+    return ((k8s.get("elasticjob", "digits") or {}).get("status")) or {}
+
+
+def _logs(kubelet: LocalKubelet, namespace: str) -> str:
+    return "\n".join(
+        kubelet.log(ns, name, "trainer") for (ns, name) in list(kubelet.pods) if ns == namespace
+    )
+
+
+def _workers(kubelet: LocalKubelet, namespace: str) -> dict[int, int]:
+    """Global rank -> pid of every worker process of the namespace's Pods (the trainer
+    container's descendants whose environment has ``RANK``)."""
+    out: dict[int, int] = {}
+    for (ns, _), local in list(kubelet.pods.items()):
+        if ns != namespace:
+            continue
+        for c in local.pod.containers:
+            if c.name != "trainer" or c.proc.poll() is not None:
+                continue
+            for child in psutil.Process(c.proc.pid).children(recursive=True):
+                try:
+                    rank = child.environ().get(contract.RANK)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                if rank is not None and rank.isdigit():
+                    out[int(rank)] = child.pid
+    return out
+
+
+def _sidecar_metrics(kubelet: LocalKubelet, namespace: str) -> dict[str, str]:
+    """Pod name -> its kelastic sidecar's ``/metrics`` text (the local kubelet gives each
+    sidecar a free HTTP port on 127.0.0.1)."""
+    out = {}
+    for (ns, name), local in list(kubelet.pods.items()):
+        for c in local.pod.containers if ns == namespace else []:
+            if c.http_port:
+                url = f"http://127.0.0.1:{c.http_port}/metrics"
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    out[name] = response.read().decode()
+    return out
+
+
+def _metric_sum(texts: dict[str, str], pattern: re.Pattern[str]) -> float:
+    return sum(float(v) for text in texts.values() for v in pattern.findall(text))
+
+
+def _hashes(logs: str, iteration: int) -> dict[int, str]:
+    """Tee label (the worker's first global rank) -> its parameter hash at ``iteration``."""
+    return {int(r): h for r, it, h in _HASH.findall(logs) if int(it) == iteration}
+
+
+def _all(by_rank: dict[int, Any]) -> dict[int, Any] | None:
+    """``by_rank`` when it has all 4 ranks, else None (for :func:`wait_until`)."""
+    return by_rank if sorted(by_rank) == [0, 1, 2, 3] else None
+
+
+def _restarted(status: dict[str, Any]) -> dict[str, Any] | None:
+    return status if (status.get("inProcessRestarts") or 0) >= 1 else None
+
+
+def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
+    k8s: Client, running: OperatorContext, kubelet: LocalKubelet
+) -> None:
+    api, ns = k8s, k8s.namespace
+    api.kubectl("apply", "-f", "-", input=_manifest())
+    wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
+    wait_until(lambda: "epoch 2/" in _logs(kubelet, ns), T, what="training")
+    uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(api).items()}
+    workers = wait_until(lambda: _all(_workers(kubelet, ns)), T, what="4 workers")
+    assert len(_hashes(_logs(kubelet, ns), 0)) == 4
+
+    # rank 1 raises inside the wrapped function
+    raised_at = time.monotonic()
+    os.kill(workers[RAISING_RANK], signal.SIGUSR1)
+    new = wait_until(lambda: _all(_hashes(_logs(kubelet, ns), 1)), T, interval=0.1,
+                     what="every rank in iteration 1")  # fmt: skip
+    reentered_s = time.monotonic() - raised_at
+    assert len(set(new.values())) == 1, new  # every rank continues from the same state
+    assert _workers(kubelet, ns) == workers  # the same processes
+    status = wait_until(lambda: _restarted(_status(api)), T, what="the restart in the status")
+    last = status["lastInProcessRestart"]
+    assert last["iteration"] == 1 and last["rank"] == RAISING_RANK, last
+    assert last["cause"] == "exception" and "InjectedFault" in last["message"], last
+    assert last["node"] in uids and last["time"], last
+    sidecars = _sidecar_metrics(kubelet, ns)
+    assert _metric_sum(sidecars, _INPROCESS) >= 1, sidecars
+    restart_s = [
+        float(m) for text in sidecars.values()
+        for m in re.findall(r"^kelastic_inprocess_restart_seconds_sum (\S+)$", text, re.M)
+    ]  # fmt: skip
+    events = api.kubectl("get", "events", "--field-selector", "reason=InProcessRestart",
+                         "-o", "jsonpath={.items[*].message}").stdout  # fmt: skip
+    assert "in-process restart 1/" in events and f"rank {RAISING_RANK}" in events, events
+    operator_level = running.metrics.registry.get_sample_value(
+        "kelastic_operator_restarts_total", {"level": "inprocess"}
+    )
+    assert operator_level == 1, operator_level
+    print(f"\nraise -> every rank re-entered the function: {reentered_s:.2f}s (log poll); "
+          f"sidecars' kelastic_inprocess_restart_seconds_sum: {restart_s}")  # fmt: skip
+
+    # The job finishes; nothing was restarted but the function.
+    wait_until(lambda: _status(api).get("phase") == "Succeeded", 3 * T, what="Succeeded")
+    final = _status(api)
+    assert (final.get("restartsSpent") or 0) == 0 and not final.get("replacements"), final
+    assert final["inProcessRestarts"] == 1, final
+    assert {n: p["metadata"]["uid"] for n, p in pods_by_name(api).items()} == uids
+    logs = _logs(kubelet, ns)
+    accuracies = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)", logs)]
+    assert accuracies and accuracies[-1] >= 0.90, logs[-2000:]
+    assert "resumed from checkpoint" not in logs  # no process started again
+    assert not [w for w in kubelet.warnings if ns in w], kubelet.warnings
