@@ -72,6 +72,13 @@ def _text(doc: dict[str, Any], name: str) -> str:
     return value[:MAX_TEXT] if isinstance(value, str) else ""
 
 
+def _time(value: object) -> float | None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    when = float(value)  # an int of 19 digits at most: no OverflowError
+    return when if math.isfinite(when) and 0 < when < _MAX_TIME else None
+
+
 def decode_record(raw: bytes | None) -> InProcessRecord | None:
     """Read the in-process record's value.
 
@@ -95,11 +102,7 @@ def decode_record(raw: bytes | None) -> InProcessRecord | None:
     iteration, restarts = _counter(doc, "iteration"), _counter(doc, "restarts")
     if iteration is None or restarts is None:
         return None
-    when: float | None = None
-    raw_time = doc.get("time")
-    if isinstance(raw_time, int | float) and not isinstance(raw_time, bool):
-        if math.isfinite(raw_time) and 0 < raw_time < _MAX_TIME:
-            when = float(raw_time)
+    when = _time(doc.get("time"))
     return InProcessRecord(
         iteration=iteration,
         restarts=restarts,
