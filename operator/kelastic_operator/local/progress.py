@@ -1,8 +1,11 @@
 """What ``kelastic run`` tells its user while the job runs and when it ends.
 
 The sidecars' ``/status`` documents are polled, and what changed is said once: a new
-round (its world size), a restart charged (with the root cause the nodes reported), etcd
-lost and back; a status line every ``status_interval``; the job's end with its cause.
+round (its world size), a restart, named by its rung (``in-process restart 1/10
+(iteration 1): ...`` with the fault and how long until every rank stepped again;
+``process restart 1/3: ...`` with the root cause the nodes reported), etcd lost and back;
+a status line every ``status_interval``; the job's end with its cause and the restarts
+per rung.
 Nothing here decides anything about the job (:mod:`~kelastic_operator.local.runner` and
 :mod:`~kelastic_operator.local.replacement` do).
 """
@@ -19,6 +22,12 @@ from typing import Any
 from ..model import ElasticJob
 from .replicas import Replica
 
+#: Seconds an in-process restart is waited for to report every rank stepping again
+#: before it is said without that figure.
+INPROCESS_REPORT_WAIT = 10.0
+#: Longest fault message shown in an in-process restart line (characters, first line).
+MESSAGE_MAX = 200
+
 
 def root_cause(failures: list[dict[str, Any]]) -> str:
     """The summary that best explains a restart, from the sidecars' ``last_failure``.
@@ -32,6 +41,59 @@ def root_cause(failures: list[dict[str, Any]]) -> str:
     pool = [f for f in failures if int(f.get("round", -1)) == latest]
     pool.sort(key=lambda f: (not f.get("stopped"), float(f.get("time") or 0)))
     return str(pool[0].get("summary") or "see the sidecar logs")
+
+
+def inprocess_docs(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sidecars' ``inprocess`` sections that are there and enabled (an older sidecar
+    has none; a disabled one reports None)."""
+    docs = (s.get("inprocess") for s in statuses)
+    return [d for d in docs if isinstance(d, dict) and d.get("enabled")]
+
+
+def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool) -> str | None:
+    """The line for the in-process restart into ``iteration``, or None to wait for more.
+
+    ``in-process restart 1/10 (iteration 1): rank 1 exception: InjectedFault: ...;
+    stepping again after 0.21s``: the budget as the nodes count it, the fault from the
+    ``last`` record, and the slowest node's seconds from the abort until each of its ranks
+    stepped again. It waits until every node that took part reports that figure, unless
+    ``waited_out`` (the line then says the ranks are not stepping yet).
+
+    Args:
+        docs: see :func:`inprocess_docs`.
+        iteration: the iteration the restart went into.
+        waited_out: say it now, whatever is missing.
+    """
+    lasts = [
+        d["last"]
+        for d in docs
+        if isinstance(d.get("last"), dict) and d["last"].get("iteration") == iteration
+    ]
+    if not lasts:  # a later restart overwrote it before it was seen
+        return (
+            f"in-process restart (iteration {iteration}): see the sidecar logs"
+            if waited_out
+            else None
+        )
+    resumed = [last.get("resumed_s") for last in lasts]
+    done = len(lasts) == len(docs) and all(isinstance(r, (int, float)) for r in resumed)
+    if not done and not waited_out:
+        return None
+    last = lasts[0]
+    restarts = max(int(d.get("restarts") or 0) for d in docs)
+    top = max(int(d.get("max_restarts") or 0) for d in docs)
+    message = str(last.get("message") or "").strip().splitlines()
+    text = message[0] if message else ""
+    text = text if len(text) <= MESSAGE_MAX else text[: MESSAGE_MAX - 3] + "..."
+    rank = last.get("rank")
+    who = f"rank {rank}" if rank is not None else f"node {last.get('node')}"
+    cause = f"{who} {last.get('cause') or 'fault'}" + (f": {text}" if text else "")
+    if done:
+        took = max(float(r) for r in resumed if isinstance(r, (int, float)))
+        after = f"stepping again after {took:.2f}s"
+    else:
+        after = "not every rank is stepping again yet"
+    return f"in-process restart {restarts}/{top} (iteration {iteration}): {cause}; {after}"
 
 
 def fetch_status(pod: Replica) -> dict[str, Any]:
@@ -56,6 +118,8 @@ class ProgressReporter:
         self.spec = job.spec
         self.say = say
         self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}}
+        #: In-process restarts: the last iteration said, the count, when the next was seen.
+        self._inproc: dict[str, Any] = {"said": 0, "restarts": 0, "seen_at": None}
 
     def poll(self, pods: list[Replica]) -> None:
         """Fetch each live sidecar's status (into ``pod.status``) and say what changed."""
@@ -73,6 +137,7 @@ class ProgressReporter:
         elif not outage and self._seen.get("etcd"):
             self.say("etcd reachable again")
         self._seen["etcd"] = outage
+        self._poll_inprocess(statuses)
         spent = max(int(s.get("restarts_spent") or 0) for s in statuses)
         running = [
             s for s in statuses if s.get("phase") == "running" and s.get("round") is not None
@@ -90,7 +155,11 @@ class ProgressReporter:
             if each or moved_on or time.monotonic() - since >= 1.0:
                 top = self.spec.max_restarts
                 # The failure past the budget is no restart: it fails the job.
-                what = f"restart {spent}/{top}" if spent <= top else f"restart budget ({top}) spent"
+                what = (
+                    f"process restart {spent}/{top}"
+                    if spent <= top
+                    else f"process restart budget ({top}) spent"
+                )
                 self.say(f"{what}: {root_cause(failures)}")
                 self._seen["spent"] = spent
                 del self._seen["spent_at"]
@@ -102,6 +171,32 @@ class ProgressReporter:
                 f"round {rnd}: world size {ws} ({nodes} nodes x {self.spec.nproc_per_node}),"
                 f" restarts {spent}/{self.spec.max_restarts}"
             )
+
+    def _poll_inprocess(self, statuses: list[dict[str, Any]]) -> None:
+        """Say each in-process restart once (see :func:`inprocess_line`)."""
+        docs = inprocess_docs(statuses)
+        if not docs:
+            return
+        seen = self._inproc
+        seen["restarts"] = max(seen["restarts"], *(int(d.get("restarts") or 0) for d in docs))
+        newest = max(int(d.get("iteration") or 0) for d in docs)
+        while seen["said"] < newest:
+            iteration = seen["said"] + 1
+            since = seen["seen_at"] = seen["seen_at"] or time.monotonic()
+            # a later iteration, or a long wait: say this one as it is
+            waited_out = newest > iteration or time.monotonic() - since >= INPROCESS_REPORT_WAIT
+            line = inprocess_line(docs, iteration, waited_out)
+            if line is None and not waited_out:
+                return
+            if line is not None:
+                self.say(line)
+            seen["said"], seen["seen_at"] = iteration, None
+
+    def _restarts_text(self, replacements: int) -> str:
+        """``restarts: 1 in-process, 0 process, 0 Pod replacements`` (in-process only
+        when the job enables it)."""
+        inproc = f"{self._inproc['restarts']} in-process, " if self.spec.in_process.enabled else ""
+        return f"restarts: {inproc}{self._seen['spent']} process, {replacements} Pod replacements"
 
     def status_line(self, pods: list[Replica], replacing: Container[int]) -> str:
         """The periodic one-line summary (``replacing``: indexes awaiting a replacement)."""
@@ -120,24 +215,36 @@ class ProgressReporter:
             forked = sum(int(s.get("workers_warm") or 0) for s in statuses)
             warm = f", {forked} warm-started workers"
         etcd = ", etcd unreachable" if self._seen.get("etcd") else ""
+        inproc = ""
+        if self.spec.in_process.enabled:
+            top = self.spec.in_process.max_restarts
+            inproc = f", in-process restarts {self._inproc['restarts']}/{top}"
         return (
             f"status: {len(pods)} replicas [{phases}], round {self._seen['round']}, "
-            f"restarts {self._seen['spent']}/{self.spec.max_restarts}{warm}{prog}{etcd}"
+            f"restarts {self._seen['spent']}/{self.spec.max_restarts}{inproc}{warm}{prog}{etcd}"
         )
 
     def finish(
-        self, code: int, elapsed: float, pods: list[Replica], job_failure: str, workdir: Path
+        self,
+        code: int,
+        elapsed: float,
+        pods: list[Replica],
+        job_failure: str,
+        workdir: Path,
+        replacements: int = 0,
     ) -> int:
-        """Say how the job ended (the first cause when it failed); returns ``code``'s exit
-        status (0, 130 or 1)."""
+        """Say how the job ended (the first cause when it failed) and the restarts per
+        rung (``replacements``: Pods replaced); returns ``code``'s exit status (0, 130
+        or 1)."""
+        restarts = self._restarts_text(replacements)
         if code == 0:
             self.say(
-                f"job succeeded in {elapsed:.1f}s: round {self._seen['round']}, "
-                f"{self._seen['spent']} restart(s); logs in {workdir}"
+                f"job succeeded in {elapsed:.1f}s: round {self._seen['round']}; {restarts}; "
+                f"logs in {workdir}"
             )
             return 0
         if code == 130:
-            self.say(f"job interrupted after {elapsed:.1f}s; logs in {workdir}")
+            self.say(f"job interrupted after {elapsed:.1f}s; {restarts}; logs in {workdir}")
             return 130
         causes = [f"{p.name}: {p.termination_message()}" for p in pods if p.job_failed()]
         if job_failure:
@@ -146,7 +253,7 @@ class ProgressReporter:
             text = pod.termination_message()
             if text and pod.launcher.returncode not in (None, 0):
                 causes.append(f"{pod.name}: {text}")
-        self.say(f"job FAILED after {elapsed:.1f}s; logs in {workdir}")
+        self.say(f"job FAILED after {elapsed:.1f}s; {restarts}; logs in {workdir}")
         for cause in causes[:1] or ["(no termination message; see the sidecar logs)"]:
             self.say(cause)
         return 1

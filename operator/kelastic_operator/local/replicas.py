@@ -179,8 +179,10 @@ class Replicas:
 
     # ------------------------------------------------- what the fault injector asks
 
-    def training(self, rank: int) -> tuple[str, int] | None:
-        """``(pod, attempt)`` once the pod running global ``rank`` has taken a timed step."""
+    def training(self, rank: int) -> tuple[str, tuple[int, int]] | None:
+        """``(pod, (attempt, in-process iteration))`` once the pod running global ``rank``
+        has taken a timed step in its attempt and, after an in-process restart, every rank
+        of it stepped again in the new iteration."""
         nproc = self.spec.nproc_per_node
         for pod in list(self.pods):
             st = pod.status
@@ -188,12 +190,14 @@ class Replicas:
                 st.get("phase") == "running"
                 and st.get("group_rank") == rank // nproc
                 and int(st.get("attempt_progress_count") or 0) > 0
+                and not restarting_in_process(st)
             ):
-                return pod.name, int(st.get("attempt") or 0)
+                return pod.name, node_progress(st)
         return None
 
-    def attempts(self) -> dict[str, int]:
-        return {pod.name: int(pod.status.get("attempt") or 0) for pod in list(self.pods)}
+    def attempts(self) -> dict[str, tuple[int, int]]:
+        """Each pod's ``(attempt, in-process iteration)``."""
+        return {pod.name: node_progress(pod.status) for pod in list(self.pods)}
 
     def launcher_pids(self) -> list[int]:
         return [p.launcher.pid for p in self.pods if p.launcher and p.launcher.poll() is None]
@@ -213,3 +217,27 @@ class Replicas:
             pod.local.stop(self.stop_grace + 10.0)
         for t in self._threads:
             t.join(timeout=5)
+
+
+def node_progress(status: dict[str, Any]) -> tuple[int, int]:
+    """``(attempt, in-process iteration)`` from a sidecar's status (iteration 0 when it
+    reports none: in-process restart off, or an older sidecar)."""
+    inproc = status.get("inprocess")
+    iteration = int(inproc.get("iteration") or 0) if isinstance(inproc, dict) else 0
+    return int(status.get("attempt") or 0), iteration
+
+
+def restarting_in_process(status: dict[str, Any]) -> bool:
+    """The node is in an in-process restart: aborting, at the barrier, or running the new
+    iteration before every rank stepped again."""
+    inproc = status.get("inprocess")
+    if not isinstance(inproc, dict):
+        return False
+    if inproc.get("phase") in ("aborting", "barrier"):
+        return True
+    last = inproc.get("last")
+    return (
+        isinstance(last, dict)
+        and last.get("iteration") == inproc.get("iteration")
+        and last.get("resumed_s") is None
+    )

@@ -159,6 +159,13 @@ class LocalRunner:
                     "warm start: workers fork from a process that preloads "
                     + (", ".join(self.spec.warm_start.preload) or "nothing")
                 )
+            if self.spec.in_process.enabled:
+                inproc = self.spec.in_process
+                self.say(
+                    f"in-process restart: a fault restarts the wrapped training function in "
+                    f"the running workers, {inproc.max_restarts} times at most (soft timeout "
+                    f"{inproc.soft_timeout_seconds:g}s, hard {inproc.hard_timeout_seconds:g}s)"
+                )
             for _ in range(self.replicas):
                 if self._interrupted:  # Ctrl-C while starting: start nothing more
                     break
@@ -176,7 +183,12 @@ class LocalRunner:
             finally:
                 injector.stop()
             return self._progress.finish(
-                code, time.monotonic() - started, self.pods, self._policy.job_failure, self.workdir
+                code,
+                time.monotonic() - started,
+                self.pods,
+                self._policy.job_failure,
+                self.workdir,
+                replacements=self._policy.replacements,
             )
         finally:
             self._stop_all()

@@ -8,12 +8,15 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kelastic import contract
 from kelastic_operator.cli import with_run_options
 from kelastic_operator.local.faults import Fault
+from kelastic_operator.local.progress import ProgressReporter, inprocess_line
+from kelastic_operator.local.replicas import node_progress, restarting_in_process
 from kelastic_operator.model import load_manifest, trainer_container
 from tests.localrun import KelasticRun, write_job
 
@@ -93,3 +96,112 @@ def test_digits_recovers_in_process_from_an_exception(tmp_path: Path) -> None:
     assert acc and acc[-1] >= 0.90, out
     assert "job succeeded" in out
     assert run.strays() == []
+
+
+# ------------------------------------------------------------------ what kelastic run says
+
+
+class _Pod:
+    """What the reporter reads of a replica: its last status (no sidecar to ask)."""
+
+    def __init__(self, index: int, status: dict[str, Any]) -> None:
+        self.index, self.status, self.sidecar = index, status, None
+        self.name = f"digits-{index}"
+
+
+def _status(
+    round_: int = 0, spent: int = 0, inprocess: Any = "absent", **more: Any
+) -> dict[str, Any]:
+    doc = {"phase": "running", "round": round_, "restarts_spent": spent, "world_size": 4,
+           "group_world_size": 2, **more}  # fmt: skip
+    if inprocess != "absent":
+        doc["inprocess"] = inprocess
+    return doc
+
+
+def _inproc(iteration: int, restarts: int, resumed: float | None, rank: int = 1) -> dict[str, Any]:
+    last = {"iteration": iteration, "cause": "exception", "rank": rank, "node": "digits-0",
+            "message": "InjectedFault: fault injected (SIGUSR1)\nTraceback ...",
+            "resumed_s": resumed}  # fmt: skip
+    return {"enabled": True, "iteration": iteration, "restarts": restarts, "max_restarts": 10,
+            "phase": "running", "last": last if iteration else None}  # fmt: skip
+
+
+def test_inprocess_line_waits_for_every_node_to_step_again() -> None:
+    docs = [_inproc(1, 1, 0.21), _inproc(1, 1, None)]
+    assert inprocess_line(docs, 1, waited_out=False) is None
+    assert inprocess_line(docs, 1, waited_out=True) == (
+        "in-process restart 1/10 (iteration 1): rank 1 exception: InjectedFault: fault "
+        "injected (SIGUSR1); not every rank is stepping again yet"
+    )
+    docs[1] = _inproc(1, 1, 0.35)
+    assert inprocess_line(docs, 1, waited_out=False) == (
+        "in-process restart 1/10 (iteration 1): rank 1 exception: InjectedFault: fault "
+        "injected (SIGUSR1); stepping again after 0.35s"
+    )
+    assert inprocess_line(docs, 2, waited_out=False) is None
+
+
+def _reporter(enabled: bool) -> tuple[ProgressReporter, list[str]]:
+    job = load_manifest(DIGITS)
+    if enabled:
+        job = with_run_options(job, argparse.Namespace(warm_start=None, in_process=True), [])
+    said: list[str] = []
+    return ProgressReporter(job, said.append), said
+
+
+def test_each_restart_is_said_once_named_by_its_rung(tmp_path: Path) -> None:
+    reporter, said = _reporter(enabled=True)
+    pods = [_Pod(0, _status(inprocess=_inproc(0, 0, None))),
+            _Pod(1, _status(inprocess=_inproc(0, 0, None)))]  # fmt: skip
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert said == ["round 0: world size 4 (2 nodes x 2), restarts 0/3"]
+    # in-process restart into iteration 1: said once every node's ranks step again
+    pods[0].status = _status(inprocess=_inproc(1, 1, 0.2))
+    pods[1].status = _status(inprocess=_inproc(1, 1, None))
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert len(said) == 1
+    pods[1].status = _status(inprocess=_inproc(1, 1, 0.25))
+    reporter.poll(pods)  # type: ignore[arg-type]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert said[1:] == ["in-process restart 1/10 (iteration 1): rank 1 exception: InjectedFault: "
+                        "fault injected (SIGUSR1); stepping again after 0.25s"]  # fmt: skip
+    # then a process restart (a new round)
+    failure = {"round": 0, "summary": "worker_failure: rank 1 on digits-0 (round 0) killed by "
+               "SIGKILL", "time": 1.0}  # fmt: skip
+    for pod in pods:
+        pod.status = _status(1, 1, _inproc(1, 1, 0.25), last_failure=failure)
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert said[2:] == [
+        "process restart 1/3: worker_failure: rank 1 on digits-0 (round 0) killed by SIGKILL",
+        "round 1: world size 4 (2 nodes x 2), restarts 1/3",
+    ]
+    assert "restarts 1/3, in-process restarts 1/10" in reporter.status_line(pods, ())  # type: ignore[arg-type]
+    reporter.finish(0, 12.5, pods, "", tmp_path, replacements=2)  # type: ignore[arg-type]
+    assert said[-1] == (f"job succeeded in 12.5s: round 1; restarts: 1 in-process, 1 process, "
+                        f"2 Pod replacements; logs in {tmp_path}")  # fmt: skip
+
+
+def test_an_older_sidecar_without_inprocess_is_fine(tmp_path: Path) -> None:
+    for enabled in (False, True):
+        reporter, said = _reporter(enabled)
+        pods = [_Pod(0, _status()), _Pod(1, _status(inprocess=None))]
+        reporter.poll(pods)  # type: ignore[arg-type]
+        assert [x for x in said if "in-process" in x] == []
+        reporter.finish(0, 1.0, pods, "", tmp_path)  # type: ignore[arg-type]
+        counts = "0 in-process, 0 process" if enabled else "restarts: 0 process"
+        assert counts in said[-1], said
+
+
+def test_the_fault_clock_follows_in_process_iterations() -> None:
+    """``raise`` then another fault: the second waits for the new iteration's steps."""
+    st = _status(attempt=1, attempt_progress_count=5, group_rank=0,
+                 inprocess=_inproc(1, 1, None))  # fmt: skip
+    assert node_progress(st) == (1, 1)
+    assert restarting_in_process(st)  # its ranks are not stepping again yet
+    st["inprocess"] = _inproc(1, 1, 0.3)
+    assert not restarting_in_process(st)
+    st["inprocess"]["phase"] = "barrier"
+    assert restarting_in_process(st)
+    assert node_progress(_status(attempt=2)) == (2, 0)  # no in-process section: the attempt
+    assert not restarting_in_process(_status(inprocess=None))
