@@ -1,0 +1,149 @@
+"""The hybrid rung with real processes (issue 12): ``kelastic run`` of a 2 x 2 job whose
+wrapped function takes timed steps (``tests/workers/wrapped_steps.py``, no torch), real
+etcd, sidecars, launchers. A SIGKILLed worker: its peers restart in process (same pids)
+and only it starts again, in the same iteration, no process restart charged. The
+in-process budget spent, or the restarted worker dying before its hello: the process
+path, as without in-process restart. No stray process either way."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import wait_for
+from tests.localrun import WORKERS, KelasticRun, write_job
+
+START = re.compile(r"^\[(\d)\]:? ?pid (\d+) start iteration (\d+)$", re.M)
+ENTER = re.compile(r"^\[(\d)\]:? ?pid (\d+) enter iteration (\d+)$", re.M)
+
+
+def _job(tmp: Path, budget: int, env: dict[str, str] | None = None) -> tuple[Path, Path]:
+    stop = tmp / "stop"
+    job = write_job(
+        tmp / "job.yaml", replicas=2, nproc=2, max_restarts=3,
+        command=["python", str(WORKERS / "wrapped_steps.py")],
+        env={"STEPS_STOP_FILE": str(stop), **(env or {})},
+    )  # fmt: skip
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": budget,
+                                "softTimeoutSeconds": 10, "hardTimeoutSeconds": 20}  # fmt: skip
+    job.write_text(yaml.safe_dump(doc))
+    return job, stop
+
+
+def _starts(out: str) -> dict[int, list[tuple[int, int]]]:
+    """Global rank -> its processes' (pid, iteration started in), in order."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for rank, pid, iteration in START.findall(out):
+        found.setdefault(int(rank), []).append((int(pid), int(iteration)))
+    return found
+
+
+def _sidecar_logs(runs: Path) -> str:
+    """Both sidecars' logs (``kelastic run`` keeps them beside the run's Pods)."""
+    return "\n".join(p.read_text() for p in sorted(runs.glob("*/pods/*/kelastic-sidecar.log")))
+
+
+def _wait(run: KelasticRun, runs: Path, cond: Callable[[], bool], what: str) -> None:
+    """Wait for ``cond`` (120 s at most); fail naming ``what``, with the run's output and
+    the sidecars' logs under ``runs``."""
+    try:
+        wait_for(cond, 120, what=what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{run.output}\n{_sidecar_logs(runs)}") from None
+
+
+def _entered(run: KelasticRun, iteration: int, ranks: int = 4) -> bool:
+    return {int(r) for r, _, it in ENTER.findall(run.output) if int(it) == iteration} >= set(
+        range(ranks)
+    )
+
+
+def test_a_killed_worker_alone_starts_again_its_peers_restart_in_process(
+    tmp_path: Path,
+) -> None:
+    job, stop = _job(tmp_path, budget=10)
+    run = KelasticRun(job, "--in-process", "--fault", "kill:rank=1,after=1",
+                      workdir=tmp_path / "runs")  # fmt: skip
+    try:
+        _wait(run, tmp_path / "runs", lambda: _entered(run, 1), "every rank in iteration 1")
+        run.finish(stop, rank=1, more=10)
+    finally:
+        run.interrupt()
+    out, logs = run.output, _sidecar_logs(tmp_path / "runs")
+    assert "fault: SIGKILL rank 1 after 1s" in out, out
+    assert re.search(r"in-process restart 1/10 \(iteration 1\): rank 1 worker_died: local rank "
+                     r"1 \(pid \d+\) killed by SIGKILL", logs), logs  # fmt: skip
+    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    took = re.findall(r"every local rank progressed (\d+\.\d+)s after the abort", logs)
+    print(f"\nSIGKILL of rank 1 -> every local rank stepping again (hybrid rung): {took} s")
+    starts = _starts(out)
+    for rank in (0, 2, 3):  # the survivors: one process each, entering iterations 0 and 1
+        assert len(starts[rank]) == 1, (rank, starts)
+        pid = starts[rank][0][0]
+        assert {(int(p), int(i)) for r, p, i in ENTER.findall(out) if int(r) == rank} == {
+            (pid, 0), (pid, 1),
+        }  # fmt: skip
+    (old, it0), (new, it1) = starts[1]
+    assert (it0, it1) == (0, 1) and old != new  # only rank 1 is a new process, in iteration 1
+    assert run.restarts_charged() == 0, out  # the job's process-restart budget untouched
+    assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_the_budget_spent_or_a_respawn_failing_takes_the_process_path(
+    tmp_path: Path,
+) -> None:
+    """Budget 1: the first kill is taken in process; the second restarts the processes.
+    Then a restarted worker that dies before its hello: the process path too."""
+    job, stop = _job(tmp_path, budget=1)
+    run = KelasticRun(job, "--in-process", "--fault", "kill:rank=1,after=1", "--fault",
+                      "kill:rank=2,after=1", workdir=tmp_path / "runs")  # fmt: skip
+    try:
+        _wait(run, tmp_path / "runs", lambda: run.has("restart 1/3:"), "a process restart")
+        _wait(
+            run,
+            tmp_path / "runs",
+            lambda: len(_starts(run.output).get(0, [])) == 2,
+            "rank 0 started again",
+        )
+        run.finish(stop, rank=0, more=10)
+    finally:
+        run.interrupt()
+    out, logs = run.output, _sidecar_logs(tmp_path / "runs")
+    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    assert "in-process restart budget of 1 spent" in logs, logs
+    assert "restart 1/3: worker_failure: rank 2" in out, out
+    assert run.restarts_charged() == 1
+    assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_a_restarted_worker_dying_before_its_hello_takes_the_process_path(
+    tmp_path: Path,
+) -> None:
+    die = tmp_path / "died"
+    job, stop = _job(tmp_path, budget=10, env={"STEPS_DIE_FILE": str(die), "STEPS_DIE_RANK": "1"})
+    run = KelasticRun(job, "--in-process", "--fault", "kill:rank=1,after=1",
+                      workdir=tmp_path / "runs")  # fmt: skip
+    try:
+        _wait(run, tmp_path / "runs", lambda: run.has("restart 1/3:"), "a process restart")
+        _wait(
+            run,
+            tmp_path / "runs",
+            lambda: len(_starts(run.output).get(0, [])) == 2,
+            "rank 0 started again",
+        )
+        run.finish(stop, rank=0, more=10)
+    finally:
+        run.interrupt()
+    out, logs = run.output, _sidecar_logs(tmp_path / "runs")
+    assert die.exists() and "dying before the hello" in out, out
+    assert "it died again before its hello (respawn failed)" in logs, logs
+    assert "restart 1/3: worker_failure: rank 1" in out and "exited with code 3" in out, out
+    assert run.restarts_charged() == 1
+    assert "job succeeded" in out
+    assert run.strays() == []

@@ -1,0 +1,51 @@
+"""steps.py's in-process sibling (no torch): a training function wrapped by
+:class:`kelastic.inprocess.Wrapper` that takes timed steps (each inside ``expires``,
+which is also the wrapper's progress ``ping``) until told to stop.
+
+Prints ``pid P start iteration I`` when the process starts, ``pid P enter iteration I``
+each time the function is entered, then ``step S`` lines. Env (all optional):
+  STEPS_STOP_FILE     the function returns once this file exists (the worker exits 0)
+  STEPS_DIE_FILE      with STEPS_DIE_RANK: that global rank, when started in an
+                      iteration > 0 (started again by the hybrid rung, or after it), exits
+                      3 before its hello once (the file records that it did)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from kelastic.inprocess import Wrapper
+from kelastic.timer import expires
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    first = int(os.environ.get("KELASTIC_INPROCESS_ITERATION") or 0)
+    print(f"pid {os.getpid()} start iteration {first}", flush=True)
+    die = os.environ.get("STEPS_DIE_FILE")
+    die_rank = int(os.environ.get("STEPS_DIE_RANK", "-1"))
+    if die and rank == die_rank and first > 0 and not Path(die).exists():
+        Path(die).touch()
+        print("dying before the hello", flush=True)
+        os._exit(3)
+    stop = os.environ.get("STEPS_STOP_FILE")
+
+    @Wrapper()
+    def train(call_wrapper: Any = None) -> None:
+        iteration = call_wrapper.iteration if call_wrapper is not None else 0
+        print(f"pid {os.getpid()} enter iteration {iteration}", flush=True)
+        step = 0
+        while not (stop and Path(stop).exists()):
+            with expires(after=5.0, scope="step"):
+                time.sleep(0.05)
+            step += 1
+            print(f"step {step}", flush=True)
+
+    train()
+
+
+if __name__ == "__main__":
+    main()
