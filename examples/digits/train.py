@@ -10,9 +10,10 @@ The training function is wrapped by ``kelastic.inprocess.Wrapper``: with in-proc
 restart on (``spec.inProcess.enabled``, ``kelastic run --in-process``) a fault restarts
 only that function, on every rank, in the same processes. Data, model and optimizer are
 built once per process, outside it, and kept across its calls (*iterations*); each
-iteration starts by taking rank 0's model, optimizer state and position (epoch, step),
-since ranks stop at different steps when an iteration is aborted, and prints
-``iteration N: params sha256 XXXXXXXX`` on every rank (equal hashes: equal state).
+iteration starts by taking the model, optimizer state and position (epoch, step) of the
+rank furthest along (rank 0 unless another stepped further), since ranks stop at
+different steps when an iteration is aborted, and prints ``iteration N: params sha256
+XXXXXXXX`` on every rank (equal hashes: equal state).
 Without in-process restart the Wrapper calls the function once.
 
 Run it with ``kelastic run examples/digits/elasticjob.yaml`` (``--in-process`` for
@@ -129,25 +130,33 @@ class Training:
                 print(f"resumed from checkpoint: epoch {state['epoch']} done (restart {restart})")
         return run
 
-    def sync_from_rank0(self) -> None:
-        """Take rank 0's model, optimizer state and position (every rank calls this)."""
-        mine: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "opt": self.opt.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
-        }
-        box: list[Any] = [mine if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        state = box[0]
-        if dist.get_rank() != 0:
+    def sync(self) -> int:
+        """Take the model, optimizer state and position of the rank furthest along (the
+        lowest such rank); every rank calls this. Returns that rank.
+
+        Ranks stop at different steps when an iteration is aborted (one step apart at
+        most: a step ends with an all-reduce), and a rank that started again as a new
+        process (its peers restarted in process) is back at the last checkpoint: the one
+        furthest along has taken every step the others took, with the same gradients.
+        """
+        positions: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(positions, (self.epoch, self.step))
+        src = max(range(len(positions)), key=lambda r: (tuple(positions[r]), -r))
+        mine = {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "epoch": self.epoch, "step": self.step}  # fmt: skip
+        box: list[Any] = [mine if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        if dist.get_rank() != src:
+            state = box[0]
             self.model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["opt"])
             self.epoch, self.step = state["epoch"], state["step"]
+        return src
 
 
 def train(run: Training, call_wrapper: CallWrapper | None = None) -> None:
-    """One iteration: join the process group, take rank 0's state, train to the end.
+    """One iteration: join the process group, take the furthest rank's state, train to
+    the end.
 
     Raises:
         whatever the training raises; under in-process restart the Wrapper then starts
@@ -159,10 +168,11 @@ def train(run: Training, call_wrapper: CallWrapper | None = None) -> None:
     gc.collect()  # the last iteration's DDP module, if a reference cycle kept it
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run.sync_from_rank0()
+    src = run.sync()
     digest = params_digest(run.model)
     print(
-        f"iteration {iteration}: params sha256 {digest} (epoch {run.epoch}, step {run.step})",
+        f"iteration {iteration}: params sha256 {digest} "
+        f"(epoch {run.epoch}, step {run.step}, from rank {src})",
         flush=True,
     )
     ddp = DDP(run.model)

@@ -124,13 +124,15 @@ def test_the_wrapped_training_function_runs_once_without_in_process(tmp_path: Pa
 
     with _drained_fifo(fifo):
         first = run(2)
-        digests = [re.findall(r"^iteration 0: params sha256 ([0-9a-f]{8}) \(epoch 0, step 0\)$",
-                              out, re.M) for out in first]  # fmt: skip
+        line = re.compile(
+            r"^iteration 0: params sha256 ([0-9a-f]{8}) \(epoch 0, step 0, from rank 0\)$", re.M
+        )
+        digests = [line.findall(out) for out in first]
         assert digests[0] and digests[0] == digests[1], first
         assert "iteration 1" not in "".join(first)  # called once
         assert "epoch 2/2" in first[0] and "final test accuracy" in first[0]
         again = run(3)
     assert "resumed from checkpoint: epoch 1 done" in again[0], again
-    assert re.search(r"^iteration 0: params sha256 [0-9a-f]{8} \(epoch 2, step 0\)$", again[1],
-                     re.M), again  # fmt: skip
+    resumed = r"^iteration 0: params sha256 [0-9a-f]{8} \(epoch 2, step 0, from rank 0\)$"
+    assert re.search(resumed, again[1], re.M), again
     assert "epoch 3/3" in again[0]
