@@ -260,7 +260,9 @@ class InProcessCoordinator:
         ``max_restarts``, ``phase``, ``respawns`` (dead local ranks this node started
         again: the hybrid rung), ``last`` (``iteration``, ``cause`` (a fault's, or
         ``worker_died``/``hang`` for a dead worker), ``rank``, ``node``, ``message``,
-        ``signal`` (a dead worker's, e.g. ``SIGKILL``, when this node recorded it),
+        ``died`` (the local workers whose death this restart took, one line each, e.g.
+        ``local rank 1 (pid 4242) killed by SIGKILL``; only on their node), ``signal``
+        (the last one's, e.g. ``SIGKILL``),
         ``resumed_s``: seconds from the abort until every local rank progressed, None
         until then); None when disabled."""
         doc = self._status

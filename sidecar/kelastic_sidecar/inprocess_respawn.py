@@ -104,8 +104,10 @@ class HybridMachine(RestartMachine):
         if verdict.kind is Absorb.JOIN:
             log.warning("%s during the in-process restart to iteration %d; it joins it",
                         message, self._iteration)  # fmt: skip
-        elif self._last is not None and failure.signal is not None:
-            self._last["signal"] = signal_name(failure.signal)
+        if self._last is not None:  # /status names the death, also when it joined
+            self._last.setdefault("died", []).append(message)
+            if failure.signal is not None:
+                self._last["signal"] = signal_name(failure.signal)
         self._pending[local_rank] = pid
         self._ready.add(local_rank)
         if self._phase == ABORTING and self._ready >= set(range(ctx.nproc)):
@@ -213,5 +215,8 @@ class HybridMachine(RestartMachine):
             )
 
     def status_doc(self) -> dict[str, Any]:
-        """The base's document plus ``respawns``."""
-        return {**super().status_doc(), "respawns": self.respawns}
+        """The base's document plus ``respawns`` (``last``'s ``died`` copied too)."""
+        doc = super().status_doc()
+        if doc["last"] and "died" in doc["last"]:
+            doc["last"]["died"] = list(doc["last"]["died"])
+        return {**doc, "respawns": self.respawns}

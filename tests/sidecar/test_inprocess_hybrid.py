@@ -193,6 +193,7 @@ def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
         status = b.coordinator.status()
         assert status is not None and status["respawns"] == 1
         assert status["last"]["signal"] == "SIGKILL"
+        assert status["last"]["died"] == ["local rank 1 (pid 4242) killed by SIGKILL"]
         assert not new.got  # no abort for the newcomer: it is in the running iteration
         # a raise afterwards restarts all four, the respawned one included
         a.ranks[0].fault(1)
@@ -221,6 +222,10 @@ def test_deaths_during_a_restart_join_it_and_all_start_again(
         _, local_rank, env = respawned.next()
         assert local_rank == 0 and env[contract.ENV_INPROCESS_ITERATION] == "1"
         assert _record(store, job_prefix).restarts == 1
+        a.flush()
+        status = a.coordinator.status()
+        assert status is not None and status["last"]["cause"] == "exception"  # the raise won
+        assert status["last"]["died"] == ["local rank 0 (pid 4242) killed by SIGKILL"]
 
 
 def test_process_path_when_the_budget_is_spent_or_the_respawn_fails(
