@@ -147,3 +147,25 @@ def test_a_restarted_worker_dying_before_its_hello_takes_the_process_path(
     assert run.restarts_charged() == 1
     assert "job succeeded" in out
     assert run.strays() == []
+
+
+def test_a_hung_worker_reaped_by_its_timer_alone_starts_again(tmp_path: Path) -> None:
+    """SIGSTOP: the timer server reaps the worker when its step's timer (5 s) expires; the
+    reap is a death like any other: the hybrid rung, cause ``hang``."""
+    job, stop = _job(tmp_path, budget=10)
+    run = KelasticRun(job, "--in-process", "--fault", "hang:rank=2,after=1",
+                      workdir=tmp_path / "runs")  # fmt: skip
+    try:
+        _wait(run, tmp_path / "runs", lambda: _entered(run, 1), "every rank in iteration 1")
+        run.finish(stop, rank=2, more=10)
+    finally:
+        run.interrupt()
+    out, logs = run.output, _sidecar_logs(tmp_path / "runs")
+    assert "fault: SIGSTOP rank 2" in out, out
+    reaped = r"rank 2 hang: local rank 0 \(pid \d+\) killed by SIGKILL: timer 'step' expired"
+    assert re.search(r"in-process restart 1/10 \(iteration 1\): " + reaped, logs), logs
+    starts = _starts(out)
+    assert [len(starts[r]) for r in range(4)] == [1, 1, 2, 1], starts
+    assert run.restarts_charged() == 0, out
+    assert "job succeeded" in out
+    assert run.strays() == []
