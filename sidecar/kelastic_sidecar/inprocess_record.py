@@ -80,7 +80,8 @@ class IterationRecord:
         round: the rendezvous round of the latest restart (-1 before any).
         restarts: in-process restarts the job spent.
         cause: why the latest restart happened (a :data:`kelastic.inprocess_messages.CAUSES`
-            value, or ``""``).
+            value; ``worker_died`` or ``hang`` for a worker process that died, the hybrid
+            rung: :func:`~kelastic_sidecar.inprocess_hybrid.death_cause`; or ``""``).
         node: the node that reported the fault (``""`` before any).
         rank: the global rank that faulted (-1 when unknown).
         message: the fault's one-line summary.
