@@ -311,6 +311,7 @@ def test_exceptions_and_summary() -> None:
 def test_shutdown_connections_spares_listeners_the_store_and_older_sockets() -> None:
     old_server = socket.create_server(("127.0.0.1", 0))
     old = socket.create_connection(old_server.getsockname())
+    old_peer, _ = old_server.accept()
     before = ip_abort.snapshot()
     server = socket.create_server(("127.0.0.1", 0))
     store_server = socket.create_server(("127.0.0.1", 0))
@@ -320,20 +321,27 @@ def test_shutdown_connections_spares_listeners_the_store_and_older_sockets() -> 
     store = socket.create_connection(("127.0.0.1", store_port))
     store_peer, _ = store_server.accept()
     unix_a, unix_b = socket.socketpair()
-    sockets: list[Any] = [old_server, old, server, store_server, conn, peer, store, store_peer,
-                          unix_a, unix_b]  # fmt: skip
+    sockets: list[Any] = [old_server, old, old_peer, server, store_server, conn, peer, store,
+                          store_peer, unix_a, unix_b]  # fmt: skip
     try:
         # conn and peer (both ends live in this process) are the only ones
-        assert ip_abort.shutdown_connections(before, store_port=store_port) == 2
+        assert ip_abort.shutdown_connections(before, store_port, store_clients=False) == 2
         assert conn.recv(10) == b"" and peer.recv(10) == b""
         store.sendall(b"x")
         assert store_peer.recv(10) == b"x"
         unix_a.sendall(b"y")
         assert unix_b.recv(10) == b"y"
-        old.sendall(b"z")
         server.settimeout(5)
         socket.create_connection(server.getsockname()).close()  # still listening
         server.accept()[0].close()
+        # by default the store's clients go too (not its server side: the client's
+        # shutdown is what its peer sees)
+        assert ip_abort.shutdown_connections(before, store_port) >= 1
+        assert store_peer.recv(10) == b""
+        with pytest.raises(OSError):
+            store.sendall(b"x")
+        old.sendall(b"z")  # the connection older than the snapshot is untouched
+        assert old_peer.recv(10) == b"z"
     finally:
         for sock in sockets:
             sock.close()
@@ -363,3 +371,21 @@ def test_nccl_groups_are_aborted_with_torch_s_abort() -> None:
     assert ip_abort.nccl_in_use(Dist("nccl"))
     assert ip_abort.abort_nccl(Dist("nccl")) is True
     assert calls == ["abort"]
+
+
+def test_a_failed_init_does_not_shift_the_next_group_name() -> None:
+    class World:
+        group_count = 1  # an init_process_group that failed counted its group
+
+    class C10d:
+        _world = World()
+
+    class Dist:
+        distributed_c10d = C10d
+
+        @staticmethod
+        def is_initialized() -> bool:
+            return False
+
+    assert ip_abort.destroy_process_groups(Dist()) is None
+    assert C10d._world.group_count == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,7 +47,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # What a worker does is chosen by KL_* env (per rank: KL_<NAME>_<rank>, else KL_<NAME>).
 WORKER = textwrap.dedent(
     r"""
-    import json, os, sys, threading, time
+    import faulthandler, json, os, signal, sys, threading, time
+    faulthandler.enable()  # stacks of a crashed worker
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # stacks of a stuck worker
     from kelastic.inprocess import CallWrapper, RestartAbort, Wrapper
 
     RANK = int(os.environ.get("RANK", "0"))
@@ -71,6 +74,11 @@ WORKER = textwrap.dedent(
         if opt("BAD_FINALIZE") == "1":
             raise OSError("cannot release the device")
 
+    if opt("GLOO") == "1":  # imported before the function, like a training script does
+        import datetime, torch, torch.distributed as dist
+    else:
+        dist = None
+
     SOFT = float(opt("SOFT", "0")) or None
     FAULT_AT = [int(x) for x in opt("FAULT", "-1:-1").split(":")]  # iteration:step
 
@@ -79,13 +87,17 @@ WORKER = textwrap.dedent(
         cw = call_wrapper
         it = cw.iteration
         emit("enter", iteration=it, port=os.environ.get("MASTER_PORT"))
-        dist = None
-        if opt("GLOO") == "1":
-            import datetime, torch, torch.distributed as dist
-            dist.init_process_group("gloo", rank=RANK, world_size=WORLD,
-                                    timeout=datetime.timedelta(seconds=120))
-            t = torch.ones(64)
+        if opt("DO") == "early" and it == FAULT_AT[0]:  # the peers wait in init
+            while not flag("fault_now"):
+                time.sleep(0.005)
+            emit("raising", iteration=it, step=-1)
+            raise ValueError(f"early boom in rank {RANK}")
         try:
+            if dist is not None:
+                emit("init", iteration=it)
+                dist.init_process_group("gloo", rank=RANK, world_size=WORLD,
+                                        timeout=datetime.timedelta(seconds=120))
+                t = torch.ones(64)
             for step in range(int(opt("STEPS", "5"))):
                 what = opt("DO") if [it, step] == FAULT_AT else ""
                 if what == "raise":
@@ -130,6 +142,7 @@ WORKER = textwrap.dedent(
         if dist is not None:
             dist.destroy_process_group()
         return {"iteration": it, "rank": RANK}
+
 
     value = train()
     emit("result", value=value, threads=[t.name for t in threading.enumerate()])
@@ -354,9 +367,19 @@ class Job:
                 codes.append(worker.proc.wait(max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 raise AssertionError(
-                    f"rank {worker.rank} still running; stderr:\n{self.stderr(worker.rank)}"
+                    f"rank {worker.rank} still running; stderr and stacks:\n" + self.stacks(worker)
                 ) from None
         return codes
+
+    def stacks(self, worker: Worker) -> str:
+        """The worker's stderr after it dumped its threads' stacks (SIGUSR2)."""
+        worker.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "most recent call first" not in "".join(
+            worker.stderr[-50:]
+        ):
+            time.sleep(0.05)
+        return "".join(worker.stderr)
 
     def stderr(self, rank: int) -> str:
         return "".join(self.workers[rank].stderr)

@@ -13,7 +13,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -100,15 +100,15 @@ class Connection:
         return True
 
     def messages(
-        self, tick: float, stop: threading.Event
+        self, tick: Callable[[], float], stop: threading.Event
     ) -> Iterator[CoordinatorMessage | Closed | None]:
-        """Yield each message received, ``None`` every ``tick`` seconds without one (for the
-        caller's timers), and a final :class:`Closed` when the peer went away, the stream
-        broke the protocol, or ``stop`` was set."""
+        """Yield each message received, ``None`` after ``tick()`` seconds without one (for
+        the caller's timers), and a final :class:`Closed` when the peer went away, the
+        stream broke the protocol, or ``stop`` was set."""
         buffer = LineBuffer(MAX_LINE)
         while not stop.is_set():
             try:
-                ready, _, _ = select.select([self._sock], [], [], tick)
+                ready, _, _ = select.select([self._sock], [], [], tick())
             except (OSError, ValueError) as exc:  # closed under us
                 yield Closed(f"socket error: {exc}")
                 return

@@ -34,6 +34,10 @@ __all__ = ["Heartbeat", "Monitor"]
 
 Inbox = queue.Queue[CoordinatorMessage | Closed]
 
+#: Seconds between the monitor's checks (soft timeout; the teardown repeated while an
+#: aborted function has not left yet), at most; a tenth of the soft timeout if shorter.
+TICK = 0.2
+
 
 class Heartbeat:
     """The current iteration's progress clock.
@@ -115,8 +119,9 @@ class Monitor:
         self._soft_timeout = soft_timeout
         self._local_rank = local_rank
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._abort_target = -1
+        self._ended = False  # give_up or closed
         self._give_up = False
         self._thread = threading.Thread(target=self._run, name="kelastic-inprocess", daemon=True)
 
@@ -130,6 +135,18 @@ class Monitor:
         """Whether ``give_up`` arrived."""
         return self._give_up
 
+    def wait_for_abort(self, iteration: int, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for an ``abort`` past ``iteration`` (or a
+        ``give_up``, or the end of the connection); return whether one came."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._abort_target <= iteration and not self._ended:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
     def start(self) -> None:
         """Start the thread."""
         self._thread.start()
@@ -142,13 +159,18 @@ class Monitor:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        tick = min(0.5, max(0.01, self._soft_timeout / 10))
+        slow = min(TICK, max(0.01, self._soft_timeout / 10))
+
+        def tick() -> float:
+            return 0.01 if self._guard.delivering else slow
+
         try:
             for item in self._conn.messages(tick, self._stop):
                 if item is not None:
                     self._handle(item)
                     if isinstance(item, Closed):
                         return
+                self._guard.poll()
                 stalled = self._heartbeat.stalled(self._soft_timeout)
                 if stalled is not None:
                     self._conn.send(Fault(
@@ -163,6 +185,7 @@ class Monitor:
         if isinstance(item, Abort):
             with self._lock:
                 self._abort_target = max(self._abort_target, item.iteration)
+                self._lock.notify_all()
             if item.iteration > self._heartbeat.iteration:
                 self._guard.request()
         elif isinstance(item, GiveUp):
@@ -170,4 +193,8 @@ class Monitor:
             self._guard.request()
         elif not isinstance(item, (Go, Closed)):
             return  # Unknown (a newer sidecar): ignored
+        if isinstance(item, (GiveUp, Closed)):
+            with self._lock:
+                self._ended = True
+                self._lock.notify_all()
         self.inbox.put(item)

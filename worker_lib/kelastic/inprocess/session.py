@@ -57,6 +57,14 @@ R = TypeVar("R")
 #: Seconds between checks while the main thread waits for the sidecar (signals and
 #: Ctrl-C are handled in between).
 WAIT_TICK = 0.5
+#: Seconds a rank whose collective failed because a peer went away waits for the abort
+#: before it reports the failure as its own fault (so that the peer's fault, the cause,
+#: reaches the sidecar first; the sidecar reads each rank's connection on its own).
+PEER_FAILURE_GRACE = 0.5
+#: Words of the errors a collective raises when a peer closed its connections (gloo:
+#: "Connection closed by peer", "Connection reset by peer"; c10d's store).
+_PEER_FAILURE_WORDS = ("connection closed", "connection reset", "broken pipe",
+                       "connection was likely closed")  # fmt: skip
 
 
 def summary(exc: BaseException) -> str:
@@ -178,6 +186,11 @@ class Session(Generic[R]):
             error = outcome.error
             if error is not None and not isinstance(error, Exception | RestartAbort):
                 raise error  # SystemExit, KeyboardInterrupt: the process is ending
+            if not aborted and error is not None and _peer_failure(error):
+                # Probably a consequence: a faulted peer tore down its connections and
+                # its fault is on the way; the abort that follows makes this no fault.
+                self._monitor.wait_for_abort(iteration, PEER_FAILURE_GRACE)
+                aborted = self._monitor.abort_target > iteration or self._monitor.gave_up
             own = not aborted
             if own:
                 # Report first: the peers this teardown releases fail too, and their
@@ -271,6 +284,15 @@ class Session(Generic[R]):
                 os.environ.update(item.env)
                 os.environ[contract.ENV_INPROCESS_ITERATION] = str(item.iteration)
                 return item.iteration
+
+
+def _peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a collective broken by a peer (torch's
+    ``DistNetworkError``, or a ``RuntimeError`` saying a connection closed)."""
+    if any(cls.__name__ == "DistNetworkError" for cls in type(exc).__mro__):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _PEER_FAILURE_WORDS)
 
 
 def _why(item: GiveUp | Closed) -> str:
