@@ -31,6 +31,7 @@ from .control import ControlServer, Disconnected, Message
 from .etcd_store import EtcdUnavailableError
 from .failure import CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
 from .inprocess_coordinator import InProcessCoordinator
+from .inprocess_hybrid import respawn_failure
 from .metrics import SidecarMetrics
 from .rendezvous import EtcdRendezvousHandler, RendezvousError, RendezvousInfo
 from .round_end import (
@@ -92,6 +93,7 @@ class AttemptMonitor:
         self.tokens: dict[int, str] = {}
         self.warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
         self.reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
+        self.respawned: set[int] = set()  # local ranks started again this attempt
         self.watch_stop = threading.Event()
         self._rdzv_queued = threading.Event()  # a RendezvousChanged waits in the queue
 
@@ -104,6 +106,7 @@ class AttemptMonitor:
         self.pids.clear()
         self.reaped.clear()
         self.warm = 0
+        self.respawned.clear()
         self._timer.forget_all()
         self.tokens = {r: secrets.token_hex(16) for r in range(self.nproc)}
         return self.tokens
@@ -190,6 +193,7 @@ class AttemptMonitor:
                         return end
                 elif isinstance(event, RespawnDue):
                     if event.round == info.round:  # else a late one of an earlier round
+                        self.respawned.add(event.local_rank)
                         self._control.send(Respawn(self.attempt, event.local_rank, event.env))
                 else:
                     end = self._on_control(event.message, info, succeeded, on_started)
@@ -304,6 +308,8 @@ class AttemptMonitor:
                 return RoundEnd(RoundEndKind.SUCCEEDED)
             return None
         failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped)
+        if msg.local_rank in self.respawned:
+            failure = respawn_failure(failure)
         coordinator = self._inprocess if failure.cause != CAUSE_START_FAILURE else None
         if coordinator is not None and coordinator.absorb_exit(msg.local_rank, msg.pid, failure):
             log.warning("round %d: %s; its peers restart in process, it starts again",

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
-from .failure import CAUSE_HANG, Failure, signal_name
+from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
 
 __all__ = [
     "CAUSE_WORKER_DIED",
@@ -31,6 +31,7 @@ __all__ = [
     "absorb_verdict",
     "death_cause",
     "death_message",
+    "respawn_failure",
 ]
 
 #: The iteration record's ``cause`` for a worker process that died (a reap or the
@@ -134,3 +135,15 @@ def death_message(failure: Failure, pid: int | None, killed_by_coordinator: bool
     else:
         how = f"exited with code {failure.exitcode}"
     return f"{who} {how}" + (f": {failure.message}" if failure.message else "")
+
+
+def respawn_failure(failure: Failure) -> Failure:
+    """How the process path sees the exit of a worker *started again* by this rung:
+    one that could not even be started (``start_failure``, which fails the job at once:
+    :func:`~kelastic_sidecar.round_end.classify_exit`) is a ``worker_failure`` here, since
+    the same command started in this attempt: a process restart of the group follows
+    (issue 12: a failed respawn takes the process path). Other failures are unchanged."""
+    if failure.cause != CAUSE_START_FAILURE:
+        return failure
+    text = f"could not be started again after its death: {failure.message}".rstrip(": ")
+    return replace(failure, cause=CAUSE_WORKER_FAILURE, message=text)

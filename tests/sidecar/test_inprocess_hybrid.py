@@ -284,3 +284,15 @@ def test_disabled_or_no_round_refuses(store: EtcdStore, job_prefix: str) -> None
     with a_cm as a:
         failure = Failure(cause=CAUSE_WORKER_FAILURE, node="node-a", round=1, local_rank=0)
         assert not a.coordinator.absorb_exit(0, 1234, failure)  # no round begun
+
+
+def test_a_respawn_that_cannot_start_is_a_worker_failure_not_a_job_failure() -> None:
+    from kelastic_sidecar.failure import CAUSE_START_FAILURE
+    from kelastic_sidecar.inprocess_hybrid import respawn_failure
+
+    failed = _failure(CAUSE_START_FAILURE, exitcode=127, message="fork: out of memory")
+    again = respawn_failure(failed)
+    assert again.cause == CAUSE_WORKER_FAILURE  # the process path restarts the group
+    assert again.message == "could not be started again after its death: fork: out of memory"
+    died = _failure(signal=signal.SIGKILL)
+    assert respawn_failure(died) is died
