@@ -26,6 +26,7 @@ from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Fail
 
 __all__ = [
     "CAUSE_WORKER_DIED",
+    "RESPAWN_NOTE",
     "Absorb",
     "AbsorbVerdict",
     "absorb_verdict",
@@ -40,6 +41,11 @@ __all__ = [
 #: (:func:`~kelastic_sidecar.inprocess_round.cause_label`): the dashboards' cause set
 #: stays the process restarts' one.
 CAUSE_WORKER_DIED: Final = "worker_died"
+
+
+#: What the iteration record's ``message`` adds to a death taken by this rung (the
+#: restart's description: ``kelastic run`` and the job's status show it).
+RESPAWN_NOTE: Final = "it alone starts again as a process"
 
 
 class Absorb(enum.Enum):

@@ -36,7 +36,13 @@ from kelastic.inprocess_messages import Hello
 from kelastic_etcd import EtcdError
 
 from .failure import Failure, signal_name
-from .inprocess_hybrid import Absorb, absorb_verdict, death_cause, death_message
+from .inprocess_hybrid import (
+    RESPAWN_NOTE,
+    Absorb,
+    absorb_verdict,
+    death_cause,
+    death_message,
+)
 from .inprocess_machine import ABORTING, BARRIER, RUNNING, RestartMachine, victim_pid
 from .inprocess_record import Advance, IterationRecord, advance_iteration, encode_iteration_record
 from .inprocess_round import barrier_verdict, go_env
@@ -132,7 +138,8 @@ class HybridMachine(RestartMachine):
             out = advance_iteration(
                 self._store, self._keys.inprocess_iteration, self._iteration,
                 self.settings.max_restarts, round_=ctx.round, cause=cause, node=self.node,
-                rank=rank, message=message, now=failure.time, known=self._known,
+                rank=rank, message=f"{message}; {RESPAWN_NOTE}", now=failure.time,
+                known=self._known,
             )  # fmt: skip
         except (EtcdError, RuntimeError) as exc:
             log.error("%s: cannot record the in-process restart (%s)", message, exc)

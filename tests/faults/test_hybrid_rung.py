@@ -70,6 +70,8 @@ def test_a_killed_worker_alone_starts_again_its_peers_restart_in_process(
                       workdir=tmp_path / "runs")  # fmt: skip
     try:
         _wait(run, tmp_path / "runs", lambda: _entered(run, 1), "every rank in iteration 1")
+        said = lambda: run.has("in-process restart 1/10 (iteration 1)")  # noqa: E731
+        _wait(run, tmp_path / "runs", said, "kelastic run naming the restart")
         run.finish(stop, rank=1, more=10)
     finally:
         run.interrupt()
@@ -78,6 +80,10 @@ def test_a_killed_worker_alone_starts_again_its_peers_restart_in_process(
     assert re.search(r"in-process restart 1/10 \(iteration 1\): rank 1 worker_died: local rank "
                      r"1 \(pid \d+\) killed by SIGKILL", logs), logs  # fmt: skip
     assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    # what kelastic run says of it: the rung, the dead worker and its signal
+    assert re.search(r"in-process restart 1/10 \(iteration 1\): rank 1 worker_died: local rank "
+                     r"1 \(pid \d+\) killed by SIGKILL; it alone starts again as a process; "
+                     r"stepping again after \d", out), out  # fmt: skip
     took = re.findall(r"every local rank progressed (\d+\.\d+)s after the abort", logs)
     print(f"\nSIGKILL of rank 1 -> every local rank stepping again (hybrid rung): {took} s")
     starts = _starts(out)

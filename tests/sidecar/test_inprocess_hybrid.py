@@ -172,7 +172,9 @@ def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
         assert (record.iteration, record.restarts, record.cause, record.rank) == (
             1, 1, CAUSE_WORKER_DIED, 3,
         )  # fmt: skip
-        assert record.message == "local rank 1 (pid 4242) killed by SIGKILL"
+        assert record.message == (
+            "local rank 1 (pid 4242) killed by SIGKILL; it alone starts again as a process"
+        )
         # the new process says hello in iteration 1: a rank of the running iteration
         new = Rank(b.socket_path, 1, 3, iteration=1)
         b.ranks[1] = new
