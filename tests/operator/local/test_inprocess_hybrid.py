@@ -56,6 +56,9 @@ def test_digits_recovers_from_a_killed_worker_with_the_hybrid_rung(tmp_path: Pat
     assert re.search(r"in-process restart 1/\d+ \(iteration 1\): rank 2 worker_died: local rank "
                      rf"0 \(pid {dead}\) killed by SIGKILL", logs), logs  # fmt: skip
     assert "local rank 0 starts again as a process in iteration 1" in logs, logs
+    assert re.search(r"in-process restart 1/\d+ \(iteration 1\): rank 2 worker_died: local rank "
+                     rf"0 \(pid {dead}\) killed by SIGKILL; it alone starts again as a process",
+                     out), out  # kelastic run names the rung  # fmt: skip
     assert run.restarts_charged() == 0, out  # no process restart
     assert len(set(_hashes(out, 1).values())) == 1, _hashes(out, 1)  # the same state
     acc = [float(x) for x in re.findall(r"final test accuracy (\d\.\d+)", out)]
