@@ -284,7 +284,7 @@ class AttemptMonitor:
         """The attempt's workers started, or (a partial ``started``) one started again."""
         pids = msg.pids
         warm = min(msg.warm, len(pids)) if msg.warm > 0 else 0
-        if self.pids and len(pids) < self.nproc:  # a respawn's (the hybrid rung)
+        if self.respawned and pids.keys() <= self.respawned:  # a respawn's (the hybrid rung)
             log.info("local rank(s) %s started again: pid(s) %s (%s)", ", ".join(map(str, pids)),
                      ", ".join(map(str, pids.values())), "warm" if warm else "cold")  # fmt: skip
         self.warm += warm  # a respawn's adds to the attempt's
