@@ -122,3 +122,19 @@ def test_abort_releases_ranks_waiting_in_init_process_group(run_dir: Path) -> No
             j.log.wait(msg(Done, iteration=1, local_rank=rank), what=f"done from rank {rank}")
         assert j.wait_exit() == [0] * world
         print(f"\nabort -> out of init_process_group: {took}")
+
+
+def test_repeated_restarts_leak_no_connections(run_dir: Path) -> None:
+    """Three faults in a row (iterations 0, 1, 2): every rank enters iteration 3 with the
+    sockets it had in iteration 1 (the aborted groups' connections are closed)."""
+    world = 2
+    env = {"KL_GLOO": "1", "KL_STEPS": "4", "KL_FAULT_1": "0:2,1:2,2:2", "KL_DO_1": "raise"}
+    with job(run_dir, world, env=env) as j:
+        for rank in range(world):
+            j.log.wait(msg(Done, iteration=3, local_rank=rank), what=f"done(3) from {rank}")
+        assert j.wait_exit() == [0] * world
+        for rank in range(world):
+            sockets = {e["iteration"]: e["sockets"] for e in j.log.find(ev("enter", rank=rank))}
+            assert sorted(sockets) == [0, 1, 2, 3]
+            assert sockets[3] <= sockets[1], sockets
+            print(f"\nrank {rank}: sockets open at each iteration's entry: {sockets}")

@@ -61,6 +61,15 @@ WORKER = textwrap.dedent(
     def emit(event, **kw):
         print(json.dumps({"event": event, "rank": RANK, "t": time.time(), **kw}), flush=True)
 
+    def sockets():
+        count = 0
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                count += os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
+            except OSError:
+                pass  # the listing's own descriptor
+        return count
+
     def flag(name):  # a file the test creates to release the worker
         return os.path.exists(os.path.join(os.environ["KL_DIR"], name))
 
@@ -80,13 +89,15 @@ WORKER = textwrap.dedent(
         dist = None
 
     SOFT = float(opt("SOFT", "0")) or None
-    FAULT_AT = [int(x) for x in opt("FAULT", "-1:-1").split(":")]  # iteration:step
+    # "iteration:step[,iteration:step...]": where KL_DO happens
+    FAULTS = [[int(x) for x in f.split(":")] for f in opt("FAULT", "-1:-1").split(",")]
+    FAULT_AT = FAULTS[0]
 
     @Wrapper(finalize=finalize, health_check=health, soft_timeout=SOFT, hard_timeout=600)
     def train(call_wrapper: CallWrapper | None = None):
         cw = call_wrapper
         it = cw.iteration
-        emit("enter", iteration=it, port=os.environ.get("MASTER_PORT"))
+        emit("enter", iteration=it, port=os.environ.get("MASTER_PORT"), sockets=sockets())
         if opt("DO") == "early" and it == FAULT_AT[0]:  # the peers wait in init
             while not flag("fault_now"):
                 time.sleep(0.005)
@@ -99,7 +110,7 @@ WORKER = textwrap.dedent(
                                         timeout=datetime.timedelta(seconds=120))
                 t = torch.ones(64)
             for step in range(int(opt("STEPS", "5"))):
-                what = opt("DO") if [it, step] == FAULT_AT else ""
+                what = opt("DO") if [it, step] in FAULTS else ""
                 if what == "raise":
                     emit("raising", iteration=it, step=step)
                     raise ValueError(f"boom in rank {RANK}")
