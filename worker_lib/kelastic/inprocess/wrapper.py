@@ -214,6 +214,9 @@ class Wrapper:
         return soft, hard
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """Wrap ``fn``; the result takes ``fn``'s arguments and returns its value. A
+        ``call_wrapper`` parameter of ``fn`` (by name) receives the :class:`CallWrapper`.
+        """
         wants = _wants_call_wrapper(fn)
 
         @functools.wraps(fn)
