@@ -170,6 +170,17 @@ def test_soft_timeout_reports_a_fault(run_dir: Path) -> None:
         assert len(j.log.find(msg(Fault))) == 1
 
 
+def test_timed_steps_count_as_progress(run_dir: Path) -> None:
+    env = {"KL_TIMED": "1", "KL_STEPS": "20", "KL_PACE": "0.05", "KL_SOFT": "0.5"}
+    with job(run_dir, 1, env=env) as j:
+        step = j.log.wait(ev("step", step=0), what="first step")
+        progress = j.log.wait(msg(Progress, iteration=0), what="progress")
+        assert abs(progress["t"] - step["t"]) < 0.5  # sent at the step's expires()
+        j.log.wait(msg(Done, iteration=0), what="done(0)")  # 1 s of steps, no soft timeout
+        assert j.wait_exit() == [0]
+        assert not j.log.find(msg(Fault)) and len(j.log.find(msg(Progress))) == 1
+
+
 def test_failed_health_check_reports_and_exits(run_dir: Path) -> None:
     env = {"KL_FAULT": "0:1", "KL_DO": "raise", "KL_UNHEALTHY": "1"}
     with job(run_dir, 1, env=env) as j:
