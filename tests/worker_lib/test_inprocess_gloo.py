@@ -60,7 +60,7 @@ def test_raise_in_one_rank_restarts_every_rank(run_dir: Path) -> None:
             result = j.log.wait(ev("result", rank=rank))
             assert result["value"] == {"iteration": 1, "rank": rank}
             assert result["threads"] == ["MainThread"]
-        assert j.wait_exit() == [0] * world
+        j.expect_exit([0] * world)
         steps = {e["rank"] for e in j.log.find(ev("step", iteration=1, step=7))}
         assert steps == set(range(world))  # all steps of iteration 1 done, together
         restart = max(e["t"] for e in entered) - raised["t"]
@@ -90,7 +90,7 @@ def test_abort_releases_ranks_blocked_in_all_reduce(run_dir: Path) -> None:
         j.coord.go(1)
         for rank in range(world):
             j.log.wait(msg(Done, iteration=1, local_rank=rank), what=f"done from rank {rank}")
-        assert j.wait_exit() == [0] * world
+        j.expect_exit([0] * world)
         hows = {rank: j.log.wait(ev("aborted", rank=rank))["how"] for rank in range(world)}
         took = {r: f"{s * 1000:.0f} ms ({hows[r]})" for r, s in released.items()}
         print(f"\nabort -> out of the function, per rank: {took}")
@@ -120,7 +120,7 @@ def test_abort_releases_ranks_waiting_in_init_process_group(run_dir: Path) -> No
             assert aborted["t"] - sent_at < RELEASE_BOUND
         for rank in range(world):
             j.log.wait(msg(Done, iteration=1, local_rank=rank), what=f"done from rank {rank}")
-        assert j.wait_exit() == [0] * world
+        j.expect_exit([0] * world)
         print(f"\nabort -> out of init_process_group: {took}")
 
 
@@ -132,7 +132,7 @@ def test_repeated_restarts_leak_no_connections(run_dir: Path) -> None:
     with job(run_dir, world, env=env) as j:
         for rank in range(world):
             j.log.wait(msg(Done, iteration=3, local_rank=rank), what=f"done(3) from {rank}")
-        assert j.wait_exit() == [0] * world
+        j.expect_exit([0] * world)
         for rank in range(world):
             sockets = {e["iteration"]: e["sockets"] for e in j.log.find(ev("enter", rank=rank))}
             assert sorted(sockets) == [0, 1, 2, 3]

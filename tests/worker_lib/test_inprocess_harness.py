@@ -394,6 +394,16 @@ class Job:
                 ) from None
         return codes
 
+    def expect_exit(self, codes: list[int], timeout: float = 60.0) -> None:
+        """Assert the workers' exit codes, showing the stderr of those that differ."""
+        got = self.wait_exit(timeout)
+        if got != codes:
+            tails = "\n".join(
+                f"--- rank {r} (exit {c}):\n" + "".join(self.workers[r].stderr[-40:])
+                for r, c in enumerate(got) if c != codes[r]
+            )  # fmt: skip
+            raise AssertionError(f"exit codes {got}, expected {codes}\n{tails}")
+
     def stacks(self, worker: Worker) -> str:
         """The worker's stderr after it dumped its threads' stacks (SIGUSR2)."""
         worker.proc.send_signal(signal.SIGUSR2)
