@@ -199,14 +199,17 @@ class Session(Generic[R]):
                 self._fault(iteration, CAUSE_EXCEPTION, error or RuntimeError("no error"))
                 self._guard.tear_down()  # release the peers blocked on this rank now
             self.call_wrapper.fault = error
+            stopped: _Stop | None = None
             try:
                 target = self._await_abort(iteration)
                 self._leave(target, error)
                 iteration = self._barrier(target)
             except _Stop as stop:
+                stopped = stop
+            if stopped is not None:  # outside the handler: the fault re-raised unchanged
                 if own and error is not None:
-                    raise error from None
-                raise GiveUpError(f"in-process restart ended: {stop}") from error
+                    raise error
+                raise GiveUpError(f"in-process restart ended: {stopped}") from error
 
     def _run_once(self, iteration: int) -> _Outcome[R]:
         """Call the function as ``iteration``; whatever it raises is returned."""
