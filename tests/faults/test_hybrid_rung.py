@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import wait_for
@@ -175,3 +176,41 @@ def test_a_hung_worker_reaped_by_its_timer_alone_starts_again(tmp_path: Path) ->
     assert run.restarts_charged() == 0, out
     assert "job succeeded" in out
     assert run.strays() == []
+
+
+STEPPED = re.compile(r"^\[(\d)\]:? ?pid (\d+) stepped iteration (\d+)$", re.M)
+
+
+@pytest.mark.slow
+def test_ddp_survivors_of_killed_workers_leave_their_iteration_at_once(tmp_path: Path) -> None:
+    # The survivors of a SIGKILLed peer were in DDP's backward with bucket all-reduces in
+    # flight. Releasing the aborted iteration's frames (its DDP reducer) after its process
+    # group was destroyed deadlocked them in the reducer's destructor until the hard
+    # timeout killed them (2 of 6 kills, 30 s each): the frames go first now.
+    stop = tmp_path / "stop"
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, nproc=2, max_restarts=3,
+        command=["python", str(WORKERS / "wrapped_ddp.py")], env={"STEPS_STOP_FILE": str(stop)},
+    )  # fmt: skip
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": 10,
+                                "softTimeoutSeconds": 30, "hardTimeoutSeconds": 60}  # fmt: skip
+    job.write_text(yaml.safe_dump(doc))
+    kills = [a for _ in range(6) for a in ("--fault", "kill:rank=1,after=1")]
+    run = KelasticRun(job, "--in-process", "--warm-start", *kills, workdir=tmp_path / "runs")
+    try:
+
+        def stepped(iteration: int) -> Callable[[], bool]:
+            return lambda: {int(r) for r, _, it in STEPPED.findall(run.output)
+                            if int(it) == iteration} >= {0, 1, 2, 3}  # fmt: skip
+
+        for iteration in range(1, 7):
+            _wait(run, tmp_path / "runs", stepped(iteration), f"all ranks stepping in {iteration}")
+        stop.touch()
+        assert run.wait() == 0, run.output
+    finally:
+        run.interrupt()
+    logs = _sidecar_logs(tmp_path / "runs")
+    assert "did not pass the termination barrier" not in logs, logs
+    assert run.has("in-process restart 6/10 (iteration 6)"), run.output
+    assert "process restart" not in run.output.replace("in-process restart", ""), run.output

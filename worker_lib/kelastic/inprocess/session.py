@@ -258,6 +258,11 @@ class Session(Generic[R]):
     def _leave(self, target: int, error: BaseException | None) -> None:
         """Destroy the process groups, run the hooks; a failure is reported and raised."""
         wrapper = self._wrapper
+        # The aborted iteration's objects (a DDP reducer with bucket all-reduces in
+        # flight) go before their process group: a reducer freed after its group was
+        # destroyed blocked in its destructor (survivors of a SIGKILLed peer stuck until
+        # the hard timeout; tests/faults/test_hybrid_rung.py, the DDP case).
+        _release_frames(error)
         failed = abort.destroy_process_groups()
         if failed is None and wrapper.abort is not None:
             failed = _call_hook(wrapper.abort, self.call_wrapper)
@@ -271,7 +276,6 @@ class Session(Generic[R]):
             if failed is not None:
                 self._fault(target, CAUSE_HEALTH_CHECK, failed)
                 raise failed from error
-        _release_frames(error)
 
     def _barrier(self, target: int) -> int:
         """Termination barrier: ``ready(target)``, wait for ``go``; return the iteration
