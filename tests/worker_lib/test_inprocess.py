@@ -158,6 +158,21 @@ def test_atomic_defers_the_abort_to_its_end(run_dir: Path) -> None:
         assert j.wait_exit() == [0]
 
 
+def test_a_fault_inside_atomic_restarts_and_frees_the_section(run_dir: Path) -> None:
+    # The exception leaves the atomic section on its way out: the section's lock is not
+    # held by the aborted iteration, so the next one enters and leaves it, and steps.
+    env = {"KL_FAULT": "0:1", "KL_DO": "atomic_raise", "KL_STEPS": "3"}
+    with job(run_dir, 1, env=env) as j:
+        fault = j.log.wait(msg(Fault), what="fault")["msg"]
+        assert (fault.iteration, fault.cause) == (0, CAUSE_EXCEPTION)
+        assert fault.message == "ValueError: boom in atomic in rank 0"
+        assert not j.log.find(ev("atomic_out", iteration=0))
+        j.log.wait(ev("atomic_out", iteration=1), what="atomic section of iteration 1")
+        j.log.wait(ev("step", iteration=1, step=2), what="steps of iteration 1")
+        j.log.wait(msg(Done, iteration=1), what="done(1)")
+        assert j.wait_exit() == [0]
+
+
 def test_soft_timeout_reports_a_fault(run_dir: Path) -> None:
     env = {"KL_FAULT": "0:1", "KL_DO": "wait", "KL_STEPS": "3", "KL_SOFT": "0.5"}
     with job(run_dir, 1, env=env) as j:

@@ -136,6 +136,12 @@ WORKER = textwrap.dedent(
                                 emit("abort_held", iteration=it)
                             time.sleep(0.005)
                         emit("atomic_out", iteration=it)
+                if what == "atomic_raise" or (opt("DO") == "atomic_raise" and it > 0):
+                    with cw.atomic():  # a fault inside; the next iteration's section works
+                        emit("atomic_in", iteration=it)
+                        if what:
+                            raise ValueError(f"boom in atomic in rank {RANK}")
+                    emit("atomic_out", iteration=it)
                 if what == "wait":  # sleep in short slices, no ping
                     emit("waiting", iteration=it, step=step)
                     while True:
