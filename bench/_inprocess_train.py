@@ -20,7 +20,7 @@ import json
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,18 @@ def train(call_wrapper: Any = None, base_store: Any = None) -> None:
         time.sleep(0.05)
 
 
+def _for_nvrx(nvrx: Any) -> Any:
+    """``train`` as NVRx's Wrapper wants it: it finds the parameter to pass its
+    ``CallWrapper`` in by an evaluated annotation (``issubclass``), which this module's
+    postponed (string) annotations are not."""
+
+    def fn(call_wrapper: Any = None, base_store: Any = None) -> None:
+        train(call_wrapper, base_store)
+
+    fn.__annotations__ = {"call_wrapper": Optional[nvrx.CallWrapper]}  # noqa: UP045
+    return fn
+
+
 def main() -> None:
     signal.signal(signal.SIGUSR1, _raise)
     signal.signal(signal.SIGUSR2, _hang_on)
@@ -97,7 +109,7 @@ def main() -> None:
             multi_tenant=True, wait_for_workers=True, use_libuv=True,
             timeout=datetime.timedelta(seconds=120),
         )  # fmt: skip
-        nvrx.Wrapper()(train)(base_store=base_store)
+        nvrx.Wrapper()(_for_nvrx(nvrx))(base_store=base_store)
     else:
         train()
 
