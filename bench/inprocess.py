@@ -3,7 +3,9 @@ job stepping again, side by side in one run.
 
 (a) one rank raises inside the training function (SIGUSR1 -> exception): kelastic's
     in-process restart vs NVIDIA's ``nvidia_resiliency_ext.inprocess.Wrapper`` (under
-    torchrun, its documented set-up) vs kelastic's warm process restart vs torchrun.
+    torchrun, its documented set-up; its process group's timeout lowered to 3 s, its best
+    case: ranks blocked in a collective are released only by that timeout) vs kelastic's
+    warm process restart vs torchrun.
 (b) one worker is SIGKILLed: kelastic's hybrid rung (survivors restart in process, the
     dead rank starts again as a process) vs kelastic's warm process restart vs torchrun.
 (c) one rank hangs (SIGUSR2: no step, no ``ping``): kelastic's soft-timeout abort; the
