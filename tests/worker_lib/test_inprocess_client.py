@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from kelastic.inprocess.client import Connection
 from kelastic.inprocess_messages import Hello, encode
@@ -30,3 +34,43 @@ def test_connects_to_a_socket_path_longer_than_sun_path(tmp_path: Path) -> None:
         conn.close()
     finally:
         server.close()
+
+
+def test_a_peer_waits_until_the_next_iterations_store_listens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank that connects to the next iteration's store before rank 0 created it is
+    # refused, and torch's store client backs off for up to a second: the session probes
+    # the port every few ms instead, and returns as soon as it listens.
+    from kelastic import contract
+    from kelastic.inprocess.session import _wait_for_store
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    monkeypatch.setenv(contract.RANK, "1")
+    monkeypatch.setenv(contract.MASTER_ADDR, "127.0.0.1")
+    monkeypatch.setenv(contract.MASTER_PORT, str(port))
+    listening = threading.Event()
+
+    def serve() -> None:
+        time.sleep(0.3)  # rank 0 is still leaving its last iteration
+        server = socket.create_server(("127.0.0.1", port))
+        listening.set()
+        conn, _ = server.accept()
+        conn.close()
+        server.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    started = time.monotonic()
+    _wait_for_store(timeout=10.0)
+    took, up = time.monotonic() - started, listening.is_set()
+    thread.join(5)
+    assert up, "returned before the store listened"
+    assert took < 5.0
+    monkeypatch.setenv(contract.RANK, "0")  # rank 0 hosts the store: it never waits
+    started = time.monotonic()
+    _wait_for_store(timeout=10.0)
+    assert time.monotonic() - started < 0.5

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +64,9 @@ WAIT_TICK = 0.5
 #: before it reports the failure as its own fault (so that the peer's fault, the cause,
 #: reaches the sidecar first; the sidecar reads each rank's connection on its own).
 PEER_FAILURE_GRACE = 0.5
+#: Seconds a rank waits for the next iteration's store to listen before it calls the
+#: function anyway (then torch's own connect timeout applies).
+STORE_WAIT = 10.0
 #: Words of the errors a collective raises when a peer closed its connections (gloo:
 #: "Connection closed by peer", "Connection reset by peer"; c10d's store).
 _PEER_FAILURE_WORDS = ("connection closed", "connection reset", "broken pipe",
@@ -292,7 +297,28 @@ class Session(Generic[R]):
             elif isinstance(item, Go) and item.iteration >= target:
                 os.environ.update(item.env)
                 os.environ[contract.ENV_INPROCESS_ITERATION] = str(item.iteration)
+                _wait_for_store()
                 return item.iteration
+
+
+def _wait_for_store(timeout: float = STORE_WAIT) -> None:
+    """On every rank but 0: wait (at most ``timeout`` seconds) until the iteration's
+    c10d store at ``MASTER_ADDR:MASTER_PORT`` accepts connections. Rank 0 creates it in
+    its ``init_process_group``; a peer that connects first is refused, and torch's store
+    client then backs off for up to a second (measured: 0.5-0.7 s added to 2 of 5
+    restarts). A refused probe here is retried every few milliseconds instead."""
+    if os.environ.get(contract.RANK, "0") == "0":
+        return
+    addr, port = os.environ.get(contract.MASTER_ADDR), os.environ.get(contract.MASTER_PORT)
+    if not addr or not port or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=0.1):
+                return
+        except OSError:
+            time.sleep(0.003)
 
 
 def _peer_failure(exc: BaseException) -> bool:
