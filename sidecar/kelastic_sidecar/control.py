@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -46,7 +45,7 @@ from kelastic.control_messages import (
     Unknown,
     parse_launcher_message,
 )
-from kelastic.sockaddr import unix_address
+from kelastic.sockaddr import listen_unix
 
 from .timer_wire import ipc_access, socket_mode
 
@@ -124,15 +123,8 @@ class ControlServer:
         Raises:
             OSError: the socket cannot be created (e.g. the run dir is missing).
         """
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with unix_address(self.path) as address:
-            listener.bind(address)
         # The access mode (see the module doc), not umask's.
-        os.chmod(self.path, self._mode)
-        listener.listen(4)
-        self._listener = listener
+        self._listener = listen_unix(self.path, self._mode, 4)
         threading.Thread(target=self._accept_loop, name="control-accept", daemon=True).start()
 
     @property

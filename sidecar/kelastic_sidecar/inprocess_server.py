@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import socket
 import struct
 import threading
@@ -46,7 +45,7 @@ from kelastic.inprocess_messages import (
     encode,
     parse_worker_message,
 )
-from kelastic.sockaddr import unix_address
+from kelastic.sockaddr import listen_unix
 
 from .timer_wire import ipc_access, socket_mode
 
@@ -195,14 +194,7 @@ class InProcessServer:
         Raises:
             OSError: the socket cannot be created (e.g. the run dir is missing).
         """
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with unix_address(self.path) as address:
-            listener.bind(address)
-        os.chmod(self.path, self._mode)
-        listener.listen(64)
-        self._listener = listener
+        self._listener = listen_unix(self.path, self._mode, 64)
         threading.Thread(target=self._accept_loop, name="inprocess-accept", daemon=True).start()
 
     def sessions(self) -> list[Session]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,3 +37,24 @@ def unix_address(path: Path) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}/{path.name}"
     finally:
         os.close(fd)
+
+
+def listen_unix(path: Path, mode: int, backlog: int) -> socket.socket:
+    """A listening unix stream socket at ``path``, replacing a stale socket file, with
+    access ``mode`` (chmod, not umask's) and ``backlog`` pending connections.
+
+    Raises:
+        OSError: the socket cannot be created or bound (e.g. the directory is missing).
+    """
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with unix_address(path) as address:
+            listener.bind(address)
+        os.chmod(path, mode)
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    return listener
