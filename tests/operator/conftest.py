@@ -25,10 +25,13 @@ from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE
 from tests.k8s.kopf_thread import KopfThread
+from tests.k8s.kubelet import LocalKubelet
 from tests.k8s.nodes import ManualNode
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples/digits/elasticjob.yaml"
+#: The digits example's image name (the local kubelet runs it from examples/digits/).
+DIGITS_IMAGE = "ghcr.io/kelastic/digits-example:0.1.0"
 
 
 def operator_client(cluster: ControlPlane, namespace: str) -> Client:
@@ -85,3 +88,19 @@ def job_manifest(name: str = "digits", node: ManualNode | None = None, **spec: A
     if node is not None:
         doc["spec"]["template"]["spec"]["nodeSelector"] = node.selector
     return yaml.safe_dump(doc)
+
+
+@pytest.fixture
+def digits_operator(
+    k8s_cluster: ControlPlane, k8s: Client, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
+) -> Iterator[OperatorContext]:
+    """The operator (as its ServiceAccount) serving a restricted namespace whose Pods the
+    local kubelet runs, with the digits example's image and checkpoint claim (the e2e
+    training tests)."""
+    k8s.kubectl("label", "namespace", k8s.namespace,
+                "pod-security.kubernetes.io/enforce=restricted")  # fmt: skip
+    k8s.claim("digits-checkpoints")
+    kubelet.images[DIGITS_IMAGE] = DIGITS.parent
+    kubelet.images["kelastic:test"] = DIGITS.parent
+    with running_operator(k8s_cluster, k8s, etcd_server.endpoint, stop_grace=3) as ctx:
+        yield ctx

@@ -21,7 +21,6 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -30,33 +29,17 @@ import yaml
 
 from kelastic import contract
 from kelastic_operator.handlers import OperatorContext
-from kelastic_operator.local.etcd import EmbeddedEtcd
-from tests.k8s.cluster import Client, ControlPlane, pods_by_name, wait_until
+from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.kubelet import PLACEMENT, LocalKubelet
 
-from .conftest import DIGITS, running_operator
+from .conftest import DIGITS, DIGITS_IMAGE
 
-IMAGE = "ghcr.io/kelastic/digits-example:0.1.0"
+IMAGE = DIGITS_IMAGE
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 T = 120.0  # seconds a step of the scenario may take on a loaded 2-core machine
 RAISING_RANK = 1
 _INPROCESS = re.compile(r'^kelastic_restarts_total\{[^}]*level="inprocess"[^}]*\} (\S+)$', re.M)
 _HASH = re.compile(r"^\[(\d+)\]: iteration (\d+): params sha256 ([0-9a-f]{8})", re.M)
-
-
-@pytest.fixture
-def running(
-    k8s_cluster: ControlPlane, k8s: Client, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
-) -> Iterator[OperatorContext]:
-    """The operator (as its ServiceAccount) serving a restricted namespace whose Pods the
-    local kubelet runs."""
-    k8s.kubectl("label", "namespace", k8s.namespace,
-                "pod-security.kubernetes.io/enforce=restricted")  # fmt: skip
-    k8s.claim("digits-checkpoints")
-    kubelet.images[IMAGE] = DIGITS.parent
-    kubelet.images["kelastic:test"] = DIGITS.parent
-    with running_operator(k8s_cluster, k8s, etcd_server.endpoint, stop_grace=3) as ctx:
-        yield ctx
 
 
 def _manifest() -> str:
@@ -134,7 +117,7 @@ def _restarted(status: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
-    k8s: Client, running: OperatorContext, kubelet: LocalKubelet
+    k8s: Client, digits_operator: OperatorContext, kubelet: LocalKubelet
 ) -> None:
     api, ns = k8s, k8s.namespace
     api.kubectl("apply", "-f", "-", input=_manifest())
@@ -166,7 +149,7 @@ def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
     events = api.kubectl("get", "events", "--field-selector", "reason=InProcessRestart",
                          "-o", "jsonpath={.items[*].message}").stdout  # fmt: skip
     assert "in-process restart 1/" in events and f"rank {RAISING_RANK}" in events, events
-    operator_level = running.metrics.registry.get_sample_value(
+    operator_level = digits_operator.metrics.registry.get_sample_value(
         "kelastic_operator_restarts_total", {"level": "inprocess"}
     )
     assert operator_level == 1, operator_level

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,30 +23,15 @@ from kelastic import contract
 from kelastic_operator.handlers import OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_sidecar.etcd_store import EtcdStore
-from tests.k8s.cluster import Client, ControlPlane, pods_by_name, wait_until
+from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.kubelet import PLACEMENT, LocalKubelet
 
-from .conftest import DIGITS, running_operator
+from .conftest import DIGITS, DIGITS_IMAGE
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGE = "ghcr.io/kelastic/digits-example:0.1.0"
+IMAGE = DIGITS_IMAGE
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 T = 120.0  # seconds a step of the scenario may take on a loaded 2-core machine
-
-
-@pytest.fixture
-def running(
-    k8s_cluster: ControlPlane, k8s: Client, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
-) -> Iterator[OperatorContext]:
-    """The operator (as its ServiceAccount) serving a restricted namespace whose Pods the
-    local kubelet runs."""
-    k8s.kubectl("label", "namespace", k8s.namespace,
-                "pod-security.kubernetes.io/enforce=restricted")  # fmt: skip
-    k8s.claim("digits-checkpoints")
-    kubelet.images[IMAGE] = DIGITS.parent
-    kubelet.images["kelastic:test"] = DIGITS.parent
-    with running_operator(k8s_cluster, k8s, etcd_server.endpoint, stop_grace=3) as ctx:
-        yield ctx
 
 
 def _status(k8s: Client) -> dict[str, Any]:
@@ -68,7 +52,7 @@ def _manifest() -> str:
 
 
 def test_digits_runs_scales_survives_a_pod_deletion_and_succeeds(
-    k8s: Client, running: OperatorContext, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
+    k8s: Client, digits_operator: OperatorContext, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
 ) -> None:
     api, ns = k8s, k8s.namespace
     api.kubectl("apply", "-f", "-", input=_manifest())
