@@ -12,6 +12,7 @@ Nothing here decides anything about the job (:mod:`~kelastic_operator.local.runn
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.request
@@ -97,12 +98,14 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
 
 
 def fetch_status(pod: Replica) -> dict[str, Any]:
-    """The sidecar's ``/status`` document ({} when it does not answer)."""
+    """The sidecar's ``/status`` document ({} when it does not answer, or its answer is
+    cut off: a sidecar exiting mid-response raises ``http.client.IncompleteRead``, which
+    is no ``OSError``)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{pod.http_port}/status", timeout=1) as resp:
             doc = json.loads(resp.read())
             return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return {}
 
 
