@@ -31,8 +31,12 @@ protocol :mod:`kelastic.inprocess_messages`) and agrees with the other nodes thr
    (:mod:`~kelastic_sidecar.inprocess_respawn`): the record moves ``n -> n + 1`` as for a
    fault, the dead rank counts as ready and is started again at the ``go`` (the
    supervisor sends the launcher ``respawn``); refused, the exit is the process path's.
-6. The round ends (the supervisor's monitor returned): ``give_up`` to every connected rank
-   and forget the round.
+6. The round ends for its membership (a lost node, nodes joining or leaving on purpose,
+   a peer's restart; :meth:`InProcessCoordinator.carry`): the node-change rung
+   (:mod:`~kelastic_sidecar.inprocess_carry`): every rank aborts and waits for the next
+   round's ``go``, with that round's ranks and world size.
+7. Otherwise the round ends (the supervisor's monitor returned): ``give_up`` to every
+   connected rank and forget the round.
 
 All state changes run on one thread (``inprocess-loop``) from a queue fed by the socket's
 reader threads, the etcd watch thread and the supervisor's calls: no locks around the
@@ -42,6 +46,10 @@ Iterations are job-wide and only grow. A round's workers start in the record's i
 (the supervisor's ``assign`` carries ``KELASTIC_INPROCESS_ITERATION``, added by
 :meth:`InProcessCoordinator.begin_round`); a worker whose ``hello`` says 0 in a later
 iteration is taken to be in the round's first one.
+
+Over ~400 lines as one cohesive thing: the supervisor's calls into one node's coordinator
+and the threads that feed its machine; this docstring is the protocol's description, and
+the state lives in :mod:`~kelastic_sidecar.inprocess_machine` and its subclasses.
 """
 
 from __future__ import annotations
@@ -63,13 +71,14 @@ from kelastic_etcd import EtcdError, Watcher
 from .config import InProcessSettings
 from .etcd_store import EtcdStore
 from .failure import Failure
+from .inprocess_carry import CarryMachine, carry_request, with_master
 from .inprocess_record import (
     IterationRecord,
     IterationRecordError,
     decode_iteration_record,
     encode_iteration_record,
 )
-from .inprocess_respawn import HybridMachine, OnRespawn
+from .inprocess_respawn import OnRespawn
 from .inprocess_round import RoundContext
 from .inprocess_server import InProcessServer
 from .metrics import SidecarMetrics
@@ -78,6 +87,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from .rendezvous import EtcdRendezvousHandler, RendezvousInfo
+    from .round_end import RoundEnd
 
 __all__ = ["InProcessCoordinator", "RoundContext", "lease_of"]
 
@@ -153,7 +163,7 @@ class InProcessCoordinator:
             on_drop=lambda reason: metrics.inprocess_dropped.labels(reason=reason).inc(),
         )
         #: The state; only the loop thread touches it.
-        self.machine = HybridMachine(
+        self.machine = CarryMachine(
             settings, store, keys, node, metrics, self.server.drop, kill, clock,
             **({"on_respawn": on_respawn} if on_respawn is not None else {}),
         )  # fmt: skip
@@ -207,7 +217,7 @@ class InProcessCoordinator:
             envs={w.local_rank: dict(w.env) for w in assign.workers}, pod_ip=self.pod_ip,
             participants=tuple(info.participants), lease_id=lease_of(handler),
         )  # fmt: skip
-        base = self.begin(ctx)
+        base = self.begin(with_master(ctx, assign.workers[0].env) if assign.workers else ctx)
         workers = tuple(
             WorkerAssignment(w.local_rank, {**w.env, contract.ENV_INPROCESS_ITERATION: str(base)})
             for w in assign.workers
@@ -235,6 +245,25 @@ class InProcessCoordinator:
             self._call(lambda: self.machine.end(reason))
         except TimeoutError:
             log.error("the in-process coordinator is stuck; its ranks are stopped anyway")
+
+    def carry(self, end: RoundEnd) -> bool:
+        """The round ended (``end``, from the supervisor's monitor): True when the
+        workers stay for the next round (the node-change rung,
+        :mod:`~kelastic_sidecar.inprocess_carry`: a lost node, nodes joining or leaving on
+        purpose, a peer's restart; every rank aborts and waits for the next round's
+        ``go``); the supervisor then stops nothing and sends no ``assign``, and calls
+        :meth:`begin_round` as usual. False (the process path; call :meth:`end_round`):
+        disabled, another kind of end, no round running in process, a rank that never
+        said ``hello``, the budget spent for a lost node, etcd failing, or a coordinator
+        that does not answer within 30 s. Raises nothing."""
+        request = carry_request(end) if self.enabled else None
+        if request is None:
+            return False
+        try:
+            return self._call(lambda: self.machine.carry(request))
+        except TimeoutError:
+            log.error("the in-process coordinator is stuck; the workers start again")
+            return False
 
     def absorb_exit(self, local_rank: int, pid: int | None, failure: Failure) -> bool:
         """A worker of the round exited non-zero (``failure``, from

@@ -183,10 +183,8 @@ class RestartMachine:
         self._restarts = max(self._restarts, record.restarts)
         self._base = self._iteration
         self._phase = RUNNING
-        log.info(
-            "round %d: in-process iteration %d, %d of %d restarts spent",
-            ctx.round, self._base, self._restarts, self.settings.max_restarts,
-        )  # fmt: skip
+        log.info("round %d: in-process iteration %d, %d of %d restarts spent", ctx.round,
+                 self._base, self._restarts, self.settings.max_restarts)  # fmt: skip
         return self._base
 
     def end(self, reason: str) -> None:
@@ -411,22 +409,25 @@ class RestartMachine:
         key = self._keys.inprocess_ready(self._iteration, self.node)
         prefix = self._keys.inprocess_ready_prefix(self._iteration)
         try:
-            port = pick_port(ctx.pod_ip)
+            port = self._ready_port(ctx)
             value = encode_ready(ReadyRecord(ctx.group_rank, ctx.pod_ip, port, ctx.round))
             try:
                 snap = self._store.put_read({key: value}, [prefix], ctx.lease_id())
             except EtcdLeaseNotFound:
                 snap = self._store.put_read({key: value}, [prefix])
-            for old in self._published:
+            for old in set(self._published) - {key}:
                 self._store.delete(old)
         except (EtcdError, OSError) as exc:
             self._give_up_all(f"cannot write the termination barrier key: {exc}")
             return
         self._published = [key]
         self._phase = BARRIER
-        log.info("iteration %d: local ranks ready; waiting for %d nodes",
-                 self._iteration, ctx.group_world_size)  # fmt: skip
+        log.info("iteration %d: ready; waiting for %d nodes", self._iteration, ctx.group_world_size)
         self._check_barrier(snap.values)
+
+    def _ready_port(self, ctx: RoundContext) -> int:
+        """The port our ready key names (group rank 0's is the next ``MASTER_PORT``)."""
+        return pick_port(ctx.pod_ip)
 
     def _check_barrier(self, values: Mapping[str, tuple[bytes, int]]) -> None:
         """Go when every node of the round wrote its ready key of the iteration."""
@@ -446,9 +447,8 @@ class RestartMachine:
         for local_rank, session in self._sessions.items():
             session.send(Go(self._iteration, go_env(ctx, local_rank, master, self._iteration)))
             self._offset[session.id] = 0
-        self._phase = RUNNING
+        self._phase, self._barrier_until = RUNNING, None
         self._kill_at.clear()
-        self._barrier_until = None
         log.info("iteration %d: every node ready; go (master %s:%d)",
                  self._iteration, master.addr, master.port)  # fmt: skip
 

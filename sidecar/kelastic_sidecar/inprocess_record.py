@@ -228,13 +228,16 @@ def next_record(
     rank: int,
     message: str,
     now: float,
+    charge: bool = True,
 ) -> IterationRecord:
     """The record after a fault of ``record.iteration``: the next iteration, one more
-    restart spent, the fault described (texts cut to :data:`MAX_TEXT`)."""
+    restart spent (none when not ``charge``: a membership change carried into the next
+    round, :mod:`~kelastic_sidecar.inprocess_carry`), the fault described (texts cut to
+    :data:`MAX_TEXT`)."""
     return IterationRecord(
         iteration=record.iteration + 1,
         round=round_,
-        restarts=record.restarts + 1,
+        restarts=record.restarts + int(charge),
         cause=cause[:MAX_TEXT],
         node=node[:MAX_TEXT],
         rank=rank,
@@ -298,6 +301,7 @@ def advance_iteration(
     message: str,
     now: float,
     known: tuple[bytes | None, int] | None = None,
+    charge: bool = True,
 ) -> AdvanceOutcome:
     """Move the record from iteration ``faulted`` to ``faulted + 1`` (one restart spent),
     by compare-and-set on its ``mod_revision`` (the fencing of every in-process restart).
@@ -316,6 +320,9 @@ def advance_iteration(
         round_, cause, node, rank, message, now: the fault (see :func:`next_record`).
         known: the record as last read (``(value, mod_revision)``; ``(None, 0)``: it did
             not exist); None: read it first.
+        charge: spend one restart (checked against ``max_restarts``); False: a restart
+            that is not a fault (nodes joining or leaving on purpose), neither checked
+            nor counted.
 
     Returns:
         the outcome; :attr:`Advance.SUPERSEDED` is the fenced-out loser of a race.
@@ -338,12 +345,13 @@ def advance_iteration(
         revision = got[1] if got else 0
         if record.iteration > faulted:
             return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
-        if record.restarts >= max_restarts:
+        if charge and record.restarts >= max_restarts:
             return AdvanceOutcome(Advance.EXHAUSTED, record, revision)
         base = IterationRecord(iteration=faulted, restarts=record.restarts)
         new = next_record(
-            base, round_=round_, cause=cause, node=node, rank=rank, message=message, now=now
-        )
+            base, round_=round_, cause=cause, node=node, rank=rank, message=message, now=now,
+            charge=charge,
+        )  # fmt: skip
         ok, current, new_revision = store.cas(
             key, encode_iteration_record(new), revision if got else None
         )

@@ -16,7 +16,7 @@ from typing import Final
 from kelastic import contract
 from kelastic.inprocess_messages import CAUSE_SOFT_TIMEOUT
 
-from .failure import CAUSE_HANG, CAUSE_WORKER_FAILURE
+from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_WORKER_FAILURE
 from .inprocess_record import IterationRecordError, ReadyRecord, decode_ready
 
 __all__ = ["BarrierVerdict", "RoundContext", "barrier_verdict", "cause_label", "go_env"]
@@ -40,6 +40,9 @@ class RoundContext:
             key counts by the group rank it states).
         lease_id: returns this node's rendezvous lease id (None: none held); the ready
             keys are bound to it.
+        master: the round's ``MASTER_ADDR``/``MASTER_PORT`` (published by its group rank
+            0, in every ``assign``); a restart carried into this round goes on to it
+            (:mod:`~kelastic_sidecar.inprocess_carry`). None: unknown.
     """
 
     round: int
@@ -50,6 +53,7 @@ class RoundContext:
     pod_ip: str
     participants: tuple[str, ...] = ()
     lease_id: Callable[[], int | None] = field(default=lambda: None, compare=False)
+    master: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,5 +128,9 @@ def cause_label(cause: str) -> str:
     other cause a ``worker_failure``), so that ``sum by (cause)`` stays one set of values;
     the fault's own cause is in the record and ``/status``. A dead worker's record says
     ``worker_died`` (a ``worker_failure``) or ``hang`` (reaped, or killed at the hard
-    timeout: :func:`~kelastic_sidecar.inprocess_hybrid.death_cause`)."""
+    timeout: :func:`~kelastic_sidecar.inprocess_hybrid.death_cause`). A round change
+    carried in process (:mod:`~kelastic_sidecar.inprocess_carry`) is a ``node_lost`` or,
+    when no fault (``membership``), a ``scale``."""
+    if cause in (CAUSE_NODE_LOST, contract.INPROCESS_CAUSE_MEMBERSHIP):
+        return CAUSE_NODE_LOST if cause == CAUSE_NODE_LOST else CAUSE_SCALE
     return CAUSE_HANG if cause in (CAUSE_SOFT_TIMEOUT, CAUSE_HANG) else CAUSE_WORKER_FAILURE

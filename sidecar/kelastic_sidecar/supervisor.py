@@ -125,6 +125,7 @@ class Supervisor:
         )
         self._info: RendezvousInfo | None = None
         self._nproc = config.nproc_per_node
+        self._carried = False  # the last round's workers run on (in-process carry)
         #: The current attempt's workers and the events about them.
         self.workers = AttemptMonitor(
             config.node, config.nproc_per_node, parts.events, self.control, self.timer,
@@ -181,12 +182,10 @@ class Supervisor:
         self.control.start()
         self.inprocess.start()
         self.http.start()
-        log.info(
-            "sidecar for %s/%s node %s: nodes %d..%d x %d workers, budget %d restarts, "
-            "http :%d",
-            self.cfg.namespace, self.cfg.job_name, self.cfg.node, self.cfg.min_nodes,
-            self.cfg.max_nodes, self._nproc, self.cfg.max_restarts, self.http.port,
-        )  # fmt: skip
+        log.info("sidecar for %s/%s node %s: nodes %d..%d x %d workers, budget %d restarts, "
+                 "http :%d", self.cfg.namespace, self.cfg.job_name, self.cfg.node,
+                 self.cfg.min_nodes, self.cfg.max_nodes, self._nproc, self.cfg.max_restarts,
+                 self.http.port)  # fmt: skip
         try:
             return self._run()
         except SidecarShutdown as exc:
@@ -277,8 +276,10 @@ class Supervisor:
                 continue
             self._start_workers(info, master)
             end = self.workers.monitor(self.handler, info, self._on_started)
+            self._running, self._carried = False, self.inprocess.carry(end)
+            if self._carried:  # the workers wait in process for the next round's go
+                continue
             self.inprocess.end_round(end.kind.value)  # the process path takes over
-            self._running = False
             if end.kind is RoundEndKind.SUCCEEDED:
                 return self._finish_succeeded()
             if end.kind is RoundEndKind.CLOSED:
@@ -324,16 +325,16 @@ class Supervisor:
         self.metrics.round.set(info.round)
         self.metrics.group_world_size.set(info.group_world_size)
         self.metrics.world_size.set(info.group_world_size * self._nproc)
-        log.info(
-            "round %d complete in %.3fs: group rank %d of %d, world size %d",
-            info.round, took, info.group_rank, info.group_world_size,
-            info.group_world_size * self._nproc,
-        )  # fmt: skip
+        log.info("round %d complete in %.3fs: group rank %d of %d, world size %d", info.round,
+                 took, info.group_rank, info.group_world_size,
+                 info.group_world_size * self._nproc)  # fmt: skip
         return info
 
     def _start_workers(self, info: RendezvousInfo, master: tuple[str, int]) -> None:
+        """Send the round's ``assign`` (a new attempt), unless the workers were carried over."""
         self._acquired_at_start = self.timer.stats().acquired
-        tokens = self.workers.new_attempt()
+        carried = self._carried
+        tokens = self.workers.tokens if carried else self.workers.new_attempt()
         try:
             self._spent = self.budget.read().count
         except (EtcdUnavailableError, RestartRecordError) as exc:
@@ -353,7 +354,11 @@ class Supervisor:
             max_restarts=self.cfg.max_restarts,
             tokens=tokens,
         )
-        self.control.send(self.inprocess.begin_round(assign, info, self.handler))
+        assign = self.inprocess.begin_round(assign, info, self.handler)
+        if carried:
+            self._on_started()
+        else:
+            self.control.send(assign)
 
     def _on_started(self) -> None:
         """The launcher reported the attempt's workers started."""
@@ -446,15 +451,12 @@ class Supervisor:
 
     def _finish_exhausted(self, failure: Failure) -> int:
         self._phase = "failed"
-        log.error(
-            "restart budget of %d spent; failing the job: %s",
-            self.cfg.max_restarts, failure.summary(),
-        )  # fmt: skip
+        log.error("restart budget of %d spent; failing the job: %s", self.cfg.max_restarts,
+                  failure.summary())  # fmt: skip
         return self._close_job(failure, "max_restarts", self.cfg.max_restarts)
 
     def _finish_not_started(self, failure: Failure) -> int:
-        """A worker could not be started: fail the job at once (a restart would run the
-        same command again), closing the rendezvous so that every node stops."""
+        """A worker could not be started: fail the job and close the rendezvous at once."""
         self._phase = "failed"
         log.error("a worker could not be started; failing the job: %s", failure.summary())
         return self._close_job(failure, "not_retried", True)

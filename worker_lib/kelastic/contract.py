@@ -136,6 +136,9 @@ ENV_INJECT_RAISE: Final = "KELASTIC_INJECT_RAISE"
 DEFAULT_INPROCESS_MAX_RESTARTS: Final = 10
 DEFAULT_INPROCESS_SOFT_TIMEOUT: Final = 60.0
 DEFAULT_INPROCESS_HARD_TIMEOUT: Final = 90.0
+#: The in-process iteration record's ``cause`` for a round change carried in process that
+#: is no fault (nodes joining, a planned departure, a peer's restart): no restart spent.
+INPROCESS_CAUSE_MEMBERSHIP: Final = "membership"
 
 # --------------------------------------------------------------------- launcher env
 # Defaults of ``python -m kelastic.launch`` options (the flags win).

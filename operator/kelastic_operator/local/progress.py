@@ -20,6 +20,8 @@ from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
+from kelastic import contract
+
 from ..model import ElasticJob
 from .replicas import Replica
 
@@ -77,7 +79,10 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
             else None
         )
     resumed = [last.get("resumed_s") for last in lasts]
-    done = len(lasts) == len(docs) and all(isinstance(r, (int, float)) for r in resumed)
+    # Every node reached the iteration; those that took part (not a node that joined with
+    # fresh workers in it: the node-change rung) say when their ranks stepped again.
+    behind = [d for d in docs if int(d.get("iteration") or 0) < iteration]
+    done = not behind and all(isinstance(r, (int, float)) for r in resumed)
     if not done and not waited_out:
         return None
     last = lasts[0]
@@ -87,13 +92,15 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
     text = message[0] if message else ""
     text = text if len(text) <= MESSAGE_MAX else text[: MESSAGE_MAX - 3] + "..."
     rank = last.get("rank")
-    who = f"rank {rank}" if rank is not None else f"node {last.get('node')}"
-    cause = f"{who} {last.get('cause') or 'fault'}" + (f": {text}" if text else "")
+    who = f"rank {rank} " if isinstance(rank, int) and rank >= 0 else ""
+    cause = f"{who}{last.get('cause') or 'fault'}" + (f": {text}" if text else "")
     if done:
         took = max(float(r) for r in resumed if isinstance(r, (int, float)))
         after = f"stepping again after {took:.2f}s"
     else:
         after = "not every rank is stepping again yet"
+    if last.get("cause") == contract.INPROCESS_CAUSE_MEMBERSHIP:  # no restart spent
+        return f"in-process round change (iteration {iteration}): {text}; {after}"
     return f"in-process restart {restarts}/{top} (iteration {iteration}): {cause}; {after}"
 
 

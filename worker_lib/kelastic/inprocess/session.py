@@ -306,8 +306,9 @@ def _wait_for_store(timeout: float = STORE_WAIT) -> None:
     c10d store at ``MASTER_ADDR:MASTER_PORT`` accepts connections. Rank 0 creates it in
     its ``init_process_group``; a peer that connects first is refused, and torch's store
     client then backs off for up to a second (measured: 0.5-0.7 s added to 2 of 5
-    restarts). A refused probe here is retried every few milliseconds instead."""
-    if os.environ.get(contract.RANK, "0") == "0":
+    restarts). A refused probe here is retried every few milliseconds instead. Nothing to
+    wait for when the function never imported ``torch.distributed``."""
+    if os.environ.get(contract.RANK, "0") == "0" or "torch.distributed" not in sys.modules:
         return
     addr, port = os.environ.get(contract.MASTER_ADDR), os.environ.get(contract.MASTER_PORT)
     if not addr or not port or not port.isdigit():

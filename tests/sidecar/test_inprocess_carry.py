@@ -1,0 +1,218 @@
+"""The node-change rung on the coordinators (``kelastic_sidecar.inprocess_carry``), with
+real etcd and ranks played by socket clients: a round ending for its membership keeps the
+ranks, aborts them into the next iteration, holds them (no ``go``) until the next round
+begins, and then sends the next round's env; a new node's fresh workers are counted in
+the barrier at once. The pure :func:`carry_request` is table-tested."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kelastic import contract
+from kelastic.inprocess_messages import Abort, GiveUp, Go
+from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_sidecar.failure import (
+    CAUSE_HANG,
+    CAUSE_NODE_LOST,
+    CAUSE_SCALE,
+    CAUSE_WORKER_FAILURE,
+    Failure,
+)
+from kelastic_sidecar.inprocess_carry import CAUSE_MEMBERSHIP, carry_request
+from kelastic_sidecar.inprocess_record import (
+    IterationRecord,
+    decode_iteration_record,
+)
+from kelastic_sidecar.inprocess_round import RoundContext
+from kelastic_sidecar.round_end import RoundEnd, RoundEndKind
+from tests.conftest import wait_for
+from tests.sidecar.inprocess_harness import Node, make_node, sample, settings
+
+AB = ("node-a", "node-b")
+LOST = RoundEnd(RoundEndKind.FAILED, Failure(CAUSE_NODE_LOST, "node-b", 1, message="gone"))
+SCALE = RoundEnd(RoundEndKind.RESTART, reason=CAUSE_SCALE)
+
+
+@pytest.mark.parametrize(
+    ("end", "want"),
+    [
+        (LOST, (CAUSE_NODE_LOST, "node node-b lost: gone", True)),
+        (SCALE, (CAUSE_MEMBERSHIP, "the round ended (scale)", False)),
+        (
+            RoundEnd(RoundEndKind.RESTART),
+            (CAUSE_MEMBERSHIP, "the round ended (peer_restart)", False),
+        ),
+        (RoundEnd(RoundEndKind.FAILED, Failure(CAUSE_WORKER_FAILURE, "node-a", 1)), None),
+        (RoundEnd(RoundEndKind.FAILED, Failure(CAUSE_HANG, "node-a", 1)), None),
+        (RoundEnd(RoundEndKind.FAILED), None),
+        (RoundEnd(RoundEndKind.REMOVED, reason="scale_down"), None),
+        (RoundEnd(RoundEndKind.SUCCEEDED), None),
+        (RoundEnd(RoundEndKind.CLOSED), None),
+        (RoundEnd(RoundEndKind.LAUNCHER_LOST), None),
+    ],
+)
+def test_carry_request(end: RoundEnd, want: tuple[str, str, bool] | None) -> None:
+    got = carry_request(end)
+    assert (None if got is None else (got.cause, got.message, got.charge)) == want
+
+
+@pytest.fixture
+def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
+    s = EtcdStore([etcd_endpoint])
+    yield s
+    s.close()
+
+
+def _record(store: EtcdStore, prefix: str) -> IterationRecord:
+    got = store.get(contract.Keys(prefix).inprocess_iteration)
+    return IterationRecord() if got is None else decode_iteration_record(got[0])
+
+
+def _ctx(node: Node, round_: int, group_rank: int, participants: tuple[str, ...],
+         port: int) -> RoundContext:  # fmt: skip
+    """A round's context as ``begin_round`` makes it: the envs of the new ranks and world
+    size, and the round's master (group rank 0's address, ``port``)."""
+    nproc, world = 2, 2 * len(participants)
+    envs = {
+        lr: {
+            contract.RANK: str(group_rank * nproc + lr),
+            contract.LOCAL_RANK: str(lr),
+            contract.WORLD_SIZE: str(world),
+            contract.MASTER_ADDR: "127.0.0.1",
+            contract.MASTER_PORT: str(port),
+            contract.KELASTIC_TIMER_TOKEN: f"token-{node.name}-{lr}",
+        }
+        for lr in range(nproc)
+    }
+    return RoundContext(
+        round=round_, group_rank=group_rank, group_world_size=len(participants), nproc=nproc,
+        envs=envs, pod_ip=node.coordinator.pod_ip, participants=participants,
+        master=("127.0.0.1", port),
+    )  # fmt: skip
+
+
+def _abort_and_hold(node: Node, iteration: int) -> None:
+    """Each rank gets ``abort(iteration)`` and answers ready; no ``go`` comes (held)."""
+    for r in node.ranks:
+        assert r.expect(Abort).iteration == iteration  # type: ignore[attr-defined]
+        r.ready(iteration)
+    node.flush()
+    for r in node.ranks:
+        assert r.inbox.empty(), r.inbox.queue
+    status = node.coordinator.status()
+    assert status is not None and status["held"] and status["phase"] == "aborting"
+
+
+def test_a_lost_node_carries_the_survivors_into_the_next_round(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    with make_node("node-a", store, job_prefix) as a, make_node("node-b", store, job_prefix) as b:
+        a.begin(1, 0, AB)
+        b.begin(1, 1, AB)
+        for r in b.ranks:  # node-b's Pod is gone
+            r.close()
+        assert a.coordinator.carry(LOST)
+        _abort_and_hold(a, 1)
+        record = _record(store, job_prefix)
+        assert (record.iteration, record.restarts, record.cause) == (1, 1, CAUSE_NODE_LOST)
+        assert record.message == "node node-b lost: gone"
+        level = {"level": "inprocess", "cause": CAUSE_NODE_LOST}
+        assert sample(a.metrics, "kelastic_restarts_total", **level) == 1
+        # the next round: node-a alone, world size 2, the round's master port
+        assert a.coordinator.begin(_ctx(a, 2, 0, ("node-a",), 41234)) == 1
+        gos = [r.expect(Go) for r in a.ranks]
+        for lr, go in enumerate(gos):
+            assert go.iteration == 1  # type: ignore[attr-defined]
+            env = go.env  # type: ignore[attr-defined]
+            assert (env[contract.RANK], env[contract.WORLD_SIZE]) == (str(lr), "2")
+            assert (env[contract.MASTER_ADDR], env[contract.MASTER_PORT]) == ("127.0.0.1", "41234")
+            assert env[contract.ENV_INPROCESS_ITERATION] == "1"
+        status = a.coordinator.status()
+        assert status is not None
+        assert (status["held"], status["carried"], status["phase"]) == (False, 1, "running")
+
+
+def test_a_joining_node_is_waited_for_and_spends_no_restart(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    with make_node("node-a", store, job_prefix) as a, make_node("node-c", store, job_prefix,
+                                                                 "127.0.0.3") as c:  # fmt: skip
+        a.begin(1, 0, ("node-a",))
+        assert a.coordinator.carry(SCALE)
+        _abort_and_hold(a, 1)
+        record = _record(store, job_prefix)
+        assert (record.iteration, record.restarts, record.cause) == (1, 0, CAUSE_MEMBERSHIP)
+        level = {"level": "inprocess", "cause": CAUSE_SCALE}
+        assert sample(a.metrics, "kelastic_restarts_total", **level) == 1
+        # node-a (group rank 0) enters round 2 first: it waits for node-c's key
+        ac = ("node-a", "node-c")
+        assert a.coordinator.begin(_ctx(a, 2, 0, ac, 45678)) == 1
+        a.flush()
+        assert all(r.inbox.empty() for r in a.ranks)
+        # node-c starts fresh workers in the record's iteration: its key says so at once
+        c.ctx = _ctx(c, 2, 1, ac, 45678)
+        assert c.coordinator.begin(c.ctx) == 1
+        gos = [r.expect(Go) for r in a.ranks]
+        assert [g.env[contract.RANK] for g in gos] == ["0", "1"]  # type: ignore[attr-defined]
+        assert {g.env[contract.MASTER_PORT] for g in gos} == {"45678"}  # type: ignore[attr-defined]
+        assert {g.env[contract.WORLD_SIZE] for g in gos} == {"4"}  # type: ignore[attr-defined]
+        assert _record(store, job_prefix).restarts == 0
+
+
+def test_a_restart_in_flight_is_carried_without_another(store: EtcdStore, job_prefix: str) -> None:
+    """A fault (the broken collective) moved the record first and node-a passed its
+    termination barrier; node-b never will (lost). The carry spends nothing more, the
+    ended round's barrier never goes (node-b's key, written before it died, is of that
+    round), and the next round's does."""
+    with make_node("node-a", store, job_prefix) as a, make_node("node-b", store, job_prefix) as b:
+        a.begin(1, 0, AB)
+        b.begin(1, 1, AB)
+        a.ranks[0].fault(0, "RuntimeError: Connection reset by peer")
+        for r in a.ranks:
+            assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+            r.ready(1)
+        wait_for(lambda: (a.coordinator.status() or {}).get("phase") == "barrier", 10,
+                 what="node-a in the barrier")  # fmt: skip
+        for r in b.ranks:
+            r.close()
+        assert a.coordinator.carry(LOST)
+        # node-b's ready key of round 1 appears now (written just before it died)
+        b.coordinator.close()
+        keys = contract.Keys(job_prefix)
+        from kelastic_sidecar.inprocess_record import ReadyRecord, encode_ready
+
+        store.put(
+            keys.inprocess_ready(1, "node-b"), encode_ready(ReadyRecord(1, "127.0.0.1", 9, 1))
+        )
+        a.flush()
+        assert all(r.inbox.empty() for r in a.ranks)  # held: no go into the dead world
+        assert (_record(store, job_prefix).iteration, _record(store, job_prefix).restarts) == (1, 1)
+        assert a.coordinator.begin(_ctx(a, 2, 0, ("node-a",), 42000)) == 1
+        gos = [r.expect(Go) for r in a.ranks]
+        assert {g.env[contract.WORLD_SIZE] for g in gos} == {"2"}  # type: ignore[attr-defined]
+
+
+def test_refusals_take_the_process_path(store: EtcdStore, job_prefix: str) -> None:
+    # the in-process budget spent: a lost node is refused, a scale-up is not (it is free)
+    with make_node("node-a", store, job_prefix, cfg=settings(max_restarts=0)) as a:
+        a.begin(1, 0, ("node-a",))
+        assert not a.coordinator.carry(LOST)
+        assert all(r.inbox.empty() for r in a.ranks)
+        assert a.coordinator.carry(SCALE)
+        _abort_and_hold(a, 1)
+        a.coordinator.end_round("closed")  # the job ended while held: the ranks give up
+        for r in a.ranks:
+            r.expect(GiveUp)
+    # a local rank that never said hello (not wrapped) cannot be held
+    with make_node("node-d", store, job_prefix + "d/") as d:
+        d.begin(1, 0, ("node-d",), connect=False)
+        d.ranks = [d.connect(0)]
+        assert not d.coordinator.carry(SCALE)
+        assert _record(store, job_prefix + "d/").iteration == 0
+    # another kind of end, or no round
+    with make_node("node-e", store, job_prefix + "e/") as e:
+        assert not e.coordinator.carry(SCALE)  # no round began
+        e.begin(1, 0, ("node-e",))
+        assert not e.coordinator.carry(RoundEnd(RoundEndKind.SUCCEEDED))
