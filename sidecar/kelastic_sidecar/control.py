@@ -36,6 +36,7 @@ from kelastic.control_messages import (
     Exited,
     Hello,
     LauncherMessage,
+    Promote,
     ProtocolError,
     Respawn,
     Shutdown,
@@ -86,7 +87,7 @@ class Disconnected:
 Message = LauncherMessage | Disconnected
 
 #: What the supervisor sends to the launcher.
-SidecarMessage = Assign | Stop | Shutdown | Respawn
+SidecarMessage = Assign | Stop | Shutdown | Respawn | Promote
 
 
 class ControlServer:

@@ -229,6 +229,10 @@ class _Tee(threading.Thread):
             text = line.decode("utf-8", errors="replace").rstrip("\r\n")
             self._tail.append(text[:TAIL_LINE_MAX_CHARS])
 
+    def relabel(self, label: str) -> None:
+        """Prefix the lines from now on with ``label`` (a promoted spare's new rank)."""
+        self._prefix = f"[{label}]: ".encode()
+
     def discard(self) -> None:
         """Close the log file of a tee that will never run (the spawn failed)."""
         self._log.close()
@@ -398,6 +402,14 @@ class Worker:
         rc = self.returncode
         return -rc if rc is not None and rc < 0 else None
 
+    def relabel(self, spec: WorkerSpec) -> None:
+        """This process is now ``spec``'s worker (a spare promoted to a dead local rank):
+        its exit, error file and tee prefix are ``spec``'s from now on (its logs stay in
+        the files it writes, ``self.spec.log_dir``)."""
+        self.spec = spec
+        for tee in self._tees:
+            tee.relabel(spec.label)
+
     def set_reaped(self, returncode: int) -> None:
         """Record the exit status obtained by :func:`reap_children`."""
         self.returncode = returncode
@@ -447,6 +459,9 @@ class WorkerGroup:
         self.attempt = attempt
         self._keep = keep
         self.workers: dict[int, Worker] = {s.local_rank: Worker(s) for s in specs}
+        #: Spare workers (in-process restart's spare ranks), by spare slot: stopped with
+        #: the group, never reported as the attempt's workers (see :mod:`kelastic._spares`).
+        self.spares: dict[int, Worker] = {}
         #: Set once a stop began: exits are then expected and not reported.
         self.stopping = False
         #: Set once :meth:`terminate` finished.
@@ -492,22 +507,25 @@ class WorkerGroup:
             )  # fmt: skip
         return worker
 
+    def _everyone(self) -> list[Worker]:
+        return [*self.workers.values(), *self.spares.values()]
+
     @property
     def pids(self) -> dict[int, int]:
         """``{local_rank: pid}`` of the workers that were started."""
         return {r: w.pid for r, w in self.workers.items() if w.pid is not None}
 
     def by_pid(self, pid: int) -> Worker | None:
-        """The worker with this pid, if any."""
-        for worker in self.workers.values():
+        """The worker (or spare) with this pid, if any."""
+        for worker in self._everyone():
             if worker.pid == pid:
                 return worker
         return None
 
     @property
     def any_running(self) -> bool:
-        """Whether some worker has not been reaped yet."""
-        return any(w.running for w in self.workers.values())
+        """Whether some worker (or spare) has not been reaped yet."""
+        return any(w.running for w in self._everyone())
 
     def unreported_exits(self) -> list[Worker]:
         """Workers that ended (or failed to start) and were not reported yet."""
@@ -519,7 +537,7 @@ class WorkerGroup:
 
     def _strays(self) -> list[int]:
         """Children of the launcher outside every worker's process group (adopted orphans)."""
-        own = {w.pid for w in self.workers.values() if w.pid is not None}
+        own = {w.pid for w in self._everyone() if w.pid is not None}
         strays: list[int] = []
         for pid in list_children(os.getpid()):
             if pid in self._keep:
@@ -535,7 +553,7 @@ class WorkerGroup:
     def _signal_all(self, sig: int) -> bool:
         """Signal every non-empty worker group and every stray; return whether any exist."""
         alive = False
-        for worker in self.workers.values():
+        for worker in self._everyone():
             if worker.signal_group(sig) or worker.running:
                 alive = True
         for pid in self._strays():
@@ -549,7 +567,7 @@ class WorkerGroup:
     def _all_gone(self) -> bool:
         if self.any_running:
             return False
-        for worker in self.workers.values():
+        for worker in self._everyone():
             if worker.signal_group(0):
                 return False
         return not self._strays()
@@ -595,7 +613,7 @@ class WorkerGroup:
                         )
                         break
                     wait(0.05)
-        for worker in self.workers.values():
+        for worker in self._everyone():
             if not worker.wait_output(1.0):
                 logger.warning(
                     "local_rank %d: output pipes still open after stop", worker.spec.local_rank

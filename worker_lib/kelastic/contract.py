@@ -133,6 +133,15 @@ ENV_INPROCESS_ITERATION: Final = "KELASTIC_INPROCESS_ITERATION"
 #: "1": the Wrapper turns SIGUSR1 into an exception raised in the wrapped function
 #: (``kelastic run --fault raise:rank=R,after=S``; fault injection only).
 ENV_INJECT_RAISE: Final = "KELASTIC_INJECT_RAISE"
+#: Spare worker processes per node (``spec.inProcess.spareRanks``): they run the script
+#: up to the Wrapper and wait there, warm, to take a dead local rank's place.
+ENV_INPROCESS_SPARES: Final = "KELASTIC_INPROCESS_SPARES"
+#: "1" in a spare worker's env (the launcher sets it): its Wrapper says hello as a spare
+#: and waits for a ``go`` naming the rank it replaces; its ``LOCAL_RANK`` is its spare
+#: slot (nproc..nproc+spares-1) and its ``RANK`` is at or above ``WORLD_SIZE`` until then.
+ENV_INPROCESS_SPARE: Final = "KELASTIC_INPROCESS_SPARE"
+#: Most spare ranks per node.
+MAX_INPROCESS_SPARES: Final = 64
 DEFAULT_INPROCESS_MAX_RESTARTS: Final = 10
 DEFAULT_INPROCESS_SOFT_TIMEOUT: Final = 60.0
 DEFAULT_INPROCESS_HARD_TIMEOUT: Final = 90.0
@@ -299,10 +308,13 @@ MSG_ASSIGN: Final = "assign"  # {"type", "attempt", "round", "workers": [{"local
 MSG_STOP: Final = "stop"  # {"type", "attempt", "reason"}
 MSG_SHUTDOWN: Final = "shutdown"  # {"type", "exitcode", "summary"}
 MSG_RESPAWN: Final = "respawn"  # {"type", "attempt", "local_rank", "env"}: start it again
+#: {"type", "attempt", "spare_slot", "local_rank"}: the waiting spare in that slot is now
+#: the (dead) worker of local_rank; start a new spare in the slot
+MSG_PROMOTE: Final = "promote"
 
 # ------------------------------------------------- in-process socket (JSON lines)
 # Typed in kelastic.inprocess_messages. wrapped worker -> sidecar coordinator:
-IP_HELLO: Final = "hello"  # {"type", "pid", "local_rank", "rank", "iteration"}
+IP_HELLO: Final = "hello"  # {"type", "pid", "local_rank", "rank", "iteration", "spare"}
 IP_FAULT: Final = "fault"  # {"type", "iteration", "local_rank", "cause", "message"}
 IP_READY: Final = "ready"  # {"type", "iteration", "local_rank"}: aborted, healthy
 IP_PROGRESS: Final = "progress"  # {"type", "iteration", "local_rank"}: stepping (first ping)

@@ -6,7 +6,7 @@ one object per line (UTF-8, ``\\n``-terminated, at most
 :data:`kelastic.contract.CONTROL_MAX_LINE` bytes including the newline).
 
 - Downward (sidecar -> launcher): :class:`Assign`, :class:`Stop`, :class:`Shutdown`,
-  :class:`Respawn`,
+  :class:`Respawn`, :class:`Promote`,
   decoded by :func:`parse_message`.
 - Upward (launcher -> sidecar): :class:`Hello`, :class:`Started`, :class:`Exited`,
   :class:`Stopped`, decoded by :func:`parse_launcher_message`.
@@ -40,6 +40,7 @@ __all__ = [
     "Hello",
     "LauncherMessage",
     "Message",
+    "Promote",
     "ProtocolError",
     "Respawn",
     "Shutdown",
@@ -79,21 +80,27 @@ class WorkerAssignment:
 
 @dataclass(frozen=True)
 class Assign:
-    """``{"type": "assign", "attempt", "round", "workers": [{"local_rank", "env"}]}``."""
+    """``{"type": "assign", "attempt", "round", "workers": [{"local_rank", "env"}],
+    "spares"}``: ``spares`` (0 when absent) spare workers wait beside the workers, warm,
+    to replace a dead one without a process start (in-process restart's spare ranks)."""
 
     type: ClassVar[str] = contract.MSG_ASSIGN
     attempt: int
     round: int
     workers: tuple[WorkerAssignment, ...]
+    spares: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        """The wire form (see :func:`encode_message`)."""
-        return {
+        """The wire form (see :func:`encode_message`); ``spares`` only when not 0."""
+        out: dict[str, Any] = {
             "type": self.type,
             "attempt": self.attempt,
             "round": self.round,
             "workers": [{"local_rank": w.local_rank, "env": w.env} for w in self.workers],
         }
+        if self.spares:
+            out["spares"] = self.spares
+        return out
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,29 @@ class Respawn:
 
 
 @dataclass(frozen=True)
+class Promote:
+    """``{"type": "promote", "attempt", "spare_slot", "local_rank"}``: the spare worker
+    waiting in ``spare_slot`` of ``attempt`` was told to take the place of the dead
+    worker of ``local_rank`` (its peers restart in process): from now on the launcher
+    reports that process as ``local_rank`` (``started`` with its pid, then its exit), and
+    starts a new spare in the slot."""
+
+    type: ClassVar[str] = contract.MSG_PROMOTE
+    attempt: int
+    spare_slot: int
+    local_rank: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The wire form."""
+        return {
+            "type": self.type,
+            "attempt": self.attempt,
+            "spare_slot": self.spare_slot,
+            "local_rank": self.local_rank,
+        }
+
+
+@dataclass(frozen=True)
 class Unknown:
     """A well-formed message of a type this launcher does not know (version skew)."""
 
@@ -155,7 +185,7 @@ class Unknown:
         return {"type": self.type}
 
 
-Message = Assign | Stop | Shutdown | Respawn | Unknown
+Message = Assign | Stop | Shutdown | Respawn | Promote | Unknown
 
 
 def excerpt(line: bytes, limit: int = 200) -> str:
@@ -236,7 +266,37 @@ def _parse_assign(obj: dict[str, Any], line: bytes) -> Assign:
         workers.append(
             WorkerAssignment(local_rank, _env(entry.get("env", {}), f"assign workers[{i}]", line))
         )
-    return Assign(attempt=attempt, round=round_, workers=tuple(workers))
+    spares = obj.get("spares", 0)
+    if (
+        not isinstance(spares, int)
+        or isinstance(spares, bool)
+        or not 0 <= spares <= contract.MAX_INPROCESS_SPARES
+        or max(seen, default=-1) + spares > MAX_LOCAL_RANK
+    ):
+        raise ProtocolError(
+            f"assign spares must be an integer in 0..{contract.MAX_INPROCESS_SPARES} (local "
+            f"ranks of spares at most {MAX_LOCAL_RANK}), got {spares!r}: " + excerpt(line)
+        )
+    return Assign(attempt=attempt, round=round_, workers=tuple(workers), spares=spares)
+
+
+def _local_rank_field(obj: dict[str, Any], name: str, line: bytes) -> int:
+    value = _int_field(obj, name, line, minimum=0)
+    if value > MAX_LOCAL_RANK:
+        raise ProtocolError(
+            f"{obj.get('type')} {name} {value} is above {MAX_LOCAL_RANK}: " + excerpt(line)
+        )
+    return value
+
+
+def _parse_promote(obj: dict[str, Any], line: bytes) -> Promote:
+    slot = _local_rank_field(obj, "spare_slot", line)
+    local_rank = _local_rank_field(obj, "local_rank", line)
+    if slot == local_rank:
+        raise ProtocolError(f"promote spare_slot equals local_rank {slot}: " + excerpt(line))
+    return Promote(
+        attempt=_int_field(obj, "attempt", line, minimum=0), spare_slot=slot, local_rank=local_rank
+    )
 
 
 def parse_message(line: bytes) -> Message:
@@ -246,8 +306,8 @@ def parse_message(line: bytes) -> Message:
         line: one line without its trailing newline.
 
     Returns:
-        :class:`Assign`, :class:`Stop`, :class:`Shutdown`, :class:`Respawn`, or
-        :class:`Unknown` for a
+        :class:`Assign`, :class:`Stop`, :class:`Shutdown`, :class:`Respawn`,
+        :class:`Promote`, or :class:`Unknown` for a
         JSON object whose ``type`` is a string this version does not know (extra fields
         of known types are ignored, for forward compatibility).
 
@@ -287,6 +347,8 @@ def parse_message(line: bytes) -> Message:
             local_rank=local_rank,
             env=_env(obj.get("env", {}), "respawn", line),
         )
+    if kind == contract.MSG_PROMOTE:
+        return _parse_promote(obj, line)
     if kind == contract.MSG_SHUTDOWN:
         exitcode = _int_field(obj, "exitcode", line, minimum=0)
         if exitcode > 255:

@@ -89,12 +89,16 @@ class Hello:
         rank: ``RANK`` (global rank) of the worker.
         iteration: the iteration the worker is about to enter (0 at a process start; a
             rank started again for a running job says the iteration it was started for).
+        spare: a spare worker (``$KELASTIC_INPROCESS_SPARE``): ``local_rank`` is its spare
+            slot, ``rank`` its placeholder; it waits for a ``go`` that names the rank it
+            replaces (or ``give_up``: it exits 0).
     """
 
     pid: int
     local_rank: int
     rank: int
     iteration: int
+    spare: bool = False
     type: ClassVar[str] = contract.IP_HELLO
 
 
@@ -262,9 +266,13 @@ def parse_worker_message(line: bytes) -> WorkerMessage:
     """
     obj, kind = _load(line)
     if kind == contract.IP_HELLO:
+        spare = obj.get("spare", False)
+        if not isinstance(spare, bool):
+            raise ProtocolError(f"hello 'spare' must be a boolean, got {spare!r}: "
+                                + _excerpt(line))  # fmt: skip
         return Hello(
             pid=_int(obj, "pid", line), local_rank=_local_rank(obj, line),
-            rank=_int(obj, "rank", line), iteration=_int(obj, "iteration", line),
+            rank=_int(obj, "rank", line), iteration=_int(obj, "iteration", line), spare=spare,
         )  # fmt: skip
     if kind == contract.IP_FAULT:
         cause = _text(obj, "cause", line)

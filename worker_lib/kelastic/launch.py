@@ -51,6 +51,7 @@ from typing import Any
 
 from kelastic import contract
 from kelastic._control import LineBuffer
+from kelastic._spares import SpareKeeper
 from kelastic._starters import ColdStart, WorkerStarter, make_starter
 from kelastic._warm import DEFAULT_PRELOAD
 from kelastic._workers import (
@@ -66,6 +67,7 @@ from kelastic.control_messages import (
     Hello,
     LauncherMessage,
     Message,
+    Promote,
     ProtocolError,
     Respawn,
     Shutdown,
@@ -272,6 +274,7 @@ class Launcher:
         self._root_cause_attempt: int | None = None
         #: How workers start (cold, or warm from a zygote): set by :meth:`run`.
         self._starter: WorkerStarter = ColdStart()
+        self._spares = SpareKeeper(config.cmd)  # in-process restart's spare ranks
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -376,6 +379,7 @@ class Launcher:
                 self._on_signals(self._signals.drain())
                 self._reap()
                 self._report_exits()
+                self._spares.tend(self._group, self._starter.spawner())
                 if self._term_signal is not None:
                     raise self._signal_exit()
                 if not any(key.fileobj is sock for key, _ in events):
@@ -423,6 +427,10 @@ class Launcher:
             self._on_stop(msg)
         elif isinstance(msg, Respawn):
             self._on_respawn(msg)
+        elif isinstance(msg, Promote):
+            self._reap()
+            self._report_exits()  # the dead worker's exit goes out first
+            self._spares.promote(self._group, msg, self._send, self._starter.spawner())
         elif isinstance(msg, Shutdown):
             summary = msg.summary or self._summary(
                 f"kelastic launcher: shutdown by the sidecar with exit code {msg.exitcode}"
@@ -485,6 +493,7 @@ class Launcher:
             )
         )
         self._report_exits()  # workers that failed to start
+        self._spares.start(group, msg.spares, specs, self._starter.spawner())
 
     def _on_respawn(self, msg: Respawn) -> None:
         """Start one exited worker of the running attempt again (its peers restart in

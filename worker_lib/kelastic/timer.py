@@ -55,6 +55,7 @@ __all__ = [
     "TimerClient",
     "configure",
     "expires",
+    "forget_default_client",
     "set_progress_hook",
 ]
 
@@ -304,6 +305,18 @@ def configure(
     new = FifoTimerClient(file_path, signal)
     with _configure_lock:
         old, _client = _client, new
+    if old is not None:
+        old.close()
+
+
+def forget_default_client() -> None:
+    """Drop the process-wide client :func:`expires` uses (closing its FIFO descriptor):
+    the next :func:`expires` makes one from the environment as it is then. A spare worker
+    promoted to a rank (``kelastic.inprocess``) calls it: its ``$KELASTIC_TIMER_TOKEN``
+    changed. Never raises."""
+    global _client
+    with _configure_lock:
+        old, _client = _client, None
     if old is not None:
         old.close()
 

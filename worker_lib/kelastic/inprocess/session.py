@@ -116,6 +116,7 @@ class Session(Generic[R]):
         self._soft_timeout, _ = wrapper.timeouts()
         self._fn = fn
         self._args = args
+        self._spare = os.environ.get(contract.ENV_INPROCESS_SPARE) == "1"
         self._local_rank = _int_env(contract.LOCAL_RANK)
         self._rank = _int_env(contract.RANK)
         self._first = _int_env(contract.ENV_INPROCESS_ITERATION)
@@ -165,11 +166,13 @@ class Session(Generic[R]):
         self._conn = Connection.connect(path, self._wrapper.connect_timeout)
         previous_hook = timer.set_progress_hook(self._heartbeat.ping)
         try:
-            self._conn.send(Hello(pid=os.getpid(), local_rank=self._local_rank,
-                                  rank=self._rank, iteration=self._first))  # fmt: skip
+            self._conn.send(Hello(pid=os.getpid(), local_rank=self._local_rank, rank=self._rank,
+                                  iteration=self._first, spare=self._spare))  # fmt: skip
             self._monitor = Monitor(self._conn, self._guard, self._heartbeat,
                                     self._soft_timeout, self._local_rank)  # fmt: skip
             self._monitor.start()
+            if self._spare:
+                self._await_promotion()
             with self._injector:
                 return self._loop()
         finally:
@@ -177,6 +180,40 @@ class Session(Generic[R]):
             if self._monitor is not None:
                 self._monitor.stop()
             self._conn.close()
+
+    def _await_promotion(self) -> None:
+        """A spare: wait (warm, before the first call) for the ``go`` that makes this
+        process a rank, and take that rank's identity: ``os.environ`` gets the ``go``'s env
+        (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, the timer
+        token ...), the default timer client is dropped (the next ``expires()`` makes one
+        with the new token), and this session speaks as that local rank from now on.
+
+        Raises:
+            SystemExit: (code 0) ``give_up`` or the sidecar gone: a spare that was not
+                needed ends quietly.
+        """
+        assert self._conn is not None and self._monitor is not None
+        item = self._next()
+        while isinstance(item, Abort):  # not for a spare; a confused sidecar: wait on
+            item = self._next()
+        if not isinstance(item, Go):
+            print(f"kelastic.inprocess: spare (pid {os.getpid()}) not needed: {_why(item)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            raise SystemExit(0)  # run()'s finally closes the connection
+        os.environ.update(item.env)
+        os.environ[contract.ENV_INPROCESS_ITERATION] = str(item.iteration)
+        os.environ.pop(contract.ENV_INPROCESS_SPARE, None)
+        timer.forget_default_client()
+        self._spare = False
+        self._local_rank = _int_env(contract.LOCAL_RANK)
+        self._rank = _int_env(contract.RANK)
+        self._first = item.iteration
+        self._monitor._local_rank = self._local_rank  # the faults it sends name it
+        self.call_wrapper._iteration = item.iteration
+        print(f"kelastic.inprocess: spare (pid {os.getpid()}) promoted to local rank "
+              f"{self._local_rank} (rank {self._rank}) in iteration {item.iteration}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        _wait_for_store()
 
     # --------------------------------------------------------------- the course
 
