@@ -61,6 +61,17 @@ class InProcessSettings:
         """What is wrong with these settings (empty when valid)."""
         out = []
         if self.max_restarts < 0:
+    @property
+    def timer_grace(self) -> float:
+        """Seconds the timer server waits past an expired timer's deadline before it reaps
+        the worker: ``hard_timeout - soft_timeout`` when enabled, else 0 (reaped at
+        expiry). NVIDIA's semantics: soft and hard timeouts both count from the last
+        progress; an expired ``expires()`` timer is the soft timeout (the rank's wrapper
+        reports it and leaves in process), the reap the hard one. So the ranks blocked in
+        a collective on a hung peer, whose timers expire too, leave before they could be
+        reaped, and only the hung rank is."""
+        return max(0.0, self.hard_timeout - self.soft_timeout) if self.enabled else 0.0
+
             out.append(f"{contract.ENV_INPROCESS_MAX_RESTARTS} must be >= 0")
         if not 0 < self.soft_timeout < math.inf:
             out.append(f"{contract.ENV_INPROCESS_SOFT_TIMEOUT} must be > 0 seconds")

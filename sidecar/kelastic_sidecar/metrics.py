@@ -51,6 +51,12 @@ class TimerCollector(Collector):
         yield GaugeMetricFamily(
             "kelastic_timers_active", "Expiration timers currently held by workers", s.active
         )
+        yield GaugeMetricFamily(
+            "kelastic_timers_overdue",
+            "Expired timers whose reap waits for the grace (in-process restart: "
+            "hard - soft timeout)",
+            s.overdue,
+        )
         for name, doc, value in (
             ("kelastic_timer_requests", "Well-formed requests read from the timer FIFO",
              s.requests),
@@ -58,6 +64,11 @@ class TimerCollector(Collector):
              "Expiration timers acquired by workers (training progress)", s.acquired),
             ("kelastic_timers_expired", "Expiration timers that expired", s.expired),
             ("kelastic_workers_reaped", "Hung workers killed by the timer server", s.reaped),
+            ("kelastic_workers_reaped_after_grace",
+             "Of the reaped workers, those whose reap waited for the grace", s.reaped_after_grace),
+            ("kelastic_timers_spared",
+             "Expired timers released or acquired again within the grace (not reaped)",
+             s.spared),
             ("kelastic_timer_bad_requests",
              "Malformed or oversized lines on the timer FIFO (skipped)",
              s.malformed + s.oversized),

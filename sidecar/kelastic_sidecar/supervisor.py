@@ -168,6 +168,8 @@ class Supervisor:
             "attempt_progress_count": stats.acquired - self._acquired_at_start,
             "last_progress_age_s": (time.time() - last) if last else None,
             "timers_active": stats.active,
+            "timers_overdue": stats.overdue,
+            "timer_grace_s": stats.grace,
             "workers_warm": self.workers.warm,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
             "etcd_unreachable": self.etcd_health.outage(),

@@ -138,6 +138,7 @@ def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) ->
     )
     metrics = SidecarMetrics(timer.stats)
     # Every failed etcd call counts, the lease keep-alive's and the watches' included.
+        grace=config.inprocess.timer_grace,
     etcd_health = EtcdHealth(store, metrics)
     store.on_error = etcd_health.on_error
     metrics.budget_max.set(config.max_restarts)

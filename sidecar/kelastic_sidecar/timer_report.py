@@ -26,6 +26,8 @@ class ReapEvent:
             ``T`` stopped, ``t`` stopped by a tracer, ``D`` uninterruptible sleep, ``S``
             sleeping (e.g. blocked in a collective on a hung peer), ``R`` running;
             empty when unknown. A stopped worker is the one that held its peers up.
+        grace: seconds the reap waited past the deadline by the server's grace (0: reaped
+            at expiry; see :mod:`~kelastic_sidecar.timer_table`).
     """
 
     pid: int
@@ -34,6 +36,7 @@ class ReapEvent:
     expiration_time: float
     reaped_at: float
     state: str = ""
+    grace: float = 0.0
 
 
 def process_state(pid: int) -> str:
@@ -69,6 +72,11 @@ class TimerStats:
         active: timers in the table now.
         kill_failed: kills that failed other than with ``ProcessLookupError``
             (e.g. ``PermissionError``); the pid's timers are cleared anyway.
+        spared: expired timers of watched pids released or acquired again within the
+            grace (their worker made progress: not reaped).
+        reaped_after_grace: of ``reaped``, kills that waited for the grace.
+        overdue: timers past their deadline now, their reap waiting for the grace.
+        grace: the server's grace in seconds (0: a watched pid is reaped at expiry).
     """
 
     requests: int = 0
@@ -85,3 +93,7 @@ class TimerStats:
     reaped: int = 0
     active: int = 0
     kill_failed: int = 0
+    spared: int = 0
+    reaped_after_grace: int = 0
+    overdue: int = 0
+    grace: float = 0.0

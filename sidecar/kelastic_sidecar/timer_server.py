@@ -19,6 +19,10 @@ Differences from torch, each for a reason:
   :meth:`TimerServer.stop`: watch/forget never make a deadline earlier, so they need
   no wakeup (a forgotten timer's heap entry is skipped when reached).
 - The server never kills itself after a reap and keeps serving.
+- With in-process restart on, a watched pid is reaped a *grace* after its timer expired
+  (``hard_timeout - soft_timeout``), unless it releases or acquires the timer again
+  meanwhile: the ranks blocked on a hung peer leave in process first (see
+  :mod:`~kelastic_sidecar.timer_table`). Without it, reaps happen at expiry, as torch's.
 - Only pids passed to :meth:`TimerServer.watch_pid` are ever signalled. Timers of other
   pids are accepted into the table (bounded by ``max_timers``), so a worker that
   acquires before the supervisor has watched its pid is covered as long as the pid is
@@ -136,13 +140,17 @@ class TimerServer:
             sooner.
         access: who may write the FIFO (``owner``, ``group``, ``pod``); default
             :func:`~kelastic_sidecar.timer_wire.ipc_access` (``$KELASTIC_IPC_ACCESS``).
+        grace: seconds a watched pid's expired timer waits before the pid is reaped
+            (a release or new acquire meanwhile spares it; see
+            :mod:`~kelastic_sidecar.timer_table`); 0: reaped at expiry, as torch.
 
     Attributes:
         last_acquire_time: ``time.time()`` of the last stored acquire, or None; a
             "training progress" signal for the supervisor.
 
     Raises:
-        ValueError: ``max_timers`` or ``max_timers_per_pid`` < 1, or a bad ``access``.
+        ValueError: ``max_timers`` or ``max_timers_per_pid`` < 1, a bad ``access``, or
+            ``grace`` negative or not finite.
     """
 
     def __init__(
@@ -155,6 +163,7 @@ class TimerServer:
         kill: Callable[[int, int], None] = os.kill,
         release: bool = True,
         access: str | None = None,
+        grace: float = 0.0,
     ) -> None:
         if max_timers < 1 or max_timers_per_pid < 1:
             raise ValueError(
@@ -165,7 +174,7 @@ class TimerServer:
         self._on_reap = on_reap
         self._release = release
         self._mode = fifo_mode(access or ipc_access())
-        self._table = TimerTable(max_timers, max_timers_per_pid, kill)
+        self._table = TimerTable(max_timers, max_timers_per_pid, kill, grace)
         # Lifecycle, guarded by _lifecycle.
         self._lifecycle = threading.Lock()
         self._thread: threading.Thread | None = None

@@ -8,6 +8,17 @@ The semantics (torch's ``FileTimerServer`` and kelastic's differences) are
 released or replaced timer's entry is skipped when it reaches the top (and the heap is
 rebuilt when stale entries outnumber live ones).
 
+A *grace* (seconds, 0 by default) delays the reap of a watched pid: at its deadline the
+timer becomes *overdue* (logged, counted in ``expired``, a new heap entry at deadline +
+grace); a release or a new acquire of its scope within the grace spares the worker
+(counted in ``spared``); at deadline + grace it is reaped as usual, the
+:class:`~kelastic_sidecar.timer_report.ReapEvent` saying by how much the grace delayed it.
+With in-process restart on, the grace is ``hard_timeout - soft_timeout``: the ranks
+blocked in a collective on a hung peer hold expired timers too, and leave in process
+(their wrapper reports the expired timer as a soft timeout) within it; the hung rank,
+which cannot, is reaped after it (NVIDIA's semantics: soft and hard timeouts both count
+from the last progress).
+
 One lock (:attr:`TimerTable.lock`) guards it all. :meth:`TimerTable.watch`,
 :meth:`~TimerTable.forget`, :meth:`~TimerTable.forget_all`, :meth:`~TimerTable.snapshot`,
 :meth:`~TimerTable.active`, :meth:`~TimerTable.next_deadline` and
@@ -20,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import math
 import os
 import threading
 import time
@@ -43,6 +55,7 @@ class _Timer(NamedTuple):
     signal: int
     seq: int  # identifies the heap entry that belongs to this timer
     token: str | None = None  # the token its request carried
+    overdue: bool = False  # past its deadline, its reap deferred by the grace
 
 
 class TimerTable:
@@ -52,6 +65,11 @@ class TimerTable:
         max_timers: most timers of unwatched pids held at once (a shared pool).
         max_timers_per_pid: most timers of one watched pid held at once.
         kill: sends a signal to a pid (``os.kill``; injectable for tests).
+        grace: seconds (>= 0, finite) a watched pid's expired timer waits before its pid is
+            reaped (see the module doc).
+
+    Raises:
+        ValueError: ``grace`` is negative or not finite.
 
     Attributes:
         lock: guards everything.
@@ -64,8 +82,12 @@ class TimerTable:
         max_timers: int,
         max_timers_per_pid: int,
         kill: Callable[[int, int], None] = os.kill,
+        grace: float = 0.0,
     ) -> None:
+        if not 0.0 <= grace < math.inf:
+            raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace}")
         self.kill = kill
+        self.grace: Final = float(grace)
         self.lock = threading.Lock()
         self.stats = TimerStats()
         self.last_acquire_time: float | None = None
@@ -124,7 +146,10 @@ class TimerTable:
     def snapshot(self) -> TimerStats:
         """A consistent snapshot of the counters."""
         with self.lock:
-            return dataclasses.replace(self.stats, active=len(self.timers))
+            overdue = sum(1 for t in self.timers.values() if t.overdue) if self.grace else 0
+            return dataclasses.replace(
+                self.stats, active=len(self.timers), overdue=overdue, grace=self.grace
+            )
 
     def active(self) -> int:
         """Number of timers in the table now (any pid)."""
@@ -217,6 +242,9 @@ class TimerTable:
                     self.stats.forged,
                 )
             return
+        old = self.timers.get(key)
+        if old is not None and old.overdue:
+            self._spare(request.pid, request.scope_id, old, request.expiration_time < 0)
         if request.expiration_time < 0:  # negative expiration: release
             if key in self.timers:
                 self._drop(key)
@@ -238,6 +266,20 @@ class TimerTable:
         self.last_acquire_time = time.time()
         if len(self.heap) > 2 * len(self.timers) + 1024:
             self._compact()
+
+    def _spare(self, pid: int, scope: str, timer: _Timer, release: bool) -> None:
+        """An overdue timer was released or acquired again within the grace: its worker
+        made progress (left its blocked collective) and is not reaped for it."""
+        self.stats.spared += 1
+        log.info(
+            "timer server: pid %d %s timer %r %.2f s after its deadline, within the grace "
+            "of %g s: not reaped",
+            pid,
+            "released" if release else "acquired again",
+            scope,
+            time.time() - timer.expiration_time,
+            self.grace,
+        )
 
     def _drop(self, key: tuple[int, str]) -> None:
         """Remove one timer (its heap entry is skipped when reached)."""
@@ -277,14 +319,34 @@ class TimerTable:
                 if self._is_live(entry):
                     key = (entry[2], entry[3])
                     timer = self.timers[key]
+                    if not timer.overdue:
+                        self.stats.expired += 1
+                        if self._defer(key, timer):
+                            continue
                     self._drop(key)
                     expired.setdefault(key[0], []).append((key[1], timer))
-                    self.stats.expired += 1
             for pid, timers in expired.items():  # each list is in deadline order
                 event = self._reap(pid, timers)
                 if event is not None:
                     events.append(event)
         return events
+
+    def _defer(self, key: tuple[int, str], timer: _Timer) -> bool:
+        """At its deadline, make a watched pid's killing timer overdue for the grace
+        (a new heap entry at deadline + grace); return whether it was."""
+        if not self.grace or timer.signal <= 0 or key[0] not in self._watched:
+            return False
+        self._seq += 1
+        self.timers[key] = timer._replace(seq=self._seq, overdue=True)
+        heapq.heappush(self.heap, (timer.expiration_time + self.grace, self._seq, *key))
+        log.info(
+            "timer server: timer %r of pid %d expired; its reap waits for the grace of %g s "
+            "(in-process restart: the rank may leave first)",
+            key[1],
+            key[0],
+            self.grace,
+        )
+        return True
 
     def _reap(self, pid: int, timers: list[tuple[str, _Timer]]) -> ReapEvent | None:
         scopes = [scope for scope, _ in timers]
@@ -318,15 +380,19 @@ class TimerTable:
             self.stats.kill_failed += 1
         else:
             self.stats.reaped += 1
+            grace = self.grace if timer.overdue else 0.0
+            if grace:
+                self.stats.reaped_after_grace += 1
             log.warning(
-                "timer server: reaped pid %d with signal %d (state %s); expired timers: %s",
+                "timer server: reaped pid %d with signal %d (state %s); expired timers: %s%s",
                 pid,
                 timer.signal,
                 state or "?",
                 scopes,
+                f" (after the grace of {grace:g} s)" if grace else "",
             )
             event = ReapEvent(
-                pid, scope_id, timer.signal, timer.expiration_time, time.time(), state
+                pid, scope_id, timer.signal, timer.expiration_time, time.time(), state, grace
             )
         self._clear_pid(pid)
         return event

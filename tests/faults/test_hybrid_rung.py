@@ -21,16 +21,26 @@ START = re.compile(r"^\[(\d)\]:? ?pid (\d+) start iteration (\d+)$", re.M)
 ENTER = re.compile(r"^\[(\d)\]:? ?pid (\d+) enter iteration (\d+)$", re.M)
 
 
-def _job(tmp: Path, budget: int, env: dict[str, str] | None = None) -> tuple[Path, Path]:
+def _job(
+    tmp: Path,
+    budget: int,
+    env: dict[str, str] | None = None,
+    worker: str = "wrapped_steps.py",
+    timeouts: tuple[float, float] = (10, 20),
+) -> tuple[Path, Path]:
+    """A 2 x 2 job of ``tests/workers/<worker>`` with in-process restart on (``budget``
+    restarts, ``timeouts`` the soft and hard timeouts in seconds; the timer server's grace
+    is their difference); returns the manifest and the workers' stop file."""
     stop = tmp / "stop"
     job = write_job(
         tmp / "job.yaml", replicas=2, nproc=2, max_restarts=3,
-        command=["python", str(WORKERS / "wrapped_steps.py")],
+        command=["python", str(WORKERS / worker)],
         env={"STEPS_STOP_FILE": str(stop), **(env or {})},
     )  # fmt: skip
     doc = yaml.safe_load(job.read_text())
     doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": budget,
-                                "softTimeoutSeconds": 10, "hardTimeoutSeconds": 20}  # fmt: skip
+                                "softTimeoutSeconds": timeouts[0],
+                                "hardTimeoutSeconds": timeouts[1]}  # fmt: skip
     job.write_text(yaml.safe_dump(doc))
     return job, stop
 
@@ -157,9 +167,11 @@ def test_a_restarted_worker_dying_before_its_hello_takes_the_process_path(
 
 
 def test_a_hung_worker_reaped_by_its_timer_alone_starts_again(tmp_path: Path) -> None:
-    """SIGSTOP: the timer server reaps the worker when its step's timer (5 s) expires; the
-    reap is a death like any other: the hybrid rung, cause ``hang``."""
-    job, stop = _job(tmp_path, budget=10)
+    """SIGSTOP of a worker whose peers do not wait on it (no collective): the timer
+    server reaps it when its step's timer (5 s) expired and the grace (hard - soft
+    timeout: 2 s) is over; the reap is a death like any other: the hybrid rung, cause
+    ``hang``."""
+    job, stop = _job(tmp_path, budget=10, timeouts=(10, 12))
     run = KelasticRun(job, "--in-process", "--fault", "hang:rank=2,after=1",
                       workdir=tmp_path / "runs")  # fmt: skip
     try:
@@ -171,6 +183,7 @@ def test_a_hung_worker_reaped_by_its_timer_alone_starts_again(tmp_path: Path) ->
     assert "fault: SIGSTOP rank 2" in out, out
     reaped = r"rank 2 hang: local rank 0 \(pid \d+\) killed by SIGKILL: timer 'step' expired"
     assert re.search(r"in-process restart 1/10 \(iteration 1\): " + reaped, logs), logs
+    assert re.search(r"reaped pid \d+ .*\(after the grace of 2 s\)", logs), logs
     starts = _starts(out)
     assert [len(starts[r]) for r in range(4)] == [1, 1, 2, 1], starts
     assert run.restarts_charged() == 0, out
@@ -187,15 +200,7 @@ def test_ddp_survivors_of_killed_workers_leave_their_iteration_at_once(tmp_path:
     # flight. Releasing the aborted iteration's frames (its DDP reducer) after its process
     # group was destroyed deadlocked them in the reducer's destructor until the hard
     # timeout killed them (2 of 6 kills, 30 s each): the frames go first now.
-    stop = tmp_path / "stop"
-    job = write_job(
-        tmp_path / "job.yaml", replicas=2, nproc=2, max_restarts=3,
-        command=["python", str(WORKERS / "wrapped_ddp.py")], env={"STEPS_STOP_FILE": str(stop)},
-    )  # fmt: skip
-    doc = yaml.safe_load(job.read_text())
-    doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": 10,
-                                "softTimeoutSeconds": 30, "hardTimeoutSeconds": 60}  # fmt: skip
-    job.write_text(yaml.safe_dump(doc))
+    job, stop = _job(tmp_path, budget=10, worker="wrapped_ddp.py", timeouts=(30, 60))
     kills = [a for _ in range(6) for a in ("--fault", "kill:rank=1,after=1")]
     run = KelasticRun(job, "--in-process", "--warm-start", *kills, workdir=tmp_path / "runs")
     try:
@@ -214,3 +219,57 @@ def test_ddp_survivors_of_killed_workers_leave_their_iteration_at_once(tmp_path:
     assert "did not pass the termination barrier" not in logs, logs
     assert run.has("in-process restart 6/10 (iteration 6)"), run.output
     assert "process restart" not in run.output.replace("in-process restart", ""), run.output
+
+
+@pytest.mark.slow
+def test_a_hung_ddp_rank_alone_is_killed_its_blocked_peers_restart_in_process(
+    tmp_path: Path,
+) -> None:
+    """Issue 12's hang: SIGSTOP of rank 3 of a DDP job whose steps are in ``expires(3)``.
+    Its peers block in DDP's all-reduce on it, so their step timers expire too: each
+    one's wrapper reports its expired timer as a soft timeout at once and leaves in
+    process, while the timer server's grace (hard - soft timeout: 4 s) keeps it from
+    reaping them. Only the stopped rank, which cannot leave, is killed (reaped after the
+    grace, or the coordinator's hard-timeout kill) and started again (the hybrid rung);
+    the others keep their pids. Without the grace, or without the wrapper's timer check,
+    all four were reaped."""
+    job, stop = _job(tmp_path, budget=10, worker="wrapped_ddp.py", timeouts=(10, 14),
+                     env={"STEPS_TIMER_AFTER": "3"})  # fmt: skip
+    runs = tmp_path / "runs"
+    run = KelasticRun(job, "--in-process", "--fault", "hang:rank=3,after=2", workdir=runs)
+    try:
+
+        def stepped(iteration: int) -> Callable[[], bool]:
+            return lambda: {int(r) for r, _, it in STEPPED.findall(run.output)
+                            if int(it) == iteration} >= {0, 1, 2, 3}  # fmt: skip
+
+        _wait(run, runs, stepped(1), "every rank stepping in iteration 1")
+        stop.touch()
+        assert run.wait() == 0, run.output
+    finally:
+        run.interrupt()
+    out, logs = run.output, _sidecar_logs(runs)
+    assert "fault: SIGSTOP rank 3" in out, out
+    starts = _starts(out)
+    assert [len(starts.get(r, [])) for r in range(4)] == [1, 1, 1, 2], (starts, out)
+    for rank in (0, 1, 2):  # the blocked peers: the same process in iterations 0 and 1
+        pid = starts[rank][0][0]
+        assert {(int(p), int(i)) for r, p, i in ENTER.findall(out) if int(r) == rank} == {
+            (pid, 0), (pid, 1),
+        }, (rank, out)  # fmt: skip
+    (old, it0), (new, it1) = starts[3]
+    assert (it0, it1) == (0, 1) and old != new, starts  # rank 3 alone is a new process
+    # the peers' wrappers named their expired step timer; the stopped rank could not
+    assert re.search(r"in-process restart 1/10 \(iteration 1\): rank [0-2] soft_timeout: "
+                     r"timer 'step' expired", out), out  # fmt: skip
+    assert "within the grace of 4 s: not reaped" in logs, logs  # a peer's timer spared
+    # rank 3 alone was killed: reaped after the grace when it stopped inside its step,
+    # else by the coordinator's hard-timeout kill
+    assert set(re.findall(r"timer server: reaped pid (\d+)", logs)) <= {str(old)}, logs
+    assert re.search(rf"local rank 1 \(pid {old}\) killed by (SIGKILL|the sidecar)", logs), logs
+    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    took = re.findall(r"stepping again after (\d+\.\d+)s", out)
+    print(f"\nSIGSTOP of rank 3 of DDP -> every rank stepping again: {took} s")
+    assert "process restart" not in out.replace("in-process restart", ""), out
+    assert run.restarts_charged() == 0, out
+    assert run.strays() == []

@@ -186,6 +186,23 @@ def test_soft_timeout_reports_a_fault(run_dir: Path) -> None:
         assert len(j.log.find(msg(Fault))) == 1
 
 
+def test_an_expired_timer_is_a_soft_timeout_at_once(run_dir: Path) -> None:
+    """A timer of the rank's ``expires()`` past its deadline: a ``soft_timeout`` fault
+    naming it, long before the soft timeout (30 s here), so the rank leaves in process
+    before the timer server's grace ends and it would be reaped."""
+    env = {"KL_FAULT": "0:1", "KL_DO": "expired", "KL_STEPS": "3", "KL_SOFT": "30"}
+    with job(run_dir, 1, env=env) as j:
+        held = j.log.wait(ev("expiring", iteration=0, step=1), what="the long step")
+        fault = j.log.wait(msg(Fault), what="the expired timer's fault")
+        assert fault["msg"].cause == CAUSE_SOFT_TIMEOUT and fault["msg"].iteration == 0
+        assert "timer 'held step' expired" in fault["msg"].message, fault
+        assert 0.3 <= fault["t"] - held["t"] < 10, (held, fault)
+        j.log.wait(ev("aborted", iteration=0, how="RestartAbort"), what="aborted")
+        j.log.wait(msg(Done, iteration=1), what="done(1)")  # the timer went with the abort
+        assert j.wait_exit() == [0]
+        assert len(j.log.find(msg(Fault))) == 1
+
+
 def test_timed_steps_count_as_progress(run_dir: Path) -> None:
     env = {"KL_TIMED": "1", "KL_STEPS": "20", "KL_PACE": "0.05", "KL_SOFT": "0.5"}
     with job(run_dir, 1, env=env) as j:

@@ -142,6 +142,11 @@ WORKER = textwrap.dedent(
                         if what:
                             raise ValueError(f"boom in atomic in rank {RANK}")
                     emit("atomic_out", iteration=it)
+                if what == "expired":  # a timed step outliving its deadline, no ping
+                    emit("expiring", iteration=it, step=step)
+                    with expires(after=0.3, scope="held step", client=NoTimer()):
+                        while True:
+                            time.sleep(0.01)
                 if what == "wait":  # sleep in short slices, no ping
                     emit("waiting", iteration=it, step=step)
                     while True:

@@ -233,6 +233,28 @@ def test_expires_acquires_on_entry_not_on_call() -> None:
     assert expiration is not None and before + 1 <= expiration <= time.time() + 1
 
 
+def test_expired_timer_names_the_earliest_held_timer_past_its_deadline() -> None:
+    """What the in-process wrapper's monitor reads: the timers this process holds through
+    expires() (the same scope replaces, leaving releases), those past their deadline."""
+    client = RecordingClient()
+    assert ktimer.expired_timer() is None
+    with expires(after=100, scope="outer", client=client):
+        with expires(after=1, scope="inner", client=client):
+            deadline = client.calls[-1][2]
+            assert deadline is not None
+            assert ktimer.expired_timer() is None
+            assert ktimer.expired_timer(now=deadline) == ("inner", deadline)
+            with expires(after=50, scope="inner", client=client):  # replaces it
+                assert ktimer.expired_timer(now=deadline + 1) is None
+        assert ktimer.expired_timer(now=deadline + 1000) is not None
+        assert ktimer.expired_timer(now=deadline + 1000)[0] == "outer"  # type: ignore[index]
+        pid = os.fork()
+        if pid == 0:  # the child holds no timer: the server keys the parent's by its pid
+            os._exit(0 if ktimer.expired_timer(now=deadline + 1000) is None else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert ktimer.expired_timer(now=deadline + 1000) is None
+
+
 @pytest.mark.parametrize("after", [float("nan"), float("inf")])
 def test_expires_rejects_non_finite_after(after: float) -> None:
     with pytest.raises(ValueError):

@@ -3,8 +3,10 @@ its process group are made in every iteration, as most training scripts do, so a
 iteration leaves a live reducer with pending bucket all-reduces behind. Each step is timed
 (``expires``: progress for the wrapper, and what ``kelastic run --fault`` waits for).
 
-Prints ``pid P enter iteration I`` each time the function is entered and ``pid P stepped
-iteration I`` after its first DDP step; returns once ``STEPS_STOP_FILE`` exists.
+Prints ``pid P start iteration I`` when the process starts, ``pid P enter iteration I``
+each time the function is entered and ``pid P stepped iteration I`` after its first DDP
+step; returns once ``STEPS_STOP_FILE`` exists. ``STEPS_TIMER_AFTER``: the step timer's
+seconds (default 30).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kelastic.timer import expires
 torch.set_num_threads(1)
 MODEL = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 OPT = torch.optim.SGD(MODEL.parameters(), lr=0.01)
+AFTER = float(os.environ.get("STEPS_TIMER_AFTER") or 30.0)
 
 
 @Wrapper()
@@ -35,7 +38,7 @@ def train(call_wrapper: Any = None) -> None:
     stop = os.environ.get("STEPS_STOP_FILE")
     step = 0
     while not (stop and Path(stop).exists()):
-        with expires(after=30.0, scope="step"):  # a timed step: kelastic run's fault clock
+        with expires(after=AFTER, scope="step"):  # a timed step: kelastic run's fault clock
             loss = model(torch.randn(16, 64)).square().mean()
             OPT.zero_grad()
             loss.backward()
@@ -48,4 +51,6 @@ def train(call_wrapper: Any = None) -> None:
 
 
 if __name__ == "__main__":
+    first = os.environ.get("KELASTIC_INPROCESS_ITERATION") or "0"
+    print(f"pid {os.getpid()} start iteration {first}", flush=True)
     train()

@@ -25,7 +25,9 @@ was restarted, and is thread- and fork-safe. Because the FIFO stays open, torch'
 ``FileTimerServer`` (which blocks in ``readline`` while any writer holds the FIFO) is
 not a good partner for it; the kelastic sidecar's server is.
 
-This module is stdlib only.
+This module is stdlib only. Over ~400 lines because the client, the process-wide
+configuration and :func:`expires` (with the timers it holds, which ``kelastic.inprocess``
+reads) are one thing: the worker's half of the timer wire, sharing the fork handling.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = [
     "FifoTimerClient",
     "TimerClient",
     "configure",
+    "expired_timer",
     "expires",
     "forget_default_client",
     "set_progress_hook",
@@ -265,9 +268,34 @@ _configure_lock = threading.Lock()
 _client: FifoTimerClient | None = None
 
 
+#: This process's timers held through :func:`expires`: scope -> deadline (``time.time()``
+#: seconds), as the server has them (the same scope replaces, a release removes).
+_held: dict[str, float] = {}
+_held_lock = threading.Lock()
+
+
+def expired_timer(now: float | None = None) -> tuple[str, float] | None:
+    """The scope and deadline of the earliest :func:`expires` timer of this process whose
+    deadline has passed and which is still held, or None. ``kelastic.inprocess`` reports
+    such a timer as a soft timeout at once (before the server reaps the worker).
+
+    Args:
+        now: seconds since the epoch; default ``time.time()``.
+    """
+    now = time.time() if now is None else now
+    with _held_lock:
+        due = [(deadline, scope) for scope, deadline in _held.items() if deadline <= now]
+    if not due:
+        return None
+    deadline, scope = min(due)
+    return scope, deadline
+
+
 def _reinit_after_fork() -> None:
-    global _configure_lock
+    global _configure_lock, _held_lock
     _configure_lock = threading.Lock()
+    _held_lock = threading.Lock()
+    _held.clear()  # the parent's timers: the server keys them by its pid, not ours
     for client in list(_CLIENTS):
         client._after_fork_in_child()
 
@@ -346,7 +374,10 @@ class _Expires:
         self._client = client
 
     def __enter__(self) -> None:
-        self._client.acquire(self._scope, time.time() + self._after)
+        deadline = time.time() + self._after
+        self._client.acquire(self._scope, deadline)
+        with _held_lock:
+            _held[self._scope] = deadline
         hook = _progress_hook
         if hook is not None:
             hook()
@@ -357,6 +388,8 @@ class _Expires:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        with _held_lock:
+            _held.pop(self._scope, None)
         self._client.release(self._scope)
 
 

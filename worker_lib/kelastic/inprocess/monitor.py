@@ -4,8 +4,11 @@ Semantics from NVIDIA's ``MonitorThread`` and ``ProgressWatchdog``, with the dec
 moved to the sidecar: the thread reads the coordinator's messages, starts the abort of a
 running iteration on ``abort`` (and ``give_up``), hands every message to the main thread,
 and reports a *soft timeout* (``fault`` with cause ``soft_timeout``) when the iteration
-made no progress for ``soft_timeout`` seconds. Progress is a ``CallWrapper.ping()`` or a
-:func:`kelastic.timer.expires` acquire; the clock starts when the iteration is entered.
+made no progress for ``soft_timeout`` seconds, or at once when an
+:func:`kelastic.timer.expires` timer the rank holds has expired (its peers blocked in a
+collective on a hung rank hold expired timers too: they leave in process, while the
+timer server's grace keeps it from reaping them). Progress is a ``CallWrapper.ping()`` or
+a :func:`kelastic.timer.expires` acquire; the clock starts when the iteration is entered.
 The *hard timeout* is the sidecar's: it kills a rank that did not reach the termination
 barrier within ``hard_timeout`` seconds of the abort.
 """
@@ -29,6 +32,7 @@ from kelastic.inprocess_messages import (
     GiveUp,
     Go,
 )
+from kelastic.timer import expired_timer
 
 __all__ = ["Heartbeat", "Monitor"]
 
@@ -171,15 +175,29 @@ class Monitor:
                     if isinstance(item, Closed):
                         return
                 self._guard.poll()
-                stalled = self._heartbeat.stalled(self._soft_timeout)
-                if stalled is not None:
-                    self._conn.send(Fault(
-                        iteration=stalled, local_rank=self._local_rank, cause=CAUSE_SOFT_TIMEOUT,
-                        message=f"no progress for {self._soft_timeout:g} s",
-                    ))  # fmt: skip
+                self._check_progress()
         except Exception as exc:  # a bug here must not leave the main thread waiting
             self.inbox.put(Closed(f"monitor thread failed: {exc!r}"))
             print(f"kelastic.inprocess: monitor thread failed: {exc!r}", file=sys.stderr)
+
+    def _check_progress(self) -> None:
+        """Send a ``soft_timeout`` fault, once an iteration, when it made no progress for
+        the soft timeout or an :func:`~kelastic.timer.expires` timer of this rank expired
+        (the timer server would reap the rank, and its peers blocked on it, soon)."""
+        stalled = self._heartbeat.stalled(self._soft_timeout)
+        message = f"no progress for {self._soft_timeout:g} s"
+        if stalled is None and self._heartbeat.active:
+            timer = expired_timer()
+            if timer is not None:
+                stalled = self._heartbeat.stalled(0.0)
+                scope, deadline = timer
+                message = (f"timer {scope[:200]!r} expired {time.time() - deadline:.1f} s ago "
+                           "(expires() deadline)")  # fmt: skip
+        if stalled is not None:
+            self._conn.send(Fault(
+                iteration=stalled, local_rank=self._local_rank, cause=CAUSE_SOFT_TIMEOUT,
+                message=message,
+            ))  # fmt: skip
 
     def _handle(self, item: CoordinatorMessage | Closed) -> None:
         if isinstance(item, Abort):
