@@ -57,10 +57,6 @@ class InProcessSettings:
         requires (``soft < hard < barrier``)."""
         return self.soft_timeout + self.hard_timeout
 
-    def problems(self) -> list[str]:
-        """What is wrong with these settings (empty when valid)."""
-        out = []
-        if self.max_restarts < 0:
     @property
     def timer_grace(self) -> float:
         """Seconds the timer server waits past an expired timer's deadline before it reaps
@@ -72,6 +68,10 @@ class InProcessSettings:
         reaped, and only the hung rank is."""
         return max(0.0, self.hard_timeout - self.soft_timeout) if self.enabled else 0.0
 
+    def problems(self) -> list[str]:
+        """What is wrong with these settings (empty when valid)."""
+        out = []
+        if self.max_restarts < 0:
             out.append(f"{contract.ENV_INPROCESS_MAX_RESTARTS} must be >= 0")
         if not 0 < self.soft_timeout < math.inf:
             out.append(f"{contract.ENV_INPROCESS_SOFT_TIMEOUT} must be > 0 seconds")

@@ -135,10 +135,10 @@ def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) ->
     timer = TimerServer(
         contract.timer_fifo_path(config.run_dir),
         on_reap=lambda ev: events.put(WorkerReaped(ev)),
+        grace=config.inprocess.timer_grace,
     )
     metrics = SidecarMetrics(timer.stats)
     # Every failed etcd call counts, the lease keep-alive's and the watches' included.
-        grace=config.inprocess.timer_grace,
     etcd_health = EtcdHealth(store, metrics)
     store.on_error = etcd_health.on_error
     metrics.budget_max.set(config.max_restarts)
