@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kelastic.control_messages import Exited, Hello, Respawn, Started, Stop, Stopped
+from kelastic.control_messages import Exited, Hello, Promote, Respawn, Started, Stop, Stopped
 
 from .control import ControlServer, Disconnected, Message
 from .etcd_store import EtcdUnavailableError
@@ -94,6 +94,7 @@ class AttemptMonitor:
         self.warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
         self.reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
         self.respawned: set[int] = set()  # local ranks started again this attempt
+        self.promoted: set[int] = set()  # local ranks a spare took over, until its started
         self.watch_stop = threading.Event()
         self._rdzv_queued = threading.Event()  # a RendezvousChanged waits in the queue
 
@@ -107,6 +108,7 @@ class AttemptMonitor:
         self.reaped.clear()
         self.warm = 0
         self.respawned.clear()
+        self.promoted.clear()
         self._timer.forget_all()
         self.tokens = {r: secrets.token_hex(16) for r in range(self.nproc)}
         return self.tokens
@@ -192,7 +194,10 @@ class AttemptMonitor:
                     if end is not None:
                         return end
                 elif isinstance(event, RespawnDue):
-                    if event.round == info.round:  # else a late one of an earlier round
+                    if event.round == info.round and event.spare is not None:  # spare ranks
+                        self.promoted.add(event.local_rank)
+                        self._control.send(Promote(self.attempt, event.spare, event.local_rank))
+                    elif event.round == info.round:  # else a late one of an earlier round
                         self.respawned.add(event.local_rank)
                         self._control.send(Respawn(self.attempt, event.local_rank, event.env))
                 else:
@@ -284,12 +289,18 @@ class AttemptMonitor:
         """The attempt's workers started, or (a partial ``started``) one started again."""
         pids = msg.pids
         warm = min(msg.warm, len(pids)) if msg.warm > 0 else 0
-        if self.respawned and pids.keys() <= self.respawned:  # a respawn's (the hybrid rung)
+        promoted = bool(self.promoted) and pids.keys() <= self.promoted  # a spare took over
+        self.promoted -= pids.keys()
+        if promoted:
+            log.info("local rank(s) %s: the spare pid(s) %s took over (no process start)",
+                     ", ".join(map(str, pids)), ", ".join(map(str, pids.values())))  # fmt: skip
+        elif self.respawned and pids.keys() <= self.respawned:  # a respawn's (the hybrid rung)
             log.info("local rank(s) %s started again: pid(s) %s (%s)", ", ".join(map(str, pids)),
                      ", ".join(map(str, pids.values())), "warm" if warm else "cold")  # fmt: skip
-        self.warm += warm  # a respawn's adds to the attempt's
-        self._metrics.worker_starts.labels(start="warm").inc(warm)
-        self._metrics.worker_starts.labels(start="cold").inc(len(pids) - warm)
+        if not promoted:  # a promotion started no process
+            self.warm += warm  # a respawn's adds to the attempt's
+            self._metrics.worker_starts.labels(start="warm").inc(warm)
+            self._metrics.worker_starts.labels(start="cold").inc(len(pids) - warm)
         for local_rank, pid in pids.items():
             self.pids[local_rank] = pid
             try:

@@ -42,12 +42,16 @@ class InProcessSettings:
             Wrapper enforces it; here for validation and ``/status``).
         hard_timeout: seconds after an abort before a rank that has not passed the
             termination barrier is killed (SIGKILL by the sidecar); > ``soft_timeout``.
+        spare_ranks: spare worker processes per node (``$KELASTIC_INPROCESS_SPARES``,
+            0..64): they wait warm in the Wrapper and replace a dead local rank without a
+            process start (:mod:`~kelastic_sidecar.inprocess_spares`).
     """
 
     enabled: bool = False
     max_restarts: int = contract.DEFAULT_INPROCESS_MAX_RESTARTS
     soft_timeout: float = contract.DEFAULT_INPROCESS_SOFT_TIMEOUT
     hard_timeout: float = contract.DEFAULT_INPROCESS_HARD_TIMEOUT
+    spare_ranks: int = 0
 
     @property
     def barrier_timeout(self) -> float:
@@ -73,6 +77,9 @@ class InProcessSettings:
         out = []
         if self.max_restarts < 0:
             out.append(f"{contract.ENV_INPROCESS_MAX_RESTARTS} must be >= 0")
+        if not 0 <= self.spare_ranks <= contract.MAX_INPROCESS_SPARES:
+            out.append(f"{contract.ENV_INPROCESS_SPARES} must be in "
+                       f"0..{contract.MAX_INPROCESS_SPARES}")  # fmt: skip
         if not 0 < self.soft_timeout < math.inf:
             out.append(f"{contract.ENV_INPROCESS_SOFT_TIMEOUT} must be > 0 seconds")
         if not self.soft_timeout < self.hard_timeout < math.inf:
@@ -197,6 +204,7 @@ class SidecarConfig:
                 max_restarts=num(ip_max, int, contract.DEFAULT_INPROCESS_MAX_RESTARTS),
                 soft_timeout=num(ip_soft, float, contract.DEFAULT_INPROCESS_SOFT_TIMEOUT),
                 hard_timeout=num(ip_hard, float, contract.DEFAULT_INPROCESS_HARD_TIMEOUT),
+                spare_ranks=num(contract.ENV_INPROCESS_SPARES, int, 0),
             ),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:

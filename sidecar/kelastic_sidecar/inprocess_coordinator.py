@@ -78,7 +78,7 @@ from .inprocess_record import (
     decode_iteration_record,
     encode_iteration_record,
 )
-from .inprocess_respawn import OnRespawn
+from .inprocess_respawn import OnPromote, OnRespawn
 from .inprocess_round import RoundContext
 from .inprocess_server import InProcessServer
 from .metrics import SidecarMetrics
@@ -129,6 +129,9 @@ class InProcessCoordinator:
         on_respawn: ``(round, local_rank, env)``: start that dead local rank again with
             ``env`` (called on the loop thread; it must not block; the supervisor queues a
             ``respawn`` for the launcher).
+        on_promote: ``(round, spare_slot, local_rank)``: a waiting spare took that dead
+            local rank's place (called on the loop thread; it must not block; the
+            supervisor queues a ``promote`` for the launcher).
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class InProcessCoordinator:
         kill: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
         on_respawn: OnRespawn | None = None,
+        on_promote: OnPromote | None = None,
     ) -> None:
         self.settings = settings
         self.enabled = settings.enabled
@@ -166,6 +170,7 @@ class InProcessCoordinator:
         self.machine = CarryMachine(
             settings, store, keys, node, metrics, self.server.drop, kill, clock,
             **({"on_respawn": on_respawn} if on_respawn is not None else {}),
+            **({"on_promote": on_promote} if on_promote is not None else {}),
         )  # fmt: skip
         self._status: dict[str, Any] | None = self.machine.status_doc() if self.enabled else None
 
@@ -206,8 +211,9 @@ class InProcessCoordinator:
         """A round starts with ``assign`` (not sent yet): remember its context (the ready
         keys are bound to ``handler``'s lease), and return the ``assign`` with
         ``KELASTIC_INPROCESS_ITERATION`` (the job's current iteration) in every worker's
-        env. Unchanged when disabled. Raises nothing (a coordinator that does not answer
-        within 30 s is logged; the round then goes on without in-process restarts).
+        env and the node's spare ranks (``spares``). Unchanged when disabled. Raises
+        nothing (a coordinator that does not answer within 30 s is logged; the round then
+        goes on without in-process restarts).
         """
         if not self.enabled:
             return assign
@@ -222,7 +228,7 @@ class InProcessCoordinator:
             WorkerAssignment(w.local_rank, {**w.env, contract.ENV_INPROCESS_ITERATION: str(base)})
             for w in assign.workers
         )
-        return replace(assign, workers=workers)
+        return replace(assign, workers=workers, spares=self.settings.spare_ranks)
 
     def begin(self, ctx: RoundContext) -> int:
         """Start coordinating the round ``ctx``; return the iteration its workers start in

@@ -22,6 +22,13 @@ non-zero exit (:meth:`InProcessCoordinator.absorb_exit
 4. A restarted rank that does not say ``hello`` within the hard timeout makes the node
    give up (``give_up`` to every rank: the process path); one that dies again before
    its ``hello`` is refused (the process path).
+5. Spare ranks (``spareRanks``, :mod:`~kelastic_sidecar.inprocess_spares`): a spare's
+   ``hello`` keeps it waiting in the pool; at the ``go``, a waiting spare takes each dead
+   rank's place instead of step 3's process start: it gets the ``go`` with the dead
+   rank's env, its session becomes that rank's, and ``on_promote(round, slot,
+   local_rank)`` tells the launcher (``promote``), which starts a new spare in the slot.
+   Spares are not in the termination barrier, never aborted, and their own deaths (a
+   closed session) are only logged. The round's end sends them ``give_up``.
 
 Runs on the coordinator's loop thread only, like its base.
 """
@@ -32,7 +39,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kelastic.inprocess_messages import Hello
+from kelastic import contract
+from kelastic.inprocess_messages import GiveUp, Go, Hello
 from kelastic_etcd import EtcdError
 
 from .failure import Failure, signal_name
@@ -44,11 +52,24 @@ from .inprocess_hybrid import (
     death_message,
 )
 from .inprocess_machine import ABORTING, BARRIER, RUNNING, RestartMachine, victim_pid
-from .inprocess_record import Advance, IterationRecord, advance_iteration, encode_iteration_record
-from .inprocess_round import barrier_verdict, go_env
+from .inprocess_record import (
+    Advance,
+    IterationRecord,
+    ReadyRecord,
+    advance_iteration,
+    encode_iteration_record,
+)
+from .inprocess_round import RoundContext, barrier_verdict, go_env
 from .inprocess_server import Session
+from .inprocess_spares import (
+    SPARE_NOTE,
+    SpareHello,
+    SparePool,
+    pair_spares,
+    spare_hello_verdict,
+)
 
-__all__ = ["HybridMachine", "OnRespawn"]
+__all__ = ["HybridMachine", "OnPromote", "OnRespawn"]
 
 log = logging.getLogger("kelastic_sidecar.inprocess")
 
@@ -57,8 +78,18 @@ log = logging.getLogger("kelastic_sidecar.inprocess")
 OnRespawn = Callable[[int, int, dict[str, str]], None]
 
 
+#: ``(round, spare_slot, local_rank)``: the spare waiting in that slot was sent the ``go``
+#: of that dead local rank (the supervisor sends the launcher a ``promote``).
+OnPromote = Callable[[int, int, int], None]
+
+
 def _no_respawn(round_: int, local_rank: int, env: dict[str, str]) -> None:
     log.error("no one to start local rank %d again (round %d)", local_rank, round_)
+
+
+def _no_promote(round_: int, slot: int, local_rank: int) -> None:
+    log.error("no one to tell that spare slot %d is local rank %d (round %d)", slot, local_rank,
+              round_)  # fmt: skip
 
 
 class HybridMachine(RestartMachine):
@@ -68,11 +99,23 @@ class HybridMachine(RestartMachine):
         *args, **kwargs: :class:`RestartMachine`'s.
         on_respawn: called (on the loop thread; it must not block) when a dead local
             rank is to be started again.
+        on_promote: called (on the loop thread; it must not block) when a waiting spare
+            took a dead local rank's place.
     """
 
-    def __init__(self, *args: Any, on_respawn: OnRespawn = _no_respawn, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        on_respawn: OnRespawn = _no_respawn,
+        on_promote: OnPromote = _no_promote,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.on_respawn = on_respawn
+        self.on_promote = on_promote
+        self._spares = SparePool()
+        #: Dead local ranks replaced by a waiting spare, for ``/status``.
+        self.promotions = 0
         self._pending: dict[int, int | None] = {}  # dead local rank -> its pid, until the go
         self._starting: dict[int, float] = {}  # local rank -> deadline of its hello
         self._killed: set[int] = set()  # pids this node killed at their hard timeout
@@ -138,7 +181,7 @@ class HybridMachine(RestartMachine):
             out = advance_iteration(
                 self._store, self._keys.inprocess_iteration, self._iteration,
                 self.settings.max_restarts, round_=ctx.round, cause=cause, node=self.node,
-                rank=rank, message=f"{message}; {RESPAWN_NOTE}", now=failure.time,
+                rank=rank, message=f"{message}; {self._death_note()}", now=failure.time,
                 known=self._known,
             )  # fmt: skip
         except (EtcdError, RuntimeError) as exc:
@@ -157,6 +200,68 @@ class HybridMachine(RestartMachine):
         self._apply(out.record)
         return True
 
+    def _death_note(self) -> str:
+        """How the dead rank comes back, as the record says it: a waiting spare (one
+        not promised to a rank that died before) or a process start."""
+        return SPARE_NOTE if len(self._spares) > len(self._pending) else RESPAWN_NOTE
+
+    # ------------------------------------------------------------------ spares
+
+    def _spare_hello(self, session: Session, msg: Hello) -> None:
+        """A spare's ``hello``: keep it waiting, ``give_up`` or drop it."""
+        ctx = self._ctx
+        verdict = spare_hello_verdict(
+            phase=self._phase, nproc=ctx.nproc if ctx is not None else 0,
+            spares=self.settings.spare_ranks, slot=msg.local_rank,
+        )  # fmt: skip
+        if verdict.kind is SpareHello.DROP:
+            log.error("%r: %s; dropping it", session, verdict.reason)
+            self._drop(session, "malformed")
+        elif verdict.kind is SpareHello.GIVE_UP:
+            log.info("%r: spare not needed (%s)", session, verdict.reason)
+            session.send(GiveUp(reason=f"spare not needed: {verdict.reason}"))
+        else:
+            if self._spares.add(msg.local_rank, session) is not None:
+                log.warning("spare slot %d connected again; dropped its previous session",
+                            msg.local_rank)  # fmt: skip
+            log.info("%r: spare waiting (pid %d, slot %d)", session, msg.pid, msg.local_rank)
+        self._metrics.inprocess_spares_waiting.set(len(self._spares))
+
+    def closed(self, session: Session) -> None:
+        """A session ended; a waiting spare's is only logged (no failure of the round:
+        the launcher starts a new spare)."""
+        slot = self._spares.discard(session)
+        if slot is None:
+            super().closed(session)
+            return
+        pid = session.hello.pid if session.hello is not None else "?"
+        log.warning("the spare in slot %d (pid %s) went away while waiting; the launcher "
+                    "starts a new one", slot, pid)  # fmt: skip
+        self._metrics.inprocess_spares_waiting.set(len(self._spares))
+
+    def _promote(self, ctx: RoundContext, local_rank: int, slot: int, master: ReadyRecord,
+                 iteration: int) -> None:  # fmt: skip
+        """The spare of ``slot`` enters ``iteration`` as the dead ``local_rank``."""
+        session = self._spares.take(slot)
+        env = go_env(ctx, local_rank, master, iteration)
+        hello = session.hello
+        pid = hello.pid if hello is not None else 0
+        rank = int(env.get(contract.RANK, "-1") or -1)
+        session.hello = Hello(pid=pid, local_rank=local_rank, rank=max(rank, 0),
+                              iteration=iteration)  # fmt: skip
+        self._sessions[local_rank] = session
+        self._offset[session.id] = 0
+        self.promotions += 1
+        self._metrics.inprocess_spares_promoted.inc()
+        self._metrics.inprocess_spares_waiting.set(len(self._spares))
+        line = (f"local rank {local_rank} replaced by the spare of slot {slot} (pid {pid}, no "
+                f"process start)")  # fmt: skip
+        if self._last is not None:
+            self._last.setdefault("promoted", []).append(line)
+        log.warning("%s in iteration %d (its peers restarted in process)", line, iteration)
+        self.on_promote(ctx.round, slot, local_rank)
+        session.send(Go(iteration, env))
+
     # ------------------------------------------------------------------ hooks
 
     def _apply(self, record: IterationRecord) -> None:
@@ -172,6 +277,9 @@ class HybridMachine(RestartMachine):
             return
         master = barrier_verdict(values, self._keys.inprocess_ready_prefix(iteration), ctx).master
         assert master is not None  # the base went on it
+        for local_rank, slot in pair_spares(self._pending, list(self._spares)).items():
+            del self._pending[local_rank]
+            self._promote(ctx, local_rank, slot, master, iteration)
         for local_rank in sorted(self._pending):
             self._starting[local_rank] = self._clock() + self.settings.hard_timeout
             self.respawns += 1
@@ -181,6 +289,9 @@ class HybridMachine(RestartMachine):
         self._pending.clear()
 
     def _hello(self, session: Session, msg: Hello) -> None:
+        if msg.spare:
+            self._spare_hello(session, msg)
+            return
         if self._starting.pop(msg.local_rank, None) is not None:
             log.info("local rank %d started again: hello (iteration %d)", msg.local_rank,
                      msg.iteration)  # fmt: skip
@@ -199,8 +310,11 @@ class HybridMachine(RestartMachine):
         self._starting.clear()
 
     def end(self, reason: str) -> None:
-        """The round ended: forget its dead and restarting ranks too."""
+        """The round ended: forget its dead and restarting ranks too; ``give_up`` to the
+        waiting spares (they exit 0)."""
         super().end(reason)
+        self._spares.give_up_all(f"round ended: {reason}")
+        self._metrics.inprocess_spares_waiting.set(0)
         self._pending.clear()
         self._starting.clear()
         self._killed.clear()
@@ -222,8 +336,13 @@ class HybridMachine(RestartMachine):
             )
 
     def status_doc(self) -> dict[str, Any]:
-        """The base's document plus ``respawns`` (``last``'s ``died`` copied too)."""
+        """The base's document plus ``respawns`` and ``spares`` (``configured``: spare
+        ranks per node, ``waiting``: their slots waiting now, ``promoted``: dead ranks
+        they replaced); ``last``'s ``died`` and ``promoted`` copied too."""
         doc = super().status_doc()
-        if doc["last"] and "died" in doc["last"]:
-            doc["last"]["died"] = list(doc["last"]["died"])
-        return {**doc, "respawns": self.respawns}
+        for name in ("died", "promoted"):
+            if doc["last"] and name in doc["last"]:
+                doc["last"][name] = list(doc["last"][name])
+        spares = {"configured": self.settings.spare_ranks, "waiting": list(self._spares),
+                  "promoted": self.promotions}  # fmt: skip
+        return {**doc, "respawns": self.respawns, "spares": spares}

@@ -159,6 +159,24 @@ class GoodputCollector(Collector):
         )
 
 
+def _spare_metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge]:
+    """In-process restart's spare ranks: ``kelastic_inprocess_spares_promoted_total`` (dead
+    workers a waiting spare replaced) and ``kelastic_inprocess_spares_waiting`` (spares of
+    the node waiting now)."""
+    promoted = Counter(
+        "kelastic_inprocess_spares_promoted_total",
+        "Dead workers replaced by a waiting spare worker (spec.inProcess.spareRanks): "
+        "their peers restarted in process and no process was started",
+        registry=registry,
+    )
+    waiting = Gauge(
+        "kelastic_inprocess_spares_waiting",
+        "Spare workers of this node waiting, warm, to replace a dead worker",
+        registry=registry,
+    )
+    return promoted, waiting
+
+
 class SidecarMetrics:
     """All metrics of one sidecar, registered in :attr:`registry`.
 
@@ -229,6 +247,7 @@ class SidecarMetrics:
             "in-process hard timeout",
             registry=r,
         )
+        self.inprocess_spares_promoted, self.inprocess_spares_waiting = _spare_metrics(r)
         self.budget_spent = Gauge(
             "kelastic_restart_budget_spent", "Global restarts spent by the job", registry=r
         )
