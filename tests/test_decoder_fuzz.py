@@ -543,3 +543,95 @@ def test_fuzz_inprocess_messages_one_field(
         value = [value]
     doc[field] = value
     decode(_dumps(doc))
+
+
+# ------------------------- spare ranks: promote (control) and a spare's hello (in-process)
+
+from kelastic.control_messages import Assign, Promote  # noqa: E402
+
+PROMOTE = {"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 1}
+SPARE_HELLO = {"type": "hello", "pid": 4242, "local_rank": 2, "rank": 4, "iteration": 0,
+               "spare": True}  # fmt: skip
+ASSIGN = {"type": "assign", "attempt": 1, "round": 0, "spares": 1,
+          "workers": [{"local_rank": 0, "env": {}}, {"local_rank": 1, "env": {}}]}  # fmt: skip
+
+
+def test_spare_messages_decode_and_malformed_ones_are_refused() -> None:
+    assert parse_message(json.dumps(PROMOTE).encode()) == Promote(2, 2, 1)
+    assert parse_message(encode_message(Promote(2, 2, 1).as_dict())[:-1]) == Promote(2, 2, 1)
+    assign = parse_message(json.dumps(ASSIGN).encode())
+    assert isinstance(assign, Assign) and assign.spares == 1
+    assert "spares" not in Assign(1, 0, ()).as_dict()  # an old launcher sees no new field
+    hello = ipm.parse_worker_message(json.dumps(SPARE_HELLO).encode())
+    assert hello == ipm.Hello(4242, 2, 4, 0, spare=True)
+    assert ipm.parse_worker_message(ipm.encode(hello)[:-1]) == hello
+    plain = {k: v for k, v in SPARE_HELLO.items() if k != "spare"}
+    assert ipm.parse_worker_message(json.dumps(plain).encode()) == ipm.Hello(4242, 2, 4, 0)
+    for field, literal in (("spare_slot", "-1"), ("spare_slot", "4096"), ("local_rank", "2"),
+                           ("local_rank", '"1"'), ("attempt", "true"), ("spare_slot", HUGE),
+                           ("local_rank", "1.5")):  # fmt: skip
+        with pytest.raises(ProtocolError):
+            parse_message(_with(PROMOTE, field, literal))  # local_rank 2 == the slot
+    for literal in ("-1", "65", "true", '"1"', "1.0", HUGE):
+        with pytest.raises(ProtocolError):
+            parse_message(_with(ASSIGN, "spares", literal))
+    too_many = {**ASSIGN, "workers": [{"local_rank": 4090, "env": {}}], "spares": 6}
+    with pytest.raises(ProtocolError):
+        parse_message(json.dumps(too_many).encode())  # spare slots past local rank 4095
+    for literal in ("1", '"yes"', "null", "[]"):
+        with pytest.raises(ipm.ProtocolError):
+            ipm.parse_worker_message(_with(SPARE_HELLO, "spare", literal))
+
+
+def _promote(raw: bytes) -> None:
+    try:
+        msg = parse_message(raw)
+    except ProtocolError:
+        return
+    if isinstance(msg, Promote):
+        assert 0 <= msg.spare_slot <= 4095 and 0 <= msg.local_rank <= 4095
+        assert msg.spare_slot != msg.local_rank and msg.attempt >= 0
+    if isinstance(msg, Assign):
+        assert 0 <= msg.spares <= contract.MAX_INPROCESS_SPARES
+
+
+def _spare_hello(raw: bytes) -> None:
+    try:
+        msg = ipm.parse_worker_message(raw)
+    except ipm.ProtocolError:
+        return
+    if isinstance(msg, ipm.Hello):
+        assert isinstance(msg.spare, bool)
+        ipm.encode(msg)
+
+
+SPARE_DECODERS: dict[str, tuple[Callable[[bytes], None], dict[str, Any]]] = {
+    "promote": (_promote, PROMOTE),
+    "assign_spares": (_promote, ASSIGN),
+    "spare_hello": (_spare_hello, SPARE_HELLO),
+}
+
+
+@pytest.mark.parametrize("raw", CRAFTED)
+@pytest.mark.parametrize("name", sorted(SPARE_DECODERS))
+def test_spare_messages_survive_crafted_values(name: str, raw: bytes) -> None:
+    decode, valid = SPARE_DECODERS[name]
+    decode(raw)
+    for field in valid:
+        for literal in (HUGE, "NaN", "1e999", "-1", "true", "[" * 5000 + "]" * 5000):
+            decode(_with(valid, field, literal))
+
+
+@pytest.mark.parametrize("name", sorted(SPARE_DECODERS))
+@FUZZ
+@given(data=st.data(), value=json_values, depth=st.integers(0, 60))
+def test_fuzz_one_field_of_a_spare_message(
+    name: str, data: st.DataObject, value: Any, depth: int
+) -> None:
+    decode, valid = SPARE_DECODERS[name]
+    doc = dict(valid)
+    field = data.draw(st.sampled_from(sorted(doc)))
+    for _ in range(depth):
+        value = [value]
+    doc[field] = value
+    decode(_dumps(doc))

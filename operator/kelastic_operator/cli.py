@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kelastic import contract
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -45,9 +47,10 @@ faults (for demos and tests; each fires once, one after another in the given ord
   fault fired.
 
 recovery, cheapest rung first: in-process restart (--in-process or spec.inProcess:
-the wrapped function restarts in the live workers, spec.inProcess.maxRestarts times),
-then process restart (the worker group restarts, spec.maxRestarts), then Pod
-replacement (spec.podReplacement).
+the wrapped function restarts in the live workers, spec.inProcess.maxRestarts times; a
+dead worker process is replaced by a waiting spare, --spares, or started again), then
+process restart (the worker group restarts, spec.maxRestarts), then Pod replacement
+(spec.podReplacement).
 
 exit status: 0 the job succeeded, 1 it failed (root cause printed), 2 bad input,
 130 interrupted. Logs stay in the run dir printed at start.
@@ -70,6 +73,17 @@ def _seconds(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def _spare_count(text: str) -> int:
+    """An argparse ``type``: spare ranks per node, an integer in 0..64."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= contract.MAX_INPROCESS_SPARES:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be in 0..{contract.MAX_INPROCESS_SPARES}")
+    return value
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -126,6 +140,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "wrap its function with kelastic.inprocess.Wrapper, as examples/digits does)",
     )
     run.add_argument(
+        "--spares",
+        type=_spare_count,
+        default=None,
+        metavar="N",
+        help="spare worker processes per node (sets spec.inProcess.spareRanks; needs "
+        "in-process restart: --in-process or spec.inProcess.enabled): each waits, warm, in "
+        "the Wrapper and takes the place of a worker process that dies, without a process "
+        "start",
+    )
+    run.add_argument(
         "--status-interval",
         type=_seconds(0.0, inclusive=False),
         default=10.0,
@@ -172,13 +196,18 @@ def with_run_options(job: ElasticJob, args: argparse.Namespace, faults: list[Fau
     """The job as ``kelastic run``'s options change it (the manifest is not modified).
 
     ``--warm-start``/``--no-warm-start`` set ``spec.warmStart.enabled``; ``--in-process``
-    sets ``spec.inProcess.enabled``; a ``raise`` fault puts ``KELASTIC_INJECT_RAISE=1`` in
-    the trainer's env (:func:`~kelastic_operator.local.faults.arm_raise`).
+    sets ``spec.inProcess.enabled``; ``--spares N`` sets ``spec.inProcess.spareRanks``; a
+    ``raise`` fault puts ``KELASTIC_INJECT_RAISE=1`` in the trainer's env
+    (:func:`~kelastic_operator.local.faults.arm_raise`).
 
     Args:
         job: the validated manifest.
-        args: the parsed ``run`` arguments (``warm_start``: bool or None, ``in_process``).
+        args: the parsed ``run`` arguments (``warm_start``: bool or None, ``in_process``,
+            ``spares``: int or None).
         faults: the parsed ``--fault`` values.
+
+    Raises:
+        ValueError: ``--spares`` without in-process restart.
     """
     from .local.faults import arm_raise
 
@@ -188,6 +217,13 @@ def with_run_options(job: ElasticJob, args: argparse.Namespace, faults: list[Fau
         spec = spec.model_copy(update={"warm_start": warm})
     if getattr(args, "in_process", False):
         inproc = spec.in_process.model_copy(update={"enabled": True})
+        spec = spec.model_copy(update={"in_process": inproc})
+    spares = getattr(args, "spares", None)
+    if spares is not None:
+        if not spec.in_process.enabled:
+            raise ValueError("--spares needs in-process restart (--in-process, or "
+                             "spec.inProcess.enabled in the manifest)")  # fmt: skip
+        inproc = spec.in_process.model_copy(update={"spare_ranks": spares})
         spec = spec.model_copy(update={"in_process": inproc})
     return arm_raise(job.model_copy(update={"spec": spec}), faults)
 
@@ -216,9 +252,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         job = load_manifest(args.manifest)
         faults = [Fault.parse(f) for f in args.fault]
+        job = with_run_options(job, args, faults)
     except (ManifestError, ValueError) as exc:
         return _usage_error(err, str(exc))
-    job = with_run_options(job, args, faults)
     spec = job.spec
     if args.replicas is not None and not spec.min_nodes <= args.replicas <= spec.max_nodes:
         return _usage_error(

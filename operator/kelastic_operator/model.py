@@ -126,8 +126,10 @@ class InProcessSpec(_Model):
     processes, their imports and the CUDA context stay. ``maxRestarts`` such restarts are
     spent before a fault restarts the worker processes (the job's ``maxRestarts``, the
     next rung). A rank that has not left the function ``hardTimeoutSeconds`` after the
-    abort was asked is killed, which is a process restart. A training script that does
-    not use the Wrapper is unaffected.
+    abort was asked is killed, which is a process restart. A worker process that dies
+    is replaced by one of the node's ``spareRanks`` waiting spares, or else started again,
+    while its peers restart in process. A training script that does not use the Wrapper
+    is unaffected.
     """
 
     model_config = ConfigDict(
@@ -164,6 +166,16 @@ class InProcessSpec(_Model):
         alias="hardTimeoutSeconds",
         description="seconds after an abort was asked before a rank that has not left the "
         "function is killed (a process restart); must be greater than softTimeoutSeconds",
+    )
+    spare_ranks: int = Field(
+        default=0,
+        ge=0,
+        le=contract.MAX_INPROCESS_SPARES,
+        alias="spareRanks",
+        description="spare worker processes per node: each runs the script up to the "
+        "wrapped function and waits there, warm; when a worker process dies, a spare takes "
+        "its rank in the in-process restart of its peers (no process start) and a new "
+        "spare starts in the background",
     )
 
     @model_validator(mode="after")

@@ -166,9 +166,10 @@ def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
         in_process: ``spec.inProcess``.
 
     Returns:
-        ``KELASTIC_INPROCESS=1``, ``KELASTIC_INPROCESS_MAX_RESTARTS`` and the soft and hard
-        timeouts (seconds) when enabled; an empty list when not (the Wrapper then calls
-        the training function once, and the sidecar coordinates nothing).
+        ``KELASTIC_INPROCESS=1``, ``KELASTIC_INPROCESS_MAX_RESTARTS``, the soft and hard
+        timeouts (seconds) and ``KELASTIC_INPROCESS_SPARES`` (spare ranks per node) when
+        enabled; an empty list when not (the Wrapper then calls the training function
+        once, and the sidecar coordinates nothing).
     """
     if not in_process.enabled:
         return []
@@ -183,6 +184,7 @@ def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
             "name": contract.ENV_INPROCESS_HARD_TIMEOUT,
             "value": _num(in_process.hard_timeout_seconds),
         },
+        {"name": contract.ENV_INPROCESS_SPARES, "value": str(in_process.spare_ranks)},
     ]
 
 

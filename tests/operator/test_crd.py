@@ -84,6 +84,7 @@ def test_kubectl_applies_the_crd_and_the_digits_example(k8s: Client) -> None:
         "maxRestarts": 10,
         "softTimeoutSeconds": 60.0,
         "hardTimeoutSeconds": 90.0,
+        "spareRanks": 0,
     }
     # what the server stored is still a valid ElasticJob for the model
     job = parse_job(stored)

@@ -290,17 +290,20 @@ INPROCESS_VARS = {
     contract.ENV_INPROCESS_MAX_RESTARTS,
     contract.ENV_INPROCESS_SOFT_TIMEOUT,
     contract.ENV_INPROCESS_HARD_TIMEOUT,
+    contract.ENV_INPROCESS_SPARES,
 }
 
 
 def test_in_process_settings_reach_both_the_sidecar_and_the_trainer() -> None:
-    spec = _in_process(enabled=True, maxRestarts=4, softTimeoutSeconds=2.5, hardTimeoutSeconds=7)
+    spec = _in_process(enabled=True, maxRestarts=4, softTimeoutSeconds=2.5, hardTimeoutSeconds=7,
+                       spareRanks=2)  # fmt: skip
     pod = build_pod("digits", "ml", UID, spec, 0, SETTINGS)
     want = {
         contract.ENV_INPROCESS: "1",
         contract.ENV_INPROCESS_MAX_RESTARTS: "4",
         contract.ENV_INPROCESS_SOFT_TIMEOUT: "2.5",
         contract.ENV_INPROCESS_HARD_TIMEOUT: "7",
+        contract.ENV_INPROCESS_SPARES: "2",
     }
     for name in ("kelastic-sidecar", "trainer"):
         env = resolve_env(containers(pod)[name], pod, "10.1.2.3")
@@ -308,6 +311,7 @@ def test_in_process_settings_reach_both_the_sidecar_and_the_trainer() -> None:
     # the sidecar still reads its own config from the same env
     sidecar_env = resolve_env(containers(pod)["kelastic-sidecar"], pod, "10.1.2.3")
     assert SidecarConfig.from_env(sidecar_env).max_restarts == 3
+    assert SidecarConfig.from_env(sidecar_env).inprocess.spare_ranks == 2
     # the user's other env is kept
     assert {"name": "CHECKPOINT_DIR", "value": "/checkpoints"} in containers(pod)["trainer"]["env"]
 

@@ -8,6 +8,9 @@ each time the function is entered, then ``step S`` lines. Env (all optional):
   STEPS_DIE_FILE      with STEPS_DIE_RANK: that global rank, when started in an
                       iteration > 0 (started again by the hybrid rung, or after it), exits
                       3 before its hello once (the file records that it did)
+  STEPS_SPARE_ONCE    a spare (KELASTIC_INPROCESS_SPARE=1) exits 3 before its hello when
+                      it is not the first of its node (``<path>.<GROUP_RANK>`` exists;
+                      the first creates it): the node's spares run out after one
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ def main() -> None:
         Path(die).touch()
         print("dying before the hello", flush=True)
         os._exit(3)
+    once = os.environ.get("STEPS_SPARE_ONCE")
+    if once and os.environ.get("KELASTIC_INPROCESS_SPARE") == "1":
+        mine = Path(f"{once}.{os.environ.get('GROUP_RANK', '0')}")
+        if mine.exists():
+            print("spare dying before the hello", flush=True)
+            os._exit(3)
+        mine.touch()
     stop = os.environ.get("STEPS_STOP_FILE")
 
     @Wrapper()

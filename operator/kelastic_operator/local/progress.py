@@ -60,7 +60,9 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
     stepping again after 0.21s``: the budget as the nodes count it, the fault from the
     ``last`` record, and the slowest node's seconds from the abort until each of its ranks
     stepped again. It waits until every node that took part reports that figure, unless
-    ``waited_out`` (the line then says the ranks are not stepping yet).
+    ``waited_out`` (the line then says the ranks are not stepping yet). Dead ranks a
+    spare replaced are named before that (``local rank 1 replaced by the spare of slot 2
+    (pid 77, no process start)``).
 
     Args:
         docs: see :func:`inprocess_docs`.
@@ -99,6 +101,9 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
         after = f"stepping again after {took:.2f}s"
     else:
         after = "not every rank is stepping again yet"
+    spared = [str(p) for x in lasts for p in x.get("promoted") or [] if isinstance(p, str)]
+    if spared:  # spare ranks: "local rank 1 replaced by the spare of slot 2 (pid .., no ...)"
+        after = "; ".join([*spared, after])
     if last.get("cause") == contract.INPROCESS_CAUSE_MEMBERSHIP:  # no restart spent
         return f"in-process round change (iteration {iteration}): {text}; {after}"
     return f"in-process restart {restarts}/{top} (iteration {iteration}): {cause}; {after}"

@@ -161,10 +161,16 @@ class LocalRunner:
                 )
             if self.spec.in_process.enabled:
                 inproc = self.spec.in_process
+                spares = (
+                    f"; {inproc.spare_ranks} spare worker(s) per node wait to replace a dead one"
+                    if inproc.spare_ranks
+                    else ""
+                )
                 self.say(
                     f"in-process restart: a fault restarts the wrapped training function in "
                     f"the running workers, {inproc.max_restarts} times at most (soft timeout "
                     f"{inproc.soft_timeout_seconds:g}s, hard {inproc.hard_timeout_seconds:g}s)"
+                    + spares
                 )
             for _ in range(self.replicas):
                 if self._interrupted:  # Ctrl-C while starting: start nothing more
