@@ -7,7 +7,10 @@ job stepping again, side by side in one run.
     case: ranks blocked in a collective are released only by that timeout) vs kelastic's
     warm process restart vs torchrun.
 (b) one worker is SIGKILLed: kelastic's hybrid rung (survivors restart in process, the
-    dead rank starts again as a process) vs kelastic's warm process restart vs torchrun.
+    dead rank starts again as a process) vs kelastic with a spare rank per node
+    (``spareRanks: 1``: a waiting spare takes the dead rank's place, no process start; a
+    new spare is forked meanwhile; a kill before it is ready falls back to the hybrid
+    rung) vs kelastic's warm process restart vs torchrun.
 (c) one rank hangs (SIGUSR2: no step, no ``ping``): kelastic's soft-timeout abort; the
     sample is the time from the hang to all ranks stepping again, minus the soft timeout.
 
@@ -87,11 +90,12 @@ def _faults(
 
 
 def _kelastic(tmp: Path, name: str, sig: int, count: int, *, in_process: bool,
-              minus: float = 0.0) -> list[float]:  # fmt: skip
+              minus: float = 0.0, spares: int = 0) -> list[float]:  # fmt: skip
     events = tmp / f"{name}.jsonl"
+    spec = IN_PROCESS + (f"    spareRanks: {spares}\n" if spares else "")
     proc = start_kelastic(
         tmp, name, TRAIN, 2, 2, events, warm=True, max_restarts=100,
-        extra_spec=IN_PROCESS if in_process else "", extra_env={"BENCH_WRAP": "kelastic"},
+        extra_spec=spec if in_process else "", extra_env={"BENCH_WRAP": "kelastic"},
     )  # fmt: skip
     try:
         return _faults(events, [proc], sig, count, minus)
@@ -138,7 +142,7 @@ def inprocess(quick: bool) -> CaseResult:
     """Run (a), (b), (c); ``quick``: one fault per side, no NVRx, no (b)."""
     result = CaseResult("inprocess")
     n = 1 if quick else 5
-    torch_b = warm_b = ours_b = None
+    torch_b = warm_b = ours_b = spare_b = None
     usr1, kill, usr2 = signal.SIGUSR1, signal.SIGKILL, signal.SIGUSR2
     with tempfile.TemporaryDirectory(prefix="kelastic-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
@@ -201,6 +205,13 @@ def inprocess(quick: bool) -> CaseResult:
                 "kelastic hybrid (in-process + 1 warm start)",
                 lambda: _kelastic(tmp, "b-hybrid", kill, n, in_process=True),
             )
+            spare_b = _run(
+                result,
+                tmp,
+                b,
+                "kelastic spare (in-process + a waiting spare per node)",
+                lambda: _kelastic(tmp, "b-spare", kill, n, in_process=True, spares=1),
+            )
         c = f"(c) rank 1 hangs -> all stepping, minus the {SOFT_TIMEOUT:g} s soft timeout"
         ours_c = _run(result, tmp, c, "kelastic in-process (soft timeout)",
                       lambda: _kelastic(tmp, "c-soft", usr2, min(n, 3), in_process=True,
@@ -244,6 +255,13 @@ def inprocess(quick: bool) -> CaseResult:
                 "(b) <= 0.5x kelastic warm",
                 f"{m:.2f} s vs {w:.2f} s = {m / w:.2f}x",
                 m <= 0.5 * w,
+            )
+        )
+    if not quick and spare_b and ours_b:
+        m, h = median(spare_b), median(ours_b)
+        result.checks.append(
+            Check(
+                "inprocess", "(b) spare vs hybrid", f"{m:.3f} s vs {h:.3f} s = {m / h:.2f}x", m < h
             )
         )
     if not quick and ours_b and torch_b:

@@ -71,12 +71,20 @@ class Spares:
         count: spares wanted.
         template: the full env of the attempt's local rank 0.
         cmd: the worker command.
+        log_root: the attempt's log folder (``logs/attempt_<n>/``); spare ``i``'s
+            ``g``-th process logs in ``spare<i>.<g>/`` there.
     """
 
     def __init__(
-        self, group: WorkerGroup, count: int, template: Mapping[str, str], cmd: list[str]
+        self,
+        group: WorkerGroup,
+        count: int,
+        template: Mapping[str, str],
+        cmd: list[str],
+        log_root: Path,
     ) -> None:
         self.group = group
+        self._log_root = log_root
         self.count = count
         self.nproc = len(group.workers)
         self._template = dict(template)
@@ -99,11 +107,11 @@ class Spares:
         generation = self._generation.get(slot, 0)
         self._generation[slot] = generation + 1
         index = slot - self.nproc
-        log_dir = contract.worker_log_dir(group.attempt, slot).parent / f"spare{index}.{generation}"
+        log_dir = self._log_root / f"spare{index}.{generation}"
         env = spare_env(self._template, self.nproc, self.count, index)
         env[contract.TORCHELASTIC_ERROR_FILE] = str(log_dir / contract.ERROR_FILE_NAME)
         label = f"spare{env[contract.RANK]}"  # unique in the job: "[spare4]: ..." lines
-        worker = Worker(WorkerSpec(slot, label, env, Path(log_dir)))
+        worker = Worker(WorkerSpec(slot, label, env, log_dir))
         group.spares[slot] = worker
         worker.start(self._cmd, spawner)
         if worker.pid is not None:
@@ -198,7 +206,7 @@ class SpareKeeper:
         spares (none when 0; the last attempt's were stopped with its workers)."""
         self.current = None
         if count > 0 and specs:
-            self.current = Spares(group, count, specs[0].env, self._cmd)
+            self.current = Spares(group, count, specs[0].env, self._cmd, specs[0].log_dir.parent)
             self.current.start_all(spawner)
 
     def tend(self, group: WorkerGroup | None, spawner: Spawner | None) -> None:
