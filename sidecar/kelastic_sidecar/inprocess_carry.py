@@ -46,10 +46,13 @@ from kelastic_etcd import EtcdError, EtcdLeaseNotFound
 from .failure import CAUSE_NODE_LOST, CAUSE_PEER
 from .inprocess_machine import ABORTING, BARRIER, RUNNING
 from .inprocess_record import (
+    MAX_TEXT,
     Advance,
     IterationRecord,
+    IterationRecordError,
     ReadyRecord,
     advance_iteration,
+    decode_iteration_record,
     encode_iteration_record,
     encode_ready,
 )
@@ -133,6 +136,8 @@ class CarryMachine(HybridMachine):
             return False
         if self._phase == RUNNING and not self._advance_for(request, ctx):
             return False
+        if self._phase != RUNNING and request.charge and not self._charge_in_flight(request):
+            return False
         self._holding = True
         self._barrier_until = None  # the next rendezvous may wait for nodes; begin re-arms it
         self.carried += 1
@@ -160,10 +165,59 @@ class CarryMachine(HybridMachine):
             log.warning("the round ended: in-process restart budget of %d spent",
                         self.settings.max_restarts)  # fmt: skip
             return False
-        if out.kind is Advance.ADVANCED:
-            self._known = (encode_iteration_record(out.record), out.revision)
-        self._apply(out.record)
+        record: IterationRecord | None = out.record
+        revision = out.revision
+        if out.kind is Advance.SUPERSEDED and request.charge:
+            record, revision = self._charge_superseded(
+                request, out.record, revision, self._iteration + 1
+            )
+        if record is None:
+            return False
+        if out.kind is Advance.ADVANCED or revision != out.revision:
+            self._known = (encode_iteration_record(record), revision)
+        self._apply(record)
         return True
+
+    def _charge_in_flight(self, request: CarryRequest) -> bool:
+        """A lost node while a restart is in flight: charge it when that restart spent
+        nothing (see :meth:`_charge_superseded`); False when the budget is spent."""
+        raw, revision = self._known or (None, 0)
+        try:
+            record = decode_iteration_record(raw, self._keys.inprocess_iteration) if raw else None
+        except IterationRecordError:
+            return True  # counted where it was read; the restart goes on as it is
+        if record is None:
+            return True
+        charged, revision = self._charge_superseded(request, record, revision, self._iteration)
+        if charged is not None and charged is not record:
+            self._known = (encode_iteration_record(charged), revision)
+            self._restarts = max(self._restarts, charged.restarts)
+        return charged is not None
+
+    def _charge_superseded(
+        self, request: CarryRequest, record: IterationRecord, revision: int, target: int
+    ) -> tuple[IterationRecord | None, int]:
+        """Another node moved the record first, into this very restart (``target``), as
+        a change that spends nothing (the lost node's own sidecar sees its lease lost
+        before it gets SIGTERM, and may win the race): the lost node is the cause, and it
+        spends one restart; compare-and-set once, the iteration unchanged (nobody aborts
+        again). Returns the record and revision to apply; ``(None, 0)`` when the budget
+        is spent (the process path)."""
+        if record.iteration != target or record.cause != CAUSE_MEMBERSHIP:
+            return record, revision
+        if record.restarts >= self.settings.max_restarts:
+            log.warning("the round ended: in-process restart budget of %d spent",
+                        self.settings.max_restarts)  # fmt: skip
+            return None, 0
+        charged = replace(record, restarts=record.restarts + 1, cause=request.cause,
+                          node=self.node, message=request.message[:MAX_TEXT])  # fmt: skip
+        key = self._keys.inprocess_iteration
+        try:
+            ok, _, new_revision = self._store.cas(key, encode_iteration_record(charged), revision)
+        except EtcdError as exc:  # the record as it is: the restart goes on uncharged
+            log.error("cannot charge the in-process restart to %s: %s", request.message, exc)
+            return record, revision
+        return (charged, new_revision) if ok else (record, revision)
 
     def begin(self, ctx: RoundContext, record: IterationRecord) -> int:
         """The next round: held ranks enter its barrier (their ready key written for it,

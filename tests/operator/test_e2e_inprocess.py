@@ -29,6 +29,7 @@ import yaml
 
 from kelastic import contract
 from kelastic_operator.handlers import OperatorContext
+from kelastic_operator.labels import SIDECAR_CONTAINER
 from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.kubelet import PLACEMENT, LocalKubelet
 
@@ -167,3 +168,77 @@ def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
     assert accuracies and accuracies[-1] >= 0.90, logs[-2000:]
     assert "resumed from checkpoint" not in logs  # no process started again
     assert not [w for w in kubelet.warnings if ns in w], kubelet.warnings
+
+
+def _pod_ranks(kubelet: LocalKubelet, namespace: str) -> dict[str, set[int]]:
+    """Pod name -> the global ranks of its live worker processes."""
+    out: dict[str, set[int]] = {}
+    for (ns, name), local in list(kubelet.pods.items()):
+        for c in local.pod.containers if ns == namespace else []:
+            if c.name != "trainer" or c.proc.poll() is not None:
+                continue
+            for child in psutil.Process(c.proc.pid).children(recursive=True):
+                try:
+                    rank = child.environ().get(contract.RANK)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                if rank is not None and rank.isdigit():
+                    out.setdefault(name, set()).add(int(rank))
+    return out
+
+
+def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
+    k8s: Client, digits_operator: OperatorContext, kubelet: LocalKubelet
+) -> None:
+    """The node-change rung on the operator's path: a Pod deleted mid-training (its
+    sidecar leaves the round: an unplanned departure, a lost node) ends the round; the
+    other Pod's workers are not stopped: they restart in process into the next round, and
+    again when the operator's replacement Pod joins, whose workers start as processes."""
+    api, ns = k8s, k8s.namespace
+    doc = yaml.safe_load(_manifest())
+    doc["spec"]["podReplacement"] = {"backoffSeconds": 0}
+    api.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
+    wait_until(lambda: "epoch 2/" in _logs(kubelet, ns), T, what="training")
+    workers = wait_until(lambda: _all(_workers(kubelet, ns)), T, what="4 workers")
+    by_pod = wait_until(lambda: _pod_ranks(kubelet, ns) or None, T, what="ranks per Pod")
+    victim = next(name for name, ranks in by_pod.items() if 0 not in ranks)
+    kept = {r: workers[r] for r in workers if r not in by_pod[victim]}
+    assert len(kept) == 2, (by_pod, workers)
+
+    sidecar_logs = {}
+
+    def restarted() -> dict[str, Any] | None:
+        for key in list(kubelet.pods):  # keep the deleted Pod's log for a failure
+            if key[0] == ns:
+                sidecar_logs[key[1]] = kubelet.log(*key, SIDECAR_CONTAINER) or sidecar_logs.get(
+                    key[1], ""
+                )
+        return _restarted(_status(api))
+
+    api.kubectl("delete", "pod", victim, "--wait=false")
+    try:
+        status = wait_until(restarted, 2 * T, what="the carry in the status")
+    except AssertionError as exc:
+        logs = "\n".join(sidecar_logs.values())
+        raise AssertionError(f"{exc}: {_status(api)}\n{logs}") from None
+    last = status["lastInProcessRestart"]
+    assert last["cause"] == "node_lost" and victim in last["message"], last
+
+    # the replacement joins (a round change, no restart spent) and all 4 ranks step again
+    def joined() -> dict[int, str] | None:
+        logs = _logs(kubelet, ns)
+        newest = max((int(it) for _, it, _ in _HASH.findall(logs)), default=0)
+        return _all(_hashes(logs, newest)) if newest >= 2 else None
+
+    hashes = wait_until(joined, 3 * T, what="4 ranks in the iteration after the replacement")
+    assert len(set(hashes.values())) == 1, hashes  # every rank continues from one state
+    now = _workers(kubelet, ns)
+    assert {r: now.get(r) for r in kept} == kept, (now, kept)  # the same processes
+    wait_until(lambda: _status(api).get("phase") == "Succeeded", 4 * T, what="Succeeded")
+    final = _status(api)
+    assert (final.get("restartsSpent") or 0) == 0, final  # no process restart
+    assert final["inProcessRestarts"] == 1, final  # the lost node; the join spent none
+    logs = _logs(kubelet, ns)
+    accuracies = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)", logs)]
+    assert accuracies and accuracies[-1] >= 0.90, logs[-2000:]

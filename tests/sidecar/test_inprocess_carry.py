@@ -216,3 +216,23 @@ def test_refusals_take_the_process_path(store: EtcdStore, job_prefix: str) -> No
         assert not e.coordinator.carry(SCALE)  # no round began
         e.begin(1, 0, ("node-e",))
         assert not e.coordinator.carry(RoundEnd(RoundEndKind.SUCCEEDED))
+
+
+def test_a_lost_node_is_charged_even_when_its_own_sidecar_moved_the_record_first(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    """Seen on Kubernetes: the deleted Pod's sidecar sees its own lease gone (a restart
+    that spends nothing) and wins the compare-and-set before SIGTERM stops it; the
+    survivor's lost-node carry then charges that same restart once, with its cause, and
+    its ranks are aborted once."""
+    with make_node("node-a", store, job_prefix) as a, make_node("node-b", store, job_prefix) as b:
+        a.begin(1, 0, AB)
+        b.begin(1, 1, AB)
+        assert b.coordinator.carry(RoundEnd(RoundEndKind.RESTART, reason="peer_restart"))
+        wait_for(lambda: _record(store, job_prefix).iteration == 1, 10, what="b's carry")
+        assert _record(store, job_prefix).restarts == 0
+        assert a.coordinator.carry(LOST)
+        record = _record(store, job_prefix)
+        assert (record.iteration, record.restarts, record.cause) == (1, 1, CAUSE_NODE_LOST)
+        assert (record.node, record.message) == ("node-a", "node node-b lost: gone")
+        _abort_and_hold(a, 1)  # one abort each, then nothing until the next round
