@@ -7,14 +7,27 @@ operator.
 
 from __future__ import annotations
 
-import argparse
-import math
+import signal
 import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from kelastic import contract
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    """SIGINT handler of ``python -m kelastic_operator.cli`` until :func:`main` runs."""
+    print("kelastic: interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # python -m: a Ctrl-C during the imports below exits 130 too
+    signal.signal(signal.SIGINT, _exit_interrupted)
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+from kelastic import contract  # noqa: E402
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -160,13 +173,49 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class StartUpInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) before the runner took over its signals, raised by the handler
+    :func:`main` installs first.
+
+    Not a plain :class:`KeyboardInterrupt` on purpose: CPython (3.11, 3.12) remembers a
+    plain one that ends a string ``exec`` (the path of ``PyRun_String``: ``dataclasses``
+    and ``collections.namedtuple`` build their methods that way, thousands of times while
+    rich and pydantic import) as *unhandled* even when a caller catches it, and
+    ``python -m`` then exits by SIGINT's default action (exit -2) instead of the status
+    :func:`main` returned. The check is on the exact type, so a subclass is never taken
+    for it.
+    """
+
+
+class _StartUpSigint:
+    """The SIGINT handler of the start-up: records the interrupt and raises
+    :class:`StartUpInterrupted` in the main thread."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.fired = True
+        raise StartUpInterrupted()
+
+
+_start_up_sigint = _StartUpSigint()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kelastic`` console script; returns the exit status.
 
     A Ctrl-C before the runner takes over its signals (imports, reading the manifest)
-    returns 130 with one line on stderr, never a traceback; so does a missing 'local'
+    returns 130 with one line on stderr, never a traceback (its own SIGINT handler is the
+    first thing this installs: see :class:`StartUpInterrupted`); so does a missing 'local'
     extra (rich, pydantic, ...: ``pip install "kelastic[local]"``), with exit status 2.
+    What came before this function runs, the interpreter's own start (its first ~25 ms,
+    ``site``), is Python's.
     """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        _start_up_sigint.fired = False
+        previous = signal.signal(signal.SIGINT, _start_up_sigint)
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -176,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         from kelastic._extras import missing_extra
 
         return missing_extra("kelastic", "local", exc)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -282,6 +334,8 @@ def _run(args: argparse.Namespace) -> int:
         (err if is_err else out).print(escape(line), markup=True)
 
     runner = LocalRunner(job, args.manifest.resolve().parent, options, say, echo)
+    if _start_up_sigint.fired:  # its exception was swallowed (e.g. in a finalizer)
+        raise StartUpInterrupted()
     return runner.run()
 
 
