@@ -21,6 +21,7 @@ report a change (re-read) as soon as the watches are back.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -49,6 +50,11 @@ class Watcher:
         deletions: keys or prefixes where only a deletion counts (a lease expiring
             deletes its keys): a waiter that must notice a peer's key vanish is not
             woken by every peer that writes one.
+        journal: keep the events of ``changes`` (at most ``journal_limit``, the oldest
+            dropped first) for :meth:`events_since`: a caller that keeps a copy of the
+            watched keys applies each change instead of reading them all again (one
+            read per change of N keys is N^2 key reads for N writers).
+        journal_limit: most events kept.
 
     Blocks until etcd created the watches. One background thread reads the stream.
     Thread-safe: any number of threads may :meth:`wait` at once.
@@ -60,7 +66,13 @@ class Watcher:
     """
 
     def __init__(
-        self, store: Watches, changes: Sequence[str], deletions: Sequence[str] = ()
+        self,
+        store: Watches,
+        changes: Sequence[str],
+        deletions: Sequence[str] = (),
+        *,
+        journal: bool = False,
+        journal_limit: int = 65536,
     ) -> None:
         items = [(item, False) for item in items_of(changes)]
         items += [(item, True) for item in items_of(deletions)]
@@ -74,6 +86,13 @@ class Watcher:
         self._puts: dict[bytes, tuple[bytes, int]] = {}
         self._latest_other: dict[bytes, int] = dict.fromkeys(exact, 0)
         self._cond = threading.Condition()
+        # (key, value or None for a deletion, mod_revision), in the order seen; events at
+        # or below the floor may have been dropped.
+        self._journal: collections.deque[tuple[str, bytes | None, int]] | None = (
+            collections.deque(maxlen=journal_limit) if journal else None
+        )
+        self._journal_floor = 0
+        self._journal_only = [only for _, only in items]  # per watch: deletions only
         self._covered_from: int | None = None
         self._latest = 0  # the highest mod_revision of an event seen
         self._resume = [0] * len(items)  # per watch: revision to re-create it from (0: now)
@@ -161,6 +180,20 @@ class Watcher:
         if got is None or got[1] <= since_revision:
             return None
         return got
+
+    def events_since(self, since_revision: int) -> list[tuple[str, bytes | None, int]] | None:
+        """The events of ``changes`` after ``since_revision``, oldest first, each
+        ``(key, value, mod_revision)`` with ``value`` None for a deletion; None when they
+        are not all known (``since_revision`` older than :attr:`covered_from` or than the
+        oldest event kept, the history compacted, or no ``journal``): read instead.
+        Events still in flight are not known, as with any read."""
+        with self._cond:
+            covered = self._covered_from
+            if self._journal is None or covered is None:
+                return None
+            if since_revision < covered or since_revision < self._journal_floor:
+                return None
+            return [ev for ev in self._journal if ev[2] > since_revision]
 
     def close(self) -> None:
         """Cancel the stream and stop the thread; waits then raise. Idempotent."""
@@ -262,6 +295,14 @@ class Watcher:
         with self._cond:
             if i is not None:
                 self._resume[i] = max(self._resume[i], revision + 1)
+            journal = self._journal
+            if journal is not None and (i is None or not self._journal_only[i]):
+                for ev in events:
+                    if len(journal) == journal.maxlen:
+                        self._journal_floor = max(self._journal_floor, journal[0][2])
+                    value = bytes(ev.kv.value) if ev.type == _PUT else None
+                    journal.append((bytes(ev.kv.key).decode(errors="replace"), value,
+                                    int(ev.kv.mod_revision)))  # fmt: skip
             for ev in events:
                 rev, key = int(ev.kv.mod_revision), bytes(ev.kv.key)
                 is_put = ev.type == _PUT
@@ -279,6 +320,8 @@ class Watcher:
         log.warning("etcd watch: history compacted at revision %d; watching from now", revision)
         with self._cond:
             self._covered_from = None  # set again once re-created: older waits re-read
+            if self._journal is not None:  # what came before is no longer complete
+                self._journal.clear()
             self._resume = [0] * len(self._resume)
 
     def _broken(self, exc: EtcdError) -> None:

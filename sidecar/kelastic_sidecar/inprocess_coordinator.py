@@ -173,6 +173,8 @@ class InProcessCoordinator:
             **({"on_promote": on_promote} if on_promote is not None else {}),
         )  # fmt: skip
         self._status: dict[str, Any] | None = self.machine.status_doc() if self.enabled else None
+        #: The watch thread's copy of the record and barrier keys: key -> (value, revision).
+        self._view: dict[str, tuple[bytes, int]] = {}
 
     # ------------------------------------------------------------------ supervisor API
 
@@ -343,19 +345,22 @@ class InProcessCoordinator:
             self._status = self.machine.status_doc()
 
     def _watch(self) -> None:
-        """The etcd watch on ``inprocess/`` (record and barrier keys): on each change,
-        read the record and the current iteration's barrier keys, hand them to the loop."""
+        """The etcd watch on ``inprocess/`` (record and barrier keys): keep a copy of
+        those keys (one read, then each change applied from the watch's events: no read
+        per ready key, which for N nodes would be N^2 key reads per restart, on etcd),
+        hand the record and the current iteration's barrier keys to the loop."""
         ready_root = self._keys.inprocess_ready_prefix(0)[: -len("0/")]
         watcher: Watcher | None = None
         since = 0
         while not self._stop.is_set():
             try:
                 if watcher is None:
-                    watcher = Watcher(self._store, [self._keys.inprocess_iteration, ready_root])
+                    watcher = Watcher(self._store, [self._keys.inprocess_iteration, ready_root],
+                                      journal=True)  # fmt: skip
                     since = 0
                 if since and not watcher.wait(since, 1.0):
                     continue
-                since = self._read_view(watcher, since)
+                since = self._read_view(watcher, since, ready_root)
             except Exception as exc:  # EtcdError, or a bug: the watch must go on
                 if isinstance(exc, EtcdError):
                     log.warning("in-process watch: %s; retrying", exc)
@@ -368,33 +373,41 @@ class InProcessCoordinator:
         if watcher is not None:
             watcher.close()
 
-    def _read_view(self, watcher: Watcher, since: int) -> int:
-        """Read the record and a barrier prefix, queue them; return the read's revision.
-        When the only change since ``since`` was a write of the record (an abort), the
-        watch event's value is used: no read.
+    def _read_view(self, watcher: Watcher, since: int, ready_root: str) -> int:
+        """Bring the copy of the record and barrier keys up to date (the watch's events
+        since ``since``; a read of them all at first, or when the events are not all
+        known), queue what the machine needs; return the revision the copy is at. When
+        the only change was a write of the record (an abort), the machine gets it alone.
 
         Raises:
             EtcdError: etcd did not answer.
         """
-        guess = self.machine.iteration
         key = self._keys.inprocess_iteration
-        put = watcher.value_if_only_change(key, since) if since else None
-        if put is not None:
-            self._events.put(lambda: self.machine.view(put, -1, {}))
-            return put[1]
-        snap = self._store.read([key, self._keys.inprocess_ready_prefix(guess)])
-        raw = snap.values.get(key)
-        target = guess
+        events = watcher.events_since(since) if since else None
+        if not events:  # the first time, or events not all known (or none: read anyway)
+            snap = self._store.read([key, ready_root])
+            self._view = dict(snap.values)
+            revision = snap.revision
+        else:
+            for name, value, rev in events:
+                if value is None:
+                    self._view.pop(name, None)
+                else:
+                    self._view[name] = (value, rev)
+            revision = max([since, *(rev for _, _, rev in events)])
+            if all(name == key and value is not None for name, value, _ in events):
+                put = self._view[key]
+                self._events.put(lambda: self.machine.view(put, -1, {}))
+                return revision
+        raw = self._view.get(key)
+        target = self.machine.iteration
         if raw is not None:
             with contextlib.suppress(IterationRecordError):
-                target = max(guess, decode_iteration_record(raw[0], key).iteration)
-        ready_prefix = self._keys.inprocess_ready_prefix(target)
-        if target == guess:
-            ready = {k: v for k, v in snap.values.items() if k.startswith(ready_prefix)}
-        else:
-            ready = self._store.get_prefix(ready_prefix)
+                target = max(target, decode_iteration_record(raw[0], key).iteration)
+        prefix = self._keys.inprocess_ready_prefix(target)
+        ready = {k: v for k, v in self._view.items() if k.startswith(prefix)}
         self._events.put(lambda: self.machine.view(raw, target, ready))
-        return snap.revision
+        return revision
 
     def _read_or_repair(self) -> IterationRecord | None:
         """The record now (a missing one is iteration 0); a corrupt one is counted and

@@ -271,3 +271,49 @@ def test_the_value_of_a_lone_put_comes_with_the_event(store: EtcdStore, job_pref
             watcher.value_if_only_change(job_prefix + "notes/", since)  # a prefix
     finally:
         watcher.close()
+
+
+def test_the_journal_replays_every_change_in_order(store: EtcdStore, job_prefix: str) -> None:
+    state, notes, alive = job_prefix + "state", job_prefix + "notes/", job_prefix + "alive/"
+    watcher = Watcher(store, [state, notes], deletions=[alive], journal=True)
+    plain = Watcher(store, [state])
+    try:
+        since = store.read([state]).revision
+        assert watcher.events_since(since) == []  # nothing yet
+        assert plain.events_since(since) is None  # no journal: read instead
+        covered = watcher.covered_from
+        assert covered is not None and watcher.events_since(covered - 1) is None
+        store.put(notes + "a", b"1")
+        store.put(job_prefix + "unwatched", b"x")
+        store.put(alive + "n", b"")
+        store.delete(alive + "n")  # a deletions-only watch: woken, not journaled
+        store.put(state, b"v1")
+        store.delete(notes + "a")
+        head = store.read([state]).revision
+        got = wait_for(lambda: (e := watcher.events_since(since)) and e[-1][2] == head and e, 10,
+                       what="every event")  # fmt: skip
+        assert [(k, v) for k, v, _ in got] == [(notes + "a", b"1"), (state, b"v1"),
+                                               (notes + "a", None)]  # fmt: skip
+        assert [r for _, _, r in got] == sorted(r for _, _, r in got)
+        assert watcher.events_since(got[0][2]) == got[1:]
+        assert watcher.events_since(head) == []
+    finally:
+        watcher.close()
+        plain.close()
+
+
+def test_a_full_journal_drops_the_oldest_and_says_read(store: EtcdStore, job_prefix: str) -> None:
+    notes = job_prefix + "notes/"
+    watcher = Watcher(store, [notes], journal=True, journal_limit=3)
+    try:
+        since = store.read([notes]).revision
+        for i in range(5):
+            store.put(notes + str(i), str(i).encode())
+        head = store.read([notes]).revision
+        wait_for(lambda: watcher.wait(head - 1, 0), 10, what="the last event")
+        assert watcher.events_since(since) is None  # two were dropped: read instead
+        kept = watcher.events_since(head - 3)  # the 3 kept: 2, 3, 4
+        assert kept is not None and [k for k, _, _ in kept] == [notes + str(i) for i in (2, 3, 4)]
+        assert watcher.events_since(head - 4) is None  # would need 1, dropped
+    finally:
+        watcher.close()

@@ -3,6 +3,7 @@ ranks played by clients of the real unix socket."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -393,3 +394,26 @@ def test_etcd_unreachable_falls_back_to_the_process_path(job_prefix: str) -> Non
             assert isinstance(n.ranks[1].expect(GiveUp), GiveUp)  # nothing before the end
     finally:
         dead.close()
+
+
+def test_a_restart_reads_no_barrier_key_per_node(etcd_endpoint: str, job_prefix: str) -> None:
+    """Each node keeps a copy of the barrier keys from its watch's events: the ready key
+    of each of N nodes costs the others no read (it did: N^2 reads of up to N keys per
+    restart, on etcd, for N nodes)."""
+    names = tuple(f"node-{i}" for i in range(6))
+    store = EtcdStore([etcd_endpoint])  # the nodes' requests, counted together
+    try:
+        with contextlib.ExitStack() as stack:
+            nodes = [stack.enter_context(make_node(n, store, job_prefix)) for n in names]
+            for i, node in enumerate(nodes):
+                node.begin(1, i, names, nproc=1)
+            before = dict(store.request_counts())
+            nodes[3].ranks[0].fault(0)
+            _restart(tuple(nodes), 1)
+            after = store.request_counts()
+    finally:
+        store.close()
+    reads = {k: after.get(k, 0) - before.get(k, 0) for k in after if k in ("read", "get",
+             "get_prefix", "range")}  # fmt: skip
+    print(f"\n6 nodes, one restart: etcd requests {dict(after)} - {before}")
+    assert sum(reads.values()) <= 1, reads  # the faulting node's record read, at most
