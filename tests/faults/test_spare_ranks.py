@@ -15,6 +15,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+import pytest
 import yaml
 
 from tests.conftest import wait_for
@@ -27,15 +29,17 @@ START = re.compile(r"^\[(\d)\]:? ?pid (\d+) start iteration (\d+)$", re.M)
 ENTER = re.compile(r"^\[(\w+)\]:? ?pid (\d+) enter iteration (\d+)$", re.M)
 
 
-def _job(tmp: Path, env: dict[str, str] | None = None) -> tuple[Path, Path]:
+def _job(
+    tmp: Path, env: dict[str, str] | None = None, worker: str = "wrapped_steps.py", budget: int = 10
+) -> tuple[Path, Path]:
     stop = tmp / "stop"
     job = write_job(
         tmp / "job.yaml", replicas=2, nproc=2, max_restarts=3,
-        command=["python", str(WORKERS / "wrapped_steps.py")],
+        command=["python", str(WORKERS / worker)],
         env={"STEPS_STOP_FILE": str(stop), **(env or {})},
     )  # fmt: skip
     doc = yaml.safe_load(job.read_text())
-    doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": 10,
+    doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": budget,
                                 "softTimeoutSeconds": 10, "hardTimeoutSeconds": 20}  # fmt: skip
     job.write_text(yaml.safe_dump(doc))
     return job, stop
@@ -157,4 +161,67 @@ def test_a_spare_killed_while_waiting_is_replaced_and_the_round_goes_on(
     assert f"the spare in slot 2 (pid {spare}) went away while waiting" in logs, logs
     assert "in-process restart 1/" not in out and run.restarts_charged() == 0, out
     assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_a_process_restart_restarts_the_spares_too(tmp_path: Path) -> None:
+    """In-process budget 0: a kill takes the process path on its node; that node's new
+    attempt has new workers and a new spare (the old one stopped with the old workers).
+    The other node carries its workers into the next round (the node-change rung), and
+    its spare with them."""
+    job, stop = _job(tmp_path, budget=0)
+    runs = tmp_path / "runs"
+    run = KelasticRun(job, "--in-process", "--spares", "1", "--fault", "kill:rank=1,after=1",
+                      workdir=runs)  # fmt: skip
+    try:
+        _wait(run, runs, lambda: run.has("restart 1/3:"), "a process restart")
+        again = lambda: len(_spares(run.output).get(4, [])) >= 2  # noqa: E731
+        _wait(run, runs, again, "node 0's spare started again")
+        run.finish(stop, rank=0, more=10)
+    finally:
+        run.interrupt()
+    out = run.output
+    spares = _spares(out)
+    assert len(spares[4]) == 2 and spares[4][0] != spares[4][1], out  # one per attempt
+    assert not psutil.pid_exists(spares[4][0])
+    assert len(spares[5]) == 1, out  # node 1's workers and spare were carried
+    assert "replaced by the spare" not in out, out
+    assert run.restarts_charged() == 1 and "job succeeded" in out, out
+    assert run.strays() == []
+
+
+PARAMS = re.compile(r"^\[\w+\]:? ?rank (\d) params ([0-9a-f]+)$", re.M)
+STEPPED = re.compile(r"^\[\w+\]:? ?pid (\d+) stepped iteration (\d+)$", re.M)
+
+
+@pytest.mark.slow
+def test_a_spare_takes_a_killed_ddp_rank_and_all_ranks_end_with_the_same_parameters(
+    tmp_path: Path,
+) -> None:
+    """gloo DDP, warm start: the spare (its model initialised apart, imports done) becomes
+    rank 1 in iteration 1; DDP's broadcast makes its parameters its peers'; every rank
+    ends with the same parameter hash (the ranks stop together: tests/workers/spare_ddp.py)."""
+    job, stop = _job(tmp_path, worker="spare_ddp.py")
+    runs = tmp_path / "runs"
+    run = KelasticRun(job, "--in-process", "--warm-start", "--spares", "1", "--fault",
+                      "kill:rank=1,after=2", workdir=runs)  # fmt: skip
+    try:
+        _wait(run, runs, lambda: 4 in _spares(run.output), "the spare of node 0 started")
+        spare = _spares(run.output)[4][0]
+        stepped = lambda: (str(spare), "1") in STEPPED.findall(run.output)  # noqa: E731
+        _wait(run, runs, stepped, "the spare stepping as rank 1 in iteration 1")
+        _wait(run, runs, lambda: len(_spares(run.output)[4]) >= 2, "a new spare forked")
+        for rank in ("0", "2", "3"):
+            pid = next(p for r, p, _ in START.findall(run.output) if r == rank)
+            _wait(run, runs, lambda p=pid: (p, "1") in STEPPED.findall(run.output),
+                  f"rank {rank} stepping in iteration 1")  # fmt: skip
+        stop.touch()
+        assert run.wait(120) == 0, run.output
+    finally:
+        run.interrupt()
+    out = run.output
+    params = dict(PARAMS.findall(out))
+    assert set(params) == {"0", "1", "2", "3"}, out
+    assert len(set(params.values())) == 1, params  # the spare's parameters are its peers'
+    assert "replaced by the spare of slot 2" in out and run.restarts_charged() == 0, out
     assert run.strays() == []
