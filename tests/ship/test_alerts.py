@@ -4,9 +4,11 @@ docs/runbooks.md (a section of its own there)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -49,6 +51,25 @@ def test_promtool_unit_tests_pass() -> None:
     result = _promtool("test", "rules", str(TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+    """The dashboard's queries, Grafana's variables filled in, as recording rules: promtool
+    parses each (a misspelt function or an unbalanced selector fails here, before a
+    Prometheus runs them in tests/ship/test_prometheus.py)."""
+    dashboard = json.loads((CHART / "dashboards" / "kelastic.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    fill = {"$namespace": "ns", "$elasticjob": "job", "$__rate_interval": "1m"}
+    rules = []
+    for i, expr in enumerate(exprs):
+        for var, value in fill.items():
+            expr = expr.replace(var, value)
+        rules.append({"record": f"kelastic:dashboard_query_{i}", "expr": expr})
+    path = tmp_path / "dashboard.rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = _promtool("check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in result.stdout
 
 
 def test_every_alert_has_severity_runbook_and_a_unit_test() -> None:

@@ -629,6 +629,7 @@ def test_the_dashboard_is_well_formed() -> None:
         "Rendezvous",
         "Timers and hangs",
         "Failures by cause",
+        "Restart ladder",
         "Operator health",
     ]
     cells: set[tuple[int, int]] = set()

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -224,3 +225,72 @@ def test_the_documented_metrics_and_labels_are_the_exposed_ones(
     mentions = {n: _labels(b) for n, b in _MENTION.findall(readme) if b}
     assert "kelastic_build_info" in mentions
     _check_documented(mentions, both, "README.md", False)
+
+
+#: Labels a series gets from its scrape, not from the exporter: the scrape job, and the
+#: PodMonitor's Pod labels (charts/kelastic/templates/monitoring.yaml).
+TARGET_LABELS = {"job", "namespace", "pod", "elasticjob"}
+
+
+def _query_names(expr: str) -> Iterator[tuple[str, set[str]]]:
+    """``(series name, label names)`` a PromQL query uses: each selector's name with the
+    labels it matches on, then the labels of each ``by (...)`` with the selectors of its
+    argument (``$variables`` stay as they are: only names are read)."""
+    for name, braces in re.findall(r"\b(kelastic_[a-z_]+|up)\b(\{[^}]*\})?", expr):
+        yield name, set(re.findall(r"(\w+)\s*=~?", braces))
+    for by in re.finditer(r"\bby \(([^)]*)\)\s*(?=\()", expr):
+        labels = {x.strip() for x in by.group(1).split(",") if x.strip()}
+        depth, inner = 0, ""
+        for ch in expr[by.end() :]:  # the by's argument: its balanced parentheses
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            inner += ch
+            if depth == 0:
+                break
+        for name in re.findall(r"\b(kelastic_[a-z_]+|up)\b", inner):
+            yield name, labels
+
+
+def _family(name: str, exposed: Documented) -> str | None:
+    """The exposed family a series name belongs to (a histogram's ``_bucket``, ``_sum``,
+    ``_count``), or None."""
+    for candidate in (name, re.sub(r"_(bucket|sum|count)$", "", name)):
+        if candidate in exposed:
+            return candidate
+    return None
+
+
+def test_every_dashboard_query_names_exposed_metrics_and_labels(
+    sidecar: str, operator: str
+) -> None:
+    """Each query of the chart's dashboard names series a scrape shows, and matches or
+    groups on labels those series have (or get from their scrape); the restart ladder's
+    ``level`` has the rungs its panels show: the sidecars' ``inprocess`` and ``process``,
+    the operator's ``pod`` too."""
+    exposed = {
+        **_exposed(_scrape(sidecar, OPENMETRICS)[1]),
+        **_exposed(_scrape(operator, OPENMETRICS)[1]),
+        "up": {},  # Prometheus' own
+    }
+    dashboard = json.loads((CHART / "dashboards" / "kelastic.json").read_text())
+    targets = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert targets
+    for title, expr in targets:
+        names = list(_query_names(expr))
+        assert names, (title, expr)
+        for name, labels in names:
+            family = _family(name, exposed)
+            assert family is not None, f"{title}: {name} is not exposed ({expr})"
+            have = set(exposed[family]) | TARGET_LABELS
+            if name.endswith("_bucket"):
+                have.add("le")
+            assert labels <= have, f"{title}: {name} has no {labels - have} ({expr})"
+    ladder = [e for p in dashboard["panels"] if "by rung" in p["title"] for e in
+              (t["expr"] for t in p["targets"])]  # fmt: skip
+    assert {n for e in ladder for n, _ in _query_names(e)} == {
+        "kelastic_restarts_total", "kelastic_operator_restarts_total",
+    }  # fmt: skip
+    assert exposed["kelastic_restarts_total"]["level"] == {"inprocess", "process"}
+    assert exposed["kelastic_operator_restarts_total"]["level"] == {"inprocess", "process", "pod"}
+    durations = [e for p in dashboard["panels"] if p["title"] == "In-process restart duration"
+                 for e in (t["expr"] for t in p["targets"])]  # fmt: skip
+    assert len(durations) == 3 and all("kelastic_inprocess_restart_seconds" in e for e in durations)
