@@ -4,10 +4,11 @@ coordinators on a real etcd with ranks played by clients of the real unix socket
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -125,6 +126,32 @@ def _nodes(store: EtcdStore, prefix: str, max_restarts: int = 10, hard: float = 
     )
 
 
+#: Starts node-a and node-b's coordinators (a budget, a hard timeout), records the
+#: respawns of one of them and begins round 1 on both; returns (node a, node b, respawns).
+StartPair = Callable[..., tuple[Node, Node, "Respawns"]]
+
+
+@pytest.fixture
+def two_nodes(store: EtcdStore, job_prefix: str) -> Iterator[StartPair]:
+    """The two-node set-up of the tests below: ``start(respawns_on, max_restarts=10,
+    hard=60.0)``; both nodes stop (b first) when the test ends."""
+    with contextlib.ExitStack() as stack:
+
+        def start(
+            respawns_on: str, max_restarts: int = 10, hard: float = 60.0
+        ) -> tuple[Node, Node, Respawns]:
+            a_cm, b_cm = _nodes(store, job_prefix, max_restarts=max_restarts, hard=hard)
+            a = stack.enter_context(a_cm)
+            b = stack.enter_context(b_cm)
+            respawned = Respawns()
+            {"a": a, "b": b}[respawns_on].coordinator.machine.on_respawn = respawned
+            a.begin(1, 0, AB)
+            b.begin(1, 1, AB)
+            return a, b, respawned
+
+        yield start
+
+
 def _record(store: EtcdStore, prefix: str) -> IterationRecord:
     got = store.get(contract.Keys(prefix).inprocess_iteration)
     return IterationRecord() if got is None else decode_iteration_record(got[0])
@@ -142,143 +169,123 @@ def _kill(node: Node, local_rank: int, pid: int = 4242) -> bool:
 
 
 def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
-    store: EtcdStore, job_prefix: str
+    store: EtcdStore, job_prefix: str, two_nodes: StartPair
 ) -> None:
-    a_cm, b_cm = _nodes(store, job_prefix)
-    with a_cm as a, b_cm as b:
-        respawned = Respawns()
-        b.coordinator.machine.on_respawn = respawned
-        a.begin(1, 0, AB)
-        b.begin(1, 1, AB)
-        started = time.monotonic()
-        assert _kill(b, 1)  # global rank 3
-        survivors = [*a.ranks, b.ranks[0]]
-        for r in survivors:
-            assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
-        for r in survivors:
-            r.ready(1)  # the dead rank counts as ready: the barrier needs no more
-        gos = [r.expect(Go) for r in survivors]
-        round_, local_rank, env = respawned.next()
-        took = time.monotonic() - started
-        print(f"\ndeath -> go and respawn, 2 nodes x 2 ranks, real etcd: {took * 1000:.1f} ms")
-        assert (round_, local_rank) == (1, 1)
-        # the respawned rank enters iteration 1 with what its peers got with the go
-        go_env = gos[0].env  # type: ignore[attr-defined]
-        assert env[contract.MASTER_ADDR] == go_env[contract.MASTER_ADDR] == "127.0.0.1"
-        assert env[contract.MASTER_PORT] == go_env[contract.MASTER_PORT]
-        assert env[contract.ENV_INPROCESS_ITERATION] == "1" and env[contract.RANK] == "3"
-        assert env[contract.KELASTIC_TIMER_TOKEN] == "token-node-b-1"
-        record = _record(store, job_prefix)
-        assert (record.iteration, record.restarts, record.cause, record.rank) == (
-            1, 1, CAUSE_WORKER_DIED, 3,
+    a, b, respawned = two_nodes("b")
+    started = time.monotonic()
+    assert _kill(b, 1)  # global rank 3
+    survivors = [*a.ranks, b.ranks[0]]
+    for r in survivors:
+        assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+    for r in survivors:
+        r.ready(1)  # the dead rank counts as ready: the barrier needs no more
+    gos = [r.expect(Go) for r in survivors]
+    round_, local_rank, env = respawned.next()
+    took = time.monotonic() - started
+    print(f"\ndeath -> go and respawn, 2 nodes x 2 ranks, real etcd: {took * 1000:.1f} ms")
+    assert (round_, local_rank) == (1, 1)
+    # the respawned rank enters iteration 1 with what its peers got with the go
+    go_env = gos[0].env  # type: ignore[attr-defined]
+    assert env[contract.MASTER_ADDR] == go_env[contract.MASTER_ADDR] == "127.0.0.1"
+    assert env[contract.MASTER_PORT] == go_env[contract.MASTER_PORT]
+    assert env[contract.ENV_INPROCESS_ITERATION] == "1" and env[contract.RANK] == "3"
+    assert env[contract.KELASTIC_TIMER_TOKEN] == "token-node-b-1"
+    record = _record(store, job_prefix)
+    assert (record.iteration, record.restarts, record.cause, record.rank) == (
+        1, 1, CAUSE_WORKER_DIED, 3,
+    )  # fmt: skip
+    assert record.message == (
+        "local rank 1 (pid 4242) killed by SIGKILL; it alone starts again as a process"
+    )
+    # the new process says hello in iteration 1: a rank of the running iteration
+    new = Rank(b.socket_path, 1, 3, iteration=1)
+    b.ranks[1] = new
+    for r in [*survivors, new]:
+        r.progress(1)
+    for node in (a, b):
+        wait_for(
+            lambda n=node: sample(n.metrics, "kelastic_inprocess_restart_seconds_count"),
+            10, what=f"{node.name}: every local rank progressed in iteration 1",
         )  # fmt: skip
-        assert record.message == (
-            "local rank 1 (pid 4242) killed by SIGKILL; it alone starts again as a process"
-        )
-        # the new process says hello in iteration 1: a rank of the running iteration
-        new = Rank(b.socket_path, 1, 3, iteration=1)
-        b.ranks[1] = new
-        for r in [*survivors, new]:
-            r.progress(1)
-        for node in (a, b):
-            wait_for(
-                lambda n=node: sample(n.metrics, "kelastic_inprocess_restart_seconds_count"),
-                10, what=f"{node.name}: every local rank progressed in iteration 1",
-            )  # fmt: skip
-            node.flush()
-            status = node.coordinator.status()
-            assert status is not None and status["phase"] == "running"
-            assert (status["iteration"], status["restarts"]) == (1, 1)
-            assert status["last"]["cause"] == CAUSE_WORKER_DIED
-            labels = {"level": "inprocess", "cause": "worker_failure"}
-            assert sample(node.metrics, "kelastic_restarts_total", **labels) == 1
-        status = b.coordinator.status()
-        assert status is not None and status["respawns"] == 1
-        assert status["last"]["signal"] == "SIGKILL"
-        assert status["last"]["died"] == ["local rank 1 (pid 4242) killed by SIGKILL"]
-        assert not new.got  # no abort for the newcomer: it is in the running iteration
-        # a raise afterwards restarts all four, the respawned one included
-        a.ranks[0].fault(1)
-        for r in [*survivors, new]:
-            assert r.expect(Abort).iteration == 2  # type: ignore[attr-defined]
+        node.flush()
+        status = node.coordinator.status()
+        assert status is not None and status["phase"] == "running"
+        assert (status["iteration"], status["restarts"]) == (1, 1)
+        assert status["last"]["cause"] == CAUSE_WORKER_DIED
+        labels = {"level": "inprocess", "cause": "worker_failure"}
+        assert sample(node.metrics, "kelastic_restarts_total", **labels) == 1
+    status = b.coordinator.status()
+    assert status is not None and status["respawns"] == 1
+    assert status["last"]["signal"] == "SIGKILL"
+    assert status["last"]["died"] == ["local rank 1 (pid 4242) killed by SIGKILL"]
+    assert not new.got  # no abort for the newcomer: it is in the running iteration
+    # a raise afterwards restarts all four, the respawned one included
+    a.ranks[0].fault(1)
+    for r in [*survivors, new]:
+        assert r.expect(Abort).iteration == 2  # type: ignore[attr-defined]
 
 
 def test_deaths_during_a_restart_join_it_and_all_start_again(
-    store: EtcdStore, job_prefix: str
+    store: EtcdStore, job_prefix: str, two_nodes: StartPair
 ) -> None:
-    a_cm, b_cm = _nodes(store, job_prefix)
-    with a_cm as a, b_cm as b:
-        respawned = Respawns()
-        a.coordinator.machine.on_respawn = respawned
-        a.begin(1, 0, AB)
-        b.begin(1, 1, AB)
-        b.ranks[0].fault(0)  # a raise on node b
-        for r in (*a.ranks, *b.ranks):
-            assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
-        a.ranks[1].ready(1)
-        assert _kill(a, 0)  # dies while aborting: joins the restart, no restart spent
-        for r in b.ranks:
-            r.ready(1)
-        for r in (a.ranks[1], *b.ranks):
-            r.expect(Go)
-        _, local_rank, env = respawned.next()
-        assert local_rank == 0 and env[contract.ENV_INPROCESS_ITERATION] == "1"
-        assert _record(store, job_prefix).restarts == 1
-        a.flush()
-        status = a.coordinator.status()
-        assert status is not None and status["last"]["cause"] == "exception"  # the raise won
-        assert status["last"]["died"] == ["local rank 0 (pid 4242) killed by SIGKILL"]
+    a, b, respawned = two_nodes("a")
+    b.ranks[0].fault(0)  # a raise on node b
+    for r in (*a.ranks, *b.ranks):
+        assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+    a.ranks[1].ready(1)
+    assert _kill(a, 0)  # dies while aborting: joins the restart, no restart spent
+    for r in b.ranks:
+        r.ready(1)
+    for r in (a.ranks[1], *b.ranks):
+        r.expect(Go)
+    _, local_rank, env = respawned.next()
+    assert local_rank == 0 and env[contract.ENV_INPROCESS_ITERATION] == "1"
+    assert _record(store, job_prefix).restarts == 1
+    a.flush()
+    status = a.coordinator.status()
+    assert status is not None and status["last"]["cause"] == "exception"  # the raise won
+    assert status["last"]["died"] == ["local rank 0 (pid 4242) killed by SIGKILL"]
 
 
 def test_process_path_when_the_budget_is_spent_or_the_respawn_fails(
-    store: EtcdStore, job_prefix: str
+    store: EtcdStore, job_prefix: str, two_nodes: StartPair
 ) -> None:
-    a_cm, b_cm = _nodes(store, job_prefix, max_restarts=1)
-    with a_cm as a, b_cm as b:
-        respawned = Respawns()
-        b.coordinator.machine.on_respawn = respawned
-        a.begin(1, 0, AB)
-        b.begin(1, 1, AB)
-        assert _kill(b, 1, pid=100)
-        survivors = [*a.ranks, b.ranks[0]]
-        for r in survivors:
-            r.expect(Abort)
-            r.ready(1)
-        for r in survivors:
-            r.expect(Go)
-        respawned.next()
-        # the respawned process dies before its hello: not again (the process path)
-        assert not _kill(b, 1, pid=101)
-        # a respawned rank that did say hello may die again; but the budget of 1 is spent
-        b.ranks[1] = b.connect(1, iteration=1)
-        assert not _kill(b, 1, pid=102)
-        assert _record(store, job_prefix).restarts == 1
-        # the refusals gave nobody up: the round's end (the process path) does
-        b.coordinator.end_round("failed")
-        assert isinstance(b.ranks[0].expect(GiveUp), GiveUp)
+    a, b, respawned = two_nodes("b", max_restarts=1)
+    assert _kill(b, 1, pid=100)
+    survivors = [*a.ranks, b.ranks[0]]
+    for r in survivors:
+        r.expect(Abort)
+        r.ready(1)
+    for r in survivors:
+        r.expect(Go)
+    respawned.next()
+    # the respawned process dies before its hello: not again (the process path)
+    assert not _kill(b, 1, pid=101)
+    # a respawned rank that did say hello may die again; but the budget of 1 is spent
+    b.ranks[1] = b.connect(1, iteration=1)
+    assert not _kill(b, 1, pid=102)
+    assert _record(store, job_prefix).restarts == 1
+    # the refusals gave nobody up: the round's end (the process path) does
+    b.coordinator.end_round("failed")
+    assert isinstance(b.ranks[0].expect(GiveUp), GiveUp)
 
 
 def test_a_respawned_rank_without_hello_in_time_gives_the_round_up(
-    store: EtcdStore, job_prefix: str
+    two_nodes: StartPair,
 ) -> None:
-    a_cm, b_cm = _nodes(store, job_prefix, hard=1.0)
-    with a_cm as a, b_cm as b:
-        respawned = Respawns()
-        b.coordinator.machine.on_respawn = respawned
-        a.begin(1, 0, AB)
-        b.begin(1, 1, AB)
-        assert _kill(b, 0)
-        for r in (*a.ranks, b.ranks[1]):
-            r.expect(Abort)
-            r.ready(1)
-        for r in (*a.ranks, b.ranks[1]):
-            r.expect(Go)
-        respawned.next()
-        # no hello from the new process within the hard timeout (1 s): give up
-        assert isinstance(b.ranks[1].expect(GiveUp, timeout=10), GiveUp)
-        b.flush()
-        status = b.coordinator.status()
-        assert status is not None and status["phase"] == "failed"
+    a, b, respawned = two_nodes("b", hard=1.0)
+    assert _kill(b, 0)
+    for r in (*a.ranks, b.ranks[1]):
+        r.expect(Abort)
+        r.ready(1)
+    for r in (*a.ranks, b.ranks[1]):
+        r.expect(Go)
+    respawned.next()
+    # no hello from the new process within the hard timeout (1 s): give up
+    assert isinstance(b.ranks[1].expect(GiveUp, timeout=10), GiveUp)
+    b.flush()
+    status = b.coordinator.status()
+    assert status is not None and status["phase"] == "failed"
 
 
 def test_disabled_or_no_round_refuses(store: EtcdStore, job_prefix: str) -> None:

@@ -6,7 +6,8 @@ deeply nested brackets, and it accepts ``NaN``, ``Infinity`` and ``1e999`` (whic
 becomes ``inf``). :func:`loads_bounded` checks the size first, the nesting depth with a
 linear scan before parsing, and every number while parsing, and raises only
 :class:`UnsafeJSONError` (a ``ValueError``). Callers then check types and ranges of the
-fields they use and turn the error into their own corrupt-input error. Stdlib only.
+fields they use and turn the error into their own corrupt-input error. :func:`env_map`
+checks one such field both wire protocols carry, an environment map. Stdlib only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import math
 import re
 from typing import Any, Final
 
-__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "UnsafeJSONError", "loads_bounded"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
+    "BadEnvError",
+    "UnsafeJSONError",
+    "env_map",
+    "loads_bounded",
+]
 
 #: Deepest nesting of arrays/objects accepted by default.
 MAX_DEPTH: Final = 32
@@ -35,6 +43,38 @@ _RISKY_NUMBER: Final = re.compile(rb"\d{20}|[eE][+-]?\d{3}")
 
 class UnsafeJSONError(ValueError):
     """The input is not JSON, or exceeds a size, depth or number bound."""
+
+
+class BadEnvError(ValueError):
+    """A decoded environment map is not one (see :func:`env_map`)."""
+
+
+def env_map(value: object, name: str, *, ints: bool = False) -> dict[str, str]:
+    """Check an environment map decoded from JSON (the ``env`` of a control protocol
+    ``assign``/``respawn``, of an in-process ``go``) and return it as ``dict[str, str]``.
+
+    Args:
+        value: the decoded value.
+        name: what it is, for the error message (``"go env"``, ``"respawn.env"``).
+        ints: accept integer values (not bools) and return them as strings (``RANK: 0``).
+
+    Raises:
+        BadEnvError: ``value`` is not an object; a name is empty or holds ``=`` or NUL;
+            a value is not a string (nor an integer, with ``ints``) or holds NUL. The
+            message names ``name`` and the offending key and value.
+    """
+    if not isinstance(value, dict):
+        raise BadEnvError(f"{name} must be an object")
+    env: dict[str, str] = {}
+    for key, val in value.items():
+        if not key or "=" in key or "\0" in key:
+            raise BadEnvError(f"{name} has an invalid name {key!r}")
+        if ints and isinstance(val, int) and not isinstance(val, bool):
+            val = str(val)
+        if not isinstance(val, str) or "\0" in val:
+            raise BadEnvError(f"{name}[{key!r}] must be a string, got {val!r}")
+        env[key] = val
+    return env
 
 
 def _depth_ok(raw: bytes, max_depth: int) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from kelastic import contract
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, loads_bounded
 
 __all__ = [
     "MAX_COUNTER",
@@ -220,21 +220,10 @@ def _str_field(obj: dict[str, Any], name: str, line: bytes) -> str:
 
 
 def _env(value: object, where: str, line: bytes) -> dict[str, str]:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{where}.env must be an object: " + excerpt(line))
-    env: dict[str, str] = {}
-    for key, val in value.items():
-        if not key or "=" in key or "\0" in key:
-            raise ProtocolError(f"{where}.env has an invalid name {key!r}: " + excerpt(line))
-        # Integers are accepted for convenience (RANK: 0); everything else must be a string.
-        if isinstance(val, int) and not isinstance(val, bool):
-            val = str(val)
-        if not isinstance(val, str) or "\0" in val:
-            raise ProtocolError(
-                f"{where}.env[{key!r}] must be a string, got {val!r}: " + excerpt(line)
-            )
-        env[key] = val
-    return env
+    try:  # integers are accepted for convenience (RANK: 0), as strings
+        return env_map(value, f"{where}.env", ints=True)
+    except BadEnvError as exc:
+        raise ProtocolError(f"{exc}: " + excerpt(line)) from None
 
 
 def _parse_assign(obj: dict[str, Any], line: bytes) -> Assign:

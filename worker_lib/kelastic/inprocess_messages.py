@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from kelastic import contract
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, loads_bounded
 
 __all__ = [
     "CAUSES",
@@ -295,18 +295,10 @@ def parse_worker_message(line: bytes) -> WorkerMessage:
 
 
 def _env(obj: dict[str, Any], line: bytes) -> dict[str, str]:
-    value = obj.get("env", {})
-    if not isinstance(value, dict):
-        raise ProtocolError("go message needs an object 'env': " + _excerpt(line))
-    env: dict[str, str] = {}
-    for key, val in value.items():
-        if not key or "=" in key or "\0" in key:
-            raise ProtocolError(f"go env has an invalid name {key!r}: " + _excerpt(line))
-        if not isinstance(val, str) or "\0" in val:
-            raise ProtocolError(f"go env[{key!r}] must be a string, got {val!r}: "
-                                + _excerpt(line))  # fmt: skip
-        env[key] = val
-    return env
+    try:
+        return env_map(obj.get("env", {}), "go env")  # strings only, no integers
+    except BadEnvError as exc:
+        raise ProtocolError(f"{exc}: " + _excerpt(line)) from None
 
 
 def parse_coordinator_message(line: bytes) -> CoordinatorMessage:
