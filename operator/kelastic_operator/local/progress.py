@@ -30,6 +30,8 @@ from .replicas import Replica
 INPROCESS_REPORT_WAIT = 10.0
 #: Longest fault message shown in an in-process restart line (characters, first line).
 MESSAGE_MAX = 200
+#: How a restart's line ends when said before every rank stepped again.
+NOT_YET = "not every rank is stepping again yet"
 
 
 def root_cause(failures: list[dict[str, Any]]) -> str:
@@ -100,13 +102,40 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
         took = max(float(r) for r in resumed if isinstance(r, (int, float)))
         after = f"stepping again after {took:.2f}s"
     else:
-        after = "not every rank is stepping again yet"
+        after = NOT_YET
     spared = [str(p) for x in lasts for p in x.get("promoted") or [] if isinstance(p, str)]
     if spared:  # spare ranks: "local rank 1 replaced by the spare of slot 2 (pid .., no ...)"
         after = "; ".join([*spared, after])
     if last.get("cause") == contract.INPROCESS_CAUSE_MEMBERSHIP:  # no restart spent
         return f"in-process round change (iteration {iteration}): {text}; {after}"
     return f"in-process restart {restarts}/{top} (iteration {iteration}): {cause}; {after}"
+
+
+def inprocess_followup(docs: list[dict[str, Any]], iteration: int) -> str | None:
+    """The line that ends a restart said before every rank stepped again (see
+    :func:`inprocess_line`'s ``waited_out``), once they all do: the workers that died
+    meanwhile and were started again (a hung rank reaped after the timer server's grace,
+    or killed at the hard timeout: the hybrid rung) and the seconds from the abort, e.g.
+    ``in-process restart (iteration 3): local rank 1 (pid 77) killed by SIGKILL: ...
+    (started again as a process); every rank stepping again after 31.20s``. None while
+    not every rank steps again."""
+    lasts = [
+        d["last"]
+        for d in docs
+        if isinstance(d.get("last"), dict) and d["last"].get("iteration") == iteration
+    ]
+    resumed = [last.get("resumed_s") for last in lasts]
+    behind = [d for d in docs if int(d.get("iteration") or 0) < iteration]
+    if not lasts or behind or not all(isinstance(r, (int, float)) for r in resumed):
+        return None
+    took = max(float(r) for r in resumed if isinstance(r, (int, float)))
+    died = [f"{str(x)[:MESSAGE_MAX]} (started again as a process)"
+            for last in lasts for x in last.get("died") or []]  # fmt: skip
+    head = "; ".join(died) + "; " if died else ""
+    return (
+        f"in-process restart (iteration {iteration}): {head}every rank stepping again "
+        f"after {took:.2f}s"
+    )
 
 
 def fetch_status(pod: Replica) -> dict[str, Any]:
@@ -206,6 +235,15 @@ class ProgressReporter:
             if line is not None:
                 self.say(line)
             seen["said"], seen["seen_at"] = iteration, None
+            # said before every rank stepped again: say so when they do (unless a later
+            # restart came first)
+            seen["open"] = iteration if line and line.endswith(NOT_YET) else None
+        if seen.get("open") is not None:
+            if seen["open"] < newest:
+                seen["open"] = None
+            elif (follow := inprocess_followup(docs, seen["open"])) is not None:
+                self.say(follow)
+                seen["open"] = None
 
     def _restarts_text(self, replacements: int) -> str:
         """``restarts: 1 in-process, 0 process, 0 Pod replacements`` (in-process only

@@ -14,6 +14,7 @@ import pytest
 
 from kelastic import contract
 from kelastic_operator.cli import with_run_options
+from kelastic_operator.local import progress
 from kelastic_operator.local.faults import Fault
 from kelastic_operator.local.progress import ProgressReporter, inprocess_line
 from kelastic_operator.local.replicas import node_progress, restarting_in_process
@@ -205,3 +206,38 @@ def test_the_fault_clock_follows_in_process_iterations() -> None:
     assert restarting_in_process(st)
     assert node_progress(_status(attempt=2)) == (2, 0)  # no in-process section: the attempt
     assert not restarting_in_process(_status(inprocess=None))
+
+
+def test_a_restart_said_before_its_ranks_stepped_again_is_ended_when_they_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung rank cannot leave: its peers restart at once, it is reaped only after the
+    timer server's grace and started again (the hybrid rung). The restart is said when
+    the report wait is over, then again, with the death, once every rank steps again."""
+    monkeypatch.setattr(progress, "INPROCESS_REPORT_WAIT", 0.0)
+    reporter, said = _reporter(enabled=True)
+    pods = [_Pod(0, _status(inprocess=_inproc(1, 1, 0.2))),
+            _Pod(1, _status(inprocess=_inproc(1, 1, None)))]  # fmt: skip
+    reporter.poll(pods)  # type: ignore[arg-type]
+    inproc = lambda: [x for x in said if "in-process" in x]  # noqa: E731
+    assert inproc()[-1].endswith("not every rank is stepping again yet"), said
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert sum("iteration 1" in x for x in said) == 1  # nothing new yet
+    doc = _inproc(1, 1, 31.2)
+    doc["last"]["died"] = ["local rank 1 (pid 77) killed by SIGKILL: hung: timer expired"]
+    pods[1].status = _status(inprocess=doc)
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert inproc()[-1] == (
+        "in-process restart (iteration 1): local rank 1 (pid 77) killed by SIGKILL: hung: "
+        "timer expired (started again as a process); every rank stepping again after 31.20s"
+    )
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert sum("iteration 1" in x for x in said) == 2  # said once
+    # a restart said early and superseded by a later one gets no follow-up
+    pods = [_Pod(0, _status(inprocess=_inproc(2, 2, None))),
+            _Pod(1, _status(inprocess=_inproc(2, 2, None)))]  # fmt: skip
+    reporter.poll(pods)  # type: ignore[arg-type]
+    pods = [_Pod(0, _status(inprocess=_inproc(3, 3, 0.1))),
+            _Pod(1, _status(inprocess=_inproc(3, 3, 0.1)))]  # fmt: skip
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert not [x for x in said if x.startswith("in-process restart (iteration 2)")], said
