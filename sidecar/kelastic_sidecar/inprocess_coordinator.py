@@ -295,13 +295,15 @@ class InProcessCoordinator:
     def status(self) -> dict[str, Any] | None:
         """``/status``'s ``inprocess``: ``enabled``, ``iteration``, ``restarts``,
         ``max_restarts``, ``phase``, ``respawns`` (dead local ranks this node started
-        again: the hybrid rung), ``last`` (``iteration``, ``cause`` (a fault's, or
-        ``worker_died``/``hang`` for a dead worker), ``rank``, ``node``, ``message``,
-        ``died`` (the local workers whose death this restart took, one line each, e.g.
-        ``local rank 1 (pid 4242) killed by SIGKILL``; only on their node), ``signal``
-        (the last one's, e.g. ``SIGKILL``),
-        ``resumed_s``: seconds from the abort until every local rank progressed, None
-        until then); None when disabled."""
+        again: the hybrid rung), ``spares`` (``configured``: spare ranks per node,
+        ``waiting``: their slots waiting now, ``promoted``: dead ranks they replaced),
+        ``last`` (``iteration``, ``cause`` (a fault's, or ``worker_died``/``hang`` for a
+        dead worker), ``rank``, ``node``, ``message``, ``died`` (the local workers whose
+        death this restart took, one line each, e.g. ``local rank 1 (pid 4242) killed by
+        SIGKILL``; only on their node), ``signal`` (the last one's, e.g. ``SIGKILL``),
+        ``promoted`` (those a waiting spare replaced, one line each), ``resumed_s``:
+        seconds from the abort until every local rank progressed, None until then); None
+        when disabled."""
         doc = self._status
         return None if doc is None else {**doc, "last": dict(doc["last"] or {}) or None}
 
