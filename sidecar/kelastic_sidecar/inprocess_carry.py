@@ -28,8 +28,11 @@ shrinks (inactive ranks), and a new rank means a new job.
    the round.
 
 Refused (the caller stops the workers: the process path): in-process restart off, no
-round running in process, a local rank that never said ``hello``, the budget spent for a
-lost node, etcd failing. Runs on the coordinator's loop thread only, like its bases.
+round running in process, a local rank that never said ``hello``, etcd failing, or the
+in-process budget spent, even for a change that would spend nothing: once the budget is
+spent every round change starts the workers again (from the rendezvous a peer's process
+restart and a node joining look the same: the peer leaves and waits to join again).
+Runs on the coordinator's loop thread only, like its bases.
 """
 
 from __future__ import annotations
@@ -134,9 +137,14 @@ class CarryMachine(HybridMachine):
             log.warning("the round ended: local rank(s) %s never said hello; the workers "
                         "start again", ", ".join(map(str, silent)))  # fmt: skip
             return False
-        if self._phase == RUNNING and not self._advance_for(request, ctx):
-            return False
-        if self._phase != RUNNING and request.charge and not self._charge_in_flight(request):
+        if self._phase == RUNNING:  # a new restart, even a free one, within the budget
+            if self._restarts >= self.settings.max_restarts:
+                log.warning("the round ended: in-process restart budget of %d spent; the "
+                            "workers start again", self.settings.max_restarts)  # fmt: skip
+                return False
+            if not self._advance_for(request, ctx):
+                return False
+        elif request.charge and not self._charge_in_flight(request):  # joins the one in flight
             return False
         self._holding = True
         self._barrier_until = None  # the next rendezvous may wait for nodes; begin re-arms it

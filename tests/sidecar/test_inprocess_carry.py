@@ -195,11 +195,17 @@ def test_a_restart_in_flight_is_carried_without_another(store: EtcdStore, job_pr
 
 
 def test_refusals_take_the_process_path(store: EtcdStore, job_prefix: str) -> None:
-    # the in-process budget spent: a lost node is refused, a scale-up is not (it is free)
+    # the in-process budget spent: every round change starts the workers again, even one
+    # that would spend nothing (a node joining looks like a peer's process restart)
     with make_node("node-a", store, job_prefix, cfg=settings(max_restarts=0)) as a:
         a.begin(1, 0, ("node-a",))
-        assert not a.coordinator.carry(LOST)
+        for end in (LOST, SCALE, RoundEnd(RoundEndKind.RESTART, reason="peer_restart")):
+            assert not a.coordinator.carry(end)
         assert all(r.inbox.empty() for r in a.ranks)
+        assert _record(store, job_prefix).iteration == 0
+    # within the budget: held, then the job ends while held: the ranks give up
+    with make_node("node-a", store, job_prefix + "a/") as a:
+        a.begin(1, 0, ("node-a",))
         assert a.coordinator.carry(SCALE)
         _abort_and_hold(a, 1)
         a.coordinator.end_round("closed")  # the job ended while held: the ranks give up
