@@ -549,7 +549,7 @@ def test_fuzz_inprocess_messages_one_field(
 
 from kelastic.control_messages import Assign, Promote  # noqa: E402
 
-PROMOTE = {"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 1}
+PROMOTE = {"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 1, "pid": 4242}
 SPARE_HELLO = {"type": "hello", "pid": 4242, "local_rank": 2, "rank": 4, "iteration": 0,
                "spare": True}  # fmt: skip
 ASSIGN = {"type": "assign", "attempt": 1, "round": 0, "spares": 1,
@@ -557,8 +557,9 @@ ASSIGN = {"type": "assign", "attempt": 1, "round": 0, "spares": 1,
 
 
 def test_spare_messages_decode_and_malformed_ones_are_refused() -> None:
-    assert parse_message(json.dumps(PROMOTE).encode()) == Promote(2, 2, 1)
-    assert parse_message(encode_message(Promote(2, 2, 1).as_dict())[:-1]) == Promote(2, 2, 1)
+    promote = Promote(2, 2, 1, 4242)
+    assert parse_message(json.dumps(PROMOTE).encode()) == promote
+    assert parse_message(encode_message(promote.as_dict())[:-1]) == promote
     assign = parse_message(json.dumps(ASSIGN).encode())
     assert isinstance(assign, Assign) and assign.spares == 1
     assert "spares" not in Assign(1, 0, ()).as_dict()  # an old launcher sees no new field
@@ -569,7 +570,8 @@ def test_spare_messages_decode_and_malformed_ones_are_refused() -> None:
     assert ipm.parse_worker_message(json.dumps(plain).encode()) == ipm.Hello(4242, 2, 4, 0)
     for field, literal in (("spare_slot", "-1"), ("spare_slot", "4096"), ("local_rank", "2"),
                            ("local_rank", '"1"'), ("attempt", "true"), ("spare_slot", HUGE),
-                           ("local_rank", "1.5")):  # fmt: skip
+                           ("local_rank", "1.5"), ("pid", "0"), ("pid", "2147483648"),
+                           ("pid", "null")):  # fmt: skip
         with pytest.raises(ProtocolError):
             parse_message(_with(PROMOTE, field, literal))  # local_rank 2 == the slot
     for literal in ("-1", "65", "true", '"1"', "1.0", HUGE):
@@ -590,7 +592,7 @@ def _promote(raw: bytes) -> None:
         return
     if isinstance(msg, Promote):
         assert 0 <= msg.spare_slot <= 4095 and 0 <= msg.local_rank <= 4095
-        assert msg.spare_slot != msg.local_rank and msg.attempt >= 0
+        assert msg.spare_slot != msg.local_rank and msg.attempt >= 0 and 1 <= msg.pid < 2**31
     if isinstance(msg, Assign):
         assert 0 <= msg.spares <= contract.MAX_INPROCESS_SPARES
 

@@ -196,7 +196,8 @@ class AttemptMonitor:
                 elif isinstance(event, RespawnDue):
                     if event.round == info.round and event.spare is not None:  # spare ranks
                         self.promoted.add(event.local_rank)
-                        self._control.send(Promote(self.attempt, event.spare, event.local_rank))
+                        self._control.send(Promote(self.attempt, event.spare, event.local_rank,
+                                                   event.spare_pid))  # fmt: skip
                     elif event.round == info.round:  # else a late one of an earlier round
                         self.respawned.add(event.local_rank)
                         self._control.send(Respawn(self.attempt, event.local_rank, event.env))

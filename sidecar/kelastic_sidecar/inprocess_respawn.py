@@ -26,7 +26,8 @@ non-zero exit (:meth:`InProcessCoordinator.absorb_exit
    ``hello`` keeps it waiting in the pool; at the ``go``, a waiting spare takes each dead
    rank's place instead of step 3's process start: it gets the ``go`` with the dead
    rank's env, its session becomes that rank's, and ``on_promote(round, slot,
-   local_rank)`` tells the launcher (``promote``), which starts a new spare in the slot.
+   local_rank, pid)`` tells the launcher (``promote``), which starts a new spare in the
+   slot (and reports the spare's exit as the rank's if it died meanwhile).
    Spares are not in the termination barrier, never aborted, and their own deaths (a
    closed session) are only logged. The round's end sends them ``give_up``.
 
@@ -78,16 +79,17 @@ log = logging.getLogger("kelastic_sidecar.inprocess")
 OnRespawn = Callable[[int, int, dict[str, str]], None]
 
 
-#: ``(round, spare_slot, local_rank)``: the spare waiting in that slot was sent the ``go``
-#: of that dead local rank (the supervisor sends the launcher a ``promote``).
-OnPromote = Callable[[int, int, int], None]
+#: ``(round, spare_slot, local_rank, pid)``: the spare ``pid`` (its ``hello``'s: the
+#: launcher's view) waiting in that slot was sent the ``go`` of that dead local rank (the
+#: supervisor sends the launcher a ``promote``).
+OnPromote = Callable[[int, int, int, int], None]
 
 
 def _no_respawn(round_: int, local_rank: int, env: dict[str, str]) -> None:
     log.error("no one to start local rank %d again (round %d)", local_rank, round_)
 
 
-def _no_promote(round_: int, slot: int, local_rank: int) -> None:
+def _no_promote(round_: int, slot: int, local_rank: int, pid: int) -> None:
     log.error("no one to tell that spare slot %d is local rank %d (round %d)", slot, local_rank,
               round_)  # fmt: skip
 
@@ -212,7 +214,7 @@ class HybridMachine(RestartMachine):
         ctx = self._ctx
         verdict = spare_hello_verdict(
             phase=self._phase, nproc=ctx.nproc if ctx is not None else 0,
-            spares=self.settings.spare_ranks, slot=msg.local_rank,
+            spares=self.settings.spare_ranks, slot=msg.local_rank, pid=msg.pid,
         )  # fmt: skip
         if verdict.kind is SpareHello.DROP:
             log.error("%r: %s; dropping it", session, verdict.reason)
@@ -246,9 +248,9 @@ class HybridMachine(RestartMachine):
         env = go_env(ctx, local_rank, master, iteration)
         hello = session.hello
         pid = hello.pid if hello is not None else 0
-        rank = int(env.get(contract.RANK, "-1") or -1)
-        session.hello = Hello(pid=pid, local_rank=local_rank, rank=max(rank, 0),
-                              iteration=iteration)  # fmt: skip
+        rank = env.get(contract.RANK, "")
+        number = int(rank) if rank.isdigit() else 0
+        session.hello = Hello(pid=pid, local_rank=local_rank, rank=number, iteration=iteration)
         self._sessions[local_rank] = session
         self._offset[session.id] = 0
         self.promotions += 1
@@ -259,7 +261,7 @@ class HybridMachine(RestartMachine):
         if self._last is not None:
             self._last.setdefault("promoted", []).append(line)
         log.warning("%s in iteration %d (its peers restarted in process)", line, iteration)
-        self.on_promote(ctx.round, slot, local_rank)
+        self.on_promote(ctx.round, slot, local_rank, pid)
         session.send(Go(iteration, env))
 
     # ------------------------------------------------------------------ hooks

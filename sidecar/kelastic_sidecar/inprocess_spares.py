@@ -32,6 +32,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Final
 
+from kelastic.control_messages import MAX_PID
 from kelastic.inprocess_messages import GiveUp
 
 from .inprocess_server import Session
@@ -74,7 +75,9 @@ class SpareVerdict:
     reason: str = ""
 
 
-def spare_hello_verdict(*, phase: str, nproc: int, spares: int, slot: int) -> SpareVerdict:
+def spare_hello_verdict(
+    *, phase: str, nproc: int, spares: int, slot: int, pid: int = 1
+) -> SpareVerdict:
     """What to do with the ``hello`` of a spare in ``slot`` (its ``local_rank``).
 
     Args:
@@ -83,8 +86,10 @@ def spare_hello_verdict(*, phase: str, nproc: int, spares: int, slot: int) -> Sp
         nproc: local ranks of the round (0 when there is no round).
         spares: spare ranks this node runs (``spareRanks``).
         slot: the spare's slot.
+        pid: the pid its ``hello`` claims (the launcher's view: a ``promote`` names it).
 
-    A slot outside ``nproc .. nproc + spares - 1`` (or spares off) is malformed:
+    A slot outside ``nproc .. nproc + spares - 1``, spares off, or a pid no launcher could
+    have started (outside ``1 .. 2**31 - 1``: a ``promote`` could not name it) is malformed:
     :attr:`SpareHello.DROP`. No round, or in-process restarts failed in it:
     :attr:`SpareHello.GIVE_UP`. Otherwise :attr:`SpareHello.WAIT` (also during a restart:
     the spare may be the one its ``go`` needs).
@@ -93,6 +98,8 @@ def spare_hello_verdict(*, phase: str, nproc: int, spares: int, slot: int) -> Sp
         return SpareVerdict(SpareHello.DROP, "a spare, but this node runs no spare ranks")
     if phase == "idle" or nproc <= 0:
         return SpareVerdict(SpareHello.GIVE_UP, "no round")
+    if not 1 <= pid <= MAX_PID:
+        return SpareVerdict(SpareHello.DROP, f"spare pid {pid} not in 1..{MAX_PID}")
     if not nproc <= slot < nproc + spares:
         return SpareVerdict(
             SpareHello.DROP, f"spare slot {slot} not in {nproc}..{nproc + spares - 1}"

@@ -64,6 +64,8 @@ class RespawnDue:
     #: Not None: the spare waiting in this slot took the dead rank's place (spare
     #: ranks): the launcher gets a ``promote`` instead, and starts no process for it.
     spare: int | None = None
+    #: That spare's pid (its ``hello``'s), which the ``promote`` names.
+    spare_pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,8 @@ def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) ->
     inprocess = InProcessCoordinator(
         config.inprocess, store, keys, config.node, metrics, config.run_dir, config.pod_ip,
         on_respawn=lambda round_, local_rank, env: events.put(RespawnDue(round_, local_rank, env)),
-        on_promote=lambda round_, slot, local_rank: events.put(
-            RespawnDue(round_, local_rank, {}, spare=slot)
+        on_promote=lambda round_, slot, local_rank, pid: events.put(
+            RespawnDue(round_, local_rank, {}, spare=slot, spare_pid=pid)
         ),
     )  # fmt: skip
     return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess)

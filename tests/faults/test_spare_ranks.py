@@ -167,8 +167,8 @@ def test_a_spare_killed_while_waiting_is_replaced_and_the_round_goes_on(
 def test_a_process_restart_restarts_the_spares_too(tmp_path: Path) -> None:
     """In-process budget 0: a kill takes the process path on its node; that node's new
     attempt has new workers and a new spare (the old one stopped with the old workers).
-    The other node carries its workers into the next round (the node-change rung), and
-    its spare with them."""
+    The other node's spare goes the way of its workers: restarted with them, or carried
+    into the next round with them (the node-change rung, when it takes the round change)."""
     job, stop = _job(tmp_path, budget=0)
     runs = tmp_path / "runs"
     run = KelasticRun(job, "--in-process", "--spares", "1", "--fault", "kill:rank=1,after=1",
@@ -184,7 +184,9 @@ def test_a_process_restart_restarts_the_spares_too(tmp_path: Path) -> None:
     spares = _spares(out)
     assert len(spares[4]) == 2 and spares[4][0] != spares[4][1], out  # one per attempt
     assert not psutil.pid_exists(spares[4][0])
-    assert len(spares[5]) == 1, out  # node 1's workers and spare were carried
+    two = [int(p) for r, p, _ in START.findall(out) if r == "2"]
+    assert len(spares[5]) == len(two) and len(two) in (1, 2), out  # with its workers
+    assert len(spares[5]) == 1 or not psutil.pid_exists(spares[5][0])
     assert "replaced by the spare" not in out, out
     assert run.restarts_charged() == 1 and "job succeeded" in out, out
     assert run.strays() == []

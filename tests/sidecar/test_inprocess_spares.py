@@ -38,6 +38,7 @@ AB = ("node-a", "node-b")
         ("running", 2, 1, 3, SpareHello.DROP, "not in 2..2"),
         ("running", 2, 1, 1, SpareHello.DROP, "not in 2..2"),  # a worker's local rank
         ("running", 2, 0, 2, SpareHello.DROP, "runs no spare ranks"),
+        ("running", 2, 1, 2, SpareHello.DROP, "pid 0 not in"),  # a promote could not name it
         ("idle", 0, 1, 2, SpareHello.GIVE_UP, "no round"),
         ("failed", 2, 1, 2, SpareHello.GIVE_UP, "failed"),
     ],
@@ -45,7 +46,8 @@ AB = ("node-a", "node-b")
 def test_spare_hello_verdict(
     phase: str, nproc: int, spares: int, slot: int, kind: SpareHello, why: str
 ) -> None:
-    verdict = spare_hello_verdict(phase=phase, nproc=nproc, spares=spares, slot=slot)
+    pid = 0 if "pid 0" in why else 77
+    verdict = spare_hello_verdict(phase=phase, nproc=nproc, spares=spares, slot=slot, pid=pid)
     assert verdict.kind is kind
     assert why in verdict.reason and (verdict.reason == "") == (kind is SpareHello.WAIT)
 
@@ -148,7 +150,7 @@ def test_a_waiting_spare_takes_the_dead_ranks_place_then_the_respawn(
             r.ready(1)
         gos = [r.expect(Go) for r in survivors]
         go = spare.expect(Go)  # no abort before: it never ran an iteration
-        assert promoted.next() == (1, 2, 1)  # round 1: slot 2 is local rank 1 now
+        assert promoted.next() == (1, 2, 1, 123456)  # round 1: slot 2 (pid) is rank 1 now
         assert respawned.calls.empty()
         env, peer_env = go.env, gos[0].env  # type: ignore[attr-defined]
         assert go.iteration == 1  # type: ignore[attr-defined]

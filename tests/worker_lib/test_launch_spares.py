@@ -90,7 +90,7 @@ def test_a_spare_waits_is_promoted_to_a_dead_rank_and_is_replaced(world: Env) ->
     # a worker dies; the sidecar sends the spare its go (not played here) and a promote
     psutil.Process(pids["1"]).kill()
     assert sup.expect("exited")["local_rank"] == 1
-    sup.send({"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 1})
+    sup.send({"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 1, "pid": spare})
     took = sup.expect("started")
     assert took == {"type": "started", "attempt": 2, "pids": {"1": spare}, "warm": 1}
     new = _one_new_spare(world, {spare}, 1)  # the slot is refilled
@@ -104,16 +104,28 @@ def test_a_spare_waits_is_promoted_to_a_dead_rank_and_is_replaced(world: Env) ->
     third = _one_new_spare(world, {spare, new}, 2)
     # promotes that do not fit are ignored: another attempt, no spare in the slot, a
     # local rank still running
-    sup.send({"type": "promote", "attempt": 9, "spare_slot": 2, "local_rank": 1})
-    sup.send({"type": "promote", "attempt": 2, "spare_slot": 3, "local_rank": 1})
-    sup.send({"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 0})
+    promote = {"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 1, "pid": third}
+    sup.send({**promote, "attempt": 9})
+    sup.send({**promote, "spare_slot": 3})
+    sup.send({**promote, "local_rank": 0})
+    sup.send({**promote, "pid": pids["0"]})
+    # a spare that dies after its go, before (or after) the launcher saw the promote: the
+    # promote makes it rank 1 all the same, and its exit is rank 1's (a death the sidecar
+    # takes as such)
+    psutil.Process(third).kill()
+    sup.send(promote)
+    assert sup.expect("started")["pids"] == {"1": third}
+    gone = sup.expect("exited")
+    assert (gone["local_rank"], gone["pid"], gone["signal"]) == (1, third, signal.SIGKILL)
+    waiting = _one_new_spare(world, {spare, new, third}, 3)  # the slot refilled once more
     sup.send({"type": "stop", "attempt": 2, "reason": "done"})
     assert sup.expect("stopped") == {"type": "stopped", "attempt": 2}  # nothing before it
-    assert _gone(third) and _gone(pids["0"])  # the spares stop with the attempt's workers
+    assert _gone(pids["0"]) and _gone(waiting)  # the spares stop with the attempt's workers
     err = launcher.stderr()
     assert "killed by signal 9 while waiting (no failure of the attempt)" in err
     assert "promote of spare slot 2 for attempt 9 ignored" in err
-    assert "promote of spare slot 3 to local_rank 1 ignored: no spare waits in slot 3" in err
+    assert f"slot 3 to local_rank 1 ignored: pid {third} is no spare of slot 3" in err
+    assert f"ignored: pid {pids['0']} is no spare of slot 2" in err
     assert "to local_rank 0 ignored: local_rank 0 has no exited, reported worker" in err
     # the promoted spare's output was prefixed by its new rank after the promote
     assert contains(log_file(world.run_dir, 2, 0, contract.STDOUT_LOG_NAME), "ready")

@@ -91,6 +91,7 @@ class Spares:
         self._cmd = cmd
         self._generation: dict[int, int] = {}  # slot -> spares started in it
         self._replaced: dict[int, int] = {}  # slot -> dead spares replaced
+        self._dead: dict[int, Worker] = {}  # pid -> a spare that died (for a late promote)
 
     @property
     def slots(self) -> range:
@@ -132,6 +133,8 @@ class Spares:
             if worker.returncode is None or worker.reported:
                 continue
             worker.reported = True
+            if worker.pid is not None:
+                self._dead[worker.pid] = worker
             rc = worker.returncode
             how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
             index = slot - self.nproc
@@ -151,33 +154,42 @@ class Spares:
             started.append(self._start(slot, spawner))
         return started
 
-    def promote(self, slot: int, local_rank: int, env: Mapping[str, str]) -> Worker:
-        """Make the spare in ``slot`` the worker of ``local_rank`` (whose process exited
-        and was reported); ``env`` is the rank's spec env (what the spare's ``go`` gave
-        it). The slot is then empty: :meth:`refill` it.
+    def promote(self, slot: int, local_rank: int, pid: int, env: Mapping[str, str]) -> Worker:
+        """Make the spare ``pid`` of ``slot`` the worker of ``local_rank`` (whose process
+        exited and was reported); ``env`` is the rank's spec env (what the spare's ``go``
+        gave it). The slot is then empty: :meth:`refill` it. A spare that died since its
+        ``go`` (before or after :meth:`tend` saw it) becomes that rank all the same, with
+        its exit not reported yet: the caller reports it as the rank's exit (the sidecar
+        then takes it as that rank's death).
+
+        Returns:
+            The worker, running or exited.
 
         Raises:
-            ValueError: no waiting spare in ``slot``, or ``local_rank`` has no exited,
-                reported worker.
+            ValueError: ``pid`` is no spare of ``slot`` (alive or dead) of this attempt,
+                or ``local_rank`` has no exited, reported worker.
         """
         group = self.group
         spare = group.spares.get(slot)
         old = group.workers.get(local_rank)
-        if spare is None or not spare.running:
-            raise ValueError(f"no spare waits in slot {slot}")
         if old is None or old.running or not old.reported:
             raise ValueError(f"local_rank {local_rank} has no exited, reported worker")
-        del group.spares[slot]
+        if spare is not None and spare.pid == pid:
+            del group.spares[slot]
+        else:
+            spare = self._dead.pop(pid, None)
+            if spare is None or spare.spec.local_rank != slot:
+                raise ValueError(f"pid {pid} is no spare of slot {slot}")
+        spare.reported = False  # its exit, when it comes or came, is the rank's
         label = env.get(contract.RANK) or str(local_rank)
-        spare.relabel(WorkerSpec(local_rank, label, dict(env), spare.spec.log_dir))
-        # its error file stays the one its env named at its start
-        spare.spec.env[contract.TORCHELASTIC_ERROR_FILE] = str(
-            spare.spec.log_dir / contract.ERROR_FILE_NAME
-        )
+        error_file = str(spare.spec.log_dir / contract.ERROR_FILE_NAME)  # as at its start
+        spare.relabel(WorkerSpec(local_rank, label, {**env, contract.TORCHELASTIC_ERROR_FILE:
+                                                     error_file}, spare.spec.log_dir))  # fmt: skip
         group.workers[local_rank] = spare
         logger.warning("attempt %d: local_rank %d (rank %s) is now pid %d, the spare of slot %d "
-                       "(no process start; its logs stay in %s)", group.attempt, local_rank,
-                       label, spare.pid, slot, spare.spec.log_dir)  # fmt: skip
+                       "(no process start; its logs stay in %s)%s", group.attempt, local_rank,
+                       label, pid, slot, spare.spec.log_dir,
+                       "" if spare.running else "; it has exited already")  # fmt: skip
         return spare
 
     def refill(self, slot: int, spawner: Spawner | None) -> Worker | None:
@@ -222,11 +234,12 @@ class SpareKeeper:
         send: Callable[[Started], None],
         spawner: Spawner | None,
     ) -> None:
-        """A ``promote``: the spare of ``msg.spare_slot`` was sent the ``go`` of the dead
-        ``msg.local_rank`` (whose exit the caller reported first): it is that local rank
-        from now on (``send`` gets the ``started`` with its pid: no process start), and a
-        new spare starts in its slot. Ignored (logged) when it does not fit the running
-        attempt (a late one: that attempt is being stopped)."""
+        """A ``promote``: the spare ``msg.pid`` of ``msg.spare_slot`` was sent the ``go``
+        of the dead ``msg.local_rank`` (whose exit the caller reported first): it is that
+        local rank from now on (``send`` gets the ``started`` with its pid: no process
+        start; the caller reports its exit next when it died meanwhile), and a new spare
+        starts in its slot. Ignored (logged) when it does not fit the running attempt (a
+        late one: that attempt is being stopped) or names no spare of the slot."""
         spares = self.current
         if (spares is None or group is None or spares.group is not group
                 or group.attempt != msg.attempt or group.stopping or group.stopped):  # fmt: skip
@@ -235,12 +248,11 @@ class SpareKeeper:
             return
         old = group.workers.get(msg.local_rank)
         try:
-            worker = spares.promote(msg.spare_slot, msg.local_rank,
-                                    old.spec.env if old is not None else {})  # fmt: skip
+            spares.promote(msg.spare_slot, msg.local_rank, msg.pid,
+                           old.spec.env if old is not None else {})  # fmt: skip
         except ValueError as exc:
             logger.warning("promote of spare slot %d to local_rank %d ignored: %s",
                            msg.spare_slot, msg.local_rank, exc)  # fmt: skip
             return
-        assert worker.pid is not None  # a running spare
-        send(Started(attempt=group.attempt, pids={msg.local_rank: worker.pid}, warm=1))
+        send(Started(attempt=group.attempt, pids={msg.local_rank: msg.pid}, warm=1))
         spares.refill(msg.spare_slot, spawner)

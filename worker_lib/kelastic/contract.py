@@ -308,8 +308,8 @@ MSG_ASSIGN: Final = "assign"  # {"type", "attempt", "round", "workers": [{"local
 MSG_STOP: Final = "stop"  # {"type", "attempt", "reason"}
 MSG_SHUTDOWN: Final = "shutdown"  # {"type", "exitcode", "summary"}
 MSG_RESPAWN: Final = "respawn"  # {"type", "attempt", "local_rank", "env"}: start it again
-#: {"type", "attempt", "spare_slot", "local_rank"}: the waiting spare in that slot is now
-#: the (dead) worker of local_rank; start a new spare in the slot
+#: {"type", "attempt", "spare_slot", "local_rank", "pid"}: the waiting spare (pid) in that
+#: slot is now the (dead) worker of local_rank; start a new spare in the slot
 MSG_PROMOTE: Final = "promote"
 
 # ------------------------------------------------- in-process socket (JSON lines)

@@ -153,16 +153,17 @@ class Respawn:
 
 @dataclass(frozen=True)
 class Promote:
-    """``{"type": "promote", "attempt", "spare_slot", "local_rank"}``: the spare worker
-    waiting in ``spare_slot`` of ``attempt`` was told to take the place of the dead
-    worker of ``local_rank`` (its peers restart in process): from now on the launcher
-    reports that process as ``local_rank`` (``started`` with its pid, then its exit), and
-    starts a new spare in the slot."""
+    """``{"type": "promote", "attempt", "spare_slot", "local_rank", "pid"}``: the spare
+    worker ``pid`` waiting in ``spare_slot`` of ``attempt`` was told to take the place of
+    the dead worker of ``local_rank`` (its peers restart in process): from now on the
+    launcher reports that process as ``local_rank`` (``started`` with its pid, then its
+    exit; its exit at once when it died meanwhile), and starts a new spare in the slot."""
 
     type: ClassVar[str] = contract.MSG_PROMOTE
     attempt: int
     spare_slot: int
     local_rank: int
+    pid: int
 
     def as_dict(self) -> dict[str, Any]:
         """The wire form."""
@@ -171,6 +172,7 @@ class Promote:
             "attempt": self.attempt,
             "spare_slot": self.spare_slot,
             "local_rank": self.local_rank,
+            "pid": self.pid,
         }
 
 
@@ -283,9 +285,13 @@ def _parse_promote(obj: dict[str, Any], line: bytes) -> Promote:
     local_rank = _local_rank_field(obj, "local_rank", line)
     if slot == local_rank:
         raise ProtocolError(f"promote spare_slot equals local_rank {slot}: " + excerpt(line))
+    pid = _int_field(obj, "pid", line, minimum=1)
+    if pid > MAX_PID:
+        raise ProtocolError(f"promote pid {pid} is above {MAX_PID}: " + excerpt(line))
     return Promote(
-        attempt=_int_field(obj, "attempt", line, minimum=0), spare_slot=slot, local_rank=local_rank
-    )
+        attempt=_int_field(obj, "attempt", line, minimum=0), spare_slot=slot,
+        local_rank=local_rank, pid=pid,
+    )  # fmt: skip
 
 
 def parse_message(line: bytes) -> Message:

@@ -431,6 +431,7 @@ class Launcher:
             self._reap()
             self._report_exits()  # the dead worker's exit goes out first
             self._spares.promote(self._group, msg, self._send, self._starter.spawner())
+            self._report_exits()  # a spare that died since its go: the rank's exit
         elif isinstance(msg, Shutdown):
             summary = msg.summary or self._summary(
                 f"kelastic launcher: shutdown by the sidecar with exit code {msg.exitcode}"
