@@ -4,6 +4,7 @@ processes, cold and warm (forked from the zygote)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import tempfile
@@ -122,6 +123,9 @@ def test_a_spare_waits_is_promoted_to_a_dead_rank_and_is_replaced(world: Env) ->
     assert sup.expect("stopped") == {"type": "stopped", "attempt": 2}  # nothing before it
     assert _gone(pids["0"]) and _gone(waiting)  # the spares stop with the attempt's workers
     err = launcher.stderr()
+    starts = re.findall(r"spare 0 \(spare5\) started, pid (\d+)( \(warm\))?", err)
+    assert len(starts) == 4, err  # the first, the refill, two replacements
+    assert all(bool(warm) == world.warm for _, warm in starts), err  # forked by the zygote
     assert "killed by signal 9 while waiting (no failure of the attempt)" in err
     assert "promote of spare slot 2 for attempt 9 ignored" in err
     assert f"slot 3 to local_rank 1 ignored: pid {third} is no spare of slot 3" in err
