@@ -116,6 +116,7 @@ class HybridMachine(RestartMachine):
         self.on_respawn = on_respawn
         self.on_promote = on_promote
         self._spares = SparePool()
+        self._promoted: set[int] = set()  # ids of the sessions of promoted spares
         #: Dead local ranks replaced by a waiting spare, for ``/status``.
         self.promotions = 0
         self._pending: dict[int, int | None] = {}  # dead local rank -> its pid, until the go
@@ -253,6 +254,7 @@ class HybridMachine(RestartMachine):
         session.hello = Hello(pid=pid, local_rank=local_rank, rank=number, iteration=iteration)
         self._sessions[local_rank] = session
         self._offset[session.id] = 0
+        self._promoted.add(session.id)
         self.promotions += 1
         self._metrics.inprocess_spares_promoted.inc()
         self._metrics.inprocess_spares_waiting.set(len(self._spares))
@@ -316,6 +318,7 @@ class HybridMachine(RestartMachine):
         waiting spares (they exit 0)."""
         super().end(reason)
         self._spares.give_up_all(f"round ended: {reason}")
+        self._promoted.clear()
         self._metrics.inprocess_spares_waiting.set(0)
         self._pending.clear()
         self._starting.clear()
@@ -340,11 +343,15 @@ class HybridMachine(RestartMachine):
     def status_doc(self) -> dict[str, Any]:
         """The base's document plus ``respawns`` and ``spares`` (``configured``: spare
         ranks per node, ``waiting``: their slots waiting now, ``promoted``: dead ranks
-        they replaced); ``last``'s ``died`` and ``promoted`` copied too."""
+        they replaced, ``pids``: global rank -> pid of each promoted spare serving now,
+        whose process env still says its spare identity: ``kelastic run``'s faults find
+        it by this); ``last``'s ``died`` and ``promoted`` copied too."""
         doc = super().status_doc()
         for name in ("died", "promoted"):
             if doc["last"] and name in doc["last"]:
                 doc["last"][name] = list(doc["last"][name])
+        pids = {str(s.hello.rank): s.hello.pid for s in self._sessions.values()
+                if s.id in self._promoted and s.hello is not None}  # fmt: skip
         spares = {"configured": self.settings.spare_ranks, "waiting": list(self._spares),
-                  "promoted": self.promotions}  # fmt: skip
+                  "promoted": self.promotions, "pids": pids}  # fmt: skip
         return {**doc, "respawns": self.respawns, "spares": spares}

@@ -113,6 +113,31 @@ def test_a_killed_worker_is_replaced_by_the_waiting_spare_without_a_process_star
     assert run.strays() == []
 
 
+def test_the_same_rank_killed_twice_is_replaced_by_a_spare_twice(tmp_path: Path) -> None:
+    """The second fault finds rank 1's process, the first spare, by its sidecar's
+    ``inprocess.spares.pids`` (its process env still says it is a spare); the spare
+    started in the freed slot meanwhile takes the place again."""
+    job, stop = _job(tmp_path)
+    runs = tmp_path / "runs"
+    run = KelasticRun(job, "--in-process", "--spares", "1", "--fault", "kill:rank=1,after=1",
+                      "--fault", "kill:rank=1,after=1", workdir=runs)  # fmt: skip
+    try:
+        _wait(run, runs, lambda: len(_spares(run.output).get(4, [])) >= 2, "a second spare")
+        first, second = _spares(run.output)[4][:2]
+        _wait(run, runs, lambda: 2 in _entered(run.output, second), "the second spare in 2")
+        _wait(run, runs, lambda: len(_spares(run.output)[4]) >= 3, "a third spare started")
+        run.finish(stop, rank=0, more=10)
+    finally:
+        run.interrupt()
+    out = run.output
+    assert f"fault: SIGKILL rank 1 after 1s (pid {first})" in out, out
+    assert _entered(out, first) == [1] and _entered(out, second) == [2], out
+    assert len(re.findall(r"local rank 1 replaced by the spare of slot 2", out)) == 2, out
+    assert len([p for r, p, _ in START.findall(out) if r == "1"]) == 1, out  # no new process
+    assert run.restarts_charged() == 0 and "job succeeded" in out, out
+    assert run.strays() == []
+
+
 def test_spares_used_up_fall_back_to_the_respawn(tmp_path: Path) -> None:
     """The node's first spare replaces rank 1; its replacements die before their hello
     (``STEPS_SPARE_ONCE``) until the slot is left empty; rank 0 killed then starts again

@@ -172,7 +172,8 @@ def test_a_waiting_spare_takes_the_dead_ranks_place_then_the_respawn(
         b.flush()
         status = b.coordinator.status()
         assert status is not None
-        assert status["spares"] == {"configured": 1, "waiting": [], "promoted": 1}
+        assert status["spares"] == {"configured": 1, "waiting": [], "promoted": 1,
+                                    "pids": {"3": 123456}}  # fmt: skip
         assert status["respawns"] == 0
         assert status["last"]["promoted"] == [
             "local rank 1 replaced by the spare of slot 2 (pid 123456, no process start)"

@@ -112,9 +112,12 @@ def arm_raise(job: ElasticJob, faults: Iterable[Fault]) -> ElasticJob:
     return job.model_copy(update={"spec": spec})
 
 
-def find_worker(roots: Iterable[int], rank: int) -> psutil.Process | None:
+def find_worker(roots: Iterable[int], rank: int, hint: int | None = None) -> psutil.Process | None:
     """Return the running worker process with env ``RANK=rank`` among the children of
-    ``roots`` (launcher pids), or None."""
+    ``roots`` (launcher pids), or None. A spare worker (``KELASTIC_INPROCESS_SPARE=1`` in
+    its env) is never taken by its env: a waiting one is no rank, and a promoted one's
+    process env still says its spare identity; it is taken when it is ``hint``, the pid
+    its sidecar names for ``rank`` (``/status`` ``inprocess.spares.pids``)."""
     for root in roots:
         try:
             children = psutil.Process(root).children()
@@ -122,9 +125,10 @@ def find_worker(roots: Iterable[int], rank: int) -> psutil.Process | None:
             continue
         for child in children:
             try:
-                if child.environ().get("RANK") == str(rank) and child.status() not in (
-                    psutil.STATUS_ZOMBIE,
-                    psutil.STATUS_STOPPED,
+                env = child.environ()
+                spare = env.get(contract.ENV_INPROCESS_SPARE) == "1"
+                if (child.pid == hint if spare else env.get("RANK") == str(rank)) and (
+                    child.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED)
                 ):
                     return child
             except psutil.Error:
@@ -153,6 +157,8 @@ class FaultInjector:
         training: see :data:`TrainingProbe`.
         attempts: callable returning each node's current :data:`Progress`.
         announce: called with a one-line description when a fault fires.
+        spare_pids: callable returning global rank -> pid of the spare workers promoted
+            to a rank (see :func:`find_worker`).
     """
 
     def __init__(
@@ -162,8 +168,10 @@ class FaultInjector:
         training: TrainingProbe,
         attempts: Callable[[], Mapping[str, Progress]],
         announce: Callable[[str], None],
+        spare_pids: Callable[[], Mapping[int, int]] = dict,
     ) -> None:
         self._faults = list(faults)
+        self._spare_pids = spare_pids
         self._pids = launcher_pids
         self._training = training
         self._attempts = attempts
@@ -198,7 +206,7 @@ class FaultInjector:
     def _fire(self, fault: Fault) -> bool:
         deadline = time.monotonic() + 60.0
         while not self._stop.is_set() and time.monotonic() < deadline:
-            proc = find_worker(self._pids(), fault.rank)
+            proc = find_worker(self._pids(), fault.rank, self._spare_pids().get(fault.rank))
             if proc is not None:
                 try:
                     os.kill(proc.pid, FAULT_KINDS[fault.kind])

@@ -199,6 +199,18 @@ class Replicas:
         """Each pod's ``(attempt, in-process iteration)``."""
         return {pod.name: node_progress(pod.status) for pod in list(self.pods)}
 
+    def spare_pids(self) -> dict[int, int]:
+        """Global rank -> pid of each spare worker promoted to it, as the sidecars say."""
+        found: dict[int, int] = {}
+        for pod in list(self.pods):
+            inproc = pod.status.get("inprocess")
+            spares = inproc.get("spares") if isinstance(inproc, dict) else None
+            pids = spares.get("pids") if isinstance(spares, dict) else None
+            for rank, pid in (pids or {}).items() if isinstance(pids, dict) else ():
+                if str(rank).isdigit() and isinstance(pid, int) and not isinstance(pid, bool):
+                    found[int(rank)] = pid
+        return found
+
     def launcher_pids(self) -> list[int]:
         return [p.launcher.pid for p in self.pods if p.launcher and p.launcher.poll() is None]
 

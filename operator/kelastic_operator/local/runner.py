@@ -182,6 +182,7 @@ class LocalRunner:
                 self._pods.training,
                 self._pods.attempts,
                 self.say,
+                self._pods.spare_pids,
             )
             injector.start()
             try:
