@@ -146,6 +146,15 @@ class Wrapper:
     set up its process group itself, inside, each time. The call returns the function's
     value once it returned on this rank.
 
+    NVIDIA's ``rank_assignment`` and ``rank_filter`` are not parameters here: the ranks
+    and world size of each iteration are the sidecars' (the ``go``'s env), so that every
+    rank of the job gets them from one place. What those hooks do there is done by the
+    restart ladder: after a lost node the survivors are re-ranked by the next rendezvous
+    round, compactly, in group-rank order (``ShiftRanks``); a dead local rank is replaced
+    in place by its respawn, or by a spare worker that waited warm in this Wrapper
+    (``spec.inProcess.spareRanks``: ``FillGaps`` with inactive ranks); the world size
+    follows the nodes in the round (``minReplicas``..``maxReplicas``).
+
     Args:
         initialize: called at the start of each iteration, before the function; an
             exception there is the iteration's fault.
