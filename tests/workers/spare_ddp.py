@@ -63,8 +63,9 @@ def train(call_wrapper: Any = None) -> None:
         print(f"step {step}", flush=True)
         time.sleep(0.05)
     print(f"rank {dist.get_rank()} params {_digest()}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    # No destroy_process_group(): it talks to the iteration's store, which rank 0 serves,
+    # and rank 0 may be gone already (a rank slower to get here then blocked in it). The
+    # process group goes with the process.
 
 
 if __name__ == "__main__":
