@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,12 @@ def test_a_peer_waits_until_the_next_iterations_store_listens(
     monkeypatch.setenv(contract.RANK, "1")
     monkeypatch.setenv(contract.MASTER_ADDR, "127.0.0.1")
     monkeypatch.setenv(contract.MASTER_PORT, str(port))
+    # a function that never imported torch.distributed has no store to wait for
+    monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
+    started = time.monotonic()
+    _wait_for_store(timeout=10.0)
+    assert time.monotonic() - started < 0.5
+    monkeypatch.setitem(sys.modules, "torch.distributed", types.ModuleType("torch.distributed"))
     listening = threading.Event()
 
     def serve() -> None:
