@@ -150,6 +150,11 @@ def fetch_status(pod: Replica) -> dict[str, Any]:
         return {}
 
 
+def _dead(pod: Replica) -> bool:
+    """Whether the replica's sidecar process is known to have exited."""
+    return pod.sidecar is not None and pod.sidecar.proc.poll() is not None
+
+
 class ProgressReporter:
     """Polls the replicas' sidecars and says what changed (round, restarts, etcd).
 
@@ -181,7 +186,8 @@ class ProgressReporter:
         elif not outage and self._seen.get("etcd"):
             self.say("etcd reachable again")
         self._seen["etcd"] = outage
-        self._poll_inprocess(statuses)
+        # a dead sidecar's last status stays behind the restart its node will never join
+        self._poll_inprocess([p.status for p in pods if p.status and not _dead(p)])
         spent = max(int(s.get("restarts_spent") or 0) for s in statuses)
         running = [
             s for s in statuses if s.get("phase") == "running" and s.get("round") is not None

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -241,3 +242,22 @@ def test_a_restart_said_before_its_ranks_stepped_again_is_ended_when_they_do(
             _Pod(1, _status(inprocess=_inproc(3, 3, 0.1)))]  # fmt: skip
     reporter.poll(pods)  # type: ignore[arg-type]
     assert not [x for x in said if x.startswith("in-process restart (iteration 2)")], said
+
+
+def test_a_dead_sidecars_last_status_does_not_hold_a_restart_back() -> None:
+    """A lost node's sidecar is gone; its last status (iteration 0) must not keep the
+    survivors' restart from being said until a later one overwrites it."""
+
+    class _Exited:
+        proc = SimpleNamespace(poll=lambda: -9)
+
+    reporter, said = _reporter(enabled=True)
+    lost = _Pod(1, _status(inprocess=_inproc(0, 0, None)))
+    lost.sidecar = _Exited()
+    doc = _inproc(1, 1, 1.03)
+    doc["last"].update(cause="node_lost", rank=-1, message="node digits-1 lost: gone")
+    reporter.poll([_Pod(0, _status(inprocess=doc)), lost])  # type: ignore[list-item]
+    assert [x for x in said if "in-process" in x] == [
+        "in-process restart 1/10 (iteration 1): node_lost: node digits-1 lost: gone; "
+        "stepping again after 1.03s"
+    ]
