@@ -38,7 +38,10 @@ def test_a_killed_sidecar_is_a_lost_pod_replaced_and_the_job_succeeds(tmp_path: 
         pod_replacement={"maxReplacements": 2, "backoffSeconds": 0},
     )  # fmt: skip
     run = KelasticRun(job, workdir=tmp_path / "runs")
-    wait_for(lambda: run.has("[1]: step 20"), 60, what="both nodes training")
+    # both nodes past step 20 (rank 0 checkpoints a step before it prints it; the ranks
+    # step on their own, so rank 1's step 20 said nothing of rank 0's checkpoint)
+    wait_for(lambda: run.has("[0]: step 20") and run.has("[1]: step 20"), 60,
+             what="both nodes training")  # fmt: skip
     sidecar = _sidecar_of(run, "steps-1")
     sidecar.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
     killed = time.monotonic()
