@@ -196,6 +196,9 @@ class _StartUpSigint:
 
     def __call__(self, signum: int, frame: object) -> None:
         self.fired = True
+        code = getattr(frame, "f_code", None)
+        if code is not None and code.co_filename.startswith("<frozen importlib"):
+            return  # raised there (a module lock's callback) it is printed and lost; main re-raises
         raise StartUpInterrupted()
 
 
