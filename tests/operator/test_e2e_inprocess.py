@@ -66,14 +66,12 @@ def _logs(kubelet: LocalKubelet, namespace: str) -> str:
     )
 
 
-def _workers(kubelet: LocalKubelet, namespace: str) -> dict[int, int]:
-    """Global rank -> pid of every worker process of the namespace's Pods (the trainer
-    container's descendants whose environment has ``RANK``)."""
-    out: dict[int, int] = {}
-    for (ns, _), local in list(kubelet.pods.items()):
-        if ns != namespace:
-            continue
-        for c in local.pod.containers:
+def _worker_procs(kubelet: LocalKubelet, namespace: str) -> list[tuple[str, int, int]]:
+    """``(pod, global rank, pid)`` of every worker process of the namespace's Pods (the
+    trainer container's descendants whose environment has ``RANK``)."""
+    out: list[tuple[str, int, int]] = []
+    for (ns, name), local in list(kubelet.pods.items()):
+        for c in local.pod.containers if ns == namespace else []:
             if c.name != "trainer" or c.proc.poll() is not None:
                 continue
             for child in psutil.Process(c.proc.pid).children(recursive=True):
@@ -82,8 +80,13 @@ def _workers(kubelet: LocalKubelet, namespace: str) -> dict[int, int]:
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
                 if rank is not None and rank.isdigit():
-                    out[int(rank)] = child.pid
+                    out.append((name, int(rank), child.pid))
     return out
+
+
+def _workers(kubelet: LocalKubelet, namespace: str) -> dict[int, int]:
+    """Global rank -> pid of every worker process of the namespace's Pods."""
+    return {rank: pid for _, rank, pid in _worker_procs(kubelet, namespace)}
 
 
 def _sidecar_metrics(kubelet: LocalKubelet, namespace: str) -> dict[str, str]:
@@ -173,17 +176,8 @@ def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
 def _pod_ranks(kubelet: LocalKubelet, namespace: str) -> dict[str, set[int]]:
     """Pod name -> the global ranks of its live worker processes."""
     out: dict[str, set[int]] = {}
-    for (ns, name), local in list(kubelet.pods.items()):
-        for c in local.pod.containers if ns == namespace else []:
-            if c.name != "trainer" or c.proc.poll() is not None:
-                continue
-            for child in psutil.Process(c.proc.pid).children(recursive=True):
-                try:
-                    rank = child.environ().get(contract.RANK)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                if rank is not None and rank.isdigit():
-                    out.setdefault(name, set()).add(int(rank))
+    for name, rank, _ in _worker_procs(kubelet, namespace):
+        out.setdefault(name, set()).add(rank)
     return out
 
 
