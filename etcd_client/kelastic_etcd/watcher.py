@@ -122,6 +122,14 @@ class Watcher:
         with self._cond:
             return self._covered_from
 
+    @property
+    def latest_revision(self) -> int:
+        """The newest revision known to be covered: the highest ``mod_revision`` of an
+        event seen, or :attr:`covered_from` when that is newer (0 while re-creating). A
+        caller that acted on a change waits next from here."""
+        with self._cond:
+            return max(self._latest, self._covered_from or 0)
+
     def wait(self, since_revision: int, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until a change after ``since_revision``.
 

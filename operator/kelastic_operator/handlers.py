@@ -4,7 +4,9 @@
 
 - a **daemon** per ElasticJob that reconciles it: once at start, again whenever the job or
   one of its Pods changes (a wake-up from the event handlers below), and when the plan
-  asks (``requeue_after``: backoff, pending timeouts) or every ``resync_seconds``;
+  asks (``requeue_after``: backoff, pending timeouts), when the keys in etcd that its
+  status is read from change (:class:`~kelastic_operator.rendezvous_watch.StatusFollower`:
+  a round completing, a restart, a node's report), or every ``resync_seconds``;
 - **event handlers** on ElasticJobs and on Pods labelled with a job name that feed the
   watch cache and wake that job's daemon;
 - a **delete handler** (kopf's finalizer) that deletes the job's Pods, waits until they
@@ -37,6 +39,7 @@ from .job_reconciler import (
 from .labels import LABEL_JOB
 from .model import API_GROUP, API_VERSION, PHASES
 from .rendezvous_store import RendezvousStoreError
+from .rendezvous_watch import StatusFollower
 from .watch_cache import slim_pod
 
 __all__ = [
@@ -60,6 +63,22 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
         namespace = namespace or "default"
         wake = ctx.wakeup(namespace, name)
         reconciler = JobReconciler(ctx, namespace, name)
+        loop = asyncio.get_running_loop()
+        follower = StatusFollower(
+            lambda: loop.call_soon_threadsafe(wake.set), name=f"{namespace}/{name}"
+        )
+        try:
+            await _reconcile_until_stopped(reconciler, wake, follower, stopped)
+        finally:
+            follower.close()
+
+    async def _reconcile_until_stopped(
+        reconciler: JobReconciler,
+        wake: asyncio.Event,
+        follower: StatusFollower,
+        stopped: kopf.DaemonStopped,
+    ) -> None:
+        namespace, name = reconciler.namespace, reconciler.name
         while not stopped:
             wake.clear()
             try:
@@ -80,6 +99,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
             except Exception:  # a bug must not stop the job's reconciling for good
                 log.exception("%s/%s: reconcile crashed", namespace, name)
                 due = 5.0
+            follower.follow(*reconciler.status_source)  # a round completing wakes us too
             timeout = ctx.resync_seconds if due is None else min(due, ctx.resync_seconds)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=max(timeout, 0.05))

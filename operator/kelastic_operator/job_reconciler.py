@@ -38,7 +38,14 @@ from kelastic import contract
 from .inprocess_status import restart_increases
 from .labels import LABEL_UID, selector
 from .metrics import OperatorMetrics
-from .model import API_GROUP, API_VERSION, PHASES, ElasticJobSpec, ElasticJobStatus
+from .model import (
+    API_GROUP,
+    API_VERSION,
+    PHASES,
+    TERMINAL_PHASES,
+    ElasticJobSpec,
+    ElasticJobStatus,
+)
 from .pods import PodBuildError, PodSettings, build_pod, etcd_endpoints, trainer_name
 from .reconcile import (
     REPLACE_REASON,
@@ -125,6 +132,10 @@ class JobReconciler:
         self.name = name
         self.core = client.CoreV1Api(ctx.api)
         self.custom = client.CustomObjectsApi(ctx.api)
+        #: where the job's status is read from in etcd, (store, job prefix), as the last
+        #: pass found it; (None, None) when there is none or the job has finished (no
+        #: watch is kept for a finished job)
+        self.status_source: tuple[RendezvousStore | None, str | None] = (None, None)
 
     def _get_job(self) -> dict[str, Any] | None:
         """The job as the watch last told it; read from the API when not known yet."""
@@ -195,6 +206,7 @@ class JobReconciler:
                 the daemon retries).
         """
         obj = self._get_job()
+        self.status_source = (None, None)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             return None
         meta = obj["metadata"]
@@ -225,6 +237,8 @@ class JobReconciler:
             return None
         self._apply(obj, spec, old, plan, store, prefix, now)
         self.ctx.metrics.set_phase(self.namespace, self.name, plan.status.phase, PHASES)
+        if plan.status.phase not in TERMINAL_PHASES:
+            self.status_source = (store, prefix)
         return plan.requeue_after
 
     def _apply(

@@ -74,6 +74,41 @@ class RendezvousStore(Protocol):
         """
         ...
 
+    def watch(self, prefix: str) -> StatusWatch:
+        """A watch on the keys of ``prefix`` that the job's status is read from
+        (:func:`status_keys`).
+
+        Raises:
+            RendezvousStoreError: etcd did not create the watch in time.
+        """
+        ...
+
+
+class StatusWatch(Protocol):
+    """Changes of a job's status keys, as :class:`kelastic_etcd.watcher.Watcher` reports
+    them (revisions are etcd store revisions)."""
+
+    @property
+    def latest_revision(self) -> int:
+        """The newest revision covered so far."""
+        ...
+
+    def wait(self, since_revision: int, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for a change after ``since_revision``; True on
+        one. Raises an ``EtcdError`` once the stream is broken for good or closed."""
+        ...
+
+    def close(self) -> None:
+        """Stop watching. Idempotent."""
+        ...
+
+
+def status_keys(prefix: str) -> list[str]:
+    """The keys (or prefixes ending in ``/``) under ``prefix`` that
+    :func:`view_from_keys` reads: a change of any of them may change the job's status."""
+    keys = contract.Keys(prefix)
+    return [keys.rdzv_state, keys.restarts, keys.reports_prefix, keys.inprocess_iteration]
+
 
 def _json(raw: bytes | None) -> Any:
     # Bounded: a crafted value (deep nesting, a huge integer, NaN) reads as corrupt.
@@ -228,6 +263,18 @@ class EtcdRendezvousStore:
         if not prefix.startswith(contract.ETCD_ROOT + "/") or not prefix.endswith("/"):
             raise ValueError(f"refusing to delete a prefix outside a job's keys: {prefix!r}")
         self._call(f"delete prefix {prefix}", lambda: self._client.delete_prefix(prefix))
+
+    def watch(self, prefix: str) -> StatusWatch:
+        """See :meth:`RendezvousStore.watch`: one watch stream on :func:`status_keys`."""
+        from kelastic_etcd import EtcdError
+        from kelastic_etcd.watcher import Watcher
+
+        try:
+            return Watcher(self._client, status_keys(prefix))
+        except EtcdError as exc:
+            raise RendezvousStoreError(
+                f"etcd {','.join(self.endpoints)}: watch {prefix} failed: {exc}"
+            ) from exc
 
     def close(self) -> None:
         """Close the client's channels."""

@@ -57,7 +57,9 @@ def running_operator(
             sidecar_image="kelastic:test", etcd_endpoints=(etcd_endpoint,), **pod_settings
         ),
         stores=StoreCache(lambda eps: EtcdRendezvousStore(eps, timeout=3, time_retry=0.5)),
-        resync_seconds=0.5,
+        # the operator's default, as the chart deploys it: a change in etcd reaches the
+        # status by the status watch, never by a fast resync that a cluster would not have
+        resync_seconds=30.0,
     )
     registry = kopf.OperatorRegistry()
     register(registry, ctx)

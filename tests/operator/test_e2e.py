@@ -170,6 +170,34 @@ def test_digits_lifecycle(
     assert (sample("kelastic_operator_rendezvous_nodes_removed_total") or 0) >= 2
 
 
+def test_what_the_sidecars_write_to_etcd_reaches_the_status_without_a_resync(
+    k8s: Client, operator: OperatorContext, etcd_server: EmbeddedEtcd, manual_node: ManualNode
+) -> None:
+    """Nothing in Kubernetes changes when a round completes or a restart is spent: only
+    etcd does. With the operator's 30 s resync (the chart's default) the status showed it
+    up to 30 s late, or never for a short job (the chart e2e test timed out on world size
+    4 while the job succeeded); the status watch shows it within seconds."""
+    assert operator.resync_seconds >= 30
+    manifest = job_manifest("quiet", manual_node, replicas=1, minReplicas=1)
+    k8s.claim("digits-checkpoints")
+    k8s.kubectl("apply", "-f", "-", input=manifest)
+    wait_until(lambda: "quiet-0" in pods_by_name(k8s), T, what="quiet-0")
+    manual_node.set_status(k8s.namespace, "quiet-0", "Running", ready=True)
+    wait_until(lambda: status_of(k8s, "quiet").get("phase") == "Running", T, what="Running")
+    keys = contract.Keys(
+        contract.job_prefix(k8s.namespace, "quiet", job(k8s, "quiet")["metadata"]["uid"])
+    )
+    etcd = Etcd(etcd_server.endpoint)
+    soon = 10.0  # well under the resync: only a wake-up by the watch can meet it
+    etcd.put(keys.rdzv_state, {"version": 1, "round": 3, "complete": True,
+                               "participants": {"quiet-0": 0}})  # fmt: skip
+    wait_until(lambda: status_of(k8s, "quiet").get("round") == 3, soon, what="round 3 shown")
+    assert status_of(k8s, "quiet")["worldSize"] == 2
+    etcd.put(keys.restarts, {"version": 1, "count": 2, "last_round": 2, "history": []})
+    wait_until(lambda: status_of(k8s, "quiet").get("restartsSpent") == 2, soon,
+               what="2 restarts shown")  # fmt: skip
+
+
 def test_failed_pods_are_replaced_then_the_job_fails_with_the_root_cause(
     k8s: Client, operator: OperatorContext, manual_node: ManualNode
 ) -> None:
