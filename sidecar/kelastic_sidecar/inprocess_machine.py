@@ -56,7 +56,13 @@ from .inprocess_record import (
     encode_iteration_record,
     encode_ready,
 )
-from .inprocess_round import RoundContext, barrier_verdict, cause_label, go_env
+from .inprocess_round import (
+    RoundContext,
+    barrier_verdict,
+    cause_label,
+    go_env,
+    restart_log_line,
+)
 from .inprocess_server import Session
 from .metrics import SidecarMetrics
 
@@ -389,11 +395,8 @@ class RestartMachine:
             self._metrics.goodput.set_running(False)  # productive again at the go
         if self._barrier_until is None:
             self._barrier_until = now + self.settings.barrier_timeout
-        log.warning(
-            "in-process restart %d/%d (iteration %d): rank %d %s: %s (node %s); aborting "
-            "every local rank", record.restarts, self.settings.max_restarts,
-            record.iteration, record.rank, record.cause, record.message, record.node,
-        )  # fmt: skip
+        log.warning("%s; aborting every local rank",
+                    restart_log_line(record, self.settings.max_restarts))  # fmt: skip
         for local_rank, session in list(self._sessions.items()):
             self._abort_one(session, local_rank)
 

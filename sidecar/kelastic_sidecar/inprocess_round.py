@@ -17,9 +17,21 @@ from kelastic import contract
 from kelastic.inprocess_messages import CAUSE_SOFT_TIMEOUT
 
 from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_WORKER_FAILURE
-from .inprocess_record import IterationRecordError, ReadyRecord, decode_ready
+from .inprocess_record import (
+    IterationRecord,
+    IterationRecordError,
+    ReadyRecord,
+    decode_ready,
+)
 
-__all__ = ["BarrierVerdict", "RoundContext", "barrier_verdict", "cause_label", "go_env"]
+__all__ = [
+    "BarrierVerdict",
+    "RoundContext",
+    "barrier_verdict",
+    "cause_label",
+    "go_env",
+    "restart_log_line",
+]
 
 #: Most corrupt ready keys described in a :class:`BarrierVerdict`.
 _MAX_ERRORS: Final = 16
@@ -120,6 +132,19 @@ def go_env(
     env[contract.MASTER_PORT] = str(master.port)
     env[contract.ENV_INPROCESS_ITERATION] = str(iteration)
     return env
+
+
+def restart_log_line(record: IterationRecord, max_restarts: int) -> str:
+    """The sidecar's log line for an abort into ``record.iteration``: a fault says the
+    restart it spends (``in-process restart 2/10 (iteration 3): rank 1 exception: ...
+    (node n-0)``); a round change that is no fault (``membership``) spends none and says
+    so (``in-process round change (iteration 4): ...``), as ``kelastic run`` does."""
+    if record.cause == contract.INPROCESS_CAUSE_MEMBERSHIP:
+        return f"in-process round change (iteration {record.iteration}): {record.message}"
+    return (
+        f"in-process restart {record.restarts}/{max_restarts} (iteration {record.iteration}):"
+        f" rank {record.rank} {record.cause}: {record.message} (node {record.node})"
+    )
 
 
 def cause_label(cause: str) -> str:

@@ -25,7 +25,7 @@ from kelastic_sidecar.inprocess_record import (
     IterationRecord,
     decode_iteration_record,
 )
-from kelastic_sidecar.inprocess_round import RoundContext
+from kelastic_sidecar.inprocess_round import RoundContext, restart_log_line
 from kelastic_sidecar.round_end import RoundEnd, RoundEndKind
 from tests.conftest import wait_for
 from tests.sidecar.inprocess_harness import Node, make_node, sample, settings
@@ -56,6 +56,20 @@ SCALE = RoundEnd(RoundEndKind.RESTART, reason=CAUSE_SCALE)
 def test_carry_request(end: RoundEnd, want: tuple[str, str, bool] | None) -> None:
     got = carry_request(end)
     assert (None if got is None else (got.cause, got.message, got.charge)) == want
+
+
+def test_the_sidecar_log_says_a_round_change_spends_no_restart() -> None:
+    """A membership carry spends no restart: its log line said ``in-process restart
+    0/10`` (as if one were spent) until it used ``kelastic run``'s wording."""
+    scale = IterationRecord(iteration=4, round=3, restarts=2, cause=CAUSE_MEMBERSHIP,
+                            node="node-a", message="the round ended (scale)")  # fmt: skip
+    assert restart_log_line(scale, 10) == (
+        "in-process round change (iteration 4): the round ended (scale)")  # fmt: skip
+    lost = IterationRecord(iteration=5, round=4, restarts=3, cause=CAUSE_NODE_LOST,
+                           node="node-a", rank=2, message="node node-b lost: gone")  # fmt: skip
+    assert restart_log_line(lost, 10) == (
+        "in-process restart 3/10 (iteration 5): rank 2 node_lost: node node-b lost: gone "
+        "(node node-a)")  # fmt: skip
 
 
 @pytest.fixture
