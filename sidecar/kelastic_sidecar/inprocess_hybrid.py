@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Final
 
 from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
+from .verdict import Verdict
 
 __all__ = [
     "CAUSE_WORKER_DIED",
@@ -61,17 +62,8 @@ class Absorb(enum.Enum):
     REFUSE = "refuse"
 
 
-@dataclass(frozen=True)
-class AbsorbVerdict:
-    """The outcome of :func:`absorb_verdict`.
-
-    Attributes:
-        kind: what to do.
-        reason: why it is refused (empty otherwise); logged.
-    """
-
-    kind: Absorb
-    reason: str = ""
+#: The outcome of :func:`absorb_verdict`.
+AbsorbVerdict = Verdict[Absorb]
 
 
 def absorb_verdict(

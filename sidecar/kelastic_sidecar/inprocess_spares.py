@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
 from typing import Final
 
 from kelastic.control_messages import MAX_PID
 from kelastic.inprocess_messages import GiveUp
 
 from .inprocess_server import Session
+from .verdict import Verdict
 
 __all__ = [
     "SPARE_NOTE",
@@ -62,17 +62,8 @@ class SpareHello(enum.Enum):
     DROP = "drop"
 
 
-@dataclass(frozen=True)
-class SpareVerdict:
-    """The outcome of :func:`spare_hello_verdict`.
-
-    Attributes:
-        kind: what to do.
-        reason: why it is not kept (empty otherwise); logged, and sent with a ``give_up``.
-    """
-
-    kind: SpareHello
-    reason: str = ""
+#: The outcome of :func:`spare_hello_verdict`.
+SpareVerdict = Verdict[SpareHello]
 
 
 def spare_hello_verdict(
