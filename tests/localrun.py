@@ -22,6 +22,16 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 STEP_LINE = re.compile(r"^\[(\d+)\]: step (\d+)$")
 
 
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``kelastic run ARGS`` to the end (for ``--help`` and refused options: nothing is
+    started), with a wide terminal so that argparse does not wrap its help."""
+    return subprocess.run(
+        [sys.executable, "-m", "kelastic_operator.cli", "run", *args],
+        capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        timeout=timeout,
+    )  # fmt: skip
+
+
 def write_job(
     path: Path,
     *,

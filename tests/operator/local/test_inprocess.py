@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +18,7 @@ from kelastic_operator.local.faults import Fault
 from kelastic_operator.local.progress import ProgressReporter, inprocess_line
 from kelastic_operator.local.replicas import node_progress, restarting_in_process
 from kelastic_operator.model import load_manifest, trainer_container
-from tests.localrun import KelasticRun, write_job
+from tests.localrun import KelasticRun, run_cli, write_job
 
 ROOT = Path(__file__).resolve().parents[3]
 DIGITS = ROOT / "examples" / "digits" / "elasticjob.yaml"
@@ -48,16 +46,8 @@ def test_in_process_and_raise_change_only_what_they_name() -> None:
     assert _env(off.spec.template)[contract.ENV_INJECT_RAISE] == "1"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kelastic_operator.cli", "run", *args],
-        capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )  # fmt: skip
-
-
 def test_help_explains_in_process_and_the_raise_fault() -> None:
-    out = _cli("--help")
+    out = run_cli("--help")
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "--in-process" in text and "spec.inProcess.enabled" in text
@@ -67,12 +57,12 @@ def test_help_explains_in_process_and_the_raise_fault() -> None:
 
 def test_a_bad_raise_fault_exits_2_listing_every_kind(tmp_path: Path) -> None:
     job = write_job(tmp_path / "job.yaml", replicas=2)
-    out = _cli(str(job), "--in-process", "--fault", "raise:rank=one")
+    out = run_cli(str(job), "--in-process", "--fault", "raise:rank=one")
     assert out.returncode == 2, out
     assert "expected kill:rank=R,after=S, hang:rank=R,after=S or raise:rank=R,after=S" in " ".join(
         out.stderr.split()
     )
-    out = _cli(str(job), "--fault", "raise:rank=7,after=1")
+    out = run_cli(str(job), "--fault", "raise:rank=7,after=1")
     assert out.returncode == 2 and "fault rank 7 >= world size 2" in out.stderr, out
 
 

@@ -4,8 +4,6 @@ says a dead rank replaced by a spare. (The spare rung itself: tests/faults/test_
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from kelastic_operator.cli import with_run_options
 from kelastic_operator.local.progress import inprocess_line
 from kelastic_operator.model import load_manifest
-from tests.localrun import write_job
+from tests.localrun import run_cli, write_job
 
 ROOT = Path(__file__).resolve().parents[3]
 DIGITS = ROOT / "examples" / "digits" / "elasticjob.yaml"
@@ -33,16 +31,8 @@ def test_spares_set_spare_ranks_only_with_in_process_restart() -> None:
         with_run_options(job, _args(spares=1), [])
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kelastic_operator.cli", "run", *args],
-        capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )  # fmt: skip
-
-
 def test_help_names_spares() -> None:
-    out = _cli("--help")
+    out = run_cli("--help")
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "--spares N" in text and "spec.inProcess.spareRanks" in text
@@ -60,7 +50,7 @@ def test_help_names_spares() -> None:
 )
 def test_bad_spares_exit_2(tmp_path: Path, args: tuple[str, ...], error: str) -> None:
     job = write_job(tmp_path / "job.yaml", replicas=2)
-    out = _cli(str(job), *args)
+    out = run_cli(str(job), *args)
     assert out.returncode == 2, out
     assert error in " ".join(out.stderr.split()), out.stderr
 
