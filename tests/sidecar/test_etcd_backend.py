@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +39,6 @@ except ImportError:  # the sidecar image has no torch; the adapter tests need it
     HAVE_TORCH = False
 
 needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
-
-
-@pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ the barrier at once. The pure :func:`carry_request` is table-tested."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kelastic import contract
@@ -70,13 +68,6 @@ def test_the_sidecar_log_says_a_round_change_spends_no_restart() -> None:
     assert restart_log_line(lost, 10) == (
         "in-process restart 3/10 (iteration 5): rank 2 node_lost: node node-b lost: gone "
         "(node node-a)")  # fmt: skip
-
-
-@pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
 
 
 def _record(store: EtcdStore, prefix: str) -> IterationRecord:

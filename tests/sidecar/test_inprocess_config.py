@@ -3,7 +3,6 @@ round sends, ``/status``, and a disabled coordinator that does nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,6 @@ GOOD = {
     contract.ENV_MIN_NODES: "1",
     contract.ENV_MAX_NODES: "2",
 }
-
-
-@pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
 
 
 def test_config_from_env() -> None:

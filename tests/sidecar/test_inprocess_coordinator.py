@@ -28,13 +28,6 @@ AB = ("node-a", "node-b")
 
 
 @pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def two(store: EtcdStore, job_prefix: str) -> Iterator[tuple[Node, Node]]:
     with (
         make_node("node-a", store, job_prefix, "127.0.0.1") as a,

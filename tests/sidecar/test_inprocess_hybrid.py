@@ -112,13 +112,6 @@ class Respawns:
             raise AssertionError(f"no respawn within {timeout}s") from None
 
 
-@pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
-
-
 def _nodes(store: EtcdStore, prefix: str, max_restarts: int = 10, hard: float = 60.0):  # type: ignore[no-untyped-def]
     cfg = settings(max_restarts=max_restarts, soft=min(30.0, hard / 2), hard=hard)
     return make_node("node-a", store, prefix, "127.0.0.1", cfg), make_node(

@@ -4,7 +4,6 @@ termination barrier's verdict over ready keys."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,13 +22,6 @@ from kelastic_sidecar.inprocess_record import (
     encode_ready,
 )
 from kelastic_sidecar.inprocess_round import RoundContext, barrier_verdict, go_env
-
-
-@pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
 
 
 def _advance(

@@ -10,7 +10,6 @@ import dataclasses
 import queue
 import signal
 import socket
-from collections.abc import Iterator
 
 import pytest
 
@@ -93,13 +92,6 @@ class Calls:
             return self.calls.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"no call within {timeout}s") from None
-
-
-@pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
 
 
 def _nodes(store: EtcdStore, prefix: str, spares: int = 1):  # type: ignore[no-untyped-def]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,13 +19,6 @@ from kelastic_sidecar.restart_budget import (
     decode_record,
     encode_record,
 )
-
-
-@pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint])
-    yield s
-    s.close()
 
 
 @pytest.fixture
