@@ -55,6 +55,9 @@ class Watcher:
             watched keys applies each change instead of reading them all again (one
             read per change of N keys is N^2 key reads for N writers).
         journal_limit: most events kept.
+        journal_values: keep the values of puts in the journal; without them a put's
+            value reads ``b""`` (a caller that needs only which keys changed, watching
+            many large values, keeps ``journal_limit`` keys, not values).
 
     Blocks until etcd created the watches. One background thread reads the stream.
     Thread-safe: any number of threads may :meth:`wait` at once.
@@ -73,6 +76,7 @@ class Watcher:
         *,
         journal: bool = False,
         journal_limit: int = 65536,
+        journal_values: bool = True,
     ) -> None:
         items = [(item, False) for item in items_of(changes)]
         items += [(item, True) for item in items_of(deletions)]
@@ -92,6 +96,7 @@ class Watcher:
             collections.deque(maxlen=journal_limit) if journal else None
         )
         self._journal_floor = 0
+        self._journal_values = journal_values
         self._journal_only = [only for _, only in items]  # per watch: deletions only
         self._covered_from: int | None = None
         self._latest = 0  # the highest mod_revision of an event seen
@@ -308,7 +313,8 @@ class Watcher:
                 for ev in events:
                     if len(journal) == journal.maxlen:
                         self._journal_floor = max(self._journal_floor, journal[0][2])
-                    value = bytes(ev.kv.value) if ev.type == _PUT else None
+                    value = (bytes(ev.kv.value) if self._journal_values else b"") if (
+                        ev.type == _PUT) else None  # fmt: skip
                     journal.append((bytes(ev.kv.key).decode(errors="replace"), value,
                                     int(ev.kv.mod_revision)))  # fmt: skip
             for ev in events:

@@ -159,6 +159,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return _run(args, ctx, registry, health, None if args.standalone else lease_settings)
     finally:
+        ctx.status_hubs.close()
         ctx.stores.close()
 
 

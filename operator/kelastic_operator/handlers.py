@@ -5,8 +5,9 @@
 - a **daemon** per ElasticJob that reconciles it: once at start, again whenever the job or
   one of its Pods changes (a wake-up from the event handlers below), and when the plan
   asks (``requeue_after``: backoff, pending timeouts), when the keys in etcd that its
-  status is read from change (:class:`~kelastic_operator.rendezvous_watch.StatusFollower`:
-  a round completing, a restart, a node's report), or every ``resync_seconds``;
+  status is read from change (:mod:`~kelastic_operator.rendezvous_watch`: a round
+  completing, a restart, a node's report; one etcd watch for all jobs), or every
+  ``resync_seconds``;
 - **event handlers** on ElasticJobs and on Pods labelled with a job name that feed the
   watch cache and wake that job's daemon;
 - a **delete handler** (kopf's finalizer) that deletes the job's Pods, waits until they
@@ -64,9 +65,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
         wake = ctx.wakeup(namespace, name)
         reconciler = JobReconciler(ctx, namespace, name)
         loop = asyncio.get_running_loop()
-        follower = StatusFollower(
-            lambda: loop.call_soon_threadsafe(wake.set), name=f"{namespace}/{name}"
-        )
+        follower = StatusFollower(ctx.status_hubs, lambda: loop.call_soon_threadsafe(wake.set))
         try:
             await _reconcile_until_stopped(reconciler, wake, follower, stopped)
         finally:

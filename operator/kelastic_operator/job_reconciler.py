@@ -59,6 +59,7 @@ from .reconcile import (
     reconcile_invalid,
 )
 from .rendezvous_store import RendezvousStore, RendezvousStoreError, StoreCache
+from .rendezvous_watch import StatusHubs
 from .status import event_body, status_patch
 from .watch_cache import WatchCache
 
@@ -85,6 +86,8 @@ class OperatorContext:
         api: the official client's ApiClient (in-cluster or from a kubeconfig).
         pod_settings: operator-wide Pod settings (sidecar image, default etcd...).
         stores: etcd access per endpoint list.
+        status_hubs: one etcd watch per store that wakes the jobs whose status changed
+            (:mod:`~kelastic_operator.rendezvous_watch`).
         resync_seconds: longest time between two passes of a job.
         finalizer_retries: attempts at deleting a job's etcd prefix before giving up
             (so that an unreachable etcd cannot block the job's deletion forever).
@@ -101,6 +104,7 @@ class OperatorContext:
     api: client.ApiClient
     pod_settings: PodSettings
     stores: StoreCache = field(default_factory=StoreCache)
+    status_hubs: StatusHubs = field(default_factory=StatusHubs)
     resync_seconds: float = 30.0
     finalizer_retries: int = 5
     clock: Callable[[], datetime] = utcnow

@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from kelastic import contract
 from kelastic._safejson import UnsafeJSONError, loads_bounded
@@ -29,6 +29,11 @@ from .inprocess_record import decode_record
 from .reconcile import JOB_FAILED_PREFIX, RendezvousView
 
 log = logging.getLogger("kelastic_operator.etcd")
+
+
+#: Most changed keys a :meth:`EtcdRendezvousStore.watch` keeps between two reads of its
+#: journal (keys only); a reader further behind reads everything again.
+WATCH_JOURNAL_LIMIT: Final = 16384
 
 
 class RendezvousStoreError(RuntimeError):
@@ -75,8 +80,8 @@ class RendezvousStore(Protocol):
         ...
 
     def watch(self, prefix: str) -> StatusWatch:
-        """A watch on the keys of ``prefix`` that the job's status is read from
-        (:func:`status_keys`).
+        """A watch on every key under ``prefix`` that keeps the keys changed (not their
+        values) for :meth:`StatusWatch.events_since`.
 
         Raises:
             RendezvousStoreError: etcd did not create the watch in time.
@@ -96,6 +101,11 @@ class StatusWatch(Protocol):
     def wait(self, since_revision: int, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for a change after ``since_revision``; True on
         one. Raises an ``EtcdError`` once the stream is broken for good or closed."""
+        ...
+
+    def events_since(self, since_revision: int) -> list[tuple[str, bytes | None, int]] | None:
+        """The changes after ``since_revision``, oldest first, as ``(key, value, revision)``;
+        None when they are not all known (read everything again)."""
         ...
 
     def close(self) -> None:
@@ -265,12 +275,14 @@ class EtcdRendezvousStore:
         self._call(f"delete prefix {prefix}", lambda: self._client.delete_prefix(prefix))
 
     def watch(self, prefix: str) -> StatusWatch:
-        """See :meth:`RendezvousStore.watch`: one watch stream on :func:`status_keys`."""
+        """See :meth:`RendezvousStore.watch`: one watch stream, its journal keeping up to
+        :data:`WATCH_JOURNAL_LIMIT` keys."""
         from kelastic_etcd import EtcdError
         from kelastic_etcd.watcher import Watcher
 
         try:
-            return Watcher(self._client, status_keys(prefix))
+            return Watcher(self._client, [prefix], journal=True,
+                           journal_limit=WATCH_JOURNAL_LIMIT, journal_values=False)  # fmt: skip
         except EtcdError as exc:
             raise RendezvousStoreError(
                 f"etcd {','.join(self.endpoints)}: watch {prefix} failed: {exc}"

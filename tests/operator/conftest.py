@@ -68,6 +68,7 @@ def running_operator(
             yield ctx
             k8s.kubectl("delete", "elasticjobs", "--all", "--wait=false", check=False)
     finally:
+        ctx.status_hubs.close()
         ctx.stores.close()
         api.close()
 
