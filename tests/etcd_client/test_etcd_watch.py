@@ -302,6 +302,23 @@ def test_the_journal_replays_every_change_in_order(store: EtcdStore, job_prefix:
         plain.close()
 
 
+def test_a_journal_without_values_keeps_keys_and_deletions(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    notes = job_prefix + "notes/"
+    watcher = Watcher(store, [notes], journal=True, journal_values=False)
+    try:
+        since = store.read([notes]).revision
+        store.put(notes + "big", b"x" * 100_000)
+        store.delete(notes + "big")
+        head = store.read([notes]).revision
+        got = wait_for(lambda: (e := watcher.events_since(since)) and e[-1][2] == head and e, 10,
+                       what="both events")  # fmt: skip
+        assert [(k, v) for k, v, _ in got] == [(notes + "big", b""), (notes + "big", None)]
+    finally:
+        watcher.close()
+
+
 def test_a_full_journal_drops_the_oldest_and_says_read(store: EtcdStore, job_prefix: str) -> None:
     notes = job_prefix + "notes/"
     watcher = Watcher(store, [notes], journal=True, journal_limit=3)
