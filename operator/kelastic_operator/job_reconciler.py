@@ -137,8 +137,8 @@ class JobReconciler:
         self.core = client.CoreV1Api(ctx.api)
         self.custom = client.CustomObjectsApi(ctx.api)
         #: where the job's status is read from in etcd, (store, job prefix), as the last
-        #: pass found it; (None, None) when there is none or the job has finished (no
-        #: watch is kept for a finished job)
+        #: pass that completed found it; (None, None) when there is none, or the job has
+        #: finished or is being deleted (no watch is kept for it)
         self.status_source: tuple[RendezvousStore | None, str | None] = (None, None)
 
     def _get_job(self) -> dict[str, Any] | None:
@@ -210,8 +210,8 @@ class JobReconciler:
                 the daemon retries).
         """
         obj = self._get_job()
-        self.status_source = (None, None)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
+            self.status_source = (None, None)
             return None
         meta = obj["metadata"]
         uid = str(meta["uid"])
@@ -220,6 +220,7 @@ class JobReconciler:
         try:
             spec = ElasticJobSpec.model_validate(obj.get("spec") or {})
         except ValidationError as exc:
+            self.status_source = (None, None)
             self._invalid(obj, old, validation_message(exc), now)
             return None
         prefix = contract.job_prefix(self.namespace, self.name, uid)
@@ -235,14 +236,16 @@ class JobReconciler:
         rdzv, store = self._rendezvous(spec, prefix)
         plan = reconcile(view, pods, now, rdzv)
         if not self.ctx.fence():
+            self.status_source = (None, None)
             log.warning(
                 "%s/%s: not the leader any more: nothing applied", self.namespace, self.name
             )
             return None
         self._apply(obj, spec, old, plan, store, prefix, now)
         self.ctx.metrics.set_phase(self.namespace, self.name, plan.status.phase, PHASES)
-        if plan.status.phase not in TERMINAL_PHASES:
-            self.status_source = (store, prefix)
+        # (a pass that raised keeps the last one: an API error does not drop the watch)
+        finished = plan.status.phase in TERMINAL_PHASES
+        self.status_source = (None, None) if finished else (store, prefix)
         return plan.requeue_after
 
     def _apply(

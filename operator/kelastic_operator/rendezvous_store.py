@@ -90,8 +90,8 @@ class RendezvousStore(Protocol):
 
 
 class StatusWatch(Protocol):
-    """Changes of a job's status keys, as :class:`kelastic_etcd.watcher.Watcher` reports
-    them (revisions are etcd store revisions)."""
+    """Changes of the keys under a prefix, as :class:`kelastic_etcd.watcher.Watcher`
+    reports them (revisions are etcd store revisions)."""
 
     @property
     def latest_revision(self) -> int:
