@@ -6,7 +6,9 @@ the next iteration's ``MASTER_PORT`` and finishes.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,6 +124,51 @@ def test_abort_releases_ranks_waiting_in_init_process_group(run_dir: Path) -> No
             j.log.wait(msg(Done, iteration=1, local_rank=rank), what=f"done from rank {rank}")
         j.expect_exit([0] * world)
         print(f"\nabort -> out of init_process_group: {took}")
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
+def test_a_rank_connecting_after_the_store_host_left_is_released(run_dir: Path) -> None:
+    """The store's host (rank 0) is aborted and leaves the iteration before rank 1 joins
+    its store (a round change right after the go, a slow rank). torch's ``TCPStore``
+    constructor retries a refused connect until the store's timeout, so without a store
+    at that address rank 1 would wait there for minutes, its abort undeliverable (the
+    main thread in C++, no connection to shut down): reaped by the hard timeout in the
+    node-change e2e test. The host keeps a store listening until the next ``go``: rank 1
+    connects, waits for keys on a connection the teardown shuts down, and leaves."""
+    world = 2
+    env = {"KL_GLOO": "1", "KL_STEPS": "3", "KL_JOIN_FLAG_1": "join"}
+    with job(run_dir, world, env=env, auto=False) as j:
+        assert j.coord is not None
+        port = int(j.log.wait(ev("enter", rank=0, iteration=0))["port"])
+        j.log.wait(ev("init", rank=0, iteration=0), what="rank 0 in init")
+        wait_for(lambda: _listening(port), timeout=60, what="rank 0's store listening")
+        j.coord.send(0, Abort(iteration=1, reason="test"))
+        j.log.wait(msg(Ready, iteration=1, local_rank=0), what="rank 0 out of iteration 0")
+        j.flag("join")  # rank 1 joins the store of an iteration its host has left
+        j.log.wait(ev("init", rank=1, iteration=0), what="rank 1 in init")
+        pid = j.workers[1].proc.pid
+        with contextlib.suppress(AssertionError):  # the old code: never connected
+            wait_for(lambda: _store_client(pid, port), timeout=5, what="rank 1 connected")
+        j.coord.send(1, Abort(iteration=1, reason="test"))
+        sent_at = j.log.wait(lambda e: isinstance(e.get("sent"), Abort) and e["to"] == 1)["t"]
+        try:
+            aborted = j.log.wait(ev("aborted", rank=1, iteration=0), timeout=RELEASE_BOUND,
+                                 what="rank 1 out of init_process_group")  # fmt: skip
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{j.stacks(j.workers[1])[-4000:]}") from None
+        j.log.wait(msg(Ready, iteration=1, local_rank=1), what="ready from rank 1")
+        j.coord.go(1)
+        for rank in range(world):
+            j.log.wait(msg(Done, iteration=1, local_rank=rank), what=f"done from rank {rank}")
+        j.expect_exit([0] * world)
+        took = aborted["t"] - sent_at
+        print(f"\nabort -> rank 1 out of init_process_group: {took * 1000:.0f} ms "
+              f"({aborted['how']})")  # fmt: skip
 
 
 def test_repeated_restarts_leak_no_connections(run_dir: Path) -> None:

@@ -113,6 +113,8 @@ WORKER = textwrap.dedent(
             raise ValueError(f"early boom in rank {RANK}")
         try:
             if dist is not None:
+                while opt("JOIN_FLAG") and not flag(opt("JOIN_FLAG")):  # joins late
+                    time.sleep(0.005)
                 emit("init", iteration=it)
                 dist.init_process_group("gloo", rank=RANK, world_size=WORLD,
                                         timeout=datetime.timedelta(seconds=120))

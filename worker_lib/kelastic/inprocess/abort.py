@@ -22,9 +22,23 @@ iteration; :func:`shutdown_connections` shuts the TCP connections made since, ex
 The ``TCPStore`` *clients* (peer port ``MASTER_PORT``) are shut down: a rank blocked in
 ``init_process_group`` waiting for a rank that faulted before joining then fails at once
 (``DistNetworkError``) instead of at the store's timeout (measured, torch 2.13: released
-within milliseconds, the process unharmed). A rank still trying to *connect* to a store
-whose host (rank 0) faulted before serving it has no connection to shut: it waits for
-the store's timeout or the sidecar's hard timeout.
+within milliseconds, the process unharmed).
+
+Except inside the ``TCPStore`` constructor's connect, validate and ping: there a
+``DistNetworkError`` (a refused connect, a connection shut down or closed) is *retried*
+until the store's timeout (``init_process_group``'s, 30 minutes by default). So a rank
+that is still connecting when the store's host (rank 0) leaves the iteration, its store
+destroyed, retries a port nobody listens on for 30 minutes (seen with a round change
+1 s after the ``go``, on Kubernetes: py-spy showed the main thread in
+``SocketConnectOp::tryConnect`` under ``TCPStore::TCPStore`` under
+``init_process_group``, the host already waiting for the next ``go``, until the sidecar's
+hard timeout killed it). The host therefore keeps a store listening at the aborted
+iteration's address (:func:`keep_store`) until the next ``go`` (every rank has left the
+aborted iteration then): the connecting rank's retry succeeds, its
+``init_process_group`` goes on to wait for keys that never come, on a connection this
+teardown (repeated until the function left) shuts down: released within a retry
+delay (below a second). A rank connecting to a host that is gone (its node lost) still
+waits for the store's timeout or the sidecar's hard timeout.
 
 Caveat: TCP connections the training code itself opened during the iteration (a data
 service, say) are shut down too.
@@ -36,6 +50,7 @@ communicators of all groups (NVIDIA's ``AbortTorchDistributed`` does the same).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import os
 import socket
@@ -47,6 +62,7 @@ from kelastic import contract
 __all__ = [
     "abort_nccl",
     "destroy_process_groups",
+    "keep_store",
     "nccl_in_use",
     "shutdown_connections",
     "snapshot",
@@ -211,3 +227,28 @@ def destroy_process_groups(dist: Any = None, full_gc: bool = False) -> BaseExcep
     else:
         gc.collect(1)
     return error
+
+
+def keep_store(dist: Any = None) -> Any:
+    """On the store's host (``RANK`` 0): a ``TCPStore`` server listening at
+    ``MASTER_ADDR:MASTER_PORT`` again, for the ranks still connecting to the aborted
+    iteration's store (see the module docstring). Call it after
+    :func:`destroy_process_groups`; keep the result until every rank left the iteration
+    (the next ``go``), then drop it (its server stops).
+
+    Returns:
+        The store, or None: not the host, torch not in use, the port taken (the
+        iteration's own store is still alive: nothing to replace) or any failure.
+        Never raises.
+    """
+    dist = dist if dist is not None else _dist()
+    if dist is None or os.environ.get(contract.RANK, "0") != "0":
+        return None
+    port, host = _store_port(), os.environ.get(contract.MASTER_ADDR)
+    if port is None or not host:
+        return None
+    try:
+        return dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=30),
+                             wait_for_workers=False)  # fmt: skip
+    except Exception:
+        return None

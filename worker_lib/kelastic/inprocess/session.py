@@ -128,6 +128,7 @@ class Session(Generic[R]):
         self._conn: Connection | None = None
         self._monitor: Monitor | None = None
         self._injector = Injector()
+        self._kept_store: Any = None  # abort.keep_store(): the aborted iteration's store
 
     # ------------------------------------------------------------------ plumbing
 
@@ -306,6 +307,8 @@ class Session(Generic[R]):
         # the hard timeout; tests/faults/test_hybrid_rung.py, the DDP case).
         _release_frames(error)
         failed = abort.destroy_process_groups()
+        # The host's store listens until the next go (a rank may still be connecting).
+        self._kept_store = abort.keep_store()
         if failed is None and wrapper.abort is not None:
             failed = _call_hook(wrapper.abort, self.call_wrapper)
         if failed is None and wrapper.finalize is not None:
@@ -332,6 +335,7 @@ class Session(Generic[R]):
                 target = item.iteration
                 self._conn.send(Ready(iteration=target, local_rank=self._local_rank))
             elif isinstance(item, Go) and item.iteration >= target:
+                self._kept_store = None  # every rank left the aborted iteration
                 os.environ.update(item.env)
                 os.environ[contract.ENV_INPROCESS_ITERATION] = str(item.iteration)
                 _wait_for_store()
