@@ -11,7 +11,6 @@ import re
 import signal
 from pathlib import Path
 
-import pytest
 import yaml
 
 from kelastic import contract
@@ -104,11 +103,6 @@ def test_a_lost_node_and_its_replacement_keep_the_survivors_processes(tmp_path: 
     assert run.strays() == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect (issue 12, open): a survivor rank can get stuck leaving its gloo "
-    "iteration when its peers' node is lost (reaped after the timer grace); seen in CI",
-)
 def test_a_lost_node_in_ddp_training_keeps_the_survivors_processes(tmp_path: Path) -> None:
     """The same with gloo DDP (``tests/workers/wrapped_ddp.py``): the survivors are in an
     all-reduce with the lost node's ranks when it dies; the broken collective is a fault

@@ -235,16 +235,8 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
         raise AssertionError(f"{exc}: {_status(api)}\n{logs}\n{tail}") from None
     assert len(set(hashes.values())) == 1, hashes  # every rank continues from one state
     now = _workers(kubelet, ns)
-    restarted()  # the sidecars' logs
-    logs = "\n".join(sidecar_logs.values())
-    same = {r for r, pid in kept.items() if now.get(r) == pid}
-    assert same, (now, kept, logs)  # the survivors' processes went on
-    for r in set(kept) - same:
-        # Seen in 2 of ~9 runs under load: a survivor stuck leaving its iteration (in gloo's
-        # teardown, its peer dead) took the next rung: reaped after the timer grace and
-        # started again alone (the hybrid rung), never a process restart of the group.
-        assert f"worker pid {kept[r]} hung" in logs, (r, now, kept, logs)
-        assert f"local rank {r % 2} starts again as a process" in logs, (r, logs)
+    restarted()  # the sidecars' logs, for the message
+    assert {r: now.get(r) for r in kept} == kept, (now, kept, "\n".join(sidecar_logs.values()))
     wait_until(lambda: _status(api).get("phase") == "Succeeded", 4 * T, what="Succeeded")
     final = _status(api)
     assert (final.get("restartsSpent") or 0) == 0, final  # no process restart

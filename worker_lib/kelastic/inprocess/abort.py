@@ -36,9 +36,11 @@ hard timeout killed it). The host therefore keeps a store listening at the abort
 iteration's address (:func:`keep_store`) until the next ``go`` (every rank has left the
 aborted iteration then): the connecting rank's retry succeeds, its
 ``init_process_group`` goes on to wait for keys that never come, on a connection this
-teardown (repeated until the function left) shuts down: released within a retry
-delay (below a second). A rank connecting to a host that is gone (its node lost) still
-waits for the store's timeout or the sidecar's hard timeout.
+teardown (repeated until the function left) shuts down: released at its next retry
+(torch's backoff, a fraction of a second unless it was refused for long before; 20-30 ms
+measured when the rank joined after the host had left). A rank connecting to a host
+that is gone (its node lost) still waits for the store's timeout or the sidecar's hard
+timeout.
 
 Caveat: TCP connections the training code itself opened during the iteration (a data
 service, say) are shut down too.
