@@ -6,6 +6,9 @@ the barrier at once. The pure :func:`carry_request` is table-tested."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kelastic import contract
@@ -137,6 +140,46 @@ def test_a_lost_node_carries_the_survivors_into_the_next_round(
         status = a.coordinator.status()
         assert status is not None
         assert (status["held"], status["carried"], status["phase"]) == (False, 1, "running")
+
+
+_NEVER_LEAVES = """
+import json, os, socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
+s.sendall(json.dumps(hello).encode() + b"\\n")
+print("connected", flush=True)
+while True:
+    time.sleep(60)  # stuck in C++ (a store's connect retry): never leaves, never ready
+"""
+
+
+@pytest.mark.parametrize("begun", [False, True], ids=["held", "next-round-begun"])
+def test_a_rank_that_cannot_leave_a_carried_iteration_is_killed_at_the_hard_timeout(
+    store: EtcdStore, job_prefix: str, begun: bool
+) -> None:
+    """A lost node aborts the survivors into the next iteration; a survivor stuck where
+    the abort cannot reach it is SIGKILLed by the sidecar at the hard timeout, whether the
+    next round began meanwhile or not (its death then takes the hybrid rung)."""
+    cfg = settings(soft=0.2, hard=1.0)
+    with make_node("node-a", store, job_prefix, cfg=cfg) as a:
+        a.begin(1, 0, AB, connect=False)
+        stuck = subprocess.Popen([sys.executable, "-c", _NEVER_LEAVES, str(a.socket_path)],
+                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert stuck.stdout is not None and stuck.stdout.readline().strip() == "connected"
+            a.ranks = [a.connect(0)]
+            assert a.coordinator.carry(LOST)
+            assert a.ranks[0].expect(Abort).iteration == 1  # type: ignore[attr-defined]
+            a.ranks[0].ready(1)
+            if begun:
+                a.coordinator.begin(_ctx(a, 2, 0, ("node-a",), 41234))
+            assert stuck.wait(timeout=20) == -9, "the stuck rank was not killed"
+            assert a.killed == [(stuck.pid, 9)]
+        finally:
+            if stuck.poll() is None:
+                stuck.kill()
+                stuck.wait()
 
 
 def test_a_joining_node_is_waited_for_and_spends_no_restart(
