@@ -33,6 +33,7 @@ from kelastic.inprocess_messages import (
     Progress,
     Ready,
 )
+from tests.conftest import wait_for
 from tests.worker_lib.test_inprocess_harness import ev, job, msg
 
 
@@ -149,6 +150,13 @@ def test_atomic_defers_the_abort_to_its_end(run_dir: Path) -> None:
         j.coord.iteration = 1  # the policy completes the barrier
         j.log.wait(ev("abort_held"), what="the abort seen inside the section")
         assert not j.log.find(ev("aborted"))  # the worker stays inside until the flag
+        # not left 5 s after the abort: the rank says where it is (kelastic.inprocess.stuck)
+        wait_for(lambda: "has not left iteration 0" in "".join(j.workers[0].stderr), 30,
+                 what="the stuck rank's stacks on stderr")  # fmt: skip
+        dump = "".join(j.workers[0].stderr)
+        (main,) = [t for t in dump.split("--- thread ") if t.startswith("'MainThread':")]
+        assert main.rstrip().endswith("in train"), dump  # innermost: the wrapped function
+        assert "kelastic-inprocess" not in dump  # the monitor thread, writing it
         j.flag("leave_atomic")
         out = j.log.wait(ev("atomic_out"), what="atomic out")
         aborted = j.log.wait(ev("aborted", iteration=0), what="aborted")

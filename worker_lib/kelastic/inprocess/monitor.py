@@ -10,7 +10,9 @@ collective on a hung rank hold expired timers too: they leave in process, while 
 timer server's grace keeps it from reaping them). Progress is a ``CallWrapper.ping()`` or
 a :func:`kelastic.timer.expires` acquire; the clock starts when the iteration is entered.
 The *hard timeout* is the sidecar's: it kills a rank that did not reach the termination
-barrier within ``hard_timeout`` seconds of the abort.
+barrier within ``hard_timeout`` seconds of the abort; before that, a rank that has not
+left an aborted iteration after a few seconds writes its threads' stacks to stderr
+(:mod:`kelastic.inprocess.stuck`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 
 from kelastic.inprocess.client import Closed, Connection
 from kelastic.inprocess.interrupt import AbortGuard
+from kelastic.inprocess.stuck import LeaveWatch
 from kelastic.inprocess_messages import (
     CAUSE_SOFT_TIMEOUT,
     Abort,
@@ -127,12 +130,18 @@ class Monitor:
         self._abort_target = -1
         self._ended = False  # give_up or closed
         self._give_up = False
+        #: says where the main thread is when it does not leave an aborted iteration
+        self.leave_watch = LeaveWatch(local_rank)
         self._thread = threading.Thread(target=self._run, name="kelastic-inprocess", daemon=True)
 
     @property
     def abort_target(self) -> int:
         """The highest iteration an ``abort`` named so far (-1 before any)."""
         return self._abort_target
+
+    def set_local_rank(self, local_rank: int) -> None:
+        """The rank this process is now (a promoted spare): its faults and dumps name it."""
+        self._local_rank = self.leave_watch.local_rank = local_rank
 
     @property
     def gave_up(self) -> bool:
@@ -176,6 +185,7 @@ class Monitor:
                         return
                 self._guard.poll()
                 self._check_progress()
+                self.leave_watch.check()
         except Exception as exc:  # a bug here must not leave the main thread waiting
             self.inbox.put(Closed(f"monitor thread failed: {exc!r}"))
             print(f"kelastic.inprocess: monitor thread failed: {exc!r}", file=sys.stderr)
@@ -206,6 +216,7 @@ class Monitor:
                 self._lock.notify_all()
             if item.iteration > self._heartbeat.iteration:
                 self._guard.request()
+                self.leave_watch.aborted(self._heartbeat.iteration, item.iteration)
         elif isinstance(item, GiveUp):
             self._give_up = True
             self._guard.request()

@@ -57,15 +57,13 @@ __all__ = ["Session", "summary"]
 
 R = TypeVar("R")
 
-#: Seconds between checks while the main thread waits for the sidecar (signals and
-#: Ctrl-C are handled in between).
+#: Seconds between checks while waiting for the sidecar (signals, Ctrl-C in between).
 WAIT_TICK = 0.5
 #: Seconds a rank whose collective failed because a peer went away waits for the abort
 #: before it reports the failure as its own fault (so that the peer's fault, the cause,
 #: reaches the sidecar first; the sidecar reads each rank's connection on its own).
 PEER_FAILURE_GRACE = 0.5
-#: Seconds a rank waits for the next iteration's store to listen before it calls the
-#: function anyway (then torch's own connect timeout applies).
+#: Seconds to wait for the next iteration's store to listen (then torch's timeout).
 STORE_WAIT = 10.0
 #: Words of the errors a collective raises when a peer closed its connections (gloo:
 #: "Connection closed by peer", "Connection reset by peer"; c10d's store).
@@ -209,7 +207,7 @@ class Session(Generic[R]):
         self._local_rank = _int_env(contract.LOCAL_RANK)
         self._rank = _int_env(contract.RANK)
         self._first = item.iteration
-        self._monitor._local_rank = self._local_rank  # the faults it sends name it
+        self._monitor.set_local_rank(self._local_rank)  # its faults name it
         self.call_wrapper._iteration = item.iteration
         print(f"kelastic.inprocess: spare (pid {os.getpid()}) promoted to local rank "
               f"{self._local_rank} (rank {self._rank}) in iteration {item.iteration}",
@@ -325,7 +323,8 @@ class Session(Generic[R]):
     def _barrier(self, target: int) -> int:
         """Termination barrier: ``ready(target)``, wait for ``go``; return the iteration
         entered (a later ``abort`` during the wait moves the target)."""
-        assert self._conn is not None
+        assert self._conn is not None and self._monitor is not None
+        self._monitor.leave_watch.left(target)
         self._conn.send(Ready(iteration=target, local_rank=self._local_rank))
         while True:
             item = self._next()
@@ -333,6 +332,7 @@ class Session(Generic[R]):
                 raise _Stop(_why(item))
             if isinstance(item, Abort) and item.iteration > target:
                 target = item.iteration
+                self._monitor.leave_watch.left(target)
                 self._conn.send(Ready(iteration=target, local_rank=self._local_rank))
             elif isinstance(item, Go) and item.iteration >= target:
                 self._kept_store = None  # every rank left the aborted iteration
