@@ -174,6 +174,20 @@ class Node:
         self.coordinator._call(lambda: None)
 
 
+#: A rank (``python -c NEVER_READY SOCKET``) that says hello as local rank 1 and then
+#: never answers: hung where no abort reaches it (a collective, a store's connect retry).
+NEVER_READY = """
+import json, os, socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
+s.sendall(json.dumps(hello).encode() + b"\\n")
+print("connected", flush=True)
+while True:
+    time.sleep(60)
+"""
+
+
 def settings(max_restarts: int = 10, soft: float = 30.0, hard: float = 60.0) -> InProcessSettings:
     return InProcessSettings(
         enabled=True, max_restarts=max_restarts, soft_timeout=soft, hard_timeout=hard

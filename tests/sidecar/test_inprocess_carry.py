@@ -29,7 +29,7 @@ from kelastic_sidecar.inprocess_record import (
 from kelastic_sidecar.inprocess_round import RoundContext, restart_log_line
 from kelastic_sidecar.round_end import RoundEnd, RoundEndKind
 from tests.conftest import wait_for
-from tests.sidecar.inprocess_harness import Node, make_node, sample, settings
+from tests.sidecar.inprocess_harness import NEVER_READY, Node, make_node, sample, settings
 
 AB = ("node-a", "node-b")
 LOST = RoundEnd(RoundEndKind.FAILED, Failure(CAUSE_NODE_LOST, "node-b", 1, message="gone"))
@@ -142,18 +142,6 @@ def test_a_lost_node_carries_the_survivors_into_the_next_round(
         assert (status["held"], status["carried"], status["phase"]) == (False, 1, "running")
 
 
-_NEVER_LEAVES = """
-import json, os, socket, sys, time
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(sys.argv[1])
-hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
-s.sendall(json.dumps(hello).encode() + b"\\n")
-print("connected", flush=True)
-while True:
-    time.sleep(60)  # stuck in C++ (a store's connect retry): never leaves, never ready
-"""
-
-
 @pytest.mark.parametrize("begun", [False, True], ids=["held", "next-round-begun"])
 def test_a_rank_that_cannot_leave_a_carried_iteration_is_killed_at_the_hard_timeout(
     store: EtcdStore, job_prefix: str, begun: bool
@@ -164,7 +152,7 @@ def test_a_rank_that_cannot_leave_a_carried_iteration_is_killed_at_the_hard_time
     cfg = settings(soft=0.2, hard=1.0)
     with make_node("node-a", store, job_prefix, cfg=cfg) as a:
         a.begin(1, 0, AB, connect=False)
-        stuck = subprocess.Popen([sys.executable, "-c", _NEVER_LEAVES, str(a.socket_path)],
+        stuck = subprocess.Popen([sys.executable, "-c", NEVER_READY, str(a.socket_path)],
                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert stuck.stdout is not None and stuck.stdout.readline().strip() == "connected"

@@ -22,7 +22,14 @@ from kelastic_sidecar.inprocess_record import (
     decode_iteration_record,
 )
 from tests.conftest import wait_for
-from tests.sidecar.inprocess_harness import Node, Rank, make_node, sample, settings
+from tests.sidecar.inprocess_harness import (
+    NEVER_READY,
+    Node,
+    Rank,
+    make_node,
+    sample,
+    settings,
+)
 
 AB = ("node-a", "node-b")
 
@@ -189,23 +196,11 @@ def test_budget_spent_gives_up_to_the_faulted_rank_only(store: EtcdStore, job_pr
         assert status is not None and status["phase"] == "idle"
 
 
-_NEVER_READY = """
-import json, os, socket, sys, time
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(sys.argv[1])
-hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
-s.sendall(json.dumps(hello).encode() + b"\\n")
-print("connected", flush=True)
-while True:
-    time.sleep(60)  # hung in a collective: never aborts, never sends ready
-"""
-
-
 def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdStore, job_prefix: str) -> None:
     with make_node("solo", store, job_prefix, cfg=settings(soft=0.2, hard=0.5)) as n:
         n.begin(1, 0, ("solo",), connect=False)
         hung = subprocess.Popen(
-            [sys.executable, "-c", _NEVER_READY, str(n.socket_path)],
+            [sys.executable, "-c", NEVER_READY, str(n.socket_path)],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
