@@ -249,13 +249,16 @@ def inprocess(quick: bool) -> CaseResult:
         )
     if not quick and ours_b and warm_b:
         m, w = median(ours_b), median(warm_b)
+        detail = f"{m:.2f} s vs {w:.2f} s = {m / w:.2f}x"
+        if m > 0.5 * w:  # the obstacle, named
+            detail += (" (the dead rank starts at the go: its fork and group init"
+                       " follow the barrier, a warm restart's floor too)")  # fmt: skip
+        result.checks.append(Check("inprocess", "(b) <= 0.5x kelastic warm", detail, m <= 0.5 * w))
+    if not quick and spare_b and warm_b:
+        m, w = median(spare_b), median(warm_b)
+        text = f"{m:.3f} s vs {w:.2f} s = {m / w:.2f}x"
         result.checks.append(
-            Check(
-                "inprocess",
-                "(b) <= 0.5x kelastic warm",
-                f"{m:.2f} s vs {w:.2f} s = {m / w:.2f}x",
-                m <= 0.5 * w,
-            )
+            Check("inprocess", "(b) with a spare <= 0.5x kelastic warm", text, m <= 0.5 * w)
         )
     if not quick and spare_b and ours_b:
         m, h = median(spare_b), median(ours_b)
