@@ -31,7 +31,7 @@ from typing import Final
 
 from kelastic import contract
 
-from .rendezvous_store import RendezvousStore, RendezvousStoreError, StatusWatch
+from .rendezvous_store import RendezvousStore, RendezvousStoreError, StatusWatch, status_keys
 
 __all__ = ["StatusFollower", "StatusHub", "StatusHubs", "job_of_status_key"]
 
@@ -40,25 +40,25 @@ log = logging.getLogger("kelastic_operator")
 #: Seconds one wait on the watch may last: a change ends it at once, and so does closing
 #: the hub (it closes the watch); a bound, not a poll.
 _IDLE_WAIT: Final = 300.0
-_STATUS_SUFFIXES: Final = ("rdzv/state", "restarts", "inprocess/iteration")
-_REPORTS: Final = "reports/"
 
 OnChange = Callable[[], object]
 
 
 def job_of_status_key(key: str) -> str | None:
     """The job prefix (``/kelastic/<ns>/<job>/<uid>/``) of ``key`` when ``key`` is one of
-    that job's status keys (:func:`~kelastic_operator.rendezvous_store.status_keys`);
-    None for any other key."""
+    that job's status keys (:func:`~kelastic_operator.rendezvous_store.status_keys`, a
+    prefix there standing for the keys under it); None for any other key."""
     root = contract.ETCD_ROOT + "/"
     if not key.startswith(root):
         return None
     parts = key[len(root) :].split("/", 3)
     if len(parts) != 4 or not all(parts[:3]):
         return None
-    rest = parts[3]
-    if rest in _STATUS_SUFFIXES or (rest.startswith(_REPORTS) and len(rest) > len(_REPORTS)):
-        return f"{root}{parts[0]}/{parts[1]}/{parts[2]}/"
+    prefix = f"{root}{parts[0]}/{parts[1]}/{parts[2]}/"
+    for status in status_keys(prefix):
+        under = status.endswith("/") and key.startswith(status) and key != status
+        if under or (key == status and not status.endswith("/")):
+            return prefix
     return None
 
 
