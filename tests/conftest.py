@@ -18,9 +18,10 @@ import pytest
 from kelastic_operator.local.etcd import EmbeddedEtcd, etcd_binary, free_port
 from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from tests.k8s.cluster import Client, ControlPlane
-from tests.k8s.fixtures import namespace_for, start_or_skip
+from tests.k8s.fixtures import namespace_for, node_startup, start_node, start_or_skip
 from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds
 from tests.k8s.kubelet import LocalKubelet
+from tests.k8s.node import RealNode
 from tests.k8s.nodes import ManualNode
 
 T = TypeVar("T")
@@ -181,6 +182,17 @@ def kubelet(
 
 
 @pytest.fixture(scope="session")
+def node(k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
+    """The real node (kubelet, containerd, runc, CNI bridge) for the whole run; see
+    tests/k8s/node.py."""
+    real = start_node(k8s_cluster, tmp_path_factory.mktemp("node"))
+    try:
+        yield real
+    finally:
+        real.stop()
+
+
+@pytest.fixture(scope="session")
 def manual_node(k8s_cluster: ControlPlane) -> Iterator[ManualNode]:
     """A Ready Node nothing runs Pods on: the tests write its Pods' status."""
     with ManualNode(k8s_cluster, "manual") as node:
@@ -204,3 +216,5 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Say how long the test cluster took to start, when one was started."""
     for seconds in k8s_startup_seconds:
         terminalreporter.write_line(f"kubernetes test cluster: ready in {seconds:.1f} s")
+    for line in node_startup:
+        terminalreporter.write_line(line)

@@ -3,8 +3,8 @@ one control plane and one local kubelet per test run, a fresh namespace per test
 
 - ``k8s_cluster`` (session): :class:`~tests.k8s.cluster.ControlPlane` with the ElasticJob CRD
   applied, the operator's namespace and RBAC of ``deploy/``.
-- ``kubelet`` (session): a :class:`~tests.k8s.kubelet.LocalKubelet` whose ``images`` a test
-  may extend (image -> working folder).
+- ``node`` (session): a :class:`~tests.k8s.node.RealNode` (kubelet, containerd, runc, the
+  CNI bridge) running the images of :mod:`tests.k8s.images`.
 - ``k8s`` (function): an admin :class:`~tests.k8s.cluster.Client` whose kubeconfig
   defaults to a namespace of the test's own, deleted afterwards.
 
@@ -17,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
 
 from .cluster import ClusterUnavailable, ControlPlane, control_plane_bin, wait_until
+from .node import RealNode
 
 
 def start_or_skip(workdir: Path) -> ControlPlane:
@@ -60,6 +62,31 @@ def start_cluster(workdir: Path, audit_users: tuple[str, ...] = ()) -> ControlPl
     wait_until(lambda: admin.get("serviceaccount", OPERATOR_ACCOUNT, OPERATOR_NAMESPACE), 30,
                what="the operator's ServiceAccount")  # fmt: skip
     return cluster
+
+
+node_startup: list[str] = []
+
+
+def start_node(cluster: ControlPlane, workdir: Path) -> RealNode:
+    """The real node of the test run (kubelet, containerd, runc, CNI), with the images it
+    runs (:func:`tests.k8s.images.build_images`, cached by content) imported.
+
+    Fails the test (never skips) when it cannot start: it is what every e2e test runs on.
+    """
+    from .images import build_images
+
+    started = time.monotonic()
+    images = build_images()
+    built = time.monotonic() - started
+    try:
+        node = RealNode(cluster, workdir, images).start()
+    except ClusterUnavailable as exc:
+        pytest.fail(f"the test node did not start: {exc}")
+    node_startup.append(
+        f"test node {node.name}: images {built:.1f} s, ready in {node.startup_seconds:.1f} s "
+        f"(image import {node.image_import_seconds:.1f} s)"
+    )
+    return node
 
 
 def namespace_for(nodeid: str) -> str:

@@ -68,6 +68,14 @@ KERNEL_TUNABLES = {
     "vm/overcommit_memory": "1",
 }
 KUBERNETES_SERVICE = ("10.96.0.1", 443)
+#: Test nodes carry this label and taint, so that only Pods meant for them run there (a
+#: Deployment a test applies to check its manifest stays Pending unless it tolerates it).
+NODE_LABEL = "kelastic.dev/test-node"
+TAINT = {"key": NODE_LABEL, "value": "true", "effect": "NoSchedule"}
+TOLERATION = {"key": NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
+#: The Pod-spec fields that place a Pod on the test's real nodes (part of the job's own
+#: template, as a user's node selector and tolerations would be).
+PLACEMENT: Obj = {"nodeSelector": {NODE_LABEL: "true"}, "tolerations": [TOLERATION]}
 
 
 def node_bin() -> Path:
@@ -164,6 +172,70 @@ class NodeCgroups:
             with contextlib.suppress(OSError):
                 folder.rmdir()
 
+    # ------------------------------------------------------------- what tests look at
+
+    def log(self, namespace: str, pod: str, container: str) -> str:
+        """What a container wrote, through the API (``kubectl logs``: API server -> this
+        kubelet). A Pod deleted since keeps the text last read of it, so that what a test
+        gathers over time only grows (:meth:`logs`)."""
+        key = (namespace, pod, container)
+        code, body = self.cluster.request(
+            "GET", f"/api/v1/namespaces/{namespace}/pods/{pod}/log?container={container}"
+        )
+        if code == 200 and isinstance(body, str):
+            uid = ((self.cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")[1]
+                    or {}).get("metadata") or {}).get("uid", "")  # fmt: skip
+            self._logs[(*key, uid)] = body
+        texts = [t for (ns, p, c, _), t in self._logs.items() if (ns, p, c) == key]
+        return "\n".join(texts)
+
+    def logs(self, namespace: str, container: str) -> str:
+        """Every log of ``container`` in the namespace's Pods, present and deleted."""
+        code, body = self.cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+        for pod in body.get("items", []) if code == 200 else []:
+            self.log(namespace, pod["metadata"]["name"], container)
+        return "\n".join(t for (ns, _, c, _), t in self._logs.items()
+                         if ns == namespace and c == container)  # fmt: skip
+
+    def container_pids(self, pod: Obj, container: str) -> list[int]:
+        """Host pids of the processes in a container of ``pod`` (its cgroup under this
+        node's ``cgroupRoot``; the container id from the Pod's status)."""
+        status = pod.get("status") or {}
+        cid = ""
+        for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
+            if c["name"] == container and c.get("containerID"):
+                cid = c["containerID"].split("://", 1)[1]
+        if not cid:
+            return []
+        root = Path("/sys/fs/cgroup/pids") / self.cgroups.path.strip("/")
+        uid = pod["metadata"]["uid"]
+        out: list[int] = []
+        for folder in root.rglob(f"pod{uid}"):
+            procs = folder / cid / "cgroup.procs"
+            with contextlib.suppress(OSError):
+                out += [int(x) for x in procs.read_text().split()]
+        return out
+
+    def http_get(self, url: str, timeout: float = 5.0) -> str:
+        """GET ``url`` from inside the node's network (a Pod's IP and port)."""
+        import urllib.request
+
+        from .netns import in_netns
+
+        def get() -> str:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return str(response.read().decode())
+
+        return in_netns(self.netns, get)
+
+    def process_pid(self, name: str) -> int:
+        """The host pid of a node component (``kubelet``, ``containerd``): the child of
+        its ``nsenter``."""
+        kids = list_children(self.procs[name].pid)
+        if not kids:
+            raise ProcessLookupError(f"{name} of node {self.name} is not running")
+        return kids[0]
+
     def leftovers(self) -> list[str]:
         """The folders of the tree still present (empty after :meth:`remove`)."""
         return [str(f) for f in self._made if f.exists()]
@@ -199,8 +271,8 @@ class RealNode:
         self.images = dict(images or {})
         self.name = name
         self.index = index
-        self.labels = labels or {}
-        self.taints = taints or []
+        self.labels = {NODE_LABEL: "true", **(labels or {})}
+        self.taints = [TAINT] if taints is None else taints
         self.host_ip = f"10.244.255.{4 * index + 1}"
         self.ip = f"10.244.255.{4 * index + 2}"
         self.pod_cidr = f"10.244.{index}.0/24"
@@ -216,6 +288,7 @@ class RealNode:
         self.relays: dict[str, Any] = {}
         self.startup_seconds = 0.0
         self.image_import_seconds = 0.0
+        self._logs: dict[tuple[str, str, str, str], str] = {}
 
     # ----------------------------------------------------------------------- lifecycle
 
@@ -571,9 +644,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
 
     def restart_kubelet(self) -> None:
         """SIGKILL the kubelet and start it again (its Pods keep running)."""
-        proc = self.procs["kubelet"]
-        proc.kill()
-        proc.wait(30)
+        os.kill(self.process_pid("kubelet"), signal.SIGKILL)
+        self.procs["kubelet"].wait(30)
         self._start_kubelet()
 
     def node(self) -> Obj | None:
@@ -605,6 +677,70 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
             wait_until(ready, timeout, 0.2, what=f"Node {self.name} to be Ready")
         except AssertionError as exc:
             raise ClusterUnavailable(f"{exc}\n{self.log_tail('kubelet')}") from exc
+
+    # ------------------------------------------------------------- what tests look at
+
+    def log(self, namespace: str, pod: str, container: str) -> str:
+        """What a container wrote, through the API (``kubectl logs``: API server -> this
+        kubelet). A Pod deleted since keeps the text last read of it, so that what a test
+        gathers over time only grows (:meth:`logs`)."""
+        key = (namespace, pod, container)
+        code, body = self.cluster.request(
+            "GET", f"/api/v1/namespaces/{namespace}/pods/{pod}/log?container={container}"
+        )
+        if code == 200 and isinstance(body, str):
+            uid = ((self.cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")[1]
+                    or {}).get("metadata") or {}).get("uid", "")  # fmt: skip
+            self._logs[(*key, uid)] = body
+        texts = [t for (ns, p, c, _), t in self._logs.items() if (ns, p, c) == key]
+        return "\n".join(texts)
+
+    def logs(self, namespace: str, container: str) -> str:
+        """Every log of ``container`` in the namespace's Pods, present and deleted."""
+        code, body = self.cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+        for pod in body.get("items", []) if code == 200 else []:
+            self.log(namespace, pod["metadata"]["name"], container)
+        return "\n".join(t for (ns, _, c, _), t in self._logs.items()
+                         if ns == namespace and c == container)  # fmt: skip
+
+    def container_pids(self, pod: Obj, container: str) -> list[int]:
+        """Host pids of the processes in a container of ``pod`` (its cgroup under this
+        node's ``cgroupRoot``; the container id from the Pod's status)."""
+        status = pod.get("status") or {}
+        cid = ""
+        for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
+            if c["name"] == container and c.get("containerID"):
+                cid = c["containerID"].split("://", 1)[1]
+        if not cid:
+            return []
+        root = Path("/sys/fs/cgroup/pids") / self.cgroups.path.strip("/")
+        uid = pod["metadata"]["uid"]
+        out: list[int] = []
+        for folder in root.rglob(f"pod{uid}"):
+            procs = folder / cid / "cgroup.procs"
+            with contextlib.suppress(OSError):
+                out += [int(x) for x in procs.read_text().split()]
+        return out
+
+    def http_get(self, url: str, timeout: float = 5.0) -> str:
+        """GET ``url`` from inside the node's network (a Pod's IP and port)."""
+        import urllib.request
+
+        from .netns import in_netns
+
+        def get() -> str:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return str(response.read().decode())
+
+        return in_netns(self.netns, get)
+
+    def process_pid(self, name: str) -> int:
+        """The host pid of a node component (``kubelet``, ``containerd``): the child of
+        its ``nsenter``."""
+        kids = list_children(self.procs[name].pid)
+        if not kids:
+            raise ProcessLookupError(f"{name} of node {self.name} is not running")
+        return kids[0]
 
     def leftovers(self) -> list[str]:
         """What of the node is still on this machine after :meth:`stop` (should be [])."""
