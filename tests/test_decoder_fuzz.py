@@ -637,3 +637,89 @@ def test_fuzz_one_field_of_a_spare_message(
         value = [value]
     doc[field] = value
     decode(_dumps(doc))
+
+
+# ------------------------------- issue 20: one bounded codec of the in-process record
+
+#: Counters around every bound a reader or writer might have.
+_EDGE_COUNTERS = st.sampled_from([0, 1, 2**31 - 2, 2**31 - 1, 2**31, 2**32, 2**53 - 1, 2**53,
+                                  2**53 + 1, 2**63 - 1, -1, -2])  # fmt: skip
+
+
+def _sidecar_reads(raw: bytes) -> tuple[int, int] | None:
+    from kelastic_sidecar.inprocess_record import IterationRecordError, decode_iteration_record
+
+    try:
+        record = decode_iteration_record(raw)
+    except IterationRecordError:
+        return None
+    return record.iteration, record.restarts
+
+
+def _operator_reads(raw: bytes) -> tuple[int, int] | None:
+    from kelastic_operator.inprocess_record import decode_record as operator_decode
+
+    record = operator_decode(raw)
+    return None if record is None else (record.iteration, record.restarts)
+
+
+@FUZZ
+@given(data=st.data(), value=json_values | _EDGE_COUNTERS)
+@example(data=None, value=2**53).via("the issue's forged iteration")
+def test_fuzz_every_reader_of_the_inprocess_record_agrees(data: Any, value: Any) -> None:
+    """Issue 20: a record with one field replaced is refused by every reader alike, or
+    read alike (before: the operator read records the sidecar refused, and the other way
+    round)."""
+    doc = dict(IP_RECORD)
+    field = "iteration" if data is None else data.draw(st.sampled_from(sorted(doc)))
+    doc[field] = value
+    raw = _dumps(doc)
+    assert _sidecar_reads(raw) == _operator_reads(raw), (field, value)
+
+
+@FUZZ
+@given(iteration=_EDGE_COUNTERS, restarts=_EDGE_COUNTERS, charge=st.booleans())
+@example(iteration=2**53, restarts=0, charge=True).via("the issue's forged iteration")
+def test_fuzz_what_the_writer_makes_of_a_record_it_read_is_read_back(
+    iteration: int, restarts: int, charge: bool
+) -> None:
+    """Issue 20: the writer either refuses to advance a record the reader accepted, or
+    writes one the reader accepts (before: it read 2**53 and wrote 2**53 + 1, which its
+    own reader refused: in-process restart was off for the rest of the job)."""
+    from kelastic_sidecar.inprocess_record import (
+        IterationRecordError,
+        decode_iteration_record,
+        encode_iteration_record,
+        next_record,
+    )
+
+    raw = _dumps({**IP_RECORD, "iteration": iteration, "restarts": restarts})
+    try:
+        record = decode_iteration_record(raw)
+    except IterationRecordError:
+        return
+    try:
+        after = next_record(record, round_=3, cause="exception", node="job-0", rank=1,
+                            message="boom", now=1.7e9, charge=charge)  # fmt: skip
+        written = encode_iteration_record(after)
+    except IterationRecordError:
+        return  # the strict writer refuses: nothing a reader refuses is stored
+    assert decode_iteration_record(written).iteration == record.iteration + 1
+
+
+_NOT_JSON_START = st.binary(min_size=1, max_size=1).filter(lambda b: b not in b' \t\r\n[{"')
+
+
+@FUZZ
+@given(head=_NOT_JSON_START, depth=st.integers(5, 200), tail=st.binary(max_size=40))
+@example(head=b"\xff", depth=8, tail=b"").via("bytes that are not even UTF-8")
+def test_fuzz_bytes_that_are_no_json_are_not_called_too_deep(
+    head: bytes, depth: int, tail: bytes
+) -> None:
+    """Issue 20: non-JSON bytes with brackets in them are "not JSON", not "nested deeper
+    than 4" (the depth scan ran first and named the brackets)."""
+    raw = head + b"[" * depth + tail + b"]" * depth
+    with pytest.raises(UnsafeJSONError) as err:
+        loads_bounded(raw, max_bytes=64 * 1024, max_depth=4)
+    assert "nested deeper" not in str(err.value), raw
+    assert "not JSON" in str(err.value)

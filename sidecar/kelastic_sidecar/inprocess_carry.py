@@ -54,6 +54,7 @@ from .inprocess_record import (
     IterationRecord,
     IterationRecordError,
     ReadyRecord,
+    RestartCause,
     advance_iteration,
     decode_iteration_record,
     encode_iteration_record,
@@ -69,7 +70,7 @@ log = logging.getLogger("kelastic_sidecar.inprocess")
 
 #: The iteration record's ``cause`` for a round change that is not a fault (nodes
 #: joining, a planned departure, another node's process restart): no restart is spent.
-CAUSE_MEMBERSHIP: Final = contract.INPROCESS_CAUSE_MEMBERSHIP
+CAUSE_MEMBERSHIP: Final = RestartCause.MEMBERSHIP
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class CarryRequest:
         charge: whether it spends an in-process restart (a lost node does).
     """
 
-    cause: str
+    cause: RestartCause
     message: str
     charge: bool
 
@@ -100,7 +101,7 @@ def carry_request(end: RoundEnd) -> CarryRequest | None:
     failure = end.failure
     if end.kind is RoundEndKind.FAILED and failure and failure.cause == CAUSE_NODE_LOST:
         text = f"node {failure.node} lost" + (f": {failure.message}" if failure.message else "")
-        return CarryRequest(CAUSE_NODE_LOST, text, charge=True)
+        return CarryRequest(RestartCause.NODE_LOST, text, charge=True)
     return None
 
 
@@ -160,13 +161,13 @@ class CarryMachine(HybridMachine):
                 self._store, self._keys.inprocess_iteration, self._iteration,
                 self.settings.max_restarts, round_=ctx.round, cause=request.cause,
                 node=self.node, rank=-1, message=request.message, now=time.time(),
-                known=self._known, charge=request.charge,
+                known=self._known, charge=request.charge, known_restarts=self._restarts,
             )  # fmt: skip
         except (EtcdError, RuntimeError) as exc:
             log.error("the round ended: cannot record the in-process restart (%s)", exc)
             return False
+        self.corrupt.replaced(out)
         if out.kind is Advance.CORRUPT:
-            self._metrics.corrupt_values.labels(source="inprocess_record").inc()
             log.error("the round ended: %s", out.error)
             return False
         if out.kind is Advance.EXHAUSTED or out.record is None:

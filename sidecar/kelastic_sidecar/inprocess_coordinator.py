@@ -73,6 +73,8 @@ from .etcd_store import EtcdStore
 from .failure import Failure
 from .inprocess_carry import CarryMachine, carry_request, with_master
 from .inprocess_record import (
+    Advance,
+    AdvanceOutcome,
     IterationRecord,
     IterationRecordError,
     decode_iteration_record,
@@ -422,11 +424,11 @@ class InProcessCoordinator:
             try:
                 return decode_iteration_record(got[0], key)
             except IterationRecordError as exc:
-                self._metrics.corrupt_values.labels(source="inprocess_record").inc()
                 known = self.machine
                 fresh = IterationRecord(iteration=known.iteration + 1, restarts=known.restarts)
-                log.error("%s; replacing it with iteration %d", exc, fresh.iteration)
                 self._store.cas(key, encode_iteration_record(fresh), got[1])
+                out = AdvanceOutcome(Advance.ADVANCED, fresh, 0, "", str(exc), got[1])
+                self._events.put(lambda: self.machine.corrupt.replaced(out))  # on its thread
                 return self._read_or_repair_once()
         except EtcdError as exc:
             log.error("cannot read the in-process record: %s", exc)

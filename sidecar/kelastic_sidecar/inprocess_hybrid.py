@@ -22,6 +22,8 @@ from collections.abc import Collection
 from dataclasses import replace
 from typing import Final
 
+from kelastic.inprocess_record import RestartCause
+
 from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
 from .verdict import Verdict
 
@@ -41,7 +43,7 @@ __all__ = [
 #: "inprocess"}`` counts it as ``worker_failure``
 #: (:func:`~kelastic_sidecar.inprocess_round.cause_label`): the dashboards' cause set
 #: stays the process restarts' one.
-CAUSE_WORKER_DIED: Final = "worker_died"
+CAUSE_WORKER_DIED: Final = RestartCause.WORKER_DIED
 
 
 #: What the iteration record's ``message`` adds to a death taken by this rung (the
@@ -115,11 +117,12 @@ def absorb_verdict(
     return AbsorbVerdict(Absorb.REFUSE, f"unknown phase {phase!r}")
 
 
-def death_cause(failure: Failure, killed_by_coordinator: bool) -> str:
+def death_cause(failure: Failure, killed_by_coordinator: bool) -> RestartCause:
     """The iteration record's ``cause`` for a dead worker: ``hang`` when the timer server
     reaped it (``failure.cause`` is :data:`~kelastic_sidecar.failure.CAUSE_HANG`) or the
     coordinator killed it at its hard timeout; else :data:`CAUSE_WORKER_DIED`."""
-    return CAUSE_HANG if killed_by_coordinator or failure.cause == CAUSE_HANG else CAUSE_WORKER_DIED
+    hung = killed_by_coordinator or failure.cause == CAUSE_HANG
+    return RestartCause.HANG if hung else CAUSE_WORKER_DIED
 
 
 def death_message(failure: Failure, pid: int | None, killed_by_coordinator: bool) -> str:

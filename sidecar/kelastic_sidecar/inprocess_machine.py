@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -48,9 +49,11 @@ from .config import InProcessSettings
 from .etcd_store import EtcdStore
 from .inprocess_record import (
     Advance,
+    AdvanceOutcome,
     IterationRecord,
     IterationRecordError,
     ReadyRecord,
+    RestartCause,
     advance_iteration,
     decode_iteration_record,
     encode_iteration_record,
@@ -75,6 +78,9 @@ RUNNING: Final = "running"
 ABORTING: Final = "aborting"
 BARRIER: Final = "barrier"
 FAILED: Final = "failed"
+#: Restarts described in ``/status`` before the latest (``earlier``), so that a reader
+#: polling slower than restarts happen still learns each one's cause.
+EARLIER_KEPT: Final = 8
 
 
 def pick_port(ip: str) -> int:
@@ -103,6 +109,42 @@ def victim_pid(session: Session) -> int | None:
     claimed = session.hello.pid if session.hello else None
     pid = session.peer_pid if session.peer_known else claimed
     return pid if pid is not None and pid > 1 and pid != os.getpid() else None
+
+
+class CorruptRecords:
+    """The corrupt in-process records a node met: each counted in
+    ``kelastic_corrupt_values_total{source="inprocess_record"}`` and logged once per etcd
+    revision; the latest kept for ``/status`` (``inprocess.corrupt``: ``revision``,
+    ``error``, ``replaced_by``: the iteration written over it, once one was)."""
+
+    def __init__(self, metrics: SidecarMetrics) -> None:
+        self._metrics = metrics
+        self._revision = -1
+        self._latest: dict[str, Any] | None = None
+
+    def seen(self, revision: int, error: str, then: str) -> bool:
+        """A corrupt record at ``revision`` (``then``: what happens to it, for the log);
+        True the first time."""
+        if revision == self._revision:
+            return False
+        self._revision = revision
+        self._metrics.corrupt_values.labels(source="inprocess_record").inc()
+        log.error("corrupt in-process record refused: %s%s", error, then)
+        self._latest = {"revision": revision, "error": error[:500]}
+        return True
+
+    def replaced(self, out: AdvanceOutcome) -> None:
+        """``out`` (of :func:`~.inprocess_record.advance_iteration`) replaced a corrupt
+        record: say so once, and what replaced it."""
+        if out.replaced and out.record is not None:
+            self.seen(out.replaced_revision, out.replaced,
+                      f"; replaced by iteration {out.record.iteration}")  # fmt: skip
+            if self._latest is not None:
+                self._latest["replaced_by"] = out.record.iteration
+
+    def doc(self) -> dict[str, Any] | None:
+        """The latest corrupt record, for ``/status`` (None: none met)."""
+        return dict(self._latest) if self._latest else None
 
 
 class RestartMachine:
@@ -152,8 +194,10 @@ class RestartMachine:
         self._barrier_until: float | None = None
         self._published: list[str] = []  # our ready keys, oldest first
         self._known: tuple[bytes | None, int] | None = None  # the record as last read
-        self._corrupt_revision = -1  # the corrupt record's revision already counted
+        self.corrupt = CorruptRecords(metrics)  #: the corrupt records met
         self._last: dict[str, Any] | None = None
+        #: The restarts before ``_last``, oldest first (``/status``'s ``earlier``).
+        self._earlier: deque[dict[str, Any]] = deque(maxlen=EARLIER_KEPT)
         #: Stale faults ignored (of an iteration already left).
         self.stale_faults = 0
 
@@ -298,17 +342,17 @@ class RestartMachine:
         try:
             out = advance_iteration(
                 self._store, self._keys.inprocess_iteration, iteration,
-                self.settings.max_restarts, round_=ctx.round, cause=msg.cause,
+                self.settings.max_restarts, round_=ctx.round, cause=RestartCause(msg.cause),
                 node=self.node, rank=session.hello.rank, message=msg.message, now=time.time(),
-                known=self._known,
+                known=self._known, known_restarts=self._restarts,
             )  # fmt: skip
         except (EtcdError, RuntimeError) as exc:
             session.send(GiveUp(reason=f"cannot record the in-process restart: {exc}"))
             return
+        self.corrupt.replaced(out)
         if out.kind is Advance.CORRUPT:
-            self._metrics.corrupt_values.labels(source="inprocess_record").inc()
             log.error("%s; this fault restarts the processes", out.error)
-            session.send(GiveUp(reason=f"corrupt in-process record: {out.error}"))
+            session.send(GiveUp(reason=f"no in-process restart: {out.error}"))
         elif out.kind is Advance.EXHAUSTED:
             budget = self.settings.max_restarts
             session.send(GiveUp(reason=f"in-process restart budget of {budget} spent"))
@@ -361,12 +405,9 @@ class RestartMachine:
             try:
                 record = decode_iteration_record(raw[0], self._keys.inprocess_iteration)
             except IterationRecordError as exc:
-                if raw[1] != self._corrupt_revision:
-                    self._corrupt_revision = raw[1]
-                    self._metrics.corrupt_values.labels(source="inprocess_record").inc()
-                    log.error("%s", exc)
-                    if self._phase in (ABORTING, BARRIER):
-                        self._give_up_all("the in-process record is corrupt")
+                first = self.corrupt.seen(raw[1], str(exc), "; the next fault replaces it")
+                if first and self._phase in (ABORTING, BARRIER):
+                    self._give_up_all("the in-process record is corrupt")
                 return
             self._apply(record)
         if iteration == self._iteration and self._phase == BARRIER:
@@ -383,8 +424,11 @@ class RestartMachine:
             return
         now = self._clock()
         self._metrics.restarts.labels(level="inprocess", cause=cause_label(record.cause)).inc()
+        if self._last is not None:
+            self._earlier.append(self._last)
         self._last = {
-            "iteration": record.iteration, "cause": record.cause, "rank": record.rank,
+            "iteration": record.iteration, "restarts": record.restarts, "cause": record.cause,
+            "rank": record.rank,
             "node": record.node, "message": record.message, "resumed_s": None,
         }  # fmt: skip
         self._phase = ABORTING
@@ -500,4 +544,6 @@ class RestartMachine:
             "max_restarts": self.settings.max_restarts,
             "phase": self._phase,
             "last": dict(self._last) if self._last else None,
+            "earlier": [dict(x) for x in self._earlier],
+            "corrupt": self.corrupt.doc(),
         }

@@ -1,7 +1,10 @@
 """The in-process restart record and the termination-barrier keys in etcd (pure: no I/O
 but through the store handed to :func:`advance_iteration`).
 
-The record at :attr:`kelastic.contract.Keys.inprocess_iteration` is one JSON object::
+The record at :attr:`kelastic.contract.Keys.inprocess_iteration` is one JSON object,
+encoded and decoded by the one codec its every reader shares (:mod:`kelastic.inprocess_record`:
+strict for the writer, bounded for the reader; re-exported here under the names this
+package used)::
 
     {"iteration": 3, "round": 2, "restarts": 3, "cause": "exception", "node": "job-1",
      "rank": 5, "message": "ValueError: boom", "time": 1718000000.0}
@@ -26,28 +29,42 @@ A node whose local ranks all passed the termination barrier of iteration ``m`` w
 was in, so that a key left by an earlier round at the same iteration never counts).
 
 Every decoder is bounded like the product's others (:func:`kelastic._safejson.loads_bounded`,
-:mod:`~kelastic_sidecar.restart_budget`) and raises only its error, whatever the bytes.
+:mod:`~kelastic_sidecar.restart_budget`) and raises only its error, whatever the bytes. A
+corrupt record met by a fault is replaced by :func:`advance_iteration` (compare-and-set
+on the corrupt value's revision), so that the fault still restarts in process.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeGuard
 
 from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic.inprocess_record import (
+    MAX_ITERATION,
+    MAX_TEXT,
+    IterationRecord,
+    RecordError,
+    RestartCause,
+    next_record,
+)
+from kelastic.inprocess_record import decode_record as decode_iteration_record
+from kelastic.inprocess_record import encode_record as encode_iteration_record
 
 __all__ = [
     "MAX_COUNTER",
+    "MAX_ITERATION",
     "MAX_RECORD_BYTES",
+    "MAX_TEXT",
     "Advance",
     "AdvanceOutcome",
     "IterationRecord",
     "IterationRecordError",
     "ReadyRecord",
     "RecordStore",
+    "RestartCause",
     "advance_iteration",
     "decode_iteration_record",
     "decode_ready",
@@ -56,46 +73,16 @@ __all__ = [
     "next_record",
 ]
 
-#: Largest record (or ready value) accepted, bytes.
+#: Largest ready value accepted, bytes.
 MAX_RECORD_BYTES: Final = 64 * 1024
-#: Highest iteration, round, restart count or rank accepted (2**53: exact as a float).
+#: Highest group rank or round of a ready value accepted (2**53: exact as a float).
 MAX_COUNTER: Final = 2**53
-#: Longest ``cause``, ``node`` or ``message`` kept, characters (longer ones are refused
-#: on read; :func:`next_record` cuts them before writing).
-MAX_TEXT: Final = 8 * 1024
 _MAX_ADDR: Final = 255
 _MAX_CAS: Final = 100  # compare-and-set tries; each failure means another node's write
 
-
-class IterationRecordError(ValueError):
-    """An in-process record or ready value in etcd is corrupt (the message says how)."""
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """The decoded iteration record (see the module doc).
-
-    Attributes:
-        iteration: the job's current in-process iteration (the fencing token).
-        round: the rendezvous round of the latest restart (-1 before any).
-        restarts: in-process restarts the job spent.
-        cause: why the latest restart happened (a :data:`kelastic.inprocess_messages.CAUSES`
-            value; ``worker_died`` or ``hang`` for a worker process that died, the hybrid
-            rung: :func:`~kelastic_sidecar.inprocess_hybrid.death_cause`; or ``""``).
-        node: the node that reported the fault (``""`` before any).
-        rank: the global rank that faulted (-1 when unknown).
-        message: the fault's one-line summary.
-        time: ``time.time()`` of the write, seconds (0 before any).
-    """
-
-    iteration: int = 0
-    round: int = -1
-    restarts: int = 0
-    cause: str = ""
-    node: str = ""
-    rank: int = -1
-    message: str = ""
-    time: float = 0.0
+#: An in-process record or ready value in etcd is corrupt (the message says how); the
+#: shared codec's error.
+IterationRecordError = RecordError
 
 
 @dataclass(frozen=True)
@@ -129,68 +116,6 @@ def _load_object(raw: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-def _int_field(doc: dict[str, Any], name: str, where: str, low: int = 0) -> int:
-    value = doc.get(name)
-    if not _is_int(value) or not low <= value <= MAX_COUNTER:
-        raise IterationRecordError(
-            f"{where}: {name!r} must be an integer in {low}..{MAX_COUNTER}, got {value!r:.80}"
-        )
-    return value
-
-
-def _text_field(doc: dict[str, Any], name: str, where: str) -> str:
-    value = doc.get(name, "")
-    if value is None:
-        return ""
-    if not isinstance(value, str) or len(value) > MAX_TEXT:
-        raise IterationRecordError(f"{where}: {name!r} must be a string of <= {MAX_TEXT}")
-    return value
-
-
-def decode_iteration_record(raw: bytes, where: str = "in-process record") -> IterationRecord:
-    """Parse and validate the iteration record.
-
-    Bounds: at most :data:`MAX_RECORD_BYTES` bytes nested at most 4 deep; integers of at
-    most 19 digits, finite numbers (:func:`kelastic._safejson.loads_bounded`);
-    ``iteration`` and ``restarts`` in 0..2**53, ``round`` and ``rank`` in -1..2**53,
-    texts of at most :data:`MAX_TEXT` characters, ``time`` a finite number. Unknown
-    fields are ignored (additions by a later version).
-
-    Raises:
-        IterationRecordError: not JSON, over a bound, a missing or mistyped field.
-            Never another exception, whatever ``raw`` holds.
-    """
-    doc = _load_object(raw, where)
-    when = doc.get("time", 0.0)
-    if not isinstance(when, int | float) or isinstance(when, bool) or not math.isfinite(when):
-        raise IterationRecordError(f"{where}: 'time' must be a finite number, got {when!r:.80}")
-    return IterationRecord(
-        iteration=_int_field(doc, "iteration", where),
-        round=_int_field(doc, "round", where, low=-1),
-        restarts=_int_field(doc, "restarts", where),
-        cause=_text_field(doc, "cause", where),
-        node=_text_field(doc, "node", where),
-        rank=_int_field(doc, "rank", where, low=-1),
-        message=_text_field(doc, "message", where),
-        time=float(when),
-    )
-
-
-def encode_iteration_record(record: IterationRecord) -> bytes:
-    """Serialize ``record`` to the JSON stored in etcd (the module doc's layout)."""
-    doc = {
-        "iteration": record.iteration,
-        "round": record.round,
-        "restarts": record.restarts,
-        "cause": record.cause,
-        "node": record.node,
-        "rank": record.rank,
-        "message": record.message,
-        "time": record.time,
-    }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
 def decode_ready(raw: bytes, where: str = "in-process ready key") -> ReadyRecord:
     """Parse and validate a termination-barrier value ``{"group_rank", "addr", "port"}``.
 
@@ -209,7 +134,10 @@ def decode_ready(raw: bytes, where: str = "in-process ready key") -> ReadyRecord
     round_ = doc.get("round", -1)
     if not _is_int(round_) or not -1 <= round_ <= MAX_COUNTER:
         raise IterationRecordError(f"{where}: bad 'round': {raw[:120]!r}")
-    return ReadyRecord(_int_field(doc, "group_rank", where), addr, port, round_)
+    group_rank = doc.get("group_rank")
+    if not _is_int(group_rank) or not 0 <= group_rank <= MAX_COUNTER:
+        raise IterationRecordError(f"{where}: bad 'group_rank': {raw[:120]!r}")
+    return ReadyRecord(group_rank, addr, port, round_)
 
 
 def encode_ready(ready: ReadyRecord) -> bytes:
@@ -217,33 +145,6 @@ def encode_ready(ready: ReadyRecord) -> bytes:
     doc = {"group_rank": ready.group_rank, "addr": ready.addr, "port": ready.port,
            "round": ready.round}  # fmt: skip
     return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def next_record(
-    record: IterationRecord,
-    *,
-    round_: int,
-    cause: str,
-    node: str,
-    rank: int,
-    message: str,
-    now: float,
-    charge: bool = True,
-) -> IterationRecord:
-    """The record after a fault of ``record.iteration``: the next iteration, one more
-    restart spent (none when not ``charge``: a membership change carried into the next
-    round, :mod:`~kelastic_sidecar.inprocess_carry`), the fault described (texts cut to
-    :data:`MAX_TEXT`)."""
-    return IterationRecord(
-        iteration=record.iteration + 1,
-        round=round_,
-        restarts=record.restarts + int(charge),
-        cause=cause[:MAX_TEXT],
-        node=node[:MAX_TEXT],
-        rank=rank,
-        message=message[:MAX_TEXT],
-        time=now,
-    )
 
 
 class RecordStore(Protocol):
@@ -260,13 +161,15 @@ class RecordStore(Protocol):
 class Advance(enum.Enum):
     """How :func:`advance_iteration` ended."""
 
-    #: This call moved the record to the next iteration.
+    #: This call moved the record to the next iteration (replacing a corrupt one:
+    #: :attr:`AdvanceOutcome.replaced` says how it was corrupt).
     ADVANCED = "advanced"
     #: The record is already past the faulted iteration (another node won the race).
     SUPERSEDED = "superseded"
     #: ``restarts`` reached the budget: no in-process restart for this fault.
     EXHAUSTED = "exhausted"
-    #: The stored record is corrupt (:attr:`AdvanceOutcome.error` says how).
+    #: No next record can be written (the iteration at
+    #: :data:`~kelastic.inprocess_record.MAX_ITERATION`; :attr:`AdvanceOutcome.error`).
     CORRUPT = "corrupt"
 
 
@@ -279,13 +182,18 @@ class AdvanceOutcome:
         record: the record as stored now (the one written on :attr:`Advance.ADVANCED`);
             ``None`` on :attr:`Advance.CORRUPT`.
         revision: its ``mod_revision`` (0 when missing or corrupt).
-        error: the decoder's message on :attr:`Advance.CORRUPT`.
+        error: why no record could be written, on :attr:`Advance.CORRUPT`.
+        replaced: on :attr:`Advance.ADVANCED` over a corrupt record, the decoder's
+            message about it (``""`` otherwise).
+        replaced_revision: that corrupt record's ``mod_revision`` (0 when none).
     """
 
     kind: Advance
     record: IterationRecord | None
     revision: int = 0
     error: str = ""
+    replaced: str = ""
+    replaced_revision: int = 0
 
 
 def advance_iteration(
@@ -295,13 +203,14 @@ def advance_iteration(
     max_restarts: int,
     *,
     round_: int,
-    cause: str,
+    cause: RestartCause,
     node: str,
     rank: int,
     message: str,
     now: float,
     known: tuple[bytes | None, int] | None = None,
     charge: bool = True,
+    known_restarts: int = 0,
 ) -> AdvanceOutcome:
     """Move the record from iteration ``faulted`` to ``faulted + 1`` (one restart spent),
     by compare-and-set on its ``mod_revision`` (the fencing of every in-process restart).
@@ -310,7 +219,11 @@ def advance_iteration(
     the current value when it fails, so a lost race needs no read either).
 
     A record *behind* ``faulted`` (deleted, or rewritten by hand) is moved to
-    ``faulted + 1`` as well, keeping its ``restarts``: iterations never go back.
+    ``faulted + 1`` as well, keeping its ``restarts``: iterations never go back. A
+    *corrupt* record (refused by :func:`decode_iteration_record`: forged, or written by
+    something else) is replaced the same way, by compare-and-set on its revision, with
+    ``known_restarts`` as the restarts spent before (the caller's count: a corrupt record
+    never refills the budget); the outcome's :attr:`AdvanceOutcome.replaced` says so.
 
     Args:
         store: the etcd client.
@@ -323,6 +236,7 @@ def advance_iteration(
         charge: spend one restart (checked against ``max_restarts``); False: a restart
             that is not a fault (nodes joining or leaving on purpose), neither checked
             nor counted.
+        known_restarts: restarts the caller knows were spent (used over a corrupt record).
 
     Returns:
         the outcome; :attr:`Advance.SUPERSEDED` is the fenced-out loser of a race.
@@ -338,24 +252,29 @@ def advance_iteration(
         value, known_revision = known
         got = None if value is None else (value, known_revision)
     for _ in range(_MAX_CAS):
+        revision = got[1] if got else 0
         try:
             record = IterationRecord() if got is None else decode_iteration_record(got[0], key)
+            corrupt = ""
         except IterationRecordError as exc:
-            return AdvanceOutcome(Advance.CORRUPT, None, got[1] if got else 0, str(exc))
-        revision = got[1] if got else 0
+            record, corrupt = IterationRecord(iteration=faulted, restarts=known_restarts), str(exc)
         if record.iteration > faulted:
             return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
         if charge and record.restarts >= max_restarts:
             return AdvanceOutcome(Advance.EXHAUSTED, record, revision)
         base = IterationRecord(iteration=faulted, restarts=record.restarts)
-        new = next_record(
-            base, round_=round_, cause=cause, node=node, rank=rank, message=message, now=now,
-            charge=charge,
-        )  # fmt: skip
+        try:
+            new = next_record(
+                base, round_=round_, cause=cause, node=node, rank=rank, message=message,
+                now=now, charge=charge,
+            )  # fmt: skip
+        except IterationRecordError as exc:
+            return AdvanceOutcome(Advance.CORRUPT, None, revision, f"{key}: {exc}")
         ok, current, new_revision = store.cas(
             key, encode_iteration_record(new), revision if got else None
         )
         if ok:
-            return AdvanceOutcome(Advance.ADVANCED, new, new_revision)
+            return AdvanceOutcome(Advance.ADVANCED, new, new_revision, "", corrupt,
+                                  revision if corrupt else 0)  # fmt: skip
         got = None if current is None else (current, new_revision)
     raise RuntimeError(f"could not update {key} after {_MAX_CAS} tries")

@@ -57,6 +57,7 @@ from .inprocess_record import (
     Advance,
     IterationRecord,
     ReadyRecord,
+    RestartCause,
     advance_iteration,
     encode_iteration_record,
 )
@@ -175,7 +176,7 @@ class HybridMachine(RestartMachine):
         self._kill_at.pop(local_rank, None)
         self._progress.discard(local_rank)
 
-    def _advance(self, cause: str, failure: Failure, message: str) -> bool:
+    def _advance(self, cause: RestartCause, failure: Failure, message: str) -> bool:
         """Compare-and-set the record past the current iteration for the death; apply it."""
         ctx = self._ctx
         assert ctx is not None
@@ -185,13 +186,13 @@ class HybridMachine(RestartMachine):
                 self._store, self._keys.inprocess_iteration, self._iteration,
                 self.settings.max_restarts, round_=ctx.round, cause=cause, node=self.node,
                 rank=rank, message=f"{message}; {self._death_note()}", now=failure.time,
-                known=self._known,
+                known=self._known, known_restarts=self._restarts,
             )  # fmt: skip
         except (EtcdError, RuntimeError) as exc:
             log.error("%s: cannot record the in-process restart (%s)", message, exc)
             return False
+        self.corrupt.replaced(out)
         if out.kind is Advance.CORRUPT:
-            self._metrics.corrupt_values.labels(source="inprocess_record").inc()
             log.error("%s: %s", message, out.error)
             return False
         if out.kind is Advance.EXHAUSTED or out.record is None:

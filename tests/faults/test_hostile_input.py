@@ -6,20 +6,25 @@ crashes. Real etcd, real sockets, and one row with ``kelastic run``.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kelastic_sidecar.control import MSG_DISCONNECTED, ControlServer, Hello, Message
 from kelastic_sidecar.etcd_store import EtcdStore
 from kelastic_sidecar.rendezvous_state import RendezvousStateError, decode_state
 from kelastic_sidecar.restart_budget import RestartBudget, decode_record
 from tests.conftest import wait_for
-from tests.localrun import KelasticRun, write_job
+from tests.localrun import WORKERS, KelasticRun, write_job
 from tests.sidecar.test_rendezvous import Cluster, join_all, settings
 
 DEEP = b"[" * 50_000 + b"]" * 50_000
@@ -150,3 +155,130 @@ def test_kelastic_run_survives_a_crafted_state_written_mid_training(
         if run.proc.poll() is None:
             run.proc.kill()
         admin.close()
+
+
+# ----------------------------------------------- issue 20: a forged in-process record
+
+#: The issue's forged record: a valid shape, iteration 2**53 (no writer gets there).
+FORGED = (b'{"iteration":9007199254740992,"round":0,"restarts":0,"cause":"x","node":"x",'
+          b'"rank":1,"message":"forged","time":1}')  # fmt: skip
+_PID = re.compile(r"^\[(\d)\]:? ?pid (\d+) start iteration (\d+)$", re.M)
+_ENTER = re.compile(r"^\[(\d)\]:? ?pid (\d+) enter iteration (\d+)$", re.M)
+
+
+def _inprocess_job(tmp: Path, name: str) -> tuple[Path, Path]:
+    """A 2 x 1 job of ``tests/workers/wrapped_steps.py`` (no torch) with in-process restart
+    on and SIGUSR1 raising in the wrapped function; returns the manifest and stop file."""
+    stop = tmp / "stop"
+    job = write_job(
+        tmp / "job.yaml", name=name, replicas=2, nproc=1,
+        command=["python", str(WORKERS / "wrapped_steps.py")],
+        env={"STEPS_STOP_FILE": str(stop), "KELASTIC_INJECT_RAISE": "1"},
+    )  # fmt: skip
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": 10,
+                                "softTimeoutSeconds": 10, "hardTimeoutSeconds": 20}  # fmt: skip
+    job.write_text(yaml.safe_dump(doc))
+    return job, stop
+
+
+def _pid_of(run: KelasticRun, rank: int) -> int:
+    pids = [int(p) for r, p, _ in _PID.findall(run.output) if int(r) == rank]
+    assert pids, run.output
+    return pids[-1]
+
+
+def _record_key(admin: EtcdStore, name: str) -> str:
+    """The job's in-process record key (``<prefix>/inprocess/iteration``)."""
+    keys = [k for k in admin.get_prefix("/kelastic/") if f"/{name}/" in k]
+    state = next(k for k in keys if k.endswith("/rdzv/state"))
+    return state[: -len("rdzv/state")] + "inprocess/iteration"
+
+
+def _runner_lines(run: KelasticRun) -> list[str]:
+    """``kelastic run``'s own lines (not the workers', not the periodic status)."""
+    return [ln for ln in list(run.lines)
+            if ln.startswith("[kelastic]") and not ln.startswith("[kelastic] status:")]  # fmt: skip
+
+
+def _stepping(run: KelasticRun, ranks: range, after: int) -> bool:
+    """Every rank of ``ranks`` took a step after output line ``after``."""
+    tail = run.lines[after:]
+    return all(any(ln.startswith(f"[{r}]: step ") for ln in tail) for r in ranks)
+
+
+def test_a_forged_inprocess_record_is_refused_and_in_process_restart_still_works(
+    tmp_path: Path, etcd_endpoint: str
+) -> None:
+    """Issue 20, item 1. Before: the sidecars took iteration 2**53, every rank aborted
+    with no fault, ``kelastic run`` printed ``in-process restart (iteration N): see the
+    sidecar logs`` for every N up to 2**53 and never returned. Now every reader refuses
+    the record as corrupt, ``kelastic run`` says so once, the raise that follows is an
+    in-process restart (the record replaced), a second one works too, and the job
+    succeeds with no line said twice."""
+    name = f"forged-{uuid.uuid4().hex[:8]}"
+    job, stop = _inprocess_job(tmp_path, name)
+    run = KelasticRun(job, "--etcd", etcd_endpoint, "--in-process", workdir=tmp_path / "runs")
+    admin = EtcdStore([etcd_endpoint])
+    try:
+        wait_for(lambda: _stepping(run, range(2), 0), 120, what="both ranks stepping")
+        pids = {r: _pid_of(run, r) for r in range(2)}
+        admin.put(_record_key(admin, name), FORGED)
+        wait_for(lambda: run.has("corrupt"), 60, what=f"the corrupt record reported:\n{run.output}")
+        mark = len(run.lines)
+        os.kill(pids[1], signal.SIGUSR1)
+        wait_for(lambda: run.has("in-process restart 1/10"), 60,
+                 what=f"the in-process restart:\n{run.output}")  # fmt: skip
+        wait_for(lambda: _stepping(run, range(2), mark), 60, what="stepping again")
+        mark = len(run.lines)
+        os.kill(pids[1], signal.SIGUSR1)
+        wait_for(lambda: run.has("in-process restart 2/10"), 60,
+                 what=f"the second in-process restart:\n{run.output}")  # fmt: skip
+        wait_for(lambda: _stepping(run, range(2), mark), 60, what="stepping again")
+        stop.touch()
+        assert run.wait(60) == 0, run.output
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.wait(30)
+        admin.close()
+    out = run.output
+    assert "job succeeded" in out, out
+    assert run.restarts_charged() == 0, out  # both raises restarted in process
+    assert {r: _pid_of(run, r) for r in range(2)} == pids, out  # the same processes
+    said = _runner_lines(run)
+    assert len(said) == len(set(said)), [ln for ln in said if said.count(ln) > 1][:5]
+    assert "see the sidecar logs" not in out, out
+    corrupt = [ln for ln in said if "corrupt" in ln]
+    assert len(corrupt) == 1 and "in-process record" in corrupt[0], corrupt
+    assert run.strays() == []
+
+
+def test_ctrl_c_stops_kelastic_run_whatever_the_inprocess_record_holds(
+    tmp_path: Path, etcd_endpoint: str
+) -> None:
+    """Issue 20, item 1: the issue's probe (forged record, then a raise), then Ctrl-C.
+    Before: "stopping the job" was printed and nothing stopped (SIGKILL needed)."""
+    name = f"forged-{uuid.uuid4().hex[:8]}"
+    job, _ = _inprocess_job(tmp_path, name)
+    run = KelasticRun(job, "--etcd", etcd_endpoint, "--in-process", workdir=tmp_path / "runs")
+    admin = EtcdStore([etcd_endpoint])
+    try:
+        wait_for(lambda: _stepping(run, range(2), 0), 120, what="both ranks stepping")
+        admin.put(_record_key(admin, name), FORGED)
+        os.kill(_pid_of(run, 1), signal.SIGUSR1)
+        wait_for(lambda: run.has("(iteration "), 60, what=f"the raise reported:\n{run.output}")
+        run.proc.send_signal(signal.SIGINT)
+        try:
+            code = run.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"Ctrl-C did not stop kelastic run:\n{run.output[-3000:]}"
+            ) from None
+        assert code == 130, run.output
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait(30)
+        admin.close()
+    wait_for(lambda: run.strays() == [], 30, what="every process gone")

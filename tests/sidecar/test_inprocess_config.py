@@ -75,7 +75,8 @@ def test_begin_round_gives_the_workers_the_jobs_iteration(
         status = coord.status()
         assert status == {
             "enabled": True, "iteration": 7, "restarts": 7, "max_restarts": on.max_restarts,
-            "phase": "running", "respawns": 0, "last": None, "carried": 0, "held": False,
+            "phase": "running", "respawns": 0, "last": None, "earlier": [], "corrupt": None,
+            "carried": 0, "held": False,
             "spares": {"configured": 0, "pids": {}, "promoted": 0, "waiting": []},
         }  # fmt: skip
         coord.end_round("succeeded")

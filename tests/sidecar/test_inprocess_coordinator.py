@@ -277,7 +277,13 @@ def test_bad_connections_are_dropped_and_the_others_unaffected(
         _restart((n,), 1)
 
 
-def test_a_corrupt_record_is_counted_and_falls_back(store: EtcdStore, job_prefix: str) -> None:
+def test_a_corrupt_record_is_counted_once_and_replaced_by_the_next_fault(
+    store: EtcdStore, job_prefix: str
+) -> None:
+    """Issue 20: a corrupt record once made every fault a process restart until the next
+    round; now the fault replaces it (compare-and-set on its revision, the restarts this
+    node knew of kept) and restarts in process. A corrupt record at a round's start is
+    replaced too, past every iteration this node knew of."""
     keys = contract.Keys(job_prefix)
     with make_node("solo", store, job_prefix) as n:
         n.begin(1, 0, ("solo",))
@@ -286,17 +292,22 @@ def test_a_corrupt_record_is_counted_and_falls_back(store: EtcdStore, job_prefix
         wait_for(lambda: sample(n.metrics, "kelastic_corrupt_values_total", **source) == 1,
                  10, what="the corrupt record counted")  # fmt: skip
         n.ranks[0].fault(0)
-        give_up = n.ranks[0].expect(GiveUp)  # this fault restarts the processes instead
-        assert "corrupt" in give_up.reason  # type: ignore[attr-defined]
-        assert sample(n.metrics, "kelastic_corrupt_values_total", **source) == 2
+        _restart((n,), 1)
+        got = _record(store, job_prefix)
+        assert (got.iteration, got.restarts, got.cause) == (1, 1, "exception")
+        assert sample(n.metrics, "kelastic_corrupt_values_total", **source) == 1  # the same one
+        corrupt = (n.coordinator.status() or {})["corrupt"]
+        assert corrupt["replaced_by"] == 1 and "integer of 5000" in corrupt["error"], corrupt
         n.coordinator.end_round("failed")
-        # the next round repairs it: an iteration past every one this node knew of
-        assert n.begin(2, 0, ("solo",), connect=False) == 1
-        assert _record(store, job_prefix).iteration == 1
-        assert sample(n.metrics, "kelastic_corrupt_values_total", **source) == 3
-        n.ranks = [n.connect(0, 1), n.connect(1, 0)]  # hello 0 is taken as the round's 1
-        n.ranks[1].fault(0)  # its own count: iteration 0, the round's 1
-        _restart((n,), 2)
+        store.put(keys.inprocess_iteration, b"\xff not json")
+        assert n.begin(2, 0, ("solo",), connect=False) == 2
+        assert _record(store, job_prefix).iteration == 2
+        assert _record(store, job_prefix).restarts == 1  # not refilled
+        wait_for(lambda: sample(n.metrics, "kelastic_corrupt_values_total", **source) == 2,
+                 10, what="the second corrupt record counted")  # fmt: skip
+        n.ranks = [n.connect(0, 2), n.connect(1, 0)]  # hello 0 is taken as the round's 2
+        n.ranks[1].fault(0)  # its own count: iteration 0, the round's 2
+        _restart((n,), 3)
 
 
 def test_end_round_gives_up_and_a_late_rank_is_aborted(

@@ -10,6 +10,7 @@ import pytest
 from kelastic import contract
 from kelastic_sidecar.etcd_store import EtcdStore
 from kelastic_sidecar.inprocess_record import (
+    MAX_ITERATION,
     Advance,
     AdvanceOutcome,
     IterationRecord,
@@ -83,11 +84,29 @@ def test_budget_and_a_record_behind(store: EtcdStore, job_prefix: str) -> None:
     )
     assert out.kind is Advance.ADVANCED and out.record is not None
     assert (out.record.iteration, out.record.restarts, out.record.round) == (6, 2, 2)
+    # a corrupt record met by a fault is replaced (issue 20: it was a process restart
+    # for every fault until the next round), the caller's restarts counted, not refilled
     store.put(key, b"{corrupt")
-    corrupt = advance_iteration(
-        store, key, 6, 3, round_=2, cause="exception", node="n", rank=1, message="", now=0.0
-    )
-    assert corrupt.kind is Advance.CORRUPT and "not JSON" in corrupt.error
+    put = store.get(key)[1]  # type: ignore[index]
+    fixed = advance_iteration(
+        store, key, 6, 3, round_=2, cause="exception", node="n", rank=1, message="", now=0.0,
+        known_restarts=1,
+    )  # fmt: skip
+    assert fixed.kind is Advance.ADVANCED and fixed.record is not None
+    assert (fixed.record.iteration, fixed.record.restarts) == (7, 2)
+    assert "not JSON" in fixed.replaced and fixed.replaced_revision == put
+    got = store.get(key)
+    assert got is not None and decode_iteration_record(got[0]) == fixed.record
+    # a record no writer can advance (iteration at its bound): refused, nothing written
+    top = IterationRecord(iteration=MAX_ITERATION, round=1, restarts=0, time=1.0)
+    store.put(key, encode_iteration_record(top))
+    refused = advance_iteration(
+        store, key, MAX_ITERATION, 3, round_=2, cause="exception", node="n", rank=1,
+        message="", now=0.0,
+    )  # fmt: skip
+    assert refused.kind is Advance.CORRUPT and "2147483647" in refused.error
+    got = store.get(key)
+    assert got is not None and decode_iteration_record(got[0]) == top
 
 
 def _ctx(round_: int = 3, participants: tuple[str, ...] = ("a", "b")) -> RoundContext:

@@ -92,6 +92,27 @@ def _depth_ok(raw: bytes, max_depth: int) -> bool:
     return True
 
 
+def _too_deep_or_not_json(data: bytes, max_depth: int) -> str:
+    """Why bytes with more than ``max_depth`` nested brackets are refused: ``not JSON``
+    when they cannot be JSON however deep (not UTF-8, not starting with ``[`` or ``{``,
+    brackets that do not pair up), else ``nested deeper than ...``."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not JSON: not UTF-8 ({exc.reason} at byte {exc.start})"
+    head = data.lstrip(b" \t\r\n")[:1]
+    if head not in (b"[", b"{"):
+        return f"not JSON: starts with {head!r}, not an array or object"
+    stack: list[bytes] = []
+    for match in _TOKENS.finditer(data):
+        token = match.group()
+        if token in (b"[", b"{"):
+            stack.append(b"]" if token == b"[" else b"}")
+        elif token in (b"]", b"}") and (not stack or stack.pop() != token):
+            return f"not JSON: unmatched {token.decode()!r} at byte {match.start()}"
+    return f"nested deeper than {max_depth}"
+
+
 def _parse_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise UnsafeJSONError(f"integer of {len(text)} characters")
@@ -131,7 +152,7 @@ def loads_bounded(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPT
         raise UnsafeJSONError(f"{len(raw)} bytes, over the {max_bytes}-byte limit")
     data = raw.encode("utf-8", errors="surrogatepass") if isinstance(raw, str) else raw
     if not _depth_ok(data, max_depth):
-        raise UnsafeJSONError(f"nested deeper than {max_depth}")
+        raise UnsafeJSONError(_too_deep_or_not_json(data, max_depth))
     try:
         text = raw if isinstance(raw, str) else raw.decode("utf-8")
         if _RISKY_NUMBER.search(data) is None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
-from kelastic import contract
+from kelastic.inprocess_record import MAX_ITERATION, RecordError, RestartCause, record_from_mapping
 
 from ..model import ElasticJob
 from .replicas import Replica
@@ -30,6 +30,10 @@ from .replicas import Replica
 INPROCESS_REPORT_WAIT = 10.0
 #: Longest fault message shown in an in-process restart line (characters, first line).
 MESSAGE_MAX = 200
+#: Most in-process iterations looked at per poll (a bigger jump is said in one line).
+MAX_SAID_PER_POLL = 16
+#: Most ``earlier`` restarts read of a sidecar's status.
+EARLIER_READ = 8
 #: How a restart's line ends when said before every rank stepped again.
 NOT_YET = "not every rank is stepping again yet"
 
@@ -48,11 +52,46 @@ def root_cause(failures: list[dict[str, Any]]) -> str:
     return str(pool[0].get("summary") or "see the sidecar logs")
 
 
+def _iteration(value: object) -> int | None:
+    """An iteration within the shared codec's bounds (:mod:`kelastic.inprocess_record`),
+    else None."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_ITERATION
+    return value if ok else None  # type: ignore[return-value]
+
+
 def inprocess_docs(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The sidecars' ``inprocess`` sections that are there and enabled (an older sidecar
-    has none; a disabled one reports None)."""
+    has none; a disabled one reports None) and whose ``iteration`` is within the shared
+    codec's bounds (a sidecar reports nothing else: the record's readers all refuse more)."""
     docs = (s.get("inprocess") for s in statuses)
-    return [d for d in docs if isinstance(d, dict) and d.get("enabled")]
+    return [
+        d
+        for d in docs
+        if isinstance(d, dict) and d.get("enabled") and _iteration(d.get("iteration")) is not None
+    ]
+
+
+def _described(value: object, iteration: int) -> bool:
+    """``value`` is a sidecar's description of the restart into ``iteration``, valid as
+    the record's fields are (:func:`kelastic.inprocess_record.record_from_mapping`)."""
+    if not isinstance(value, dict) or value.get("iteration") != iteration:
+        return False
+    try:
+        record_from_mapping(value, "in-process restart", complete=False)
+    except RecordError:
+        return False
+    return True
+
+
+def restart_records(docs: list[dict[str, Any]], iteration: int) -> list[dict[str, Any]]:
+    """Each node's description of the restart into ``iteration``: its ``last``, or one
+    of the ``earlier`` ones (a later restart came before this poll)."""
+    found: list[dict[str, Any]] = []
+    for d in docs:
+        earlier = d.get("earlier")
+        pool = [d.get("last"), *(earlier[-EARLIER_READ:] if isinstance(earlier, list) else [])]
+        found.extend(x for x in pool[: 1 + EARLIER_READ] if _described(x, iteration))
+    return found
 
 
 def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool) -> str | None:
@@ -60,37 +99,31 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
 
     ``in-process restart 1/10 (iteration 1): rank 1 exception: InjectedFault: ...;
     stepping again after 0.21s``: the budget as the nodes count it, the fault from the
-    ``last`` record, and the slowest node's seconds from the abort until each of its ranks
-    stepped again. It waits until every node that took part reports that figure, unless
-    ``waited_out`` (the line then says the ranks are not stepping yet). Dead ranks a
-    spare replaced are named before that (``local rank 1 replaced by the spare of slot 2
-    (pid 77, no process start)``).
+    ``last`` record (or an ``earlier`` one), and the slowest node's seconds from the abort
+    until each of its ranks stepped again. It waits until every node that took part
+    reports that figure, unless ``waited_out`` (the line then says the ranks are not
+    stepping yet). Dead ranks a spare replaced are named before that (``local rank 1
+    replaced by the spare of slot 2 (pid 77, no process start)``). No running sidecar
+    describes it (its node died, or a corrupt record was replaced by it,
+    :func:`corrupt_lines`): None once ``waited_out``, as nothing true can be said of it.
 
     Args:
         docs: see :func:`inprocess_docs`.
         iteration: the iteration the restart went into.
         waited_out: say it now, whatever is missing.
     """
-    lasts = [
-        d["last"]
-        for d in docs
-        if isinstance(d.get("last"), dict) and d["last"].get("iteration") == iteration
-    ]
-    if not lasts:  # a later restart overwrote it before it was seen
-        return (
-            f"in-process restart (iteration {iteration}): see the sidecar logs"
-            if waited_out
-            else None
-        )
+    lasts = restart_records(docs, iteration)
+    if not lasts:
+        return None
     resumed = [last.get("resumed_s") for last in lasts]
     # Every node reached the iteration; those that took part (not a node that joined with
     # fresh workers in it: the node-change rung) say when their ranks stepped again.
-    behind = [d for d in docs if int(d.get("iteration") or 0) < iteration]
+    behind = [d for d in docs if int(d["iteration"]) < iteration]
     done = not behind and all(isinstance(r, (int, float)) for r in resumed)
     if not done and not waited_out:
         return None
     last = lasts[0]
-    restarts = max(int(d.get("restarts") or 0) for d in docs)
+    restarts = max((int(d.get("restarts") or 0) for d in docs), default=0)
     top = max(int(d.get("max_restarts") or 0) for d in docs)
     message = str(last.get("message") or "").strip().splitlines()
     text = message[0] if message else ""
@@ -106,9 +139,29 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
     spared = [str(p) for x in lasts for p in x.get("promoted") or [] if isinstance(p, str)]
     if spared:  # spare ranks: "local rank 1 replaced by the spare of slot 2 (pid .., no ...)"
         after = "; ".join([*spared, after])
-    if last.get("cause") == contract.INPROCESS_CAUSE_MEMBERSHIP:  # no restart spent
+    if last.get("cause") == RestartCause.MEMBERSHIP:  # no restart spent
         return f"in-process round change (iteration {iteration}): {text}; {after}"
-    return f"in-process restart {restarts}/{top} (iteration {iteration}): {cause}; {after}"
+    count = last.get("restarts") if isinstance(last.get("restarts"), int) else restarts
+    return f"in-process restart {count}/{top} (iteration {iteration}): {cause}; {after}"
+
+
+def corrupt_lines(docs: list[dict[str, Any]], said: set[int]) -> list[str]:
+    """One line per corrupt in-process record the sidecars refused (``inprocess.corrupt``:
+    its etcd revision, the codec's error, the iteration that replaced it), each revision
+    once: ``said`` holds those said already and is updated."""
+    lines = []
+    for d in docs:
+        bad = d.get("corrupt")
+        rev = bad.get("revision") if isinstance(bad, dict) else None
+        if not isinstance(rev, int) or rev in said:
+            continue
+        said.add(rev)
+        error = str(bad.get("error") or "")[:MESSAGE_MAX]  # type: ignore[union-attr]
+        fix = bad.get("replaced_by")  # type: ignore[union-attr]
+        then = (f"replaced by iteration {fix}" if _iteration(fix) is not None
+                else "refused; the next fault replaces it")  # fmt: skip
+        lines.append(f"corrupt in-process record in etcd ({error}): {then}")
+    return lines
 
 
 def inprocess_followup(docs: list[dict[str, Any]], iteration: int) -> str | None:
@@ -119,18 +172,14 @@ def inprocess_followup(docs: list[dict[str, Any]], iteration: int) -> str | None
     ``in-process restart (iteration 3): local rank 1 (pid 77) killed by SIGKILL: ...
     (started again as a process); every rank stepping again after 31.20s``. None while
     not every rank steps again."""
-    lasts = [
-        d["last"]
-        for d in docs
-        if isinstance(d.get("last"), dict) and d["last"].get("iteration") == iteration
-    ]
+    lasts = restart_records(docs, iteration)
     resumed = [last.get("resumed_s") for last in lasts]
-    behind = [d for d in docs if int(d.get("iteration") or 0) < iteration]
+    behind = [d for d in docs if int(d["iteration"]) < iteration]
     if not lasts or behind or not all(isinstance(r, (int, float)) for r in resumed):
         return None
     took = max(float(r) for r in resumed if isinstance(r, (int, float)))
     died = [f"{str(x)[:MESSAGE_MAX]} (started again as a process)"
-            for last in lasts for x in last.get("died") or []]  # fmt: skip
+            for last in lasts for x in (last.get("died") or [])[:16]]  # fmt: skip
     head = "; ".join(died) + "; " if died else ""
     return (
         f"in-process restart (iteration {iteration}): {head}every rank stepping again "
@@ -168,7 +217,8 @@ class ProgressReporter:
         self.say = say
         self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}}
         #: In-process restarts: the last iteration said, the count, when the next was seen.
-        self._inproc: dict[str, Any] = {"said": 0, "restarts": 0, "seen_at": None}
+        self._inproc: dict[str, Any] = {"said": 0, "restarts": 0, "seen_at": None,
+                                        "open": None, "corrupt": set()}  # fmt: skip
 
     def poll(self, pods: list[Replica]) -> None:
         """Fetch each live sidecar's status (into ``pod.status``) and say what changed."""
@@ -223,13 +273,22 @@ class ProgressReporter:
             )
 
     def _poll_inprocess(self, statuses: list[dict[str, Any]]) -> None:
-        """Say each in-process restart once (see :func:`inprocess_line`)."""
+        """Say each in-process restart once (see :func:`inprocess_line`), each corrupt
+        record once (:func:`corrupt_lines`). Bounded whatever the sidecars report: at
+        most :data:`MAX_SAID_PER_POLL` iterations are looked at per poll."""
         docs = inprocess_docs(statuses)
         if not docs:
             return
         seen = self._inproc
+        for note in corrupt_lines(docs, seen["corrupt"]):
+            self.say(note)
         seen["restarts"] = max(seen["restarts"], *(int(d.get("restarts") or 0) for d in docs))
-        newest = max(int(d.get("iteration") or 0) for d in docs)
+        newest = max(int(d["iteration"]) for d in docs)
+        if newest - seen["said"] > MAX_SAID_PER_POLL:  # a jump no poll could follow
+            jumped = newest - MAX_SAID_PER_POLL
+            self.say(f"in-process iteration {seen['said']} -> {jumped}: no running sidecar "
+                     f"describes the iterations between")  # fmt: skip
+            seen["said"], seen["seen_at"], seen["open"] = jumped, None, None
         while seen["said"] < newest:
             iteration = seen["said"] + 1
             since = seen["seen_at"] = seen["seen_at"] or time.monotonic()

@@ -251,3 +251,53 @@ def test_a_dead_sidecars_last_status_does_not_hold_a_restart_back() -> None:
         "in-process restart 1/10 (iteration 1): node_lost: node digits-1 lost: gone; "
         "stepping again after 1.03s"
     ]
+
+
+def test_a_jump_of_iterations_is_one_line_and_an_out_of_bounds_one_none() -> None:
+    """Issue 20: a status naming a far iteration (a forged record let through, or a
+    sidecar gone wrong) once drove ``kelastic run`` to say ``in-process restart
+    (iteration N): see the sidecar logs`` for every N up to it (2**53: forever, Ctrl-C
+    included). Now a poll looks at a bounded number of iterations, says a jump in one
+    line, and ignores a status beyond the record's bounds."""
+    reporter, said = _reporter(enabled=True)
+    far = _inproc(100_000, 1, 0.1)
+    pods = [_Pod(0, _status(inprocess=far)), _Pod(1, _status(inprocess=far))]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    inproc = [x for x in said if "in-process" in x]
+    assert len(inproc) <= 2, inproc[:5]
+    assert inproc[-1].startswith("in-process restart 1/10 (iteration 100000): rank 1"), inproc
+    assert not any("see the sidecar logs" in x for x in said), said[:5]
+    reporter, said = _reporter(enabled=True)
+    forged = _inproc(2**53, 1, 0.1)
+    reporter.poll([_Pod(0, _status(inprocess=forged))])  # type: ignore[list-item]
+    assert [x for x in said if "in-process" in x] == []
+
+
+def test_a_restart_overwritten_before_the_poll_is_still_named_and_a_corrupt_record_said_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 20: ``see the sidecar logs`` was said where the cause was known (a later
+    restart overwrote ``last`` before the poll, e.g. a sidecar killed right after a
+    raise); now the sidecars keep the ``earlier`` restarts. A corrupt record the
+    sidecars refused is said, once per record, with what replaced it."""
+    monkeypatch.setattr(progress, "INPROCESS_REPORT_WAIT", 0.0)
+    reporter, said = _reporter(enabled=True)
+    first = {**_inproc(1, 1, 0.4)["last"], "restarts": 1}
+    doc = _inproc(2, 2, 1.03)
+    doc["last"].update(cause="node_lost", rank=-1, message="node digits-1 lost: gone", restarts=2)
+    doc["earlier"] = [first]
+    doc["corrupt"] = {"revision": 41, "error": "in-process record: 'iteration' must be ..."}
+    pods = [_Pod(0, _status(inprocess=doc))]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    doc["corrupt"]["replaced_by"] = 1  # the same record, now replaced: said already
+    reporter.poll(pods)  # type: ignore[arg-type]
+    inproc = [x for x in said if "in-process" in x]
+    assert inproc == [
+        "corrupt in-process record in etcd (in-process record: 'iteration' must be ...): "
+        "refused; the next fault replaces it",
+        "in-process restart 1/10 (iteration 1): rank 1 exception: InjectedFault: fault "
+        "injected (SIGUSR1); stepping again after 0.40s",
+        "in-process restart 2/10 (iteration 2): node_lost: node digits-1 lost: gone; "
+        "stepping again after 1.03s",
+    ], inproc
