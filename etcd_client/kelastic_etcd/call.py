@@ -15,8 +15,11 @@ no longer accepts is replaced once per call.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ipaddress
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -82,11 +85,29 @@ class Backoff:
         self._delay = self.first
 
 
+#: A DNS name (RFC 1123 labels; ``_`` allowed as Kubernetes Service records use it).
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}\.?$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_][A-Za-z0-9_-]{0,62})*\.?$"
+)
+
+
+def _port(raw: str, text: str) -> str:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"etcd endpoint {raw!r}: port {text!r} is not in 1..65535")
+    return str(int(text))
+
+
 def parse_endpoint(raw: str) -> tuple[str, bool]:
     """``host:port`` (port defaults to 2379) and whether the scheme asked for TLS.
 
+    Accepted: an optional ``http://`` or ``https://``, then a DNS name, an IPv4 address,
+    or an IPv6 address (``[::1]`` with a port; bare ``::1`` without), then ``:port``
+    (1..65535) or nothing, then an optional ``/``.
+
     Raises:
-        ValueError: a scheme other than http(s), or no host.
+        ValueError: a scheme other than http(s), a host that is none of those (spaces,
+            several colons, empty), a port that is not in 1..65535; the message quotes
+            ``raw``.
     """
     text = raw.strip()
     secure = False
@@ -96,14 +117,23 @@ def parse_endpoint(raw: str) -> tuple[str, bool]:
             raise ValueError(f"etcd endpoint {raw!r}: scheme must be http or https")
         secure = scheme == "https"
     text = text.rstrip("/")
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or (":" in host and not host.endswith("]")):
-        host, port = text, ""  # no port given
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"  # a bare IPv6 address
-    if not host or "/" in host:
-        raise ValueError(f"etcd endpoint {raw!r} is not host:port")
-    return f"{host}:{port or DEFAULT_PORT}", secure
+    bad = ValueError(f"etcd endpoint {raw!r} is not host:port")
+    if text.startswith("["):  # [v6] or [v6]:port
+        host, close, rest = text[1:].partition("]")
+        if not close or (rest and not rest.startswith(":")):
+            raise bad
+        port = _port(raw, rest[1:]) if rest else ""
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad from None
+        return f"[{host}]:{port or DEFAULT_PORT}", secure
+    with contextlib.suppress(ValueError):  # a bare IPv6 address: no port
+        return f"[{ipaddress.IPv6Address(text)}]:{DEFAULT_PORT}", secure
+    host, sep, port = text.partition(":")
+    if not _HOSTNAME.match(host) or (sep and not port):
+        raise bad
+    return f"{host}:{_port(raw, port) if sep else DEFAULT_PORT}", secure
 
 
 def code_of(exc: grpc.RpcError) -> Any:

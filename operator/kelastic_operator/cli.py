@@ -298,6 +298,8 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    from kelastic_etcd.call import parse_endpoint
+
     from .local.faults import Fault
     from .local.runner import LocalOptions, LocalRunner
     from .model import ManifestError, load_manifest
@@ -321,9 +323,17 @@ def _run(args: argparse.Namespace) -> int:
         top = (args.replicas or spec.replicas) * spec.nproc_per_node
         if fault.rank >= top:
             return _usage_error(err, f"fault rank {fault.rank} >= world size {top}")
+    endpoints = [e.strip() for e in (args.etcd or "").split(",") if e.strip()]
+    if args.etcd is not None and not endpoints:
+        return _usage_error(err, f"--etcd {args.etcd!r}: no endpoint (expected host:port,...)")
+    for endpoint in endpoints:
+        try:
+            parse_endpoint(endpoint)
+        except ValueError as exc:
+            return _usage_error(err, f"--etcd: {exc}")
     options = LocalOptions(
         replicas=args.replicas,
-        etcd=[e.strip() for e in (args.etcd or "").split(",") if e.strip()],
+        etcd=endpoints,
         faults=faults,
         workdir=args.workdir,
         stop_grace=args.stop_grace,

@@ -630,16 +630,22 @@ def load_manifest(path: Path) -> ElasticJob:
     """Read the ElasticJob from a YAML file (the first document of kind ElasticJob).
 
     Raises:
-        ManifestError: unreadable file, bad YAML, no ElasticJob document, invalid spec.
+        ManifestError: unreadable file, not UTF-8, bad YAML, nested too deep, no
+            ElasticJob document, invalid spec; the message starts with ``path``.
     """
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                            "is it a YAML manifest?") from None  # fmt: skip
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise ManifestError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ManifestError(f"{path}: not a manifest: nested too deep to read") from None
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if not jobs:
         raise ManifestError(f"{path}: no document with kind: {KIND}")

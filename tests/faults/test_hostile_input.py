@@ -24,7 +24,7 @@ from kelastic_sidecar.etcd_store import EtcdStore
 from kelastic_sidecar.rendezvous_state import RendezvousStateError, decode_state
 from kelastic_sidecar.restart_budget import RestartBudget, decode_record
 from tests.conftest import wait_for
-from tests.localrun import WORKERS, KelasticRun, write_job
+from tests.localrun import WORKERS, KelasticRun, run_cli, write_job
 from tests.sidecar.test_rendezvous import Cluster, join_all, settings
 
 DEEP = b"[" * 50_000 + b"]" * 50_000
@@ -282,3 +282,52 @@ def test_ctrl_c_stops_kelastic_run_whatever_the_inprocess_record_holds(
             run.proc.wait(30)
         admin.close()
     wait_for(lambda: run.strays() == [], 30, what="every process gone")
+
+
+# ------------------------------------- issue 20, item 4: bad input to kelastic run
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["not a host:port:::", "etcd:99999", "etcd:0", "ftp://etcd:2379", ":2379", "et cd:2379",
+     "[::1:2379", "host:port", "127.0.0.1:2379,bad host:1"],
+)  # fmt: skip
+def test_kelastic_run_refuses_a_bad_etcd_endpoint_in_one_line(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """Before: ``--etcd 'not a host:port:::'`` started the job, whose sidecars retried
+    that "endpoint" forever. Now: exit 2, one line naming it, nothing started."""
+    job = write_job(tmp_path / "job.yaml")
+    try:
+        out = run_cli(str(job), "--etcd", endpoint, "--workdir", str(tmp_path / "runs"),
+                      timeout=30)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"--etcd {endpoint!r} was not refused: the job ran") from None
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert len(lines) == 1 and lines[0].startswith("kelastic run: --etcd"), lines
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (bytes(range(256)) * 4, "not UTF-8"),
+        (b"\xff\xfe\x00binary", "not UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested"),
+        (b"kind: ElasticJob\x00\n", "not valid YAML"),
+        (b"kind: ElasticJob\nspec: [1, 2]\n", "invalid ElasticJob"),
+    ],
+    ids=["binary", "utf16-bom", "100k-brackets", "nul", "bad-spec"],
+)
+def test_every_manifest_error_names_the_file(tmp_path: Path, content: bytes, says: str) -> None:
+    """Before: a binary manifest was refused as ``'utf-8' codec can't decode byte 0xb7 in
+    position 0`` (no file named) and a deeply nested one with a RecursionError traceback.
+    Now every manifest error is one ``kelastic run: <file>: ...`` report, exit 2."""
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(content)
+    out = run_cli(str(path))
+    assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
+    first = out.stderr.strip().splitlines()[0]
+    assert first.startswith(f"kelastic run: {path}: "), out.stderr[-2000:]
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
