@@ -185,3 +185,19 @@ def test_repeated_restarts_leak_no_connections(run_dir: Path) -> None:
             assert sorted(sockets) == [0, 1, 2, 3]
             assert sockets[3] <= sockets[1], sockets
             print(f"\nrank {rank}: sockets open at each iteration's entry: {sockets}")
+
+
+def test_torchs_rank_prefix_is_not_piled_up_per_iteration(run_dir: Path) -> None:
+    """Issue 20: each iteration's ``init_process_group`` wraps ``sys.excepthook`` in
+    torch's rank prefix again, so the traceback of a rank that finally failed read
+    ``[rank0]: [rank0]: [rank0]: ...``, one prefix per iteration. The Wrapper gives each
+    iteration the hook it found: one prefix."""
+    env = {"KL_GLOO": "1", "KL_STEPS": "3", "KL_FAULT": "0:1,1:1,2:1", "KL_DO": "raise"}
+    with job(run_dir, 1, env=env) as j:
+        j.log.wait(ev("enter", rank=0, iteration=2), what="iteration 2")
+        assert j.coord is not None
+        j.coord.give_up_on_fault = True  # the third raise is given up: the rank exits
+        assert j.wait_exit() == [1]
+        err = j.stderr(0)
+    assert "[rank0]: Traceback" in err, err[-3000:]
+    assert "[rank0]: [rank0]:" not in err, err[-3000:]

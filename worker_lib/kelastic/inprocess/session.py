@@ -127,6 +127,10 @@ class Session(Generic[R]):
         self._monitor: Monitor | None = None
         self._injector = Injector()
         self._kept_store: Any = None  # abort.keep_store(): the aborted iteration's store
+        #: The exception hook before the first iteration: each iteration starts with it
+        #: (torch's ``init_process_group`` wraps ``sys.excepthook`` in a ``[rank<r>]: ``
+        #: prefix each time it is called: once per iteration would pile them up).
+        self._excepthook = sys.excepthook
 
     # ------------------------------------------------------------------ plumbing
 
@@ -256,6 +260,7 @@ class Session(Generic[R]):
         """Call the function as ``iteration``; whatever it raises is returned."""
         assert self._monitor is not None
         self.call_wrapper._iteration = iteration
+        sys.excepthook = self._excepthook
         self._snapshot = abort.snapshot()
         self._heartbeat.begin(iteration)
         self._guard.start()
