@@ -346,6 +346,7 @@ class Worker:
     rank: int
     proc: subprocess.Popen[str]
     stderr: list[str] = field(default_factory=list)
+    pumps: list[threading.Thread] = field(default_factory=list)  # its output's readers
 
 
 class Job:
@@ -378,7 +379,9 @@ class Job:
             worker = Worker(rank, proc)
             self.workers.append(worker)
             for stream, sink in ((proc.stdout, None), (proc.stderr, worker.stderr)):
-                threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True).start()
+                pump = threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True)
+                pump.start()
+                worker.pumps.append(pump)
 
     def _pump(self, rank: int, stream: Any, sink: list[str] | None) -> None:
         for line in stream:
@@ -405,6 +408,9 @@ class Job:
                 raise AssertionError(
                     f"rank {worker.rank} still running; stderr and stacks:\n" + self.stacks(worker)
                 ) from None
+        for worker in self.workers:  # its output read to the end (a race, before)
+            for pump in worker.pumps:
+                pump.join(max(0.1, deadline - time.monotonic()))
         return codes
 
     def expect_exit(self, codes: list[int], timeout: float = 60.0) -> None:
