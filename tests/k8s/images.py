@@ -683,6 +683,18 @@ def _offline_home(wheels: Path, stage: Path) -> Path:
     return home
 
 
+def _clean_storage(pm: Podman) -> None:
+    """Remove what builds leave in the test storage: the working containers of a build that
+    was killed (named ``<image>-working-container``: the tests name theirs otherwise) and
+    dangling images (earlier builds' layers; without this the storage grows by the
+    trainer's 4 GB per torch change). Call it holding the build lock."""
+    names = pm.buildah("containers", "--format", "{{.ContainerName}}", check=False).split()
+    left = [n for n in names if re.search(r"-working-container(-\d+)?$", n)]
+    if left:
+        pm.buildah("rm", *left, check=False)
+    pm.podman("image", "prune", "--force", timeout=600, check=False)
+
+
 def _build(pm: Podman, recipe: _Recipe, key: str, archive: Path, stage: Path) -> None:
     """Build ``recipe`` into podman's storage, then save it to ``archive`` (docker-archive)."""
     dockerfile = recipe.dockerfile
@@ -715,6 +727,7 @@ def _build(pm: Podman, recipe: _Recipe, key: str, archive: Path, stage: Path) ->
         cmd += ["--secret", f"id=pip-cert,src={bundle}"]
     if recipe.wheels:
         cmd += ["--volume", f"{_offline_home(recipe.wheels, stage)}:/root"]
+    _clean_storage(pm)
     old = pm.inspect(recipe.name)
     if _label(old, OUTSIDE_LABEL) != recipe.outside_key():
         cmd.append("--no-cache")  # cached layers may hold what an older wheelhouse put in
@@ -724,6 +737,7 @@ def _build(pm: Podman, recipe: _Recipe, key: str, archive: Path, stage: Path) ->
     new = pm.inspect(recipe.name)
     if old and new and old["Id"] != new["Id"]:  # keep the storage from growing per edit
         pm.podman("rmi", str(old["Id"]), check=False)
+        _clean_storage(pm)
     started = time.monotonic()
     part = archive.with_name(f".{archive.name}.{os.getpid()}.part")
     part.unlink(missing_ok=True)
@@ -788,8 +802,9 @@ def ensure_in_podman(name: str, archive: Path, pm: Podman | None = None) -> str:
     """
     pm = pm or podman()
     key16 = archive.stem.rsplit("-", 1)[-1]
-    if not _label(pm.inspect(name), KEY_LABEL).startswith(key16):
-        pm.podman("load", "--input", str(archive), timeout=1200)
+    with _locked(images_dir() / ".lock"):  # no build's clean-up meanwhile
+        if not _label(pm.inspect(name), KEY_LABEL).startswith(key16):
+            pm.podman("load", "--input", str(archive), timeout=1200)
     return name
 
 
