@@ -11,8 +11,9 @@ What is real: TLS with a generated CA, client-certificate authentication (admin 
 RBAC), the RBAC and Node authorizers, the default admission plugins plus
 ``OwnerReferencesPermissionEnforcement`` and Pod Security, a service-account issuer with
 token requests, the garbage collector, namespace, service-account and root-CA controllers,
-and the scheduler. Not run: the node-lifecycle controller (our Nodes are run by
-:mod:`tests.k8s.kubelet` or kwok, which keep them Ready themselves), cloud controllers.
+and the node-lifecycle controller (a Node whose kubelet stops renewing its Lease goes
+NotReady, is tainted and its Pods evicted, as on a cluster), and the scheduler. Not run:
+node IPAM (each test node has its own Pod CIDR in its CNI config), cloud controllers.
 """
 
 from __future__ import annotations
@@ -178,13 +179,18 @@ class Client:
 
     def claim(self, name: str, size: str = "1Gi") -> None:
         """A ``ReadWriteMany`` PersistentVolumeClaim ``name`` in this client's namespace,
-        bound to a PersistentVolume made for it (hostPath: the local kubelet maps claims
-        to folders anyway); the scheduler places no Pod whose claim is missing or unbound."""
+        bound to a PersistentVolume made for it: a ``hostPath`` folder, which every test
+        node sees (they share this machine's ``/tmp``), writable by any uid (the Pods run
+        as non-root users, and ``fsGroup`` does not apply to hostPath); the scheduler
+        places no Pod whose claim is missing or unbound."""
         pv = f"{self.namespace}-{name}"[:63]
+        folder = Path("/tmp/kelastic-pv") / pv
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o777)
         docs = [
             {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
              "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany"],
-                      "storageClassName": "", "hostPath": {"path": f"/tmp/kelastic-pv/{pv}"},
+                      "storageClassName": "", "hostPath": {"path": str(folder)},
                       "claimRef": {"namespace": self.namespace, "name": name}}},
             {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
              "metadata": {"name": name, "namespace": self.namespace},
@@ -325,7 +331,7 @@ class ControlPlane:
             "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
             "--leader-elect=false", "--use-service-account-credentials=true",
             f"--service-account-private-key-file={sa.key}", f"--root-ca-file={ca.cert}",
-            "--controllers=*,-nodelifecycle,-node-ipam-controller,"
+            "--controllers=*,-node-ipam-controller,"
             "-attachdetach,-persistentvolume-expander,-ephemeral-volume,-service-lb-controller",
             "--concurrent-gc-syncs=5",
         ])  # fmt: skip

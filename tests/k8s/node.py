@@ -172,70 +172,6 @@ class NodeCgroups:
             with contextlib.suppress(OSError):
                 folder.rmdir()
 
-    # ------------------------------------------------------------- what tests look at
-
-    def log(self, namespace: str, pod: str, container: str) -> str:
-        """What a container wrote, through the API (``kubectl logs``: API server -> this
-        kubelet). A Pod deleted since keeps the text last read of it, so that what a test
-        gathers over time only grows (:meth:`logs`)."""
-        key = (namespace, pod, container)
-        code, body = self.cluster.request(
-            "GET", f"/api/v1/namespaces/{namespace}/pods/{pod}/log?container={container}"
-        )
-        if code == 200 and isinstance(body, str):
-            uid = ((self.cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")[1]
-                    or {}).get("metadata") or {}).get("uid", "")  # fmt: skip
-            self._logs[(*key, uid)] = body
-        texts = [t for (ns, p, c, _), t in self._logs.items() if (ns, p, c) == key]
-        return "\n".join(texts)
-
-    def logs(self, namespace: str, container: str) -> str:
-        """Every log of ``container`` in the namespace's Pods, present and deleted."""
-        code, body = self.cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods")
-        for pod in body.get("items", []) if code == 200 else []:
-            self.log(namespace, pod["metadata"]["name"], container)
-        return "\n".join(t for (ns, _, c, _), t in self._logs.items()
-                         if ns == namespace and c == container)  # fmt: skip
-
-    def container_pids(self, pod: Obj, container: str) -> list[int]:
-        """Host pids of the processes in a container of ``pod`` (its cgroup under this
-        node's ``cgroupRoot``; the container id from the Pod's status)."""
-        status = pod.get("status") or {}
-        cid = ""
-        for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
-            if c["name"] == container and c.get("containerID"):
-                cid = c["containerID"].split("://", 1)[1]
-        if not cid:
-            return []
-        root = Path("/sys/fs/cgroup/pids") / self.cgroups.path.strip("/")
-        uid = pod["metadata"]["uid"]
-        out: list[int] = []
-        for folder in root.rglob(f"pod{uid}"):
-            procs = folder / cid / "cgroup.procs"
-            with contextlib.suppress(OSError):
-                out += [int(x) for x in procs.read_text().split()]
-        return out
-
-    def http_get(self, url: str, timeout: float = 5.0) -> str:
-        """GET ``url`` from inside the node's network (a Pod's IP and port)."""
-        import urllib.request
-
-        from .netns import in_netns
-
-        def get() -> str:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
-                return str(response.read().decode())
-
-        return in_netns(self.netns, get)
-
-    def process_pid(self, name: str) -> int:
-        """The host pid of a node component (``kubelet``, ``containerd``): the child of
-        its ``nsenter``."""
-        kids = list_children(self.procs[name].pid)
-        if not kids:
-            raise ProcessLookupError(f"{name} of node {self.name} is not running")
-        return kids[0]
-
     def leftovers(self) -> list[str]:
         """The folders of the tree still present (empty after :meth:`remove`)."""
         return [str(f) for f in self._made if f.exists()]
@@ -734,6 +670,24 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
 
         return in_netns(self.netns, get)
 
+    def pids(self) -> list[int]:
+        """Host pids of the processes in the node's own PID namespace (its init, containerd,
+        the shims, the kubelet; the containers, in PID namespaces nested below it, are in
+        :meth:`container_pids` and the node's cgroups)."""
+        if not self.init_pid:
+            return []
+        try:
+            ns = os.readlink(f"/proc/{self.init_pid}/ns/pid")
+        except OSError:
+            return []
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.readlink(entry / "ns/pid") == ns:
+                        out.append(int(entry.name))
+        return sorted(out)
+
     def process_pid(self, name: str) -> int:
         """The host pid of a node component (``kubelet``, ``containerd``): the child of
         its ``nsenter``."""
@@ -741,6 +695,31 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
         if not kids:
             raise ProcessLookupError(f"{name} of node {self.name} is not running")
         return kids[0]
+
+    def explain(self, namespace: str, lines: int = 15) -> str:
+        """What a failing test should print: each Pod's phase and container states, the
+        tail of each container's log, the namespace's Warning events, the kubelet's tail."""
+        out = []
+        code, body = self.cluster.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+        for pod in body.get("items", []) if code == 200 else []:
+            name, status = pod["metadata"]["name"], pod.get("status") or {}
+            out.append(f"=== pod {name}: {status.get('phase')} {status.get('reason', '')} "
+                       f"ip={status.get('podIP')}")  # fmt: skip
+            for c in (status.get("initContainerStatuses") or []) + (
+                status.get("containerStatuses") or []
+            ):
+                out.append(f"  {c['name']}: ready={c.get('ready')} restarts={c.get('restartCount')}"
+                           f" state={json.dumps(c.get('state'))[:400]}")  # fmt: skip
+                text = self.log(namespace, name, c["name"])
+                out += [f"    | {line}" for line in text.splitlines()[-lines:]]
+        code, body = self.cluster.request(
+            "GET", f"/api/v1/namespaces/{namespace}/events?fieldSelector=type%3DWarning"
+        )
+        for ev in body.get("items", []) if code == 200 else []:
+            out.append(f"event {ev['involvedObject'].get('name')}: {ev.get('reason')}: "
+                       f"{ev.get('message', '')[:300]}")  # fmt: skip
+        out.append(self.log_tail("kubelet", lines))
+        return "\n".join(out)
 
     def leftovers(self) -> list[str]:
         """What of the node is still on this machine after :meth:`stop` (should be [])."""

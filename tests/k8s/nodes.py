@@ -11,6 +11,7 @@ at once, so deletions complete as on a real node instead of staying Terminating.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -76,10 +77,27 @@ class ManualNode:
         assert code == 200, f"PATCH {path}: {code} {out}"
         return dict(out)
 
+    def _heartbeat(self) -> None:
+        """Renew the node's Lease, as a kubelet does (the node-lifecycle controller marks a
+        Node whose Lease is not renewed NotReady and taints it)."""
+        lease_path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}"
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {"holderIdentity": self.name, "leaseDurationSeconds": 40, "renewTime": now}
+        code, _ = self.cluster.request("PATCH", lease_path, {"spec": spec},
+                                       "application/merge-patch+json")  # fmt: skip
+        if code == 404:
+            self.cluster.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/"
+                                 "leases", {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                            "metadata": {"name": self.name}, "spec": spec})  # fmt: skip
+
     def _loop(self) -> None:
-        """Complete graceful deletions of this node's Pods."""
+        """Renew the Lease and complete graceful deletions of this node's Pods."""
         path = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.name}"
+        beat = 0.0
         while not self._stop.wait(0.2):
+            if time.monotonic() - beat > 5:
+                self._heartbeat()
+                beat = time.monotonic()
             code, listed = self.cluster.request("GET", path)
             if code != 200:
                 continue

@@ -25,13 +25,13 @@ from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE
 from tests.k8s.kopf_thread import KopfThread
-from tests.k8s.kubelet import LocalKubelet
+from tests.k8s.images import DIGITS as DIGITS_IMAGE
+from tests.k8s.images import KELASTIC as KELASTIC_IMAGE
+from tests.k8s.node import RealNode
 from tests.k8s.nodes import ManualNode
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples/digits/elasticjob.yaml"
-#: The digits example's image name (the local kubelet runs it from examples/digits/).
-DIGITS_IMAGE = "ghcr.io/kelastic/digits-example:0.1.0"
 
 
 def operator_client(cluster: ControlPlane, namespace: str) -> Client:
@@ -46,7 +46,9 @@ def running_operator(
     cluster: ControlPlane, k8s: Client, etcd_endpoint: str, **pod_settings: Any
 ) -> Iterator[OperatorContext]:
     """The operator's handlers in a kopf thread serving ``k8s``'s namespace as the
-    operator's ServiceAccount, with a real etcd; ``pod_settings`` add to its PodSettings.
+    operator's ServiceAccount, with a real etcd (``etcd_endpoint``: as the Pods reach it,
+    :meth:`RealNode.expose`) and the image of ``Dockerfile`` as the sidecar's;
+    ``pod_settings`` add to its PodSettings.
     On exit the namespace's jobs are deleted while the handlers still run their
     finalizers."""
     client = operator_client(cluster, k8s.namespace)
@@ -54,7 +56,7 @@ def running_operator(
     ctx = OperatorContext(
         api=api,
         pod_settings=PodSettings(
-            sidecar_image="kelastic:test", etcd_endpoints=(etcd_endpoint,), **pod_settings
+            sidecar_image=KELASTIC_IMAGE, etcd_endpoints=(etcd_endpoint,), **pod_settings
         ),
         stores=StoreCache(lambda eps: EtcdRendezvousStore(eps, timeout=3, time_retry=0.5)),
         # the operator's default, as the chart deploys it: a change in etcd reaches the
@@ -95,15 +97,23 @@ def job_manifest(name: str = "digits", node: ManualNode | None = None, **spec: A
 
 @pytest.fixture
 def digits_operator(
-    k8s_cluster: ControlPlane, k8s: Client, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
+    k8s_cluster: ControlPlane, k8s: Client, node: RealNode, etcd_server: EmbeddedEtcd
 ) -> Iterator[OperatorContext]:
     """The operator (as its ServiceAccount) serving a restricted namespace whose Pods the
-    local kubelet runs, with the digits example's image and checkpoint claim (the e2e
-    training tests)."""
+    real node runs from the images built here (the digits example's trainer image and
+    ``Dockerfile``'s), with the example's checkpoint claim (the e2e training tests)."""
     k8s.kubectl("label", "namespace", k8s.namespace,
                 "pod-security.kubernetes.io/enforce=restricted")  # fmt: skip
     k8s.claim("digits-checkpoints")
-    kubelet.images[DIGITS_IMAGE] = DIGITS.parent
-    kubelet.images["kelastic:test"] = DIGITS.parent
-    with running_operator(k8s_cluster, k8s, etcd_server.endpoint, stop_grace=3) as ctx:
+    etcd = node.expose(etcd_server.endpoint)
+    with running_operator(k8s_cluster, k8s, etcd, stop_grace=3) as ctx:
+        yield ctx
+
+
+@pytest.fixture
+def node_operator(
+    k8s_cluster: ControlPlane, k8s: Client, node: RealNode, etcd_server: EmbeddedEtcd
+) -> Iterator[OperatorContext]:
+    """The operator serving the test's namespace with an etcd the real node's Pods reach."""
+    with running_operator(k8s_cluster, k8s, node.expose(etcd_server.endpoint)) as ctx:
         yield ctx

@@ -1,7 +1,7 @@
 """In-process restart on the operator's path (issue 12): the digits job with
 ``spec.inProcess.enabled`` on the real test cluster (kubectl, kopf as the operator's
-ServiceAccount, real etcd, the local kubelet running each Pod's sidecar and trainer as
-processes, real torch DDP training in a ``restricted`` namespace).
+ServiceAccount, real etcd, the real node running each Pod's sidecar and trainer containers
+from the images built here, real torch DDP training in a ``restricted`` namespace).
 
 One worker raises inside the wrapped training function (SIGUSR1 with
 ``KELASTIC_INJECT_RAISE=1`` in the trainer's env, as ``kelastic run --fault raise:...``
@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import time
-import urllib.request
 from typing import Any
 
 import psutil
@@ -31,11 +30,9 @@ from kelastic import contract
 from kelastic_operator.handlers import OperatorContext
 from kelastic_operator.labels import SIDECAR_CONTAINER
 from tests.k8s.cluster import Client, pods_by_name, wait_until
-from tests.k8s.kubelet import PLACEMENT, LocalKubelet
+from tests.k8s.node import PLACEMENT, RealNode
 
-from .conftest import DIGITS, DIGITS_IMAGE
-
-IMAGE = DIGITS_IMAGE
+from .conftest import DIGITS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 T = 120.0  # seconds a step of the scenario may take on a loaded 2-core machine
 RAISING_RANK = 1
@@ -45,7 +42,7 @@ _HASH = re.compile(r"^\[(\d+)\]: iteration (\d+): params sha256 ([0-9a-f]{8})", 
 
 def _manifest() -> str:
     """The digits example with in-process restart on, the Wrapper's fault injection armed
-    (SIGUSR1 raises inside the wrapped function), fewer epochs, on the local kubelet."""
+    (SIGUSR1 raises inside the wrapped function), fewer epochs, on the test's node."""
     doc = yaml.safe_load(DIGITS.read_text())
     doc["spec"]["inProcess"] = {"enabled": True}
     pod = doc["spec"]["template"]["spec"]
@@ -60,45 +57,38 @@ def _status(k8s: Client) -> dict[str, Any]:
     return ((k8s.get("elasticjob", "digits") or {}).get("status")) or {}
 
 
-def _logs(kubelet: LocalKubelet, namespace: str) -> str:
-    return "\n".join(
-        kubelet.log(ns, name, "trainer") for (ns, name) in list(kubelet.pods) if ns == namespace
-    )
+def _logs(node: RealNode, namespace: str) -> str:
+    return node.logs(namespace, "trainer")
 
 
-def _worker_procs(kubelet: LocalKubelet, namespace: str) -> list[tuple[str, int, int]]:
+def _worker_procs(node: RealNode, namespace: str) -> list[tuple[str, int, int]]:
     """``(pod, global rank, pid)`` of every worker process of the namespace's Pods (the
-    trainer container's descendants whose environment has ``RANK``)."""
+    processes of the trainer container's cgroup whose environment has ``RANK``)."""
     out: list[tuple[str, int, int]] = []
-    for (ns, name), local in list(kubelet.pods.items()):
-        for c in local.pod.containers if ns == namespace else []:
-            if c.name != "trainer" or c.proc.poll() is not None:
+    for name, pod in pods_by_name(node.cluster.admin, namespace).items():
+        for pid in node.container_pids(pod, "trainer"):
+            try:
+                rank = psutil.Process(pid).environ().get(contract.RANK)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            for child in psutil.Process(c.proc.pid).children(recursive=True):
-                try:
-                    rank = child.environ().get(contract.RANK)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-                if rank is not None and rank.isdigit():
-                    out.append((name, int(rank), child.pid))
+            if rank is not None and rank.isdigit():
+                out.append((name, int(rank), pid))
     return out
 
 
-def _workers(kubelet: LocalKubelet, namespace: str) -> dict[int, int]:
+def _workers(node: RealNode, namespace: str) -> dict[int, int]:
     """Global rank -> pid of every worker process of the namespace's Pods."""
-    return {rank: pid for _, rank, pid in _worker_procs(kubelet, namespace)}
+    return {rank: pid for _, rank, pid in _worker_procs(node, namespace)}
 
 
-def _sidecar_metrics(kubelet: LocalKubelet, namespace: str) -> dict[str, str]:
-    """Pod name -> its kelastic sidecar's ``/metrics`` text (the local kubelet gives each
-    sidecar a free HTTP port on 127.0.0.1)."""
+def _sidecar_metrics(node: RealNode, namespace: str) -> dict[str, str]:
+    """Pod name -> its kelastic sidecar's ``/metrics`` text, fetched at the Pod's IP from
+    inside the node's network."""
     out = {}
-    for (ns, name), local in list(kubelet.pods.items()):
-        for c in local.pod.containers if ns == namespace else []:
-            if c.http_port:
-                url = f"http://127.0.0.1:{c.http_port}/metrics"
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    out[name] = response.read().decode()
+    for name, pod in pods_by_name(node.cluster.admin, namespace).items():
+        ip = (pod.get("status") or {}).get("podIP")
+        if ip:
+            out[name] = node.http_get(f"http://{ip}:{contract.DEFAULT_HTTP_PORT}/metrics")
     return out
 
 
@@ -121,30 +111,30 @@ def _restarted(status: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
-    k8s: Client, digits_operator: OperatorContext, kubelet: LocalKubelet
+    k8s: Client, digits_operator: OperatorContext, node: RealNode
 ) -> None:
     api, ns = k8s, k8s.namespace
     api.kubectl("apply", "-f", "-", input=_manifest())
     wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
-    wait_until(lambda: "epoch 2/" in _logs(kubelet, ns), T, what="training")
+    wait_until(lambda: "epoch 2/" in _logs(node, ns), T, what="training")
     uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(api).items()}
-    workers = wait_until(lambda: _all(_workers(kubelet, ns)), T, what="4 workers")
-    assert len(_hashes(_logs(kubelet, ns), 0)) == 4
+    workers = wait_until(lambda: _all(_workers(node, ns)), T, what="4 workers")
+    assert len(_hashes(_logs(node, ns), 0)) == 4
 
     # rank 1 raises inside the wrapped function
     raised_at = time.monotonic()
     os.kill(workers[RAISING_RANK], signal.SIGUSR1)
-    new = wait_until(lambda: _all(_hashes(_logs(kubelet, ns), 1)), T, interval=0.1,
+    new = wait_until(lambda: _all(_hashes(_logs(node, ns), 1)), T, interval=0.1,
                      what="every rank in iteration 1")  # fmt: skip
     reentered_s = time.monotonic() - raised_at
     assert len(set(new.values())) == 1, new  # every rank continues from the same state
-    assert _workers(kubelet, ns) == workers  # the same processes
+    assert _workers(node, ns) == workers  # the same processes
     status = wait_until(lambda: _restarted(_status(api)), T, what="the restart in the status")
     last = status["lastInProcessRestart"]
     assert last["iteration"] == 1 and last["rank"] == RAISING_RANK, last
     assert last["cause"] == "exception" and "InjectedFault" in last["message"], last
     assert last["node"] in uids and last["time"], last
-    sidecars = _sidecar_metrics(kubelet, ns)
+    sidecars = _sidecar_metrics(node, ns)
     assert _metric_sum(sidecars, _INPROCESS) >= 1, sidecars
     restart_s = [
         float(m) for text in sidecars.values()
@@ -166,23 +156,22 @@ def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
     assert (final.get("restartsSpent") or 0) == 0 and not final.get("replacements"), final
     assert final["inProcessRestarts"] == 1, final
     assert {n: p["metadata"]["uid"] for n, p in pods_by_name(api).items()} == uids
-    logs = _logs(kubelet, ns)
+    logs = _logs(node, ns)
     accuracies = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)", logs)]
     assert accuracies and accuracies[-1] >= 0.90, logs[-2000:]
     assert "resumed from checkpoint" not in logs  # no process started again
-    assert not [w for w in kubelet.warnings if ns in w], kubelet.warnings
 
 
-def _pod_ranks(kubelet: LocalKubelet, namespace: str) -> dict[str, set[int]]:
+def _pod_ranks(node: RealNode, namespace: str) -> dict[str, set[int]]:
     """Pod name -> the global ranks of its live worker processes."""
     out: dict[str, set[int]] = {}
-    for name, rank, _ in _worker_procs(kubelet, namespace):
+    for name, rank, _ in _worker_procs(node, namespace):
         out.setdefault(name, set()).add(rank)
     return out
 
 
 def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
-    k8s: Client, digits_operator: OperatorContext, kubelet: LocalKubelet
+    k8s: Client, digits_operator: OperatorContext, node: RealNode
 ) -> None:
     """The node-change rung on the operator's path: a Pod deleted mid-training (its
     sidecar leaves the round: an unplanned departure, a lost node) ends the round; the
@@ -193,9 +182,9 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
     doc["spec"]["podReplacement"] = {"backoffSeconds": 0}
     api.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
-    wait_until(lambda: "epoch 2/" in _logs(kubelet, ns), T, what="training")
-    workers = wait_until(lambda: _all(_workers(kubelet, ns)), T, what="4 workers")
-    by_pod = wait_until(lambda: _pod_ranks(kubelet, ns) or None, T, what="ranks per Pod")
+    wait_until(lambda: "epoch 2/" in _logs(node, ns), T, what="training")
+    workers = wait_until(lambda: _all(_workers(node, ns)), T, what="4 workers")
+    by_pod = wait_until(lambda: _pod_ranks(node, ns) or None, T, what="ranks per Pod")
     victim = next(name for name, ranks in by_pod.items() if 0 not in ranks)
     kept = {r: workers[r] for r in workers if r not in by_pod[victim]}
     assert len(kept) == 2, (by_pod, workers)
@@ -203,11 +192,8 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
     sidecar_logs = {}
 
     def restarted() -> dict[str, Any] | None:
-        for key in list(kubelet.pods):  # keep the deleted Pod's log for a failure
-            if key[0] == ns:
-                sidecar_logs[key[1]] = kubelet.log(*key, SIDECAR_CONTAINER) or sidecar_logs.get(
-                    key[1], ""
-                )
+        # the deleted Pod's log is kept as last read, for a failure's message
+        sidecar_logs["all"] = node.logs(ns, SIDECAR_CONTAINER)
         return _restarted(_status(api))
 
     api.kubectl("delete", "pod", victim, "--wait=false")
@@ -222,7 +208,7 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
     # the replacement joins (the survivors' next round, or a later one: a round change
     # that spends nothing) and all 4 ranks step again, in one iteration past 0
     def joined() -> dict[int, str] | None:
-        logs = _logs(kubelet, ns)
+        logs = _logs(node, ns)
         newest = max((int(it) for _, it, _ in _HASH.findall(logs)), default=0)
         return _all(_hashes(logs, newest)) if newest >= 1 else None
 
@@ -231,16 +217,16 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
     except AssertionError as exc:
         restarted()
         logs = "\n".join(sidecar_logs.values())
-        tail = _logs(kubelet, ns)[-3000:]
+        tail = _logs(node, ns)[-3000:]
         raise AssertionError(f"{exc}: {_status(api)}\n{logs}\n{tail}") from None
     assert len(set(hashes.values())) == 1, hashes  # every rank continues from one state
-    now = _workers(kubelet, ns)
+    now = _workers(node, ns)
     restarted()  # the sidecars' logs, for the message
     assert {r: now.get(r) for r in kept} == kept, (now, kept, "\n".join(sidecar_logs.values()))
     wait_until(lambda: _status(api).get("phase") == "Succeeded", 4 * T, what="Succeeded")
     final = _status(api)
     assert (final.get("restartsSpent") or 0) == 0, final  # no process restart
     assert final["inProcessRestarts"] == 1, final  # the lost node; the join spent none
-    logs = _logs(kubelet, ns)
+    logs = _logs(node, ns)
     accuracies = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)", logs)]
     assert accuracies and accuracies[-1] >= 0.90, logs[-2000:]

@@ -1,7 +1,7 @@
 """The operator running the real digits job on the real test cluster: kubectl, kopf as the
-operator's ServiceAccount, real etcd, and the local kubelet running each Pod's sidecar and
-trainer as processes (real torch DDP training), in a namespace that enforces Pod Security
-``restricted``.
+operator's ServiceAccount, real etcd, and the real node (kubelet, containerd, runc) running
+each Pod's sidecar and trainer containers from the images built here (real torch DDP
+training across Pod IPs), in a namespace that enforces Pod Security ``restricted``.
 
 One job goes through the issue's scenarios in order: Running with its world size ->
 ``kubectl scale`` mid-training (a third node joins at the next round) -> ``kubectl delete
@@ -24,12 +24,11 @@ from kelastic_operator.handlers import OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_sidecar.etcd_store import EtcdStore
 from tests.k8s.cluster import Client, pods_by_name, wait_until
-from tests.k8s.kubelet import PLACEMENT, LocalKubelet
+from tests.k8s.node import PLACEMENT, RealNode
 
-from .conftest import DIGITS, DIGITS_IMAGE
+from .conftest import DIGITS
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGE = DIGITS_IMAGE
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 T = 120.0  # seconds a step of the scenario may take on a loaded 2-core machine
 
@@ -38,21 +37,19 @@ def _status(k8s: Client) -> dict[str, Any]:
     return ((k8s.get("elasticjob", "digits") or {}).get("status")) or {}
 
 
-def _trainer_logs(kubelet: LocalKubelet, namespace: str) -> str:
-    return "\n".join(
-        kubelet.log(ns, name, "trainer") for (ns, name) in list(kubelet.pods) if ns == namespace
-    )
+def _trainer_logs(node: RealNode, namespace: str) -> str:
+    return node.logs(namespace, "trainer")
 
 
 def _manifest() -> str:
-    """The digits example, unchanged but for the placement on the local kubelet's Node."""
+    """The digits example, unchanged but for the placement on the test's node."""
     doc = yaml.safe_load(DIGITS.read_text())
     doc["spec"]["template"]["spec"].update(PLACEMENT)
     return yaml.safe_dump(doc)
 
 
 def test_digits_runs_scales_survives_a_pod_deletion_and_succeeds(
-    k8s: Client, digits_operator: OperatorContext, kubelet: LocalKubelet, etcd_server: EmbeddedEtcd
+    k8s: Client, digits_operator: OperatorContext, node: RealNode, etcd_server: EmbeddedEtcd
 ) -> None:
     api, ns = k8s, k8s.namespace
     api.kubectl("apply", "-f", "-", input=_manifest())
@@ -61,17 +58,17 @@ def test_digits_runs_scales_survives_a_pod_deletion_and_succeeds(
     wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
     table = api.kubectl("get", "ej", "digits").stdout
     assert re.search(r"digits\s+Running\s+2\s+\d\s+4\s+0", table), table
-    wait_until(lambda: "epoch 2/" in _trainer_logs(kubelet, ns), T, what="training")
+    wait_until(lambda: "epoch 2/" in _trainer_logs(node, ns), T, what="training")
 
     # Scale up mid-training: a third node joins at the next round; no restart is spent.
     api.kubectl("scale", "ej/digits", "--replicas=3")
     wait_until(lambda: _status(api).get("worldSize") == 6, T, what="world size 6")
-    wait_until(lambda: re.search(r"world 6", _trainer_logs(kubelet, ns)), T, what="a step at 6")
+    wait_until(lambda: re.search(r"world 6", _trainer_logs(node, ns)), T, what="a step at 6")
     assert (_status(api).get("restartsSpent") or 0) == 0
 
     # Delete a Pod mid-training: replaced, the group restarts and resumes from checkpoint.
     old_uid = pods_by_name(api)["digits-1"]["metadata"]["uid"]
-    resumed_before = _trainer_logs(kubelet, ns).count("resumed from checkpoint")
+    resumed_before = _trainer_logs(node, ns).count("resumed from checkpoint")
     api.kubectl("delete", "pod", "digits-1", "--wait=false")
     wait_until(
         lambda: pods_by_name(api).get("digits-1", {}).get("metadata", {}).get("uid")
@@ -80,14 +77,14 @@ def test_digits_runs_scales_survives_a_pod_deletion_and_succeeds(
     )  # fmt: skip
     wait_until(lambda: (_status(api).get("restartsSpent") or 0) >= 1, T, what="restart shown")
     wait_until(
-        lambda: _trainer_logs(kubelet, ns).count("resumed from checkpoint") > resumed_before,
+        lambda: _trainer_logs(node, ns).count("resumed from checkpoint") > resumed_before,
         T, what="training resumed from the checkpoint",
     )  # fmt: skip
 
     # The job finishes.
     wait_until(lambda: _status(api).get("phase") == "Succeeded", 3 * T, what="Succeeded")
     accuracies = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)",
-                                               _trainer_logs(kubelet, ns))]  # fmt: skip
+                                               _trainer_logs(node, ns))]  # fmt: skip
     assert accuracies and accuracies[-1] >= 0.90
     # The deleted Pod cost exactly one restart; the scale-up none.
     assert _status(api)["restartsSpent"] == 1
@@ -99,4 +96,3 @@ def test_digits_runs_scales_survives_a_pod_deletion_and_succeeds(
     prefix = contract.job_prefix(ns, "digits", uid)
     with EtcdStore([etcd_server.endpoint]) as store:
         wait_until(lambda: not store.get_prefix(prefix), T, what="etcd keys gone")
-    assert not [w for w in kubelet.warnings if ns in w], kubelet.warnings
