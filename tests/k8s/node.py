@@ -497,9 +497,10 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
         return result
 
     def import_images(self, archives: Any) -> None:
-        """Import image archives into the node's containerd (``ctr images import``)."""
-        for archive in archives:
-            self.ctr("images", "import", "--all-platforms", "--no-unpack", str(archive))
+        """Import image archives into the node's containerd (:func:`tests.k8s.images.import_images`)."""
+        from .images import import_images
+
+        import_images(self.bin / "ctr", self.containerd_sock, list(archives))
 
     # ---------------------------------------------------------------------- kubelet
 
