@@ -132,7 +132,13 @@ def test_the_wrapped_training_function_runs_once_without_in_process(tmp_path: Pa
         assert "iteration 1" not in "".join(first)  # called once
         assert "epoch 2/2" in first[0] and "final test accuracy" in first[0]
         again = run(3)
+        # a run started after the last epoch's checkpoint (a Pod replaced as the job ended,
+        # seen on the real node) trains nothing and still reports the model's accuracy
+        done = run(3)
     assert "resumed from checkpoint: epoch 1 done" in again[0], again
     resumed = r"^iteration 0: params sha256 [0-9a-f]{8} \(epoch 2, step 0, from rank 0\)$"
     assert re.search(resumed, again[1], re.M), again
     assert "epoch 3/3" in again[0]
+    assert "resumed from checkpoint: epoch 2 done" in done[0] and "epoch 3/3" not in done[0]
+    last_epoch = re.findall(r"test_acc (\d\.\d+)", again[0])[-1]
+    assert re.findall(r"final test accuracy (\S+)", done[0]) == [last_epoch], done[0]

@@ -179,12 +179,13 @@ class Client:
 
     def claim(self, name: str, size: str = "1Gi") -> None:
         """A ``ReadWriteMany`` PersistentVolumeClaim ``name`` in this client's namespace,
-        bound to a PersistentVolume made for it: a ``hostPath`` folder, which every test
-        node sees (they share this machine's ``/tmp``), writable by any uid (the Pods run
-        as non-root users, and ``fsGroup`` does not apply to hostPath); the scheduler
-        places no Pod whose claim is missing or unbound."""
+        bound to a PersistentVolume made for it: a ``hostPath`` folder of this test run's
+        cluster folder (a namespace's name repeats across runs; its checkpoints must not),
+        which every test node sees, writable by any uid (the Pods run as non-root users,
+        and ``fsGroup`` does not apply to hostPath); the scheduler places no Pod whose claim
+        is missing or unbound."""
         pv = f"{self.namespace}-{name}"[:63]
-        folder = Path("/tmp/kelastic-pv") / pv
+        folder = self.cluster.workdir / "volumes" / pv
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o777)
         docs = [

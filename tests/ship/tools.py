@@ -15,6 +15,7 @@ promtool and prometheus come from Debian's ``prometheus`` package (``/usr/bin``)
 from __future__ import annotations
 
 import hashlib
+import json
 import io
 import os
 import shutil
@@ -155,9 +156,10 @@ class Release:
     identity of ``client`` (its kubeconfig) into ``client``'s namespace.
 
     ``install``/``upgrade`` pass ``fullnameOverride=<release>`` ahead of the given ``--set``
-    values; ``uninstall`` waits until helm has deleted everything. The release's Pods stay
-    Pending: the local kubelet's Node is tainted (tests/k8s/kubelet.py) and the chart's
-    Pods do not tolerate it, so the tests run the operator themselves.
+    values (and ``json_values`` as ``--set-json``); ``uninstall`` waits until helm has
+    deleted everything. The release's Pods stay Pending unless the values give them the
+    test node's toleration and node selector (``tests.k8s.node.PLACEMENT``): the test
+    nodes are tainted.
     """
 
     def __init__(self, client: Client, name: str) -> None:
@@ -182,8 +184,12 @@ class Release:
     def _values(self, values: Sequence[str]) -> list[str]:
         return [a for v in self.values(*values) for a in ("--set", v)]
 
-    def install(self, *values: str) -> subprocess.CompletedProcess[str]:
-        result = self.helm("install", self.name, str(CHART), *self._values(values))
+    def install(
+        self, *values: str, json_values: dict[str, Any] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        extra = [a for k, v in (json_values or {}).items()
+                 for a in ("--set-json", f"{k}={json.dumps(v)}")]  # fmt: skip
+        result = self.helm("install", self.name, str(CHART), *self._values(values), *extra)
         self.installed = True
         return result
 
