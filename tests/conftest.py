@@ -20,7 +20,6 @@ from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import namespace_for, node_startup, start_node, start_or_skip
 from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds
-from tests.k8s.kubelet import LocalKubelet
 from tests.k8s.node import RealNode
 from tests.k8s.nodes import ManualNode
 
@@ -170,15 +169,6 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPla
         yield cluster
     finally:
         cluster.stop()
-
-
-@pytest.fixture(scope="session")
-def kubelet(
-    k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalKubelet]:
-    """The local kubelet running the cluster's Node ``kelastic-local`` for the whole run."""
-    with LocalKubelet(k8s_cluster, tmp_path_factory.mktemp("kubelet")) as node:
-        yield node
 
 
 @pytest.fixture(scope="session")

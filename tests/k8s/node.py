@@ -428,8 +428,8 @@ class RealNode:
         }, indent=1))  # fmt: skip
         cri_runtime = "plugins.'io.containerd.cri.v1.runtime'"
         text = f"""version = 3
-root = "{root / 'root'}"
-state = "{self.run_dir / 'state'}"
+root = "{root / "root"}"
+state = "{self.run_dir / "state"}"
 disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
                     "io.containerd.tracing.processor.v1.otlp"]
 
@@ -437,7 +437,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
   address = "{self.containerd_sock}"
 
 [ttrpc]
-  address = "{self.run_dir / 'containerd.sock.ttrpc'}"
+  address = "{self.run_dir / "containerd.sock.ttrpc"}"
 
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
@@ -456,7 +456,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
         SystemdCgroup = false
   [{cri_runtime}.cni]
     bin_dirs = ["{self.bin}"]
-    conf_dir = "{cni / 'net.d'}"
+    conf_dir = "{cni / "net.d"}"
 """
         path = self.workdir / "containerd.toml"
         path.write_text(text)
@@ -475,7 +475,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
 
         wait_until(serving, 60, 0.1, what="containerd to serve")
 
-    def ctr(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    def ctr(
+        self, *args: str, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``ctr`` against the node's containerd, namespace ``k8s.io``."""
         result = subprocess.run(
             [str(self.bin / "ctr"), "--address", str(self.containerd_sock), "-n", "k8s.io", *args],
@@ -497,7 +499,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
         return result
 
     def import_images(self, archives: Any) -> None:
-        """Import image archives into the node's containerd (:func:`tests.k8s.images.import_images`)."""
+        """Import image archives into the node's containerd
+        (:func:`tests.k8s.images.import_images`)."""
         from .images import import_images
 
         import_images(self.bin / "ctr", self.containerd_sock, list(archives))
@@ -645,7 +648,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
         node's ``cgroupRoot``; the container id from the Pod's status)."""
         status = pod.get("status") or {}
         cid = ""
-        for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
+        for c in (status.get("containerStatuses") or []) + (
+            status.get("initContainerStatuses") or []
+        ):
             if c["name"] == container and c.get("containerID"):
                 cid = c["containerID"].split("://", 1)[1]
         if not cid:

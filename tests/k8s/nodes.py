@@ -86,9 +86,9 @@ class ManualNode:
         code, _ = self.cluster.request("PATCH", lease_path, {"spec": spec},
                                        "application/merge-patch+json")  # fmt: skip
         if code == 404:
-            self.cluster.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/"
-                                 "leases", {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                                            "metadata": {"name": self.name}, "spec": spec})  # fmt: skip
+            lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                     "metadata": {"name": self.name}, "spec": spec}  # fmt: skip
+            self.cluster.request("POST", lease_path.rsplit("/", 1)[0], lease)
 
     def _loop(self) -> None:
         """Renew the Lease and complete graceful deletions of this node's Pods."""

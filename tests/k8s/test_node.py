@@ -41,8 +41,13 @@ def _pod(name: str, main: str, *, sidecar: str | None = None, grace: int | None 
     if grace is not None:
         spec["terminationGracePeriodSeconds"] = grace
     if sidecar is not None:
-        side: dict[str, Any] = {"name": "side", "image": IMAGE, "imagePullPolicy": "Never",
-                                "restartPolicy": "Always", "command": ["python", "-c", sidecar]}
+        side: dict[str, Any] = {
+            "name": "side",
+            "image": IMAGE,
+            "imagePullPolicy": "Never",
+            "restartPolicy": "Always",
+            "command": ["python", "-c", sidecar],
+        }
         if probe:
             side["readinessProbe"] = probe
         spec["initContainers"] = [side]
@@ -99,8 +104,9 @@ def test_pods_run_with_pod_ips_logs_exit_codes_and_termination_messages(
     # the native sidecar was stopped once the main container finished
     side = ok["initContainerStatuses"][0]
     assert "terminated" in side["state"], side
-    assert ok["containerStatuses"][0]["imageID"].startswith("sha256:") or "@sha256:" in (
-        ok["containerStatuses"][0]["imageID"]
+    assert (
+        ok["containerStatuses"][0]["imageID"].startswith("sha256:")
+        or "@sha256:" in (ok["containerStatuses"][0]["imageID"])
     )
 
 
@@ -128,7 +134,7 @@ def test_readiness_comes_from_the_probe_and_deletion_is_graceful(
     side_pids = node.container_pids(pod, "side")
     assert side_pids, "no process in the sidecar's cgroup"
     # make the probe pass from inside the container (same mount namespace as the server)
-    os.system(f"nsenter -t {side_pids[0]} -m -- touch /tmp/ready")  # noqa: S605
+    os.system(f"nsenter -t {side_pids[0]} -m -- touch /tmp/ready")
     wait_until(
         lambda: {c["type"]: c["status"] for c in _status(k8s, "long")["conditions"]}["Ready"]
         == "True",

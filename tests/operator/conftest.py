@@ -24,9 +24,8 @@ from kelastic_operator.pods import PodSettings
 from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE
-from tests.k8s.kopf_thread import KopfThread
-from tests.k8s.images import DIGITS as DIGITS_IMAGE
 from tests.k8s.images import KELASTIC as KELASTIC_IMAGE
+from tests.k8s.kopf_thread import KopfThread
 from tests.k8s.node import RealNode
 from tests.k8s.nodes import ManualNode
 

@@ -33,6 +33,7 @@ from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.node import PLACEMENT, RealNode
 
 from .conftest import DIGITS
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 T = 120.0  # seconds a step of the scenario may take on a loaded 2-core machine
 RAISING_RANK = 1

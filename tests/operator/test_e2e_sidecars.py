@@ -1,7 +1,7 @@
 """The operator with real sidecars and launchers in containers on the real node (no torch:
-the workers sleep, in the kelastic image). Deleting a running job stops its Pods first and only then deletes its etcd
-keys: a sidecar still running would write ``rdzv/state``, ``restarts``, ``reports/...``
-and ``rounds/<n>/master`` again after the prefix went."""
+the workers sleep, in the kelastic image). Deleting a running job stops its Pods first and
+only then deletes its etcd keys: a sidecar still running would write ``rdzv/state``,
+``restarts``, ``reports/...`` and ``rounds/<n>/master`` again after the prefix went."""
 
 from __future__ import annotations
 

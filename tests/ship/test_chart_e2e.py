@@ -47,7 +47,9 @@ def _status(k8s: Client) -> dict[str, Any]:
 
 
 def _operator_pods(k8s: Client, prefix: str) -> list[dict[str, Any]]:
-    return [p for p in k8s.objects("pods") if p["metadata"]["name"].startswith(f"{prefix}-operator")]
+    return [
+        p for p in k8s.objects("pods") if p["metadata"]["name"].startswith(f"{prefix}-operator")
+    ]
 
 
 def _ready(pod: dict[str, Any]) -> bool:

@@ -15,8 +15,8 @@ promtool and prometheus come from Debian's ``prometheus`` package (``/usr/bin``)
 from __future__ import annotations
 
 import hashlib
-import json
 import io
+import json
 import os
 import shutil
 import subprocess
