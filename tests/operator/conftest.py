@@ -15,14 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import kopf
+import psutil
 import pytest
 import yaml
 
+from kelastic import contract
 from kelastic_operator.handlers import OperatorContext, register
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.pods import PodSettings
 from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
-from tests.k8s.cluster import Client, ControlPlane
+from tests.k8s.cluster import Client, ControlPlane, pods_by_name
 from tests.k8s.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE
 from tests.k8s.images import KELASTIC as KELASTIC_IMAGE
 from tests.k8s.kopf_thread import KopfThread
@@ -116,3 +118,23 @@ def node_operator(
     """The operator serving the test's namespace with an etcd the real node's Pods reach."""
     with running_operator(k8s_cluster, k8s, node.expose(etcd_server.endpoint)) as ctx:
         yield ctx
+
+
+def worker_procs(node: RealNode, namespace: str) -> list[tuple[str, int, int]]:
+    """``(pod, global rank, pid)`` of every worker process of the namespace's Pods (the
+    processes of the trainer container's cgroup whose environment has ``RANK``)."""
+    out: list[tuple[str, int, int]] = []
+    for name, pod in pods_by_name(node.cluster.admin, namespace).items():
+        for pid in node.container_pids(pod, "trainer"):
+            try:
+                rank = psutil.Process(pid).environ().get(contract.RANK)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if rank is not None and rank.isdigit():
+                out.append((name, int(rank), pid))
+    return out
+
+
+def workers(node: RealNode, namespace: str) -> dict[int, int]:
+    """Global rank -> pid of every worker process of the namespace's Pods."""
+    return {rank: pid for _, rank, pid in worker_procs(node, namespace)}

@@ -1,0 +1,140 @@
+"""What a real node does to a running job, and what kelastic does then: the digits job
+(real torch DDP in the trainer image, the kelastic sidecar as a native sidecar, Pod
+Security ``restricted``) on the real node, with the operator as its ServiceAccount.
+
+- a worker hung inside ``expires()`` (SIGSTOP) in the trainer container is reaped by the
+  sidecar, another container of the Pod (shared PID namespace, same uid, no capability);
+- the sidecar's process SIGKILLed: the trainer stops its workers and fails the Pod, which
+  the operator replaces (see the test for why a sidecar restarted in place cannot take
+  the running workers back);
+- the kubelet SIGKILLed and started again mid-training: the Pods keep running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from kelastic_operator.handlers import OperatorContext
+from kelastic_operator.labels import SIDECAR_CONTAINER
+from tests.k8s.cluster import Client, pods_by_name, wait_until
+from tests.k8s.node import PLACEMENT, RealNode
+
+from .conftest import DIGITS, workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+T = 120.0  # seconds a step of a scenario may take on a loaded 2-core machine
+
+
+def _manifest(epochs: int = 30, **spec: Any) -> str:
+    doc = yaml.safe_load(DIGITS.read_text())
+    doc["spec"].update(spec)
+    pod = doc["spec"]["template"]["spec"]
+    pod.update(PLACEMENT)
+    pod["containers"][0]["args"] = ["--epochs", str(epochs), "--batch-size", "8",
+                                    "--step-timeout", "3"]  # fmt: skip
+    return yaml.safe_dump(doc)
+
+
+def _status(k8s: Client) -> dict[str, Any]:
+    return ((k8s.get("elasticjob", "digits") or {}).get("status")) or {}
+
+
+def _wait(k8s: Client, node: RealNode, condition: Any, timeout: float, what: str) -> Any:
+    try:
+        return wait_until(condition, timeout, 0.2, what=what)
+    except AssertionError as exc:
+        pytest.fail(f"{exc}\nstatus: {_status(k8s)}\n{node.explain(k8s.namespace, 25)}")
+
+
+def _all4(node: RealNode, ns: str) -> dict[int, int] | None:
+    found = workers(node, ns)
+    return found if sorted(found) == [0, 1, 2, 3] else None
+
+
+def _accuracy(node: RealNode, ns: str) -> float:
+    found = re.findall(r"final test accuracy (\d\.\d+)", node.logs(ns, "trainer"))
+    assert found, node.logs(ns, "trainer")[-3000:]
+    return float(found[-1])
+
+
+def _start(k8s: Client, node: RealNode, **spec: Any) -> dict[int, int]:
+    k8s.kubectl("apply", "-f", "-", input=_manifest(**spec))
+    _wait(k8s, node, lambda: _status(k8s).get("worldSize") == 4, T, "world size 4")
+    _wait(k8s, node, lambda: "epoch 2/" in node.logs(k8s.namespace, "trainer"), T, "training")
+    found: dict[int, int] = _wait(k8s, node, lambda: _all4(node, k8s.namespace), T, "4 workers")
+    return found
+
+
+def test_a_hung_worker_is_reaped_by_the_sidecar_across_the_container_boundary(
+    k8s: Client, digits_operator: OperatorContext, node: RealNode
+) -> None:
+    ns = k8s.namespace
+    before = _start(k8s, node)
+    hung = before[1]
+    os.kill(hung, signal.SIGSTOP)  # inside its train_step timer (3 s)
+    # the sidecar (uid 1000, every capability dropped) kills it from its own container
+    _wait(k8s, node, lambda: not psutil.pid_exists(hung)
+          or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE, T, "the hung worker reaped")  # fmt: skip
+    _wait(k8s, node, lambda: (_status(k8s).get("restartsSpent") or 0) >= 1, T, "restart shown")
+    sidecars = node.logs(ns, SIDECAR_CONTAINER)
+    assert re.search(rf"pid {hung}\b.*hung|hung.*pid {hung}\b", sidecars) or "hang" in sidecars
+    _wait(k8s, node, lambda: _status(k8s).get("phase") == "Succeeded", 3 * T, "Succeeded")
+    assert _status(k8s)["restartsSpent"] == 1
+    assert _accuracy(node, ns) >= 0.90
+
+
+def test_a_killed_sidecar_fails_its_pod_cleanly_and_the_pod_is_replaced(
+    k8s: Client, digits_operator: OperatorContext, node: RealNode
+) -> None:
+    """The kubelet would restart the sidecar in place (``restartPolicy: Always``), but the
+    node's etcd session (its lease: the rendezvous drops the node at once), the timers of
+    its workers and the round it was in died with the process: a new sidecar cannot take
+    running workers back. So the launcher stops the workers as soon as the control
+    connection closes and the trainer exits 1 naming the cause; the Pod fails, the
+    operator replaces it, the peers re-rendezvous (the lost node charges one restart, as
+    a lost node does), and the job finishes."""
+    ns = k8s.namespace
+    _start(k8s, node)
+    pods = pods_by_name(k8s)
+    victim = pods["digits-1"]
+    side = node.container_pids(victim, SIDECAR_CONTAINER)
+    (sidecar,) = [p for p in side if psutil.Process(p).ppid() not in side]
+    os.kill(sidecar, signal.SIGKILL)
+
+    def replaced() -> bool:
+        pod = pods_by_name(k8s).get("digits-1") or {}
+        return pod.get("metadata", {}).get("uid") not in (None, victim["metadata"]["uid"])
+
+    _wait(k8s, node, replaced, T, "digits-1 replaced")
+    _wait(k8s, node, lambda: _status(k8s).get("phase") in ("Succeeded", "Failed"), 4 * T, "done")
+    final = _status(k8s)
+    assert final["phase"] == "Succeeded", f"{final}\n{node.explain(ns, 40)}"
+    assert final["replacements"] == 1 and final["restartsSpent"] == 1, final
+    last = final["lastFailure"]
+    assert last["pod"] == "digits-1" and "the sidecar closed the control connection" in (
+        last["message"]
+    ), last
+    assert _accuracy(node, ns) >= 0.90
+
+
+def test_a_kubelet_restarted_mid_training_changes_nothing(
+    k8s: Client, digits_operator: OperatorContext, node: RealNode
+) -> None:
+    ns = k8s.namespace
+    before = _start(k8s, node)
+    uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(k8s).items()}
+    node.restart_kubelet()
+    node.wait_ready(T)
+    assert workers(node, ns) == before  # the same worker processes
+    _wait(k8s, node, lambda: _status(k8s).get("phase") == "Succeeded", 3 * T, "Succeeded")
+    final = _status(k8s)
+    assert (final.get("restartsSpent") or 0) == 0 and not final.get("replacements"), final
+    assert {n: p["metadata"]["uid"] for n, p in pods_by_name(k8s).items()} == uids
+    assert _accuracy(node, ns) >= 0.90
