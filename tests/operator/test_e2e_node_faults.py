@@ -7,7 +7,8 @@ Security ``restricted``) on the real node, with the operator as its ServiceAccou
 - the sidecar's process SIGKILLed: the trainer stops its workers and fails the Pod, which
   the operator replaces (see the test for why a sidecar restarted in place cannot take
   the running workers back);
-- the kubelet SIGKILLed and started again mid-training: the Pods keep running.
+- the kubelet SIGKILLed and started again mid-training: the Pods keep running;
+- a worker OOM-killed under the trainer container's memory limit: the root cause says so.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import yaml
 from kelastic_operator.handlers import OperatorContext
 from kelastic_operator.labels import SIDECAR_CONTAINER
 from tests.k8s.cluster import Client, pods_by_name, wait_until
+from tests.k8s.images import KELASTIC
 from tests.k8s.node import PLACEMENT, RealNode
 
-from .conftest import DIGITS, workers
+from .conftest import DIGITS, job_manifest, workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 T = 120.0  # seconds a step of a scenario may take on a loaded 2-core machine
@@ -80,8 +82,10 @@ def test_a_hung_worker_is_reaped_by_the_sidecar_across_the_container_boundary(
     hung = before[1]
     os.kill(hung, signal.SIGSTOP)  # inside its train_step timer (3 s)
     # the sidecar (uid 1000, every capability dropped) kills it from its own container
-    _wait(k8s, node, lambda: not psutil.pid_exists(hung)
-          or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE, T, "the hung worker reaped")  # fmt: skip
+    def reaped() -> bool:
+        return not psutil.pid_exists(hung) or psutil.Process(hung).status() == "zombie"
+
+    _wait(k8s, node, reaped, T, "the hung worker reaped")
     _wait(k8s, node, lambda: (_status(k8s).get("restartsSpent") or 0) >= 1, T, "restart shown")
     sidecars = node.logs(ns, SIDECAR_CONTAINER)
     assert re.search(rf"pid {hung}\b.*hung|hung.*pid {hung}\b", sidecars) or "hang" in sidecars
@@ -118,8 +122,9 @@ def test_a_killed_sidecar_fails_its_pod_cleanly_and_the_pod_is_replaced(
     assert final["phase"] == "Succeeded", f"{final}\n{node.explain(ns, 40)}"
     assert final["replacements"] == 1 and final["restartsSpent"] == 1, final
     last = final["lastFailure"]
-    assert last["pod"] == "digits-1" and "the sidecar closed the control connection" in (
-        last["message"]
+    assert (
+        last["pod"] == "digits-1"
+        and "the sidecar closed the control connection" in (last["message"])
     ), last
     assert _accuracy(node, ns) >= 0.90
 
@@ -138,3 +143,41 @@ def test_a_kubelet_restarted_mid_training_changes_nothing(
     assert (final.get("restartsSpent") or 0) == 0 and not final.get("replacements"), final
     assert {n: p["metadata"]["uid"] for n, p in pods_by_name(k8s).items()} == uids
     assert _accuracy(node, ns) >= 0.90
+
+
+#: rank 1 fills 400 MiB (touched: resident) under the trainer's 200 MiB limit; the rest sleep
+OOM_WORKER = (
+    "import os, time\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    hog = b'x' * (400 << 20)\n"
+    "while True:\n"
+    "    time.sleep(0.2)\n"
+)
+
+
+def test_a_worker_oom_killed_under_the_containers_limit_is_named_in_the_root_cause(
+    k8s: Client, node_operator: OperatorContext, node: RealNode
+) -> None:
+    """The kernel's OOM killer takes a worker under the trainer container's memory limit
+    (cgroup v1 here): the job's root cause says it was the OOM killer, with the container's
+    limit and the rank, not a bare SIGKILL."""
+    k8s.claim("digits-checkpoints")
+    doc = yaml.safe_load(job_manifest("oom", replicas=1, minReplicas=1, maxReplicas=1,
+                                      nprocPerNode=2, maxRestarts=0))  # fmt: skip
+    pod = doc["spec"]["template"]["spec"]
+    pod.update(PLACEMENT)
+    trainer = pod["containers"][0]
+    trainer.update(image=KELASTIC, command=["python", "-c", OOM_WORKER], args=[])
+    trainer.pop("workingDir", None)
+    trainer["resources"] = {"requests": {"cpu": "100m", "memory": "200Mi"},
+                            "limits": {"memory": "200Mi"}}  # fmt: skip
+    k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+    def status() -> dict[str, Any]:
+        return ((k8s.get("elasticjob", "oom") or {}).get("status")) or {}
+
+    _wait(k8s, node, lambda: status().get("phase") == "Failed", T, "the job Failed")
+    final = status()
+    message = (final.get("lastFailure") or {}).get("message", "")
+    assert "OOM killer" in message and "200 MiB" in message, final
+    assert "rank 1" in message, final

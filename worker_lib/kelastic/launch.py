@@ -51,6 +51,7 @@ from typing import Any
 
 from kelastic import contract
 from kelastic._control import LineBuffer
+from kelastic._oom import OomWatch
 from kelastic._spares import SpareKeeper
 from kelastic._starters import ColdStart, WorkerStarter, make_starter
 from kelastic._warm import DEFAULT_PRELOAD
@@ -266,6 +267,7 @@ class Launcher:
         self.config = config
         self._sock: socket.socket | None = None
         self._signals = _SignalPipe()
+        self._oom = OomWatch()
         self._group: WorkerGroup | None = None
         self._term_signal: int | None = None
         self._hurry = False
@@ -553,6 +555,10 @@ class Launcher:
                 }
             else:
                 error = _cap_error(read_error_file(worker.spec.error_file))
+            if worker.signal == signal.SIGKILL and self._oom.new_kills() and error is None:
+                # the OOM killer's SIGKILL: say so, with the limit, instead of a bare SIGKILL
+                error = {"message": self._oom.describe(), "traceback": None,
+                         "timestamp": int(time.time())}  # fmt: skip
             spec = worker.spec
             failed = worker.returncode != 0
             logger.log(
