@@ -81,6 +81,7 @@ def test_a_hung_worker_is_reaped_by_the_sidecar_across_the_container_boundary(
     before = _start(k8s, node)
     hung = before[1]
     os.kill(hung, signal.SIGSTOP)  # inside its train_step timer (3 s)
+
     # the sidecar (uid 1000, every capability dropped) kills it from its own container
     def reaped() -> bool:
         return not psutil.pid_exists(hung) or psutil.Process(hung).status() == "zombie"
@@ -181,3 +182,30 @@ def test_a_worker_oom_killed_under_the_containers_limit_is_named_in_the_root_cau
     message = (final.get("lastFailure") or {}).get("message", "")
     assert "OOM killer" in message and "200 MiB" in message, final
     assert "rank 1" in message, final
+
+
+def test_kubectl_drain_evicts_the_pods_with_departure_notices_and_charges_nothing(
+    k8s: Client, digits_operator: OperatorContext, node: RealNode
+) -> None:
+    """``kubectl drain`` of a node evicts its Pods through the eviction API (a maintenance,
+    not a fault): the Pods leave with departure notices, no restart is charged, and the
+    job trains on once the node is uncordoned."""
+    ns = k8s.namespace
+    _start(k8s, node)
+    uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(k8s).items()}
+    admin = node.cluster.admin
+    try:
+        drained = admin.kubectl("drain", node.name, "--pod-selector",
+                                "kelastic.dev/job-name=digits", "--ignore-daemonsets",
+                                "--delete-emptydir-data", "--timeout=120s", check=False)  # fmt: skip
+        assert drained.returncode == 0, drained.stderr
+    finally:
+        admin.kubectl("uncordon", node.name)
+    _wait(k8s, node, lambda: set(uids.values()).isdisjoint(
+        p["metadata"]["uid"] for p in pods_by_name(k8s).values()), T, "the Pods evicted")  # fmt: skip
+    _wait(k8s, node, lambda: _status(k8s).get("phase") in ("Succeeded", "Failed"), 4 * T, "done")
+    final = _status(k8s)
+    print(f"\nafter a drain: {final}")
+    assert final["phase"] == "Succeeded", final
+    assert (final.get("restartsSpent") or 0) == 0, final
+    assert _accuracy(node, ns) >= 0.90
