@@ -1,5 +1,5 @@
 """The test cluster's fixtures, defined once in ``tests/conftest.py`` from these helpers:
-one control plane and one local kubelet per test run, a fresh namespace per test.
+one control plane and one real node per test run, a fresh namespace per test.
 
 - ``k8s_cluster`` (session): :class:`~tests.k8s.cluster.ControlPlane` with the ElasticJob CRD
   applied, the operator's namespace and RBAC of ``deploy/``.

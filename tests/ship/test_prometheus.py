@@ -10,7 +10,7 @@ dashboard query and every alert expression is checked against what it scraped.
   ones, ``--standalone``) against the real test cluster (tests/k8s), logged in as the
   ``kelastic-operator`` ServiceAccount with deploy/'s RBAC, reconciling an ElasticJob of the
   same name in the test's namespace (its Pods stay Pending, unschedulable: they do not
-  tolerate the local kubelet's taint, and no other Node exists);
+  tolerate the test node's taint, and no other Node exists);
 - Prometheus (Debian's package) on loopback with a 1 s scrape interval, the alert rules
   loaded, and the scrape jobs named and labelled as the chart's ServiceMonitor/PodMonitor do.
 
@@ -193,7 +193,7 @@ def _start_operator(
     """The operator, started with the chart's rendered command and arguments (watching
     ``k8s``'s namespace; etcd and metrics port swapped for local ones, no leader election),
     logged in as ``account``, reconciling ``manifest`` applied in ``k8s``'s namespace (its
-    Pods stay Pending: nothing places them on the tainted local kubelet's Node).
+    Pods stay Pending: nothing places them on the tainted test node).
     ``api_url``: where it reaches the API server (default: the server itself)."""
     (dep,) = [
         o for o in render(f"operator.namespaces={{{k8s.namespace}}}") if o["kind"] == "Deployment"

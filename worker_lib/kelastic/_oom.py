@@ -15,8 +15,12 @@ own cgroup. No file (another OS, no memory controller): nothing is ever reported
 
 from __future__ import annotations
 
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from kelastic.errors import ErrorInfo
 
 #: cgroup v1 writes this (page-aligned LONG_MAX) for "no limit"; v2 writes "max".
 _V1_UNLIMITED = 1 << 62
@@ -108,6 +112,14 @@ class OomWatch:
         now = self._count()
         new, self._seen = max(0, now - self._seen), max(now, self._seen)
         return new
+
+    def error_for(self, sig: int | None) -> ErrorInfo | None:
+        """What to report for a worker that died of signal ``sig`` (None: it exited) when
+        nothing better is known: the OOM killer, with the limit, if it was its SIGKILL (the
+        counter grew since the last look); else None."""
+        if sig != signal.SIGKILL or not self.new_kills():
+            return None
+        return {"message": self.describe(), "traceback": None, "timestamp": int(time.time())}
 
     def describe(self) -> str:
         """The cause to report: the OOM killer, with the limit when there is one."""

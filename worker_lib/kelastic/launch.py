@@ -555,10 +555,7 @@ class Launcher:
                 }
             else:
                 error = _cap_error(read_error_file(worker.spec.error_file))
-            if worker.signal == signal.SIGKILL and self._oom.new_kills() and error is None:
-                # the OOM killer's SIGKILL: say so, with the limit, instead of a bare SIGKILL
-                error = {"message": self._oom.describe(), "traceback": None,
-                         "timestamp": int(time.time())}  # fmt: skip
+            error = error or self._oom.error_for(worker.signal)
             spec = worker.spec
             failed = worker.returncode != 0
             logger.log(

@@ -13,8 +13,8 @@ protocol (:mod:`kelastic.inprocess_messages`). Stdlib only.
         ready(m); wait for go(m)                 (abort(k > m): ready(k), wait go(k))
         os.environ.update(go.env); n = m
 
-Semantics from NVIDIA's ``CallWrapper.__call__`` (``shared/seeds/``), where the ranks'
-store barriers become messages to the sidecar's coordinator.
+Semantics from NVIDIA's in-process restart (``CallWrapper.__call__``), where the ranks' store
+barriers become messages to the sidecar's coordinator.
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ R = TypeVar("R")
 #: Seconds between checks while waiting for the sidecar (signals, Ctrl-C in between).
 WAIT_TICK = 0.5
 #: Seconds a rank whose collective failed because a peer went away waits for the abort
-#: before it reports the failure as its own fault (so that the peer's fault, the cause,
-#: reaches the sidecar first; the sidecar reads each rank's connection on its own).
+#: before it reports the failure as its own fault (the peer's fault, the cause, goes first).
 PEER_FAILURE_GRACE = 0.5
 #: Seconds to wait for the next iteration's store to listen (then torch's timeout).
 STORE_WAIT = 10.0
@@ -127,9 +126,8 @@ class Session(Generic[R]):
         self._monitor: Monitor | None = None
         self._injector = Injector()
         self._kept_store: Any = None  # abort.keep_store(): the aborted iteration's store
-        #: The exception hook before the first iteration: each iteration starts with it
-        #: (torch's ``init_process_group`` wraps ``sys.excepthook`` in a ``[rank<r>]: ``
-        #: prefix each time it is called: once per iteration would pile them up).
+        #: The exception hook before the first iteration, which each one starts with (torch's
+        #: ``init_process_group`` adds a ``[rank<r>]: `` prefix to it each time it is called).
         self._excepthook = sys.excepthook
 
     # ------------------------------------------------------------------ plumbing
@@ -238,9 +236,7 @@ class Session(Generic[R]):
                 self._monitor.wait_for_abort(iteration, PEER_FAILURE_GRACE)
                 aborted = self._monitor.abort_target > iteration or self._monitor.gave_up
             own = not aborted
-            if own:
-                # Report first: the peers this teardown releases fail too, and their
-                # faults should not overtake the cause.
+            if own:  # report first: the peers the teardown releases must not overtake the cause
                 self._fault(iteration, CAUSE_EXCEPTION, error or RuntimeError("no error"))
                 self._guard.tear_down()  # release the peers blocked on this rank now
             self.call_wrapper.fault = error
@@ -304,10 +300,8 @@ class Session(Generic[R]):
     def _leave(self, target: int, error: BaseException | None) -> None:
         """Destroy the process groups, run the hooks; a failure is reported and raised."""
         wrapper = self._wrapper
-        # The aborted iteration's objects (a DDP reducer with bucket all-reduces in
-        # flight) go before their process group: a reducer freed after its group was
-        # destroyed blocked in its destructor (survivors of a SIGKILLed peer stuck until
-        # the hard timeout; tests/faults/test_hybrid_rung.py, the DDP case).
+        # The aborted iteration's objects (a DDP reducer) go before their process group: a
+        # reducer freed after its group blocked in its destructor (test_hybrid_rung, DDP).
         _release_frames(error)
         failed = abort.destroy_process_groups()
         # The host's store listens until the next go (a rank may still be connecting).
