@@ -195,14 +195,19 @@ def test_kubectl_drain_evicts_the_pods_with_departure_notices_and_charges_nothin
     uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(k8s).items()}
     admin = node.cluster.admin
     try:
-        drained = admin.kubectl("drain", node.name, "--pod-selector",
-                                "kelastic.dev/job-name=digits", "--ignore-daemonsets",
-                                "--delete-emptydir-data", "--timeout=120s", check=False)  # fmt: skip
+        drained = admin.kubectl(
+            "drain", node.name, "--pod-selector", "kelastic.dev/job-name=digits",
+            "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s", check=False,
+        )  # fmt: skip
         assert drained.returncode == 0, drained.stderr
     finally:
         admin.kubectl("uncordon", node.name)
-    _wait(k8s, node, lambda: set(uids.values()).isdisjoint(
-        p["metadata"]["uid"] for p in pods_by_name(k8s).values()), T, "the Pods evicted")  # fmt: skip
+
+    def evicted() -> bool:
+        now = {p["metadata"]["uid"] for p in pods_by_name(k8s).values()}
+        return set(uids.values()).isdisjoint(now)
+
+    _wait(k8s, node, evicted, T, "the Pods evicted")
     _wait(k8s, node, lambda: _status(k8s).get("phase") in ("Succeeded", "Failed"), 4 * T, "done")
     final = _status(k8s)
     print(f"\nafter a drain: {final}")
