@@ -117,6 +117,15 @@ def _own_cgroups() -> dict[str, str]:
     return out
 
 
+def _rmdir_tree(root: Path) -> None:
+    """Remove a cgroup folder and every cgroup below it, deepest first (a cgroup is removed
+    with ``rmdir`` once it holds no process; one that still does stays)."""
+    folders = sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+    for folder in [*folders, root]:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 class NodeCgroups:
     """The kubelet's ``cgroupRoot``: one path, below this process's own cgroup in every v1
     hierarchy (the deepest of them, so it is below all), created in each, removed at
@@ -135,7 +144,10 @@ class NodeCgroups:
 
     def create(self) -> None:
         """Make the path in every hierarchy (cpuset: each new level gets its parent's
-        ``cpuset.cpus`` and ``cpuset.mems``, or it could hold no process)."""
+        ``cpuset.cpus`` and ``cpuset.mems``, or it could hold no process). First remove
+        what a killed run left beside it: ``kelastic-*-<pid>`` trees whose pid is gone and
+        that hold no process."""
+        self._remove_stale()
         for name in self.hierarchies:
             folder = Path("/sys/fs/cgroup") / name
             for part in self.path.strip("/").split("/"):
@@ -147,6 +159,16 @@ class NodeCgroups:
                 if name == "cpuset":
                     for knob in ("cpuset.cpus", "cpuset.mems"):
                         (folder / knob).write_text((parent / knob).read_text())
+
+    def _remove_stale(self) -> None:
+        parent = self.path.rsplit("/", 1)[0]
+        for name in self.hierarchies:
+            base = Path("/sys/fs/cgroup") / name / parent.strip("/")
+            for tree in base.glob("kelastic-*-*") if base.is_dir() else []:
+                pid = tree.name.rsplit("-", 1)[1]
+                if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                    continue
+                _rmdir_tree(tree)
 
     def pids(self) -> list[int]:
         """Every process in the tree, in any hierarchy."""
@@ -164,10 +186,7 @@ class NodeCgroups:
         for name in self.hierarchies:
             root = Path("/sys/fs/cgroup") / name / self.path.strip("/")
             if root.is_dir():
-                for folder in sorted((p for p in root.rglob("*") if p.is_dir()),
-                                     key=lambda p: -len(p.parts)):  # fmt: skip
-                    with contextlib.suppress(OSError):
-                        folder.rmdir()
+                _rmdir_tree(root)
         for folder in reversed(self._made):
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -291,6 +310,9 @@ class RealNode:
         with contextlib.suppress(AssertionError):
             wait_until(lambda: not self.cgroups.pids(), 30, 0.1, what="the node's processes to end")
         self.cgroups.remove()
+        # containerd's content and snapshots: ~8.5 GB per node with the trainer image (its
+        # overlay mounts went with the node's mount namespace)
+        shutil.rmtree(self.workdir / "containerd", ignore_errors=True)
         if Path(f"/sys/class/net/{self.host_link}").exists():
             subprocess.run(["ip", "link", "del", self.host_link], check=False)
         with contextlib.suppress(Exception):
@@ -694,13 +716,25 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
                         out.append(int(entry.name))
         return sorted(out)
 
-    def process_pid(self, name: str) -> int:
-        """The host pid of a node component (``kubelet``, ``containerd``): the child of
-        its ``nsenter``."""
-        kids = list_children(self.procs[name].pid)
-        if not kids:
-            raise ProcessLookupError(f"{name} of node {self.name} is not running")
-        return kids[0]
+    def process_pid(self, name: str, timeout: float = 10.0) -> int:
+        """The host pid of a node component (``kubelet``, ``containerd``): the child of its
+        ``nsenter``, waited for (``nsenter`` forks it just after it started).
+
+        Raises:
+            ProcessLookupError: ``nsenter`` exited, or no child within ``timeout`` s.
+        """
+        proc = self.procs[name]
+
+        def child() -> int | None:
+            if proc.poll() is not None:
+                raise ProcessLookupError(f"{name} of node {self.name} exited {proc.returncode}")
+            kids = list_children(proc.pid)
+            return kids[0] if kids else None
+
+        try:
+            return wait_until(child, timeout, 0.02, what=f"{name} of node {self.name}")
+        except AssertionError as exc:
+            raise ProcessLookupError(str(exc)) from None
 
     def explain(self, namespace: str, lines: int = 15) -> str:
         """What a failing test should print: each Pod's phase and container states, the

@@ -32,6 +32,7 @@ from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.node import PLACEMENT, RealNode
 
 from .conftest import DIGITS, worker_procs
+from .conftest import workers as _workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 T = 120.0  # seconds a step of the scenario may take on a loaded 2-core machine
@@ -98,7 +99,7 @@ def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
     wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
     wait_until(lambda: "epoch 2/" in _logs(node, ns), T, what="training")
     uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(api).items()}
-    workers = wait_until(lambda: _all(workers(node, ns)), T, what="4 workers")
+    workers = wait_until(lambda: _all(_workers(node, ns)), T, what="4 workers")
     assert len(_hashes(_logs(node, ns), 0)) == 4
 
     # rank 1 raises inside the wrapped function
@@ -108,7 +109,7 @@ def test_a_raise_restarts_the_digits_job_in_process_on_kubernetes(
                      what="every rank in iteration 1")  # fmt: skip
     reentered_s = time.monotonic() - raised_at
     assert len(set(new.values())) == 1, new  # every rank continues from the same state
-    assert workers(node, ns) == workers  # the same processes
+    assert _workers(node, ns) == workers  # the same processes
     status = wait_until(lambda: _restarted(_status(api)), T, what="the restart in the status")
     last = status["lastInProcessRestart"]
     assert last["iteration"] == 1 and last["rank"] == RAISING_RANK, last
@@ -163,7 +164,7 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
     api.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
     wait_until(lambda: "epoch 2/" in _logs(node, ns), T, what="training")
-    workers = wait_until(lambda: _all(workers(node, ns)), T, what="4 workers")
+    workers = wait_until(lambda: _all(_workers(node, ns)), T, what="4 workers")
     by_pod = wait_until(lambda: _pod_ranks(node, ns) or None, T, what="ranks per Pod")
     victim = next(name for name, ranks in by_pod.items() if 0 not in ranks)
     kept = {r: workers[r] for r in workers if r not in by_pod[victim]}
@@ -200,7 +201,7 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
         tail = _logs(node, ns)[-3000:]
         raise AssertionError(f"{exc}: {_status(api)}\n{logs}\n{tail}") from None
     assert len(set(hashes.values())) == 1, hashes  # every rank continues from one state
-    now = workers(node, ns)
+    now = _workers(node, ns)
     restarted()  # the sidecars' logs, for the message
     assert {r: now.get(r) for r in kept} == kept, (now, kept, "\n".join(sidecar_logs.values()))
     wait_until(lambda: _status(api).get("phase") == "Succeeded", 4 * T, what="Succeeded")
