@@ -114,7 +114,7 @@ def test_the_digits_pod() -> None:
     assert trainer["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert run_mount in trainer["volumeMounts"] and run_mount in sidecar["volumeMounts"]
     assert {"name": "CHECKPOINT_DIR", "value": "/checkpoints"} in trainer["env"]
-    assert trainer["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}}
+    assert trainer["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}}
     assert sidecar["restartPolicy"] == "Always"
     assert sidecar["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "kelastic-http"}
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"  # Ready = training
