@@ -190,6 +190,14 @@ class NodeCgroups:
         for folder in reversed(self._made):
             with contextlib.suppress(OSError):
                 folder.rmdir()
+        # and the levels above it that a killed run made and left (rmdir removes only an
+        # empty cgroup without processes: our own, or anyone's in use, stays)
+        for name in self.hierarchies:
+            folder = (Path("/sys/fs/cgroup") / name / self.path.strip("/")).parent
+            while folder != Path("/sys/fs/cgroup") / name:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+                folder = folder.parent
 
     def leftovers(self) -> list[str]:
         """The folders of the tree still present (empty after :meth:`remove`)."""
