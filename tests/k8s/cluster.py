@@ -125,6 +125,16 @@ def kubeconfig_dict(
     }
 
 
+def log_tail(path: Path, header: str, lines: int) -> str:
+    """The last ``lines`` of a component's log file under a ``--- header:`` line (for a
+    failing test's message); ``(header: no log)`` when it cannot be read."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"({header}: no log)"
+    return f"--- {header}:\n" + "\n".join(text.splitlines()[-lines:])
+
+
 class Client:
     """One identity's view of the cluster: its kubeconfig, the real kubectl, the official
     client and raw HTTPS requests. ``namespace`` is the kubeconfig's default namespace."""
@@ -410,11 +420,7 @@ class ControlPlane:
             )  # fmt: skip
 
     def log_tail(self, name: str, lines: int = 30) -> str:
-        try:
-            text = (self.workdir / f"{name}.log").read_text(errors="replace")
-        except OSError:
-            return f"({name}: no log)"
-        return f"--- {name}:\n" + "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.workdir / f"{name}.log", name, lines)
 
     def _ready(self) -> bool:
         proc = self.procs.get("kube-apiserver")

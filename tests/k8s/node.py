@@ -56,7 +56,15 @@ import yaml
 
 from kelastic._workers import child_preexec, list_children
 
-from .cluster import ROOT, ClusterUnavailable, ControlPlane, Obj, control_plane_bin, wait_until
+from .cluster import (
+    ROOT,
+    ClusterUnavailable,
+    ControlPlane,
+    Obj,
+    control_plane_bin,
+    log_tail,
+    wait_until,
+)
 
 NODE_BUILD_SCRIPT = ROOT / "scripts" / "build-node.sh"
 RUNC = "/usr/sbin/runc"
@@ -435,11 +443,7 @@ class RealNode:
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         """The last ``lines`` of a node component's log (``containerd``, ``kubelet``)."""
-        try:
-            text = (self.workdir / f"{name}.log").read_text(errors="replace")
-        except OSError:
-            return f"({name}: no log)"
-        return f"--- {self.name} {name}:\n" + "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.workdir / f"{name}.log", f"{self.name} {name}", lines)
 
     def _containerd_config(self) -> Path:
         root = self.workdir / "containerd"
