@@ -118,6 +118,8 @@ def _own_cgroups() -> dict[str, str]:
     out: dict[str, str] = {}
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
+        if not controllers and "unified" in mounted:  # hybrid mode's v2 mount: runc
+            out["unified"] = path  # makes the containers' cgroups there too
         for name in controllers.split(","):
             name = name.removeprefix("name=")
             if name and name in mounted:
