@@ -85,15 +85,29 @@ class KelasticRun:
     """
 
     def __init__(
-        self, manifest: Path, *args: str, workdir: Path, env: dict[str, str] | None = None
+        self,
+        manifest: Path,
+        *args: str,
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        sigint_blocked: bool = False,
     ) -> None:
+        """``sigint_blocked``: start it with SIGINT blocked (the mask survives ``exec``), as
+        a supervisor does: a SIGINT sent before ``kelastic run`` installed its handler
+        stays pending until it has (it unblocks SIGINT then)."""
         self.marker = uuid.uuid4().hex
         env = dict(env or os.environ, KELASTIC_TEST_MARKER=self.marker, TERM="dumb", COLUMNS="200")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kelastic_operator.cli", "run", str(manifest),
-             "--workdir", str(workdir), "--status-interval", "2", "--stop-grace", "2", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
+        # The mask is this thread's; the child inherits it through fork and exec.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT] if sigint_blocked else [])
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kelastic_operator.cli", "run", str(manifest),
+                 "--workdir", str(workdir), "--status-interval", "2", "--stop-grace", "2", *args],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env,
+            )  # fmt: skip
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() each line was read
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -10,6 +10,11 @@ from __future__ import annotations
 import signal
 import sys
 
+TYPE_CHECKING = False  # typing is not imported before the SIGINT handler is in place
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
 
 def _exit_interrupted(signum: int, frame: object) -> None:
     """SIGINT handler of ``python -m kelastic_operator.cli`` until :func:`main` runs."""
@@ -17,15 +22,30 @@ def _exit_interrupted(signum: int, frame: object) -> None:
     raise SystemExit(130)
 
 
+def _take_sigint(handler: Callable[[int, Any], None]) -> Any:
+    """Install ``handler`` for SIGINT, then unblock SIGINT; returns the previous handler.
+
+    Until a program installs a handler, SIGINT has its default action (the interpreter's
+    first milliseconds: the process dies by the signal, exit -2) or Python's (a
+    ``KeyboardInterrupt`` traceback from ``site``). A parent that must not lose a Ctrl-C
+    that early, or have it end the process so, starts ``kelastic run`` with SIGINT blocked
+    (the mask survives ``exec``; a supervisor's usual way): the signal then stays pending
+    until here and is delivered to ``handler``, so it exits 130 like any other Ctrl-C.
+    Unblocking a signal that is not blocked changes nothing.
+    """
+    previous = signal.signal(signal.SIGINT, handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    return previous
+
+
 if __name__ == "__main__":  # python -m: a Ctrl-C during the imports below exits 130 too
-    signal.signal(signal.SIGINT, _exit_interrupted)
+    _take_sigint(_exit_interrupted)
 
 import argparse  # noqa: E402
 import math  # noqa: E402
 import threading  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
 
 from kelastic import contract  # noqa: E402
 
@@ -213,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     first thing this installs: see :class:`StartUpInterrupted`); so does a missing 'local'
     extra (rich, pydantic, ...: ``pip install "kelastic[local]"``), with exit status 2.
     What came before this function runs, the interpreter's own start (its first ~25 ms,
-    ``site``), is Python's.
+    ``site``), is Python's, unless the parent blocked SIGINT: see :func:`_take_sigint`.
     """
     previous = None
     if threading.current_thread() is threading.main_thread():
         _start_up_sigint.fired = False
-        previous = signal.signal(signal.SIGINT, _start_up_sigint)
+        previous = _take_sigint(_start_up_sigint)
     try:
         return _main(argv)
     except KeyboardInterrupt:
