@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import kubernetes_validate as kv
 import pytest
 import yaml
 
@@ -18,7 +19,6 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_manifests_validate_strictly(path: Path) -> None:
-    kv = pytest.importorskip("kubernetes_validate")
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     assert docs
     for doc in docs:

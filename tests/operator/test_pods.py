@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate as kv
 import pytest
 import yaml
 
@@ -207,7 +208,6 @@ def test_warm_start_flags_reach_the_launcher() -> None:
 
 
 def test_built_pods_validate_strictly_against_kubernetes_1_33(tmp_path: Path) -> None:
-    kv = pytest.importorskip("kubernetes_validate")
     docs = [build_pod("digits", "default", UID, digits_spec(), i, SETTINGS) for i in range(2)]
     docs.append(build_pod("big", "default", UID, rich_spec(), 0, SETTINGS))
     for doc in docs:
@@ -352,6 +352,5 @@ def test_in_process_is_in_the_spec_hash_only_when_enabled() -> None:
 
 
 def test_in_process_pods_validate_strictly_against_kubernetes_1_33() -> None:
-    kv = pytest.importorskip("kubernetes_validate")
     kv.validate(build_pod("digits", "ml", UID, _in_process(enabled=True), 0, SETTINGS),
                 "1.33.0", strict=True)  # fmt: skip

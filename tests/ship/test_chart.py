@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import kubernetes_validate as kv
 import pytest
 import yaml
 
@@ -276,7 +277,6 @@ def test_monitoring_objects_render_only_where_their_api_is_served() -> None:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_rendered_object_validates_strictly(variant: str) -> None:
-    kv = pytest.importorskip("kubernetes_validate")
     crds = _crd_schemas()
     objects = render(*VARIANTS[variant], crds=True, api_versions=MONITORING_APIS)
     assert {o["kind"] for o in objects} >= MONITORING

@@ -15,6 +15,7 @@ import pytest
 
 from kelastic import contract
 from kelastic.errors import read_error_file, record
+from tests.prereq import require_module
 
 
 @record
@@ -225,7 +226,7 @@ def test_error_file_from_torch_record_is_read(tmp_path: Path) -> None:
 
 def test_our_error_file_is_read_by_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's ``ProcessFailure`` (what torchrun's agent uses) reads our file."""
-    errors = pytest.importorskip("torch.distributed.elastic.multiprocessing.errors")
+    errors = require_module("torch.distributed.elastic.multiprocessing.errors")
     path = tmp_path / "error.json"
     monkeypatch.setenv(contract.TORCHELASTIC_ERROR_FILE, str(path))
     with pytest.raises(KeyError):

@@ -18,9 +18,10 @@ import pytest
 
 from kelastic.inprocess_messages import Abort, Done, Fault, Ready
 from tests.conftest import wait_for
+from tests.prereq import require_module
 from tests.worker_lib.test_inprocess_harness import ev, job, msg
 
-pytest.importorskip("torch")
+require_module("torch")
 
 #: Seconds a rank blocked in a collective may take to leave it after the abort (measured
 #: in milliseconds; the bound leaves room for a loaded machine).
