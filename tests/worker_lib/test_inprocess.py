@@ -1,10 +1,12 @@
 """``kelastic.inprocess``: the worker's half of in-process restart, against a test
 coordinator on the real unix socket (``test_inprocess_harness``) and real worker processes.
-These workers do not use torch (the gloo cases are in ``test_inprocess_gloo.py``).
+These workers do not use torch (the gloo cases are in ``test_inprocess_gloo.py``); the
+process-group teardown is tested against real ``torch.distributed`` in this process.
 """
 
 from __future__ import annotations
 
+import datetime
 import shutil
 import signal
 import socket
@@ -34,6 +36,7 @@ from kelastic.inprocess_messages import (
     Ready,
 )
 from tests.conftest import wait_for
+from tests.prereq import require_module
 from tests.worker_lib.test_inprocess_harness import ev, job, msg
 
 
@@ -399,45 +402,57 @@ def test_shutdown_connections_spares_listeners_the_store_and_older_sockets() -> 
             sock.close()
 
 
-def test_nccl_groups_are_aborted_with_torch_s_abort() -> None:
-    calls: list[str] = []
-
-    class C10d:
-        @staticmethod
-        def _abort_process_group() -> None:
-            calls.append("abort")
-
-    class Dist:
-        distributed_c10d = C10d
-
-        def __init__(self, backend: str) -> None:
-            self.backend = backend
-
-        def is_initialized(self) -> bool:
-            return True
-
-        def get_backend(self) -> str:
-            return self.backend
-
-    assert ip_abort.abort_nccl(Dist("gloo")) is False
-    assert ip_abort.nccl_in_use(Dist("nccl"))
-    assert ip_abort.abort_nccl(Dist("nccl")) is True
-    assert calls == ["abort"]
+@pytest.fixture
+def dist() -> Iterator[Any]:
+    """The real ``torch.distributed``, with no default process group before and after."""
+    real = require_module("torch.distributed")
+    assert not real.is_initialized()
+    try:
+        yield real
+    finally:
+        if real.is_initialized():
+            real.destroy_process_group()
 
 
-def test_a_failed_init_does_not_shift_the_next_group_name() -> None:
-    class World:
-        group_count = 1  # an init_process_group that failed counted its group
+def test_nccl_groups_are_aborted_with_torch_s_abort(
+    dist: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against real torch: the worker library finds ``torch.distributed`` the training code
+    imported, leaves a gloo group alone, and for NCCL calls torch's own
+    ``distributed_c10d._abort_process_group``, which must exist under that name (looked up
+    by ``getattr``: a rename would silently skip the abort). NCCL itself needs a GPU, so
+    the one fake here is the backend's name: ``get_backend`` answers ``"nccl"`` for the
+    gloo group, and the abort that runs is torch's real one."""
+    import torch
 
-    class C10d:
-        _world = World()
+    assert ip_abort._dist() is dist
+    assert callable(dist.distributed_c10d._abort_process_group)
+    assert not ip_abort.nccl_in_use() and ip_abort.abort_nccl() is False  # no group yet
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_backend() == "gloo"
+    assert not ip_abort.nccl_in_use() and ip_abort.abort_nccl() is False
+    ones = torch.ones(2)
+    dist.all_reduce(ones)  # the gloo group was left as it was
+    assert ones.tolist() == [1.0, 1.0]
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert ip_abort.nccl_in_use()
+    assert ip_abort.abort_nccl() is True
+    assert not dist.is_initialized()  # torch's abort took the default group down
+    with pytest.raises(ValueError, match="not been initialized"):
+        dist.all_reduce(ones)
 
-    class Dist:
-        distributed_c10d = C10d
 
-        @staticmethod
-        def is_initialized() -> bool:
-            return False
-
-    assert ip_abort.destroy_process_groups(Dist()) is None
-    assert C10d._world.group_count == 0
+def test_a_failed_init_does_not_shift_the_next_group_name(dist: Any) -> None:
+    """Against real torch: an ``init_process_group`` that fails (here: its peer never
+    comes) has counted its group in c10d's ``_world.group_count``; without the reset the
+    next default group is named ``1``, not ``0``, and ranks whose counters differ wait
+    for each other's gloo keys for ever."""
+    c10d = dist.distributed_c10d
+    with pytest.raises(dist.DistStoreError):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=1))  # fmt: skip
+    assert not dist.is_initialized() and c10d._world.group_count == 1  # the precondition
+    assert ip_abort.destroy_process_groups() is None
+    assert c10d._world.group_count == 0
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert c10d._get_default_group().group_name == "0"
