@@ -3,7 +3,9 @@ to the real test cluster."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import kubernetes_validate as kv
 import pytest
@@ -14,6 +16,8 @@ from tests.k8s.cluster import Client, ControlPlane, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml")
+EXAMPLE_PVC = ROOT / "examples/digits/checkpoints-pvc.yaml"
+EXAMPLE_JOB = ROOT / "examples/digits/elasticjob.yaml"
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -46,7 +50,9 @@ def test_the_operator_is_least_privileged() -> None:
 def test_kubectl_applies_deploy(k8s_cluster: ControlPlane, k8s: Client) -> None:
     """``kubectl apply -k deploy/`` on the real cluster: every object is admitted, the
     operator's Pods pass the namespace's ``restricted`` Pod Security level (the
-    ReplicaSet's Pods exist: a refused Pod would not), then the digits job applies."""
+    ReplicaSet's Pods exist: a refused Pod would not), then the digits example's own
+    claim and job apply as a user applies them, and are stored as written (the claim
+    bound to a volume made for it)."""
     admin = k8s_cluster.admin
     result = admin.kubectl("apply", "-k", str(DEPLOY))
     assert "deployment.apps/kelastic-operator" in result.stdout
@@ -60,16 +66,60 @@ def test_kubectl_applies_deploy(k8s_cluster: ControlPlane, k8s: Client) -> None:
             60,
             what="the operator's two Pods created under Pod Security 'restricted'",
         )
-        k8s.claim("digits-checkpoints")
-        k8s.kubectl("apply", "-f", str(ROOT / "examples/digits/checkpoints-pvc.yaml"),
-                    "-f", str(ROOT / "examples/digits/elasticjob.yaml"), check=False)  # fmt: skip
+        # The storage's part (an admin's or a provisioner's): a volume for the example's
+        # claim. The claim and the job are the example's own files, applied as the README
+        # tells a user to.
+        pv = _volume_for(k8s_cluster, k8s.namespace, "digits-checkpoints", "1Gi")
+        applied = k8s.kubectl("apply", "-f", str(EXAMPLE_PVC), "-f", str(EXAMPLE_JOB))
+        assert "persistentvolumeclaim/digits-checkpoints created" in applied.stdout
+        assert "elasticjob.kelastic.dev/digits created" in applied.stdout
+        wait_until(
+            lambda: ((k8s.get("pvc", "digits-checkpoints") or {}).get("status") or {}).get(
+                "phase") == "Bound", 30, 0.1, what="the example's claim bound",
+        )  # fmt: skip
+        claim = k8s.get("pvc", "digits-checkpoints")
+        assert claim is not None and claim["spec"]["volumeName"] == pv
+        _assert_stored(yaml.safe_load(EXAMPLE_PVC.read_text())["spec"], claim["spec"])
         assert k8s.names("elasticjobs") == ["digits"]
+        job = k8s.get("elasticjobs", "digits")
+        assert job is not None
+        _assert_stored(yaml.safe_load(EXAMPLE_JOB.read_text())["spec"], job["spec"])
     finally:
         # the namespace, CRDs and RBAC stay: the session's other tests use them
         for ref in ("deployment/kelastic-operator", "statefulset/kelastic-etcd",
                     "service/kelastic-operator-metrics", "service/kelastic-etcd"):  # fmt: skip
             admin.kubectl("delete", "-n", "kelastic-system", ref, "--ignore-not-found",
                           "--wait=false")  # fmt: skip
+
+
+def _volume_for(cluster: ControlPlane, namespace: str, claim: str, size: str) -> str:
+    """A ``ReadWriteMany`` hostPath PersistentVolume of no class reserved for ``claim``
+    (``claimRef``), as the cluster's storage would provide; returns its name."""
+    pv = f"{namespace}-{claim}"[:63]
+    folder = cluster.workdir / "volumes" / pv
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+           "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "", "hostPath": {"path": str(folder)},
+                    "claimRef": {"namespace": namespace, "name": claim}}}  # fmt: skip
+    cluster.admin.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    return pv
+
+
+def _assert_stored(written: Any, stored: Any, where: str = "spec") -> None:
+    """Everything the manifest wrote is stored as written (the API server may add
+    defaults, but must not drop or change a field: a CRD schema that pruned one would)."""
+    if isinstance(written, dict):
+        assert isinstance(stored, dict), (where, stored)
+        for key, value in written.items():
+            assert key in stored, f"{where}.{key} was dropped"
+            _assert_stored(value, stored[key], f"{where}.{key}")
+    elif isinstance(written, list):
+        assert isinstance(stored, list) and len(stored) == len(written), (where, stored)
+        for i, (w, s) in enumerate(zip(written, stored, strict=True)):
+            _assert_stored(w, s, f"{where}[{i}]")
+    else:
+        assert stored == written, (where, written, stored)
 
 
 def test_the_operator_entry_point_parses_its_options() -> None:
