@@ -5,15 +5,16 @@ from __future__ import annotations
 import socket
 import sys
 import threading
-import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kelastic.inprocess.client import Connection
 from kelastic.inprocess_messages import Hello, encode
 from kelastic.sockaddr import unix_address
+from tests.conftest import wait_for
 
 
 def test_connects_to_a_socket_path_longer_than_sun_path(tmp_path: Path) -> None:
@@ -51,19 +52,32 @@ def test_a_peer_waits_until_the_next_iterations_store_listens(
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
+    probes: list[bool] = []  # each probe of the store: whether it connected
+    connect = socket.create_connection
+
+    def recorded(address: tuple[str, int], *args: Any, **kwargs: Any) -> socket.socket:
+        try:
+            conn = connect(address, *args, **kwargs)
+        except OSError:
+            probes.append(False)
+            raise
+        probes.append(True)
+        return conn
+
+    monkeypatch.setattr(socket, "create_connection", recorded)
     monkeypatch.setenv(contract.RANK, "1")
     monkeypatch.setenv(contract.MASTER_ADDR, "127.0.0.1")
     monkeypatch.setenv(contract.MASTER_PORT, str(port))
     # a function that never imported torch.distributed has no store to wait for
     monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
-    started = time.monotonic()
-    _wait_for_store(timeout=10.0)
-    assert time.monotonic() - started < 0.5
+    _wait_for_store(timeout=60.0)
+    assert probes == []
     monkeypatch.setitem(sys.modules, "torch.distributed", types.ModuleType("torch.distributed"))
     listening = threading.Event()
 
     def serve() -> None:
-        time.sleep(0.3)  # rank 0 is still leaving its last iteration
+        # rank 0 is still leaving its last iteration: the first probes are refused
+        wait_for(lambda: len(probes) >= 3, 30, interval=0.001, what="3 refused probes")
         server = socket.create_server(("127.0.0.1", port))
         listening.set()
         conn, _ = server.accept()
@@ -72,13 +86,14 @@ def test_a_peer_waits_until_the_next_iterations_store_listens(
 
     thread = threading.Thread(target=serve)
     thread.start()
-    started = time.monotonic()
-    _wait_for_store(timeout=10.0)
-    took, up = time.monotonic() - started, listening.is_set()
-    thread.join(5)
+    _wait_for_store(timeout=60.0)
+    up = listening.is_set()
+    thread.join(30)
     assert up, "returned before the store listened"
-    assert took < 5.0
+    # it returned because a probe connected, not at its deadline
+    assert probes[:3] == [False] * 3 and probes[-1] is True, probes
+    assert probes.count(True) == 1
+    probes.clear()
     monkeypatch.setenv(contract.RANK, "0")  # rank 0 hosts the store: it never waits
-    started = time.monotonic()
-    _wait_for_store(timeout=10.0)
-    assert time.monotonic() - started < 0.5
+    _wait_for_store(timeout=60.0)
+    assert probes == []
