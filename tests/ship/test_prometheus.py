@@ -451,7 +451,11 @@ def test_prometheus_scrapes_sidecars_and_operator_and_every_query_has_data(
             0.5,
             what="Prometheus to scrape the reap, both restarts and running workers",
         )
-        time.sleep(3)  # a few more scrapes of the resumed round
+        # a few more scrapes of the resumed round: every target's latest sample taken 2 s
+        # (two scrape intervals) after the recovery was seen
+        seen = time.time()
+        wait_for(lambda: prom is not None and prom.has_data(f"min(timestamp(up)) > {seen + 2:.3f}"),
+                 60, 0.25, what="two more scrapes of every target")  # fmt: skip
         prom.at = time.time()  # every query below is evaluated at this instant
         assert set(prom.targets_up().values()) == {"up"}, prom.targets_up()
 
