@@ -198,9 +198,42 @@ def test_a_refusal_leaves_the_rendezvous_at_once_as_a_connection_error(auth_etcd
         handler.shutdown()
 
 
+def _drop_tokens(endpoint: str) -> None:
+    """Make etcd drop every auth token of ``root`` now, as the token's expiry does
+    (``--auth-token-ttl`` seconds after its last use, 300 by default: an operator idle for
+    minutes meets this): setting a user's password, to the same one here, invalidates its
+    tokens. Either way a request with the token gets "invalid auth token"."""
+    import grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        auth = etcdrpc.AuthStub(channel)
+        request = etcdrpc.AuthenticateRequest(name="root", password=ROOT_PASSWORD)
+        token = auth.Authenticate(request, timeout=5).token
+        auth.UserChangePassword(
+            etcdrpc.AuthUserChangePasswordRequest(name="root", password=ROOT_PASSWORD),
+            timeout=5,
+            metadata=[("token", token)],
+        )
+
+
+def _token_refused(endpoint: str, token: str) -> bool:
+    """Whether etcd refuses ``token`` (a refused request does not renew it)."""
+    import grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            etcdrpc.KVStub(channel).Range(
+                etcdrpc.RangeRequest(key=b"/kelastic-test/probe"), timeout=5,
+                metadata=[("token", token)],
+            )  # fmt: skip
+        except grpc.RpcError as exc:
+            return "invalid auth token" in str(exc.details())
+    return False
+
+
 def test_an_expired_auth_token_is_replaced(tmp_path: Path) -> None:
-    # etcd's simple tokens expire --auth-token-ttl seconds after their last use (300 by
-    # default: an operator idle for minutes meets this); the client authenticates again.
+    # etcd stops accepting a token (it expired, or was invalidated): the client
+    # authenticates again, for a plain call, a wait and a long-lived watch stream.
     import subprocess
 
     from kelastic_operator.local.etcd import etcd_binary, free_port
@@ -211,8 +244,7 @@ def test_an_expired_auth_token_is_replaced(tmp_path: Path) -> None:
         str(etcd_binary()), "--name", "ttl", "--data-dir", str(tmp_path / "data"),
         "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-        "--initial-cluster", f"ttl={peer_url}", "--unsafe-no-fsync",
-        "--auth-token-ttl", "1", "--log-level", "error",
+        "--initial-cluster", f"ttl={peer_url}", "--unsafe-no-fsync", "--log-level", "error",
     ]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"127.0.0.1:{client_port}"
@@ -221,18 +253,30 @@ def test_an_expired_auth_token_is_replaced(tmp_path: Path) -> None:
             probe.get("/kelastic-test/up")  # retried until etcd serves
         _enable_auth(endpoint)
         with EtcdClient([endpoint], timeout=5.0, user="root", password=ROOT_PASSWORD) as client:
+            auth = client._endpoints[0].auth
+            assert auth is not None
+
+            def expire() -> str:
+                """Drop the client's current token; returns it."""
+                token = auth.token(5.0)
+                _drop_tokens(endpoint)
+                assert _token_refused(endpoint, token)  # the precondition
+                return token
+
             client.put("/kelastic-test/ttl", b"1")
             snap = client.read(["/kelastic-test/ttl"])
-            time.sleep(3.0)  # the token expires
+            old = expire()
             client.put("/kelastic-test/ttl", b"2")
+            assert auth.token(5.0) != old  # it authenticated again
             assert client.get("/kelastic-test/ttl") == (
                 b"2",
                 client.read(["/kelastic-test/ttl"]).values["/kelastic-test/ttl"][1],
             )
-            time.sleep(3.0)
+            old = expire()
             assert client.wait_change(["/kelastic-test/ttl"], snap.revision, 5.0)
+            assert auth.token(5.0) != old
             assert client.request_counts().get("errors", 0) == 0  # no call failed
-            time.sleep(3.0)
+            old = expire()
             # a long-lived watch stream re-creates its watches with a fresh token (its
             # first try, with the expired one, counts as a broken stream)
             watcher = Watcher(client, ["/kelastic-test/ttl"])
@@ -240,6 +284,7 @@ def test_an_expired_auth_token_is_replaced(tmp_path: Path) -> None:
                 assert watcher.wait(snap.revision, 5.0)
             finally:
                 watcher.close()
+            assert auth.token(5.0) != old
     finally:
         proc.kill()
         proc.wait()
