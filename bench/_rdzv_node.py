@@ -36,10 +36,10 @@ def kelastic_node(argv: list[str]) -> None:
     name, endpoint, run_id = argv[0], argv[1], argv[2]
     min_nodes, max_nodes, ttl, last_call = int(argv[3]), int(argv[4]), int(argv[5]), float(argv[6])
     from kelastic.contract import Keys, job_prefix
-    from kelastic_sidecar.etcd_store import EtcdStore
+    from kelastic_etcd import EtcdClient
     from kelastic_sidecar.rendezvous import EtcdRendezvousHandler, RendezvousSettings
 
-    store = EtcdStore([endpoint], timeout=5.0)
+    store = EtcdClient([endpoint], timeout=5.0)
     store.get("/warm-up")
     keys = Keys(job_prefix("bench", "rejoin", run_id))
     settings = RendezvousSettings(

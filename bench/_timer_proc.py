@@ -63,7 +63,7 @@ def main() -> int:
         def watch(pid: int) -> None:
             pass
     else:
-        from kelastic_sidecar.timer_server import TimerServer
+        from kelastic_sidecar.timer import TimerServer
 
         logging.getLogger("kelastic_sidecar").setLevel(logging.ERROR)
 

@@ -105,8 +105,8 @@ def operator_scale(quick: bool) -> CaseResult:
     from tests.k8s.cluster import ControlPlane, wait_until
     from tests.k8s.fixtures import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, start_cluster
 
+    from kelastic_etcd import EtcdClient
     from kelastic_operator.local.etcd import free_port
-    from kelastic_sidecar.etcd_store import EtcdStore
 
     jobs, replicas, nodes = (10, 16, 2) if quick else (100, 64, 8)
     total = jobs * replicas
@@ -196,7 +196,7 @@ def operator_scale(quick: bool) -> CaseResult:
             wait_until(lambda: _count(cluster, pods_path) == 0 == _count(cluster, jobs_path),
                        600, 1.0, what="everything deleted")  # fmt: skip
             cleanup = time.monotonic() - deleted
-            with EtcdStore([etcd]) as store:
+            with EtcdClient([etcd]) as store:
                 left = len(store.get_prefix(f"/kelastic/{ns}/"))
         finally:
             stop_process(proc)

@@ -78,16 +78,16 @@ def _ours_join(endpoint: str, n: int, counts: dict[str, int] | None = None) -> f
     """min = max = ``n`` handlers (threads) join one round; seconds until the last joined.
 
     ``counts``, when given, receives the etcd requests sent during the join, by
-    operation (the stores' :meth:`~kelastic_sidecar.etcd_store.EtcdStore.request_counts`).
+    operation (the stores' :meth:`~kelastic_etcd.EtcdClient.request_counts`).
     """
     from kelastic.contract import Keys, job_prefix
-    from kelastic_sidecar.etcd_store import EtcdStore
+    from kelastic_etcd import EtcdClient
     from kelastic_sidecar.rendezvous import EtcdRendezvousHandler, RendezvousSettings
 
     run_id = uuid.uuid4().hex[:12]
     prefix = job_prefix("bench", f"join-{n}", run_id)
     settings = RendezvousSettings(run_id=run_id, min_nodes=n, max_nodes=n, join_timeout=60)
-    stores = [EtcdStore([endpoint]) for _ in range(n)]
+    stores = [EtcdClient([endpoint]) for _ in range(n)]
     handlers = []
     try:
         for i, store in enumerate(stores):
@@ -158,7 +158,7 @@ def _torch_shutdown(handlers: list[Any]) -> None:
 def _torch_etcd_join(endpoint: str, n: int) -> float:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from kelastic_sidecar.etcd_backend import create_torch_handler
+    from kelastic_sidecar.torchrun_plugin import create_torch_handler
 
     run_id = uuid.uuid4().hex[:12]
     handlers = []
@@ -281,9 +281,9 @@ def _rejoin_once(impl: str, endpoint: str, mode: str, conf: dict[str, Any]) -> f
         survivors = [i for i in range(3) if i != victim]
         if mode == "evict":  # connected before the kill, like the operator's client
             from kelastic.contract import Keys, job_prefix
-            from kelastic_sidecar.etcd_store import EtcdStore
+            from kelastic_etcd import EtcdClient
 
-            evictor = EtcdStore([endpoint])
+            evictor = EtcdClient([endpoint])
             evictor.get("/warm-up")
             alive_key = Keys(job_prefix("bench", "rejoin", run_id)).alive(names[victim])
         os.kill(nodes[victim][0].pid, signal.SIGKILL)

@@ -227,7 +227,7 @@ def _kill_floor(count: int, release: bool = False) -> list[float]:
     the part of the latency that is the kernel tearing the process down plus the pidfd
     wake-up, which no timer server can remove (``release``: then ``process_mrelease``
     from here, as the kelastic server does)."""
-    from kelastic_sidecar.memory_release import release_memory
+    from kelastic_sidecar.timer import release_memory
 
     samples = []
     for _ in range(count):

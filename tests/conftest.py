@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kelastic_etcd import EtcdClient, EtcdError
 from kelastic_operator.local.etcd import EmbeddedEtcd, etcd_binary, free_port
-from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import namespace_for, node_startup, start_node, start_or_skip
 from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds
@@ -142,13 +142,13 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     )  # fmt: skip
     endpoint = f"127.0.0.1:{port}"
     try:
-        with EtcdStore([endpoint], tls_dir=tls_dir, timeout=1) as probe:
+        with EtcdClient([endpoint], tls_dir=tls_dir, timeout=1) as probe:
 
             def ready() -> bool:
                 try:
                     probe.get("/ready")
                     return True
-                except EtcdUnavailableError:
+                except EtcdError:
                     return False
 
             wait_for(ready, 30, interval=0.1, what="TLS etcd to serve")

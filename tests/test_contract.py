@@ -84,7 +84,7 @@ def test_the_operator_reads_what_the_sidecar_writes() -> None:
     sidecar's own encoders, so a renamed field fails here, not on a cluster."""
     from kelastic_operator.rendezvous_store import view_from_keys
     from kelastic_sidecar.failure import Failure
-    from kelastic_sidecar.rendezvous_state import RendezvousState, encode_state, mark_complete
+    from kelastic_sidecar.rendezvous.state import RendezvousState, encode_state, mark_complete
     from kelastic_sidecar.restart_budget import RestartRecord, encode_record
     from kelastic_sidecar.supervisor import node_report
 

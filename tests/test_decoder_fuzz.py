@@ -32,8 +32,7 @@ from kelastic.control_messages import Assign, Exited, Promote
 from kelastic.errors import parse_error_data
 from kelastic_operator.rendezvous_store import view_from_keys
 from kelastic_sidecar.control import ControlProtocolError, parse_launcher_message
-from kelastic_sidecar.etcd_backend import decode_envelope, encode_envelope
-from kelastic_sidecar.rendezvous_state import (
+from kelastic_sidecar.rendezvous.state import (
     MAX_RANK,
     MAX_ROUND,
     RendezvousState,
@@ -48,8 +47,9 @@ from kelastic_sidecar.restart_budget import (
     encode_record,
 )
 from kelastic_sidecar.supervisor import decode_master, node_report
-from kelastic_sidecar.timer_server import TimerServer, _BadRequest, _parse
-from kelastic_sidecar.timer_wire import LineSplitter
+from kelastic_sidecar.timer import TimerServer
+from kelastic_sidecar.timer.wire import LineSplitter, _BadRequest, _parse
+from kelastic_sidecar.torchrun_plugin import decode_envelope, encode_envelope
 
 FUZZ = settings(
     max_examples=100,
@@ -175,7 +175,7 @@ IP_READY = {"group_rank": 0, "addr": "10.0.0.7", "port": 29517, "round": 2}
 
 
 def _inprocess_record(raw: bytes) -> None:
-    from kelastic_sidecar.inprocess_record import (
+    from kelastic_sidecar.inprocess.record import (
         MAX_COUNTER,
         IterationRecordError,
         decode_iteration_record,
@@ -192,7 +192,7 @@ def _inprocess_record(raw: bytes) -> None:
 
 
 def _inprocess_ready(raw: bytes) -> None:
-    from kelastic_sidecar.inprocess_record import IterationRecordError, decode_ready, encode_ready
+    from kelastic_sidecar.inprocess.record import IterationRecordError, decode_ready, encode_ready
 
     try:
         ready = decode_ready(raw)
@@ -495,7 +495,7 @@ def test_fuzz_a_workers_error_file_never_stops_its_exit_report(data: Any, timest
 
 
 def test_inprocess_valid_documents_decode_and_crafted_counters_do_not() -> None:
-    from kelastic_sidecar.inprocess_record import (
+    from kelastic_sidecar.inprocess.record import (
         IterationRecordError,
         decode_iteration_record,
         decode_ready,
@@ -556,7 +556,7 @@ _EDGE_COUNTERS = st.sampled_from([0, 1, 2**31 - 2, 2**31 - 1, 2**31, 2**32, 2**5
 
 
 def _sidecar_reads(raw: bytes) -> tuple[int, int] | None:
-    from kelastic_sidecar.inprocess_record import IterationRecordError, decode_iteration_record
+    from kelastic_sidecar.inprocess.record import IterationRecordError, decode_iteration_record
 
     try:
         record = decode_iteration_record(raw)
@@ -595,7 +595,7 @@ def test_fuzz_what_the_writer_makes_of_a_record_it_read_is_read_back(
     """The writer either refuses to advance a record the reader accepted, or
     writes one the reader accepts (before: it read 2**53 and wrote 2**53 + 1, which its
     own reader refused: in-process restart was off for the rest of the job)."""
-    from kelastic_sidecar.inprocess_record import (
+    from kelastic_sidecar.inprocess.record import (
         IterationRecordError,
         decode_iteration_record,
         encode_iteration_record,

@@ -31,8 +31,8 @@ from kelastic._extras import missing_extra
 if TYPE_CHECKING:
     import kopf
 
-    from .handlers import OperatorContext
     from .health import Health
+    from .job_reconciler import OperatorContext
     from .leader import LeaseSettings
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -168,7 +168,7 @@ def _context(args: argparse.Namespace) -> OperatorContext | None:
     there are no Kubernetes credentials."""
     from kubernetes import config as kubernetes_config
 
-    from .handlers import OperatorContext
+    from .job_reconciler import OperatorContext
     from .metrics import OperatorMetrics
     from .pods import PodSettings
     from .rendezvous_store import EtcdRendezvousStore, StoreCache

@@ -13,8 +13,7 @@
 - a **delete handler** (kopf's finalizer) that deletes the job's Pods, waits until they
   are gone (no sidecar left to write), then deletes the job's etcd prefix.
 
-``OperatorContext`` and ``JobReconciler`` live in :mod:`kelastic_operator.job_reconciler`
-and are importable from here too.
+``OperatorContext`` and ``JobReconciler`` live in :mod:`kelastic_operator.job_reconciler`.
 """
 
 from __future__ import annotations
@@ -30,27 +29,14 @@ import kopf
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from .job_reconciler import (
-    PLURAL,
-    JobReconciler,
-    OperatorContext,
-    utcnow,
-    validation_message,
-)
+from .job_reconciler import PLURAL, JobReconciler, OperatorContext
 from .labels import LABEL_JOB
 from .model import API_GROUP, API_VERSION, PHASES
 from .rendezvous_store import RendezvousStoreError
 from .rendezvous_watch import StatusFollower
 from .watch_cache import slim_pod
 
-__all__ = [
-    "PLURAL",
-    "JobReconciler",
-    "OperatorContext",
-    "register",
-    "utcnow",
-    "validation_message",
-]
+__all__ = ["register"]
 log = logging.getLogger("kelastic_operator")
 
 

@@ -3,14 +3,14 @@
 The :class:`~kelastic_sidecar.supervisor.Supervisor` decides the node's course (join a
 round, charge the budget, finish); :class:`AttemptMonitor` keeps the current attempt's
 workers (their pids, timer tokens and reaps) and turns the events on the supervisor's
-queue (:mod:`kelastic_sidecar.supervisor_wiring`) into how the round ended
+queue (:mod:`kelastic_sidecar.wiring`) into how the round ended
 (:class:`~kelastic_sidecar.round_end.RoundEnd`, classified by the pure
 :mod:`kelastic_sidecar.round_end`). The rendezvous is watched from a thread that only
 queues a :class:`RendezvousChanged` (at most one waits), so every input is handled by
 the main thread.
 
 With in-process restart on, a worker's non-zero exit is first offered to the in-process
-coordinator (:meth:`~kelastic_sidecar.inprocess_coordinator.InProcessCoordinator.absorb_exit`,
+coordinator (:meth:`~kelastic_sidecar.inprocess.coordinator.InProcessCoordinator.absorb_exit`,
 the hybrid rung of issue 12): taken, the round goes on (its peers restart in process) and
 the coordinator's :class:`RespawnDue` becomes a ``respawn`` for the launcher, whose
 ``started`` adds the new pid; refused, the round ends as without it.
@@ -26,12 +26,19 @@ import time
 from collections.abc import Callable
 
 from kelastic.control_messages import Exited, Hello, Promote, Respawn, Started, Stop, Stopped
+from kelastic_etcd import EtcdError
 
 from .control import ControlServer, Disconnected, Message
-from .etcd_store import EtcdUnavailableError
+from .events import (
+    Event,
+    FromLauncher,
+    RendezvousChanged,
+    RespawnDue,
+    SparePromoted,
+    WorkerReaped,
+)
 from .failure import CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
-from .inprocess_coordinator import InProcessCoordinator
-from .inprocess_hybrid import respawn_failure
+from .inprocess import InProcessCoordinator, respawn_failure
 from .metrics import SidecarMetrics
 from .rendezvous import EtcdRendezvousHandler, RendezvousError, RendezvousInfo
 from .round_end import (
@@ -44,8 +51,7 @@ from .round_end import (
     lost_peer,
     stopped_failure,
 )
-from .supervisor_wiring import Event, FromLauncher, RendezvousChanged, RespawnDue, WorkerReaped
-from .timer_server import ReapEvent, TimerServer
+from .timer import ReapEvent, TimerServer
 
 __all__ = ["AttemptMonitor"]
 
@@ -89,7 +95,7 @@ class AttemptMonitor:
         self._inprocess = inprocess
         self.attempt = 0
         self.pids: dict[int, int] = {}  # local rank -> pid
-        # local rank -> its timer token this attempt (see kelastic_sidecar.timer_server)
+        # local rank -> its timer token this attempt (see kelastic_sidecar.timer.server)
         self.tokens: dict[int, str] = {}
         self.warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
         self.reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
@@ -193,12 +199,14 @@ class AttemptMonitor:
                     end = self.check_round(handler, info)
                     if end is not None:
                         return end
-                elif isinstance(event, RespawnDue):
-                    if event.round == info.round and event.spare is not None:  # spare ranks
+                elif isinstance(event, SparePromoted):
+                    if event.round == info.round:  # else a late one of an earlier round
                         self.promoted.add(event.local_rank)
-                        self._control.send(Promote(self.attempt, event.spare, event.local_rank,
-                                                   event.spare_pid))  # fmt: skip
-                    elif event.round == info.round:  # else a late one of an earlier round
+                        self._control.send(
+                            Promote(self.attempt, event.slot, event.local_rank, event.pid)
+                        )
+                elif isinstance(event, RespawnDue):
+                    if event.round == info.round:  # else a late one of an earlier round
                         self.respawned.add(event.local_rank)
                         self._control.send(Respawn(self.attempt, event.local_rank, event.env))
                 else:
@@ -212,7 +220,7 @@ class AttemptMonitor:
         while not self.watch_stop.is_set():
             try:
                 changed = handler.wait_for_change(1.0)
-            except (RendezvousError, EtcdUnavailableError) as exc:
+            except (RendezvousError, EtcdError) as exc:
                 log.warning("watching the rendezvous failed: %s", exc)
                 self.watch_stop.wait(0.5)
                 changed = True
@@ -230,7 +238,7 @@ class AttemptMonitor:
         """What the rendezvous says of the round now (None: healthy, or etcd failed)."""
         try:
             check = handler.check_round(info)
-        except (RendezvousError, EtcdUnavailableError) as exc:
+        except (RendezvousError, EtcdError) as exc:
             log.warning("checking round %d failed: %s", info.round, exc)
             return None
         end = classify_check(check, self.node, info.round)

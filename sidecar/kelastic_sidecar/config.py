@@ -31,7 +31,7 @@ _TRUE = ("1", "true", "yes", "on")
 @dataclass(frozen=True)
 class InProcessSettings:
     """In-process restarts (``spec.inProcess``; coordinated by
-    :mod:`~kelastic_sidecar.inprocess_coordinator`; NVIDIA's in-process restart wrapper's
+    :mod:`~kelastic_sidecar.inprocess.coordinator`; NVIDIA's in-process restart wrapper's
     knobs, ``shared/seeds/nvrx_inprocess_wrapper.txt``).
 
     Attributes:
@@ -44,7 +44,7 @@ class InProcessSettings:
             termination barrier is killed (SIGKILL by the sidecar); > ``soft_timeout``.
         spare_ranks: spare worker processes per node (``$KELASTIC_INPROCESS_SPARES``,
             0..64): they wait warm in the Wrapper and replace a dead local rank without a
-            process start (:mod:`~kelastic_sidecar.inprocess_spares`).
+            process start (:mod:`~kelastic_sidecar.inprocess.spares`).
     """
 
     enabled: bool = False

@@ -12,7 +12,7 @@ dropped (it never kills the sidecar), and the connection's end is reported as a
 the worker library), so the supervisor can use its fields without further checks.
 
 The socket is created with the same access rule as the timer FIFO
-(:func:`~kelastic_sidecar.timer_wire.ipc_access`, ``$KELASTIC_IPC_ACCESS``): locally
+(:func:`~kelastic_sidecar.ipc.ipc_access`, ``$KELASTIC_IPC_ACCESS``): locally
 only the sidecar's user may connect, on Kubernetes any user of the Pod.
 """
 
@@ -48,7 +48,7 @@ from kelastic.control_messages import (
 )
 from kelastic.sockaddr import listen_unix
 
-from .timer_wire import ipc_access, socket_mode
+from .ipc import ipc_access, socket_mode
 
 __all__ = [
     "MAX_NPROC",
@@ -99,7 +99,7 @@ class ControlServer:
             (:data:`kelastic.control_messages.LauncherMessage`), and with
             :class:`Disconnected` when a connection ends.
         access: who may connect (``owner``, ``group``, ``pod``); default
-            :func:`~kelastic_sidecar.timer_wire.ipc_access`.
+            :func:`~kelastic_sidecar.ipc.ipc_access`.
 
     Raises:
         ValueError: a bad ``access`` (or ``$KELASTIC_IPC_ACCESS``).

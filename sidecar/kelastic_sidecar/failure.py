@@ -8,22 +8,41 @@ its :meth:`Failure.summary` is the root cause written to the trainer's terminati
 
 from __future__ import annotations
 
+import enum
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
-#: Causes, as recorded in the restart history and the ``kelastic_restarts_total`` metric.
-CAUSE_WORKER_FAILURE = "worker_failure"  # a worker exited non-zero or was killed
-CAUSE_HANG = "hang"  # the timer server reaped a worker whose timer expired
-CAUSE_NODE_LOST = "node_lost"  # a peer's lease expired (its sidecar or machine died)
-#: A worker that never ran the program (exec failed, or exit 126/127: not executable,
-#: not found): a restart cannot help, so the job fails at once without spending the budget.
-CAUSE_START_FAILURE = "start_failure"
+
+class FailureCause(enum.StrEnum):
+    """Why a round failed or restarted, as recorded in the restart history, the node's
+    report and the ``cause`` label of ``kelastic_restarts_total``."""
+
+    #: A worker exited non-zero or was killed.
+    WORKER_FAILURE = "worker_failure"
+    #: The timer server reaped a worker whose timer expired.
+    HANG = "hang"
+    #: A peer's lease expired (its sidecar or machine died).
+    NODE_LOST = "node_lost"
+    #: A worker that never ran the program (exec failed, or exit 126/127: not
+    #: executable, not found): a restart cannot help, so the job fails at once without
+    #: spending the budget.
+    START_FAILURE = "start_failure"
+    #: Nodes joined or left; never charged to the budget.
+    SCALE = "scale"
+    #: Another node restarted the group; never charged.
+    PEER = "peer_restart"
+
+
+CAUSE_WORKER_FAILURE: Final = FailureCause.WORKER_FAILURE
+CAUSE_HANG: Final = FailureCause.HANG
+CAUSE_NODE_LOST: Final = FailureCause.NODE_LOST
+CAUSE_START_FAILURE: Final = FailureCause.START_FAILURE
+CAUSE_SCALE: Final = FailureCause.SCALE
+CAUSE_PEER: Final = FailureCause.PEER
 #: Worker exit codes that mean "the program could not be run" (POSIX shells, execvp).
 NOT_STARTED_EXIT_CODES = frozenset({126, 127})
-CAUSE_SCALE = "scale"  # nodes joined or left; never charged to the budget
-CAUSE_PEER = "peer_restart"  # another node restarted the group; never charged
 
 
 def signal_name(signum: int) -> str:
@@ -39,7 +58,7 @@ class Failure:
     """One failure of a round.
 
     Attributes:
-        cause: one of the ``CAUSE_*`` constants.
+        cause: a :class:`FailureCause` (its string value is turned into one).
         node: the node (Pod) where it happened.
         round: the rendezvous round that failed.
         rank, local_rank: the worker's global and local rank, None for a node loss.
@@ -53,7 +72,7 @@ class Failure:
             it in a collective; the better root cause of a round's hangs.
     """
 
-    cause: str
+    cause: FailureCause
     node: str
     round: int
     rank: int | None = None
@@ -64,6 +83,10 @@ class Failure:
     tail: tuple[str, ...] = field(default_factory=tuple)
     time: float = field(default_factory=time.time)
     stopped: bool = False
+
+    def __post_init__(self) -> None:
+        """Raises ValueError: ``cause`` is no :class:`FailureCause` value."""
+        object.__setattr__(self, "cause", FailureCause(self.cause))
 
     def summary(self) -> str:
         """One line naming the cause, e.g.
@@ -91,6 +114,7 @@ class Failure:
 
         Raises:
             KeyError, TypeError: required fields (cause, node, round) are missing.
+            ValueError: ``cause`` is no :class:`FailureCause` value.
         """
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         known["tail"] = tuple(str(x) for x in known.get("tail") or ())

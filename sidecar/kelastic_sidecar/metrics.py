@@ -12,6 +12,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,14 +21,13 @@ from prometheus_client.registry import Collector
 import kelastic
 
 from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_PEER, CAUSE_SCALE, CAUSE_WORKER_FAILURE
-from .inprocess_server import DROP_REASONS
-from .timer_server import TimerStats
+from .ipc import DROP_REASONS
 
 #: The ``cause`` label values of the restart and downtime counters.
 CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_PEER)
 #: The ``level`` label values of ``kelastic_restarts_total``: ``process`` (the worker
 #: group's processes restarted), ``inprocess`` (the ranks re-entered the wrapped function
-#: in the same processes: :mod:`~kelastic_sidecar.inprocess_coordinator`).
+#: in the same processes: :mod:`~kelastic_sidecar.inprocess.coordinator`).
 LEVELS = ("process", "inprocess")
 #: The ``source`` label values of ``kelastic_corrupt_values_total``.
 CORRUPT_SOURCES = (
@@ -35,14 +35,35 @@ CORRUPT_SOURCES = (
 )  # fmt: skip
 
 
+class TimerCounts(Protocol):
+    """What :class:`TimerCollector` reads of the timer server's counters (its
+    :class:`~kelastic_sidecar.timer.TimerStats` has them): this module measures the
+    servers without importing them."""
+
+    active: int
+    overdue: int
+    requests: int
+    acquired: int
+    expired: int
+    reaped: int
+    reaped_after_grace: int
+    spared: int
+    malformed: int
+    oversized: int
+    dropped_unwatched: int
+    dropped_capacity: int
+    forged: int
+    shed: int
+
+
 class TimerCollector(Collector):
     """Exports the timer server's counters at scrape time (no double bookkeeping).
 
     Args:
-        stats: returns a fresh :class:`~kelastic_sidecar.timer_server.TimerStats`.
+        stats: returns the timer server's counters now (:class:`TimerCounts`).
     """
 
-    def __init__(self, stats: Callable[[], TimerStats]) -> None:
+    def __init__(self, stats: Callable[[], TimerCounts]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
@@ -184,7 +205,7 @@ class SidecarMetrics:
         timer_stats: source of the timer server's counters (see :class:`TimerCollector`).
     """
 
-    def __init__(self, timer_stats: Callable[[], TimerStats]) -> None:
+    def __init__(self, timer_stats: Callable[[], TimerCounts]) -> None:
         r = self.registry = CollectorRegistry()
         self.build_info = Info(
             "kelastic_build",

@@ -28,8 +28,7 @@ from typing import Any, TypeGuard
 
 from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.contract import Keys
-
-from .etcd_store import EtcdStore
+from kelastic_etcd import EtcdClient
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
@@ -187,7 +186,7 @@ class RestartBudget:
 
     def __init__(
         self,
-        store: EtcdStore,
+        store: EtcdClient,
         keys: Keys,
         max_restarts: int,
         on_repair: Callable[[], object] | None = None,
@@ -207,7 +206,7 @@ class RestartBudget:
 
         Raises:
             RestartRecordError: the record is corrupt.
-            EtcdUnavailableError: etcd did not answer.
+            EtcdError: etcd did not answer, or refused the request.
         """
         got = self._store.get(self._key)
         record = RestartRecord() if got is None else decode_record(got[0], self._key)
@@ -228,7 +227,7 @@ class RestartBudget:
         Raises:
             ValueError: ``round_ < 0`` or ``detail`` is not JSON-serializable.
             RestartRecordError: the record is of another version (never overwritten).
-            EtcdUnavailableError: etcd did not answer.
+            EtcdError: etcd did not answer, or refused the request.
         """
         if round_ < 0:
             raise ValueError(f"round must be >= 0, got {round_}")

@@ -36,7 +36,7 @@ from .failure import (
     NOT_STARTED_EXIT_CODES,
     Failure,
 )
-from .rendezvous_state import DEPARTURE_REJOIN
+from .vocabulary import DEPARTURE_REJOIN, CheckReason
 
 __all__ = [
     "CheckLike",
@@ -105,7 +105,7 @@ class RoundOf:
 
 
 class ReapLike(Protocol):
-    """What classification reads of a reap (``kelastic_sidecar.timer_server.ReapEvent``)."""
+    """What classification reads of a reap (``kelastic_sidecar.timer.server.ReapEvent``)."""
 
     @property
     def scope_id(self) -> str: ...
@@ -116,12 +116,12 @@ class ReapLike(Protocol):
 
 
 class CheckLike(Protocol):
-    """What classification reads of a round check (``rendezvous_state.RoundCheck``)."""
+    """What classification reads of a round check (the rendezvous' ``RoundCheck``)."""
 
     @property
     def healthy(self) -> bool: ...
     @property
-    def reason(self) -> str: ...
+    def reason(self) -> CheckReason: ...
     @property
     def nodes(self) -> tuple[str, ...]: ...
     @property
@@ -142,13 +142,16 @@ def classify_check(check: CheckLike, node: str, round_: int) -> RoundEnd | None:
     """
     if check.healthy:
         return None
-    if check.reason == "closed":
+    if check.reason is CheckReason.CLOSED:
         return RoundEnd(RoundEndKind.CLOSED)
-    if node in check.nodes and check.reason in ("participant_left", "participant_lost"):
+    if node in check.nodes and check.reason in (
+        CheckReason.PARTICIPANT_LEFT,
+        CheckReason.PARTICIPANT_LOST,
+    ):
         # The operator removed this node from the round (scale-down, or its Pod is
         # going away): stop here instead of rejoining.
         return RoundEnd(RoundEndKind.REMOVED, reason=dict(check.departures).get(node, ""))
-    if check.reason == "participant_lost":
+    if check.reason is CheckReason.PARTICIPANT_LOST:
         return RoundEnd(
             RoundEndKind.FAILED,
             Failure(
@@ -158,7 +161,7 @@ def classify_check(check: CheckLike, node: str, round_: int) -> RoundEnd | None:
                 message="its liveness key is gone (lease expired or node removed)",
             ),
         )
-    if check.reason == "participant_left":
+    if check.reason is CheckReason.PARTICIPANT_LEFT:
         departures = dict(check.departures)
         unplanned = {
             n: departures.get(n, "?")
@@ -179,8 +182,8 @@ def classify_check(check: CheckLike, node: str, round_: int) -> RoundEnd | None:
                 ),
             )
     reason = {
-        "nodes_waiting": CAUSE_SCALE,
-        "participant_left": CAUSE_SCALE,
+        CheckReason.NODES_WAITING: CAUSE_SCALE,
+        CheckReason.PARTICIPANT_LEFT: CAUSE_SCALE,
     }.get(check.reason, CAUSE_PEER)
     return RoundEnd(RoundEndKind.RESTART, reason=reason)
 
@@ -295,7 +298,7 @@ def closed_outcome(reason: dict[str, Any] | None, max_restarts: int) -> tuple[Fa
     """
     failure = None
     if reason:
-        with contextlib.suppress(KeyError, TypeError):
+        with contextlib.suppress(KeyError, TypeError, ValueError):
             failure = Failure.from_dict(reason)
     if failure is not None and reason and reason.get("not_retried"):
         text = (

@@ -3,7 +3,7 @@
 It plays the role of torch's ``SimpleElasticAgent`` with the workers living in the
 trainer container (started by :mod:`kelastic.launch` over the control socket):
 
-1. rendezvous (:class:`~kelastic_sidecar.rendezvous.EtcdRendezvousHandler`);
+1. rendezvous (:class:`~kelastic_sidecar.rendezvous.handler.EtcdRendezvousHandler`);
 2. assignment: global ranks from the group rank and ``nproc_per_node``, MASTER_ADDR =
    group rank 0's pod IP, MASTER_PORT picked fresh each round by group rank 0 and
    published under ``rounds/<round>/master`` (a restarted round never meets a stale
@@ -21,11 +21,11 @@ trainer container (started by :mod:`kelastic.launch` over the control socket):
 All inputs arrive as events on one queue, handled by the main thread; no polling loop.
 
 The parts are split as torch's agent is: the wiring (servers, clients, typed events) is
-:mod:`~kelastic_sidecar.supervisor_wiring`; the current attempt's workers and the event
+:mod:`~kelastic_sidecar.wiring`; the current attempt's workers and the event
 loop of a round, :mod:`~kelastic_sidecar.attempt_monitor`; what ended a round, the pure
 :mod:`~kelastic_sidecar.round_end`; the workers' environment,
 :mod:`~kelastic_sidecar.assignment`; in-process restarts within a round,
-:mod:`~kelastic_sidecar.inprocess_coordinator`.
+:mod:`~kelastic_sidecar.inprocess.coordinator`.
 
 Over ~400 lines as one cohesive thing: this module is the node's course through rounds
 and how it ends (report, leave or close, tell the launcher), the helpers it writes etcd
@@ -35,6 +35,7 @@ with beside it.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import signal
@@ -48,16 +49,17 @@ from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.control_messages import (
     Shutdown,
 )
+from kelastic_etcd import EtcdClient, EtcdError, EtcdRefused
 
 from .assignment import build_assign
 from .attempt_monitor import AttemptMonitor
 from .config import SidecarConfig
-from .etcd_store import EtcdStore, EtcdUnavailableError
 from .failure import (
     CAUSE_PEER,
     CAUSE_SCALE,
     CAUSE_START_FAILURE,
     Failure,
+    FailureCause,
     signal_name,
 )
 from .rendezvous import (
@@ -73,7 +75,7 @@ from .round_end import (
     RoundEndKind,
     closed_outcome,
 )
-from .supervisor_wiring import Hooks, build_parts
+from .wiring import Hooks, build_parts
 
 log = logging.getLogger("kelastic_sidecar.supervisor")
 
@@ -90,6 +92,33 @@ class SidecarShutdown(Exception):
         self.signum = signum
 
 
+class Phase(enum.StrEnum):
+    """Where a node's supervisor is in its course (``/status``'s ``phase``)."""
+
+    #: Servers starting.
+    STARTING = "starting"
+    #: Waiting for the launcher's ``hello``.
+    WAITING_FOR_LAUNCHER = "waiting_for_launcher"
+    #: In a rendezvous.
+    RENDEZVOUS = "rendezvous"
+    #: The round completed; the workers start.
+    STARTING_WORKERS = "starting_workers"
+    #: The workers run.
+    RUNNING = "running"
+    #: The workers are being stopped for a restart.
+    STOPPING = "stopping"
+    #: The job succeeded on this node.
+    SUCCEEDED = "succeeded"
+    #: The operator removed this node (scale-down, its Pod going away).
+    REMOVED = "removed"
+    #: The job failed on this node.
+    FAILED = "failed"
+
+
+#: The phases in which the node finishes with its real outcome (a signal waits for it).
+_FINISHING = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.REMOVED})
+
+
 class Supervisor:
     """Runs one node of an elastic job until it succeeds, fails or is told to stop.
 
@@ -101,7 +130,7 @@ class Supervisor:
     the process exit code: 0 succeeded, 1 failed, 128+signum when stopped by a signal.
     """
 
-    def __init__(self, config: SidecarConfig, store: EtcdStore | None = None) -> None:
+    def __init__(self, config: SidecarConfig, store: EtcdClient | None = None) -> None:
         self.cfg = config
         hooks = Hooks(healthy=lambda: self._alive, ready=lambda: self._running, status=self.status)
         parts = build_parts(config, store, hooks)
@@ -117,11 +146,11 @@ class Supervisor:
         self.handler: EtcdRendezvousHandler | None = None
         self._alive = True
         self._running = False
-        self._phase = "starting"
+        self._phase: Phase = Phase.STARTING
         started = time.time()
         self.metrics.last_progress.set_function(lambda: self.timer.last_acquire_time or started)
         self.metrics.rendezvous_in_progress.set_function(
-            lambda: 1.0 if self._phase == "rendezvous" else 0.0
+            lambda: 1.0 if self._phase is Phase.RENDEZVOUS else 0.0
         )
         self._info: RendezvousInfo | None = None
         self._nproc = config.nproc_per_node
@@ -216,7 +245,7 @@ class Supervisor:
     # ------------------------------------------------------------------------ main loop
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._phase in ("succeeded", "failed", "removed"):
+        if self._phase in _FINISHING:
             # Finishing with the real outcome (leave, report, tell the launcher): the
             # kubelet stops a native sidecar as soon as the trainer exits; let it finish.
             log.info("received %s while finishing (%s)", signal_name(signum), self._phase)
@@ -230,7 +259,7 @@ class Supervisor:
         raise SidecarShutdown(signum)
 
     def _run(self) -> int:
-        self._phase = "waiting_for_launcher"
+        self._phase = Phase.WAITING_FOR_LAUNCHER
         settings = RendezvousSettings(
             run_id=self.cfg.job_uid,
             min_nodes=self.cfg.min_nodes,
@@ -249,7 +278,9 @@ class Supervisor:
         )
         try:  # the etcd session (lease, watch) is ready before the trainer container is
             self.handler.open()
-        except EtcdUnavailableError as exc:
+        except EtcdError as exc:
+            if refused(exc):  # bad credentials, no permission: waiting cannot help
+                return self._fail_fatal(f"etcd refused the sidecar's requests: {exc}")
             log.warning("etcd unavailable at start (%s); the rendezvous will retry", exc)
         hello = self.workers.wait_hello()
         self._nproc = hello.nproc or self._nproc
@@ -264,14 +295,14 @@ class Supervisor:
                 info = self._rendezvous()
             except RendezvousClosedError as exc:
                 return self._finish_closed(exc.reason)
-            except (RendezvousError, EtcdUnavailableError) as exc:
+            except (RendezvousError, EtcdError) as exc:
                 return self._fail_fatal(f"rendezvous failed: {exc}")
             try:
                 master = round_master(
                     self.store, self.keys.master(info.round), self.cfg.pod_ip,
                     publish=info.group_rank == 0, timeout=min(self.cfg.join_timeout, 60.0),
                 )  # fmt: skip
-            except (TimeoutError, EtcdUnavailableError, ValueError) as exc:
+            except (TimeoutError, EtcdError, ValueError) as exc:
                 if type(exc) is ValueError:  # decode_master refused the record
                     self.metrics.corrupt_values.labels(source="master_record").inc()
                 log.warning("round %d: no master address (%s); re-rendezvous", info.round, exc)
@@ -307,7 +338,7 @@ class Supervisor:
                 if self._charge(end.failure):
                     return self._finish_exhausted(end.failure)
             else:
-                self._down_cause = end.reason or CAUSE_PEER
+                self._down_cause = FailureCause(end.reason or CAUSE_PEER)
                 self.metrics.restarts.labels(level="process", cause=self._down_cause).inc()
                 log.info("round %d: restarting the worker group (%s)", info.round, end.reason)
                 stopped = self.workers.stopped_failure(info, pids)
@@ -317,7 +348,7 @@ class Supervisor:
 
     def _rendezvous(self) -> RendezvousInfo:
         assert self.handler is not None
-        self._phase = "rendezvous"
+        self._phase = Phase.RENDEZVOUS
         started = time.monotonic()
         info = self.handler.next_rendezvous()
         took = time.monotonic() - started
@@ -339,11 +370,11 @@ class Supervisor:
         tokens = self.workers.tokens if carried else self.workers.new_attempt()
         try:
             self._spent = self.budget.read().count
-        except (EtcdUnavailableError, RestartRecordError) as exc:
+        except (EtcdError, RestartRecordError) as exc:
             log.error("cannot read the restart budget: %s", exc)
         spent = self._spent
         self.metrics.budget_spent.set(spent)
-        self._phase = "starting_workers"
+        self._phase = Phase.STARTING_WORKERS
         assign = build_assign(
             attempt=self.workers.attempt,
             round_=info.round,
@@ -365,7 +396,7 @@ class Supervisor:
     def _on_started(self) -> None:
         """The launcher reported the attempt's workers started."""
         self._running = True
-        self._phase = "running"
+        self._phase = Phase.RUNNING
         if self._down_since is not None:
             self.metrics.downtime.labels(cause=self._down_cause).inc(time.time() - self._down_since)
             self._down_since = None
@@ -378,7 +409,7 @@ class Supervisor:
             charge = self.budget.charge(
                 failure.round, failure.cause, failure.node, failure.as_dict()
             )
-        except (EtcdUnavailableError, RestartRecordError) as exc:
+        except (EtcdError, RestartRecordError) as exc:
             if isinstance(exc, RestartRecordError):  # a corrupt record (failed calls count
                 self.metrics.etcd_errors.inc()  # through the store's on_error)
             log.error("cannot record the restart in etcd: %s", exc)
@@ -396,16 +427,15 @@ class Supervisor:
         """Ask the launcher to stop the current attempt's workers and wait for it."""
         if not self.workers.pids and self.workers.attempt == 0:
             return
-        self._phase = "stopping"
+        self._phase = Phase.STOPPING
         self.workers.stop_workers(reason)
 
     def _departure_reason(self) -> str:
         """``scale_down`` when the operator posted a departure notice for this node (it is
         being removed on purpose, and the peers owe no restart); else ``shutdown``."""
-        try:
+        got: tuple[bytes, int] | None = None
+        with contextlib.suppress(EtcdError):
             got = self.store.get(self.keys.departing(self.cfg.node))
-        except EtcdUnavailableError:
-            got = None
         return got[0].decode(errors="replace") if got else "shutdown"
 
     def _leave(self, reason: str) -> None:
@@ -413,21 +443,21 @@ class Supervisor:
             return
         try:
             self.handler.leave(reason)
-        except (RendezvousError, EtcdUnavailableError) as exc:
+        except (RendezvousError, EtcdError) as exc:
             log.warning("leaving the rendezvous failed: %s", exc)
 
     def _report(self, outcome: str, summary: str, failure: Failure | None = None) -> None:
         doc = node_report(outcome, self.cfg.node, summary, failure)
         try:
             self.store.put(self.keys.report(self.cfg.node), doc)
-        except EtcdUnavailableError as exc:
+        except EtcdError as exc:
             log.error("cannot write the node report to etcd: %s", exc)
 
     def _shutdown_launcher(self, exitcode: int, summary: str) -> None:
         self.control.send(Shutdown(exitcode=exitcode, summary=summary))
 
     def _finish_succeeded(self) -> int:
-        self._phase = "succeeded"
+        self._phase = Phase.SUCCEEDED
         info = self._info
         summary = f"succeeded: all {self._nproc} workers of {self.cfg.node} exited 0"
         if info is not None:
@@ -443,7 +473,7 @@ class Supervisor:
         planned = reason == contract.DEPARTURE_SCALE_DOWN
         summary = f"{self.cfg.node} removed from the job ({reason or 'no reason given'})"
         log.warning(summary)
-        self._phase = "removed"
+        self._phase = Phase.REMOVED
         self._stop_workers(summary)
         self._leave(reason or "shutdown")
         self._report("removed", summary)
@@ -452,31 +482,31 @@ class Supervisor:
         return code
 
     def _finish_exhausted(self, failure: Failure) -> int:
-        self._phase = "failed"
+        self._phase = Phase.FAILED
         log.error("restart budget of %d spent; failing the job: %s", self.cfg.max_restarts,
                   failure.summary())  # fmt: skip
         return self._close_job(failure, "max_restarts", self.cfg.max_restarts)
 
     def _finish_not_started(self, failure: Failure) -> int:
         """A worker could not be started: fail the job and close the rendezvous at once."""
-        self._phase = "failed"
+        self._phase = Phase.FAILED
         log.error("a worker could not be started; failing the job: %s", failure.summary())
         return self._close_job(failure, "not_retried", True)
 
     def _close_job(self, failure: Failure, key: str, value: object) -> int:
         """Close the rendezvous with ``failure`` (plus ``key: value``) as the reason."""
-        self._phase = "failed"
+        self._phase = Phase.FAILED
         assert self.handler is not None
         reason = failure.as_dict()
         reason[key] = value
         try:
             self.handler.close(reason)
-        except (RendezvousError, EtcdUnavailableError) as exc:
+        except (RendezvousError, EtcdError) as exc:
             log.error("closing the rendezvous failed: %s", exc)
         return self._finish_closed(reason)
 
     def _finish_closed(self, reason: dict[str, Any] | None) -> int:
-        self._phase = "failed"
+        self._phase = Phase.FAILED
         failure, text = closed_outcome(reason, self.cfg.max_restarts)
         self._last_failure = failure or self._last_failure
         self._report("failed", text, failure)
@@ -484,15 +514,22 @@ class Supervisor:
         return EXIT_FAILED
 
     def _fail_fatal(self, text: str) -> int:
-        self._phase = "failed"
+        self._phase = Phase.FAILED
         log.error(text)
         self._report("failed", text)
         self._shutdown_launcher(EXIT_FAILED, text)
         return EXIT_FAILED
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether etcd refused (:class:`~kelastic_etcd.EtcdRefused`: credentials, permission,
+    a bad request), directly or as the cause of a rendezvous error: an error to surface
+    at once, which retrying cannot cure (``kelastic_etcd``'s rule)."""
+    return isinstance(exc, EtcdRefused) or isinstance(exc.__cause__, EtcdRefused)
+
+
 def round_master(
-    store: EtcdStore, key: str, pod_ip: str, *, publish: bool, timeout: float
+    store: EtcdClient, key: str, pod_ip: str, *, publish: bool, timeout: float
 ) -> tuple[str, int]:
     """Publish (group rank 0: ``publish``) or look up a round's MASTER_ADDR/PORT at ``key``.
 
@@ -501,7 +538,7 @@ def round_master(
 
     Raises:
         TimeoutError: the record did not appear within ``timeout`` s.
-        EtcdUnavailableError: etcd did not answer.
+        EtcdError: etcd did not answer, or refused the request.
         ValueError: the record is corrupt (:func:`decode_master`).
     """
     if publish:

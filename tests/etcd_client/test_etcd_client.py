@@ -10,11 +10,17 @@ import pytest
 from pyetcd import etcdrpc
 
 from kelastic import contract
-from kelastic_etcd import EtcdClient, EtcdLeaseNotFound, EtcdRefused, EtcdUnavailable, Watcher
+from kelastic_etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdLeaseNotFound,
+    EtcdRefused,
+    EtcdUnavailable,
+    Watcher,
+)
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.rendezvous_store import EtcdRendezvousStore, RendezvousStoreError
 from kelastic_sidecar.config import SidecarConfig
-from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 
 ROOT_PASSWORD = "s3cret-root"
 
@@ -34,7 +40,7 @@ def test_an_invalid_argument_surfaces_at_once_as_refused_and_is_not_retried(
         assert time.monotonic() - started < 2.0  # not retried until the 30 s deadline
         assert client.request_counts()["read"] == 1  # one try, no retry
         assert not isinstance(err.value, EtcdUnavailable)
-        assert isinstance(err.value, EtcdUnavailableError)  # the old name still catches it
+        assert isinstance(err.value, EtcdError)  # the old name still catches it
         assert errors == [err.value]
         assert client.read(keys[:100]).values == {}  # the client goes on working
 
@@ -133,7 +139,7 @@ def test_the_sidecar_config_and_the_operator_store_use_etcd_auth(
     assert ROOT_PASSWORD not in repr(config)
     prefix = config.prefix
     with config.etcd_client() as client:
-        assert isinstance(client, EtcdStore)
+        assert isinstance(client, EtcdClient)
         client.put(contract.Keys(prefix).rdzv_state, b'{"round": 4}')
     store = EtcdRendezvousStore([auth_etcd], timeout=3, user="root", password=ROOT_PASSWORD)
     try:
@@ -181,7 +187,7 @@ def test_a_job_s_auth_secret_reaches_the_sidecar_as_env(auth_etcd: str) -> None:
 def test_a_refusal_leaves_the_rendezvous_at_once_as_a_connection_error(auth_etcd: str) -> None:
     # etcd refuses a client without credentials: the rendezvous does not ride that out
     # as an outage until join_timeout, it surfaces at once.
-    from kelastic_sidecar.rendezvous import (
+    from kelastic_sidecar.rendezvous.handler import (
         EtcdRendezvousHandler,
         RendezvousConnectionError,
         RendezvousSettings,
@@ -288,3 +294,37 @@ def test_an_expired_auth_token_is_replaced(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_sidecar_reports_refused_credentials_as_refused(auth_etcd: str, tmp_path: Path) -> None:
+    # Issue 19: etcd refusing the sidecar's credentials is no outage to ride out. The
+    # sidecar says "refused" and fails the node at once; it never logs "etcd unavailable
+    # ... will retry" (kelastic_etcd's rule: surface a refusal, never retry it).
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        contract.ENV_JOB_NAME: "refused",
+        contract.ENV_JOB_UID: "u1",
+        contract.ENV_POD_NAME: "refused-0",
+        contract.ENV_ETCD_ENDPOINTS: auth_etcd,
+        contract.ENV_MIN_NODES: "1",
+        contract.ENV_MAX_NODES: "1",
+        contract.ENV_ETCD_USER: "root",
+        contract.ENV_ETCD_PASSWORD: "wrong",
+        contract.ENV_HTTP_HOST: "127.0.0.1",
+        contract.ENV_HTTP_PORT: "0",
+        contract.ENV_RUN_DIR: str(tmp_path),
+    }
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kelastic_sidecar"],
+        env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "refused" in proc.stderr, proc.stderr[-2000:]
+    assert "authentication failed" in proc.stderr, proc.stderr[-2000:]
+    assert "etcd unavailable" not in proc.stderr, proc.stderr[-2000:]
+    assert "will retry" not in proc.stderr, proc.stderr[-2000:]

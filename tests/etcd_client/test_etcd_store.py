@@ -1,4 +1,4 @@
-"""EtcdStore against a real etcd: compare-and-set, leases, watches, and failure behaviour."""
+"""EtcdClient against a real etcd: compare-and-set, leases, watches, and failure behaviour."""
 
 from __future__ import annotations
 
@@ -14,18 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from kelastic_etcd import EtcdClient, EtcdError, EtcdLeaseNotFound
 from kelastic_operator.local.etcd import EmbeddedEtcd
-from kelastic_sidecar.etcd_store import (
-    EtcdLeaseNotFoundError,
-    EtcdStore,
-    EtcdUnavailableError,
-)
 from tests.conftest import wait_for
 
 
 @pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint], timeout=5.0)
+def store(etcd_endpoint: str) -> Iterator[EtcdClient]:
+    s = EtcdClient([etcd_endpoint], timeout=5.0)
     yield s
     s.close()
 
@@ -41,7 +37,7 @@ def _etcd_gauge(endpoint: str, name: str) -> float:
 # ----------------------------------------------------------------------- key/value + CAS
 
 
-def test_get_put_delete_and_prefixes(store: EtcdStore, job_prefix: str) -> None:
+def test_get_put_delete_and_prefixes(store: EtcdClient, job_prefix: str) -> None:
     assert store.get(job_prefix + "a") is None
     store.put(job_prefix + "a", b"1")
     store.put(job_prefix + "d/x", b"2")
@@ -58,7 +54,7 @@ def test_get_put_delete_and_prefixes(store: EtcdStore, job_prefix: str) -> None:
     assert store.get_prefix(job_prefix) == {}
 
 
-def test_cas_create_only(store: EtcdStore, job_prefix: str) -> None:
+def test_cas_create_only(store: EtcdClient, job_prefix: str) -> None:
     key = job_prefix + "state"
     ok, value, rev = store.cas(key, b"first", None)
     assert (ok, value) == (True, b"first") and rev > 0
@@ -67,7 +63,7 @@ def test_cas_create_only(store: EtcdStore, job_prefix: str) -> None:
     assert store.get(key) == (b"first", rev)
 
 
-def test_cas_token_mismatch_and_match(store: EtcdStore, job_prefix: str) -> None:
+def test_cas_token_mismatch_and_match(store: EtcdClient, job_prefix: str) -> None:
     key = job_prefix + "state"
     _, _, rev = store.cas(key, b"v1", None)
     ok, value, current = store.cas(key, b"v2", rev + 1000)
@@ -78,12 +74,12 @@ def test_cas_token_mismatch_and_match(store: EtcdStore, job_prefix: str) -> None
     assert store.cas(key, b"v3", rev) == (False, b"v2", new_rev)
 
 
-def test_cas_on_missing_key_with_token(store: EtcdStore, job_prefix: str) -> None:
+def test_cas_on_missing_key_with_token(store: EtcdClient, job_prefix: str) -> None:
     assert store.cas(job_prefix + "gone", b"x", 5) == (False, None, 0)
     assert store.get(job_prefix + "gone") is None
 
 
-def test_cas_is_atomic_under_contention(store: EtcdStore, job_prefix: str) -> None:
+def test_cas_is_atomic_under_contention(store: EtcdClient, job_prefix: str) -> None:
     key = job_prefix + "counter"
 
     def bump(times: int) -> None:
@@ -104,7 +100,7 @@ def test_cas_is_atomic_under_contention(store: EtcdStore, job_prefix: str) -> No
     assert int((store.get(key) or (b"0", 0))[0]) == 100
 
 
-def test_read_is_one_consistent_snapshot(store: EtcdStore, job_prefix: str) -> None:
+def test_read_is_one_consistent_snapshot(store: EtcdClient, job_prefix: str) -> None:
     store.put(job_prefix + "state", b"s")
     store.put(job_prefix + "alive/a", b"1")
     store.put(job_prefix + "alive/b", b"2")
@@ -120,17 +116,17 @@ def test_read_is_one_consistent_snapshot(store: EtcdStore, job_prefix: str) -> N
 # ---------------------------------------------------------------------------- leases
 
 
-def test_lease_expiry_removes_keys(store: EtcdStore, job_prefix: str) -> None:
+def test_lease_expiry_removes_keys(store: EtcdClient, job_prefix: str) -> None:
     lease = store.grant_lease(1)
     store.put(job_prefix + "alive/n", b"x", lease=lease.id)
     assert store.get(job_prefix + "alive/n") is not None
     lease.stop_keep_alive()  # as if the node died
     wait_for(lambda: store.get(job_prefix + "alive/n") is None, 15, what="lease expiry")
-    with pytest.raises(EtcdLeaseNotFoundError):
+    with pytest.raises(EtcdLeaseNotFound):
         store.put(job_prefix + "alive/n", b"x", lease=lease.id)
 
 
-def test_lease_keep_alive_outlives_ttl(store: EtcdStore, job_prefix: str) -> None:
+def test_lease_keep_alive_outlives_ttl(store: EtcdClient, job_prefix: str) -> None:
     lease = store.grant_lease(1)
     store.put(job_prefix + "alive/n", b"x", lease=lease.id)
     time.sleep(3.0)  # three TTLs: only the keep-alive can hold the key
@@ -143,10 +139,10 @@ def test_lease_keep_alive_outlives_ttl(store: EtcdStore, job_prefix: str) -> Non
 
 
 def test_lease_revoked_elsewhere_is_reported_lost(
-    store: EtcdStore, etcd_endpoint: str, job_prefix: str
+    store: EtcdClient, etcd_endpoint: str, job_prefix: str
 ) -> None:
     lease = store.grant_lease(1)
-    with EtcdStore([etcd_endpoint]) as other:
+    with EtcdClient([etcd_endpoint]) as other:
         other.revoke_lease(lease.id)
     wait_for(lambda: lease.lost, 10, what="lease reported lost")
 
@@ -154,7 +150,7 @@ def test_lease_revoked_elsewhere_is_reported_lost(
 # --------------------------------------------------------------------------- watches
 
 
-def test_wait_change_wakes_on_put(store: EtcdStore, job_prefix: str) -> None:
+def test_wait_change_wakes_on_put(store: EtcdClient, job_prefix: str) -> None:
     key = job_prefix + "state"
     since = store.read([key]).revision
     writer = threading.Timer(0.3, lambda: store.put(key, b"new"))
@@ -165,7 +161,7 @@ def test_wait_change_wakes_on_put(store: EtcdStore, job_prefix: str) -> None:
     writer.join()
 
 
-def test_wait_change_sees_change_made_before_the_call(store: EtcdStore, job_prefix: str) -> None:
+def test_wait_change_sees_change_made_before_the_call(store: EtcdClient, job_prefix: str) -> None:
     since = store.read([job_prefix + "state"]).revision
     store.put(job_prefix + "alive/x", b"1")
     started = time.monotonic()
@@ -173,14 +169,14 @@ def test_wait_change_sees_change_made_before_the_call(store: EtcdStore, job_pref
     assert time.monotonic() - started < 2
 
 
-def test_wait_change_prefix_delete(store: EtcdStore, job_prefix: str) -> None:
+def test_wait_change_prefix_delete(store: EtcdClient, job_prefix: str) -> None:
     store.put(job_prefix + "alive/x", b"1")
     since = store.read([job_prefix + "alive/"]).revision
     threading.Timer(0.2, lambda: store.delete(job_prefix + "alive/x")).start()
     assert store.wait_change([job_prefix + "alive/"], since, 20) is True
 
 
-def test_wait_change_ignores_other_keys_and_times_out(store: EtcdStore, job_prefix: str) -> None:
+def test_wait_change_ignores_other_keys_and_times_out(store: EtcdClient, job_prefix: str) -> None:
     since = store.read([job_prefix + "state"]).revision
     store.put(job_prefix + "unrelated", b"1")
     store.put(job_prefix + "statefoo", b"1")  # an exact key is not a prefix
@@ -190,7 +186,7 @@ def test_wait_change_ignores_other_keys_and_times_out(store: EtcdStore, job_pref
 
 
 def test_wait_change_leaks_no_threads_or_watches(
-    store: EtcdStore, etcd_endpoint: str, job_prefix: str
+    store: EtcdClient, etcd_endpoint: str, job_prefix: str
 ) -> None:
     baseline_watchers = _etcd_gauge(etcd_endpoint, "etcd_debugging_mvcc_watcher_total")
     since = store.read([job_prefix + "state"]).revision
@@ -213,7 +209,7 @@ def test_wait_change_leaks_no_threads_or_watches(
     )
 
 
-def test_wait_value(store: EtcdStore, job_prefix: str) -> None:
+def test_wait_value(store: EtcdClient, job_prefix: str) -> None:
     key = job_prefix + "rounds/0/master"
     store.put(key, b"ready")
     assert store.wait_value(key, 1) == b"ready"
@@ -234,7 +230,7 @@ def dead_endpoint() -> str:
     """An etcd that ran once and is stopped now."""
     server = EmbeddedEtcd().start()
     endpoint = server.endpoint
-    with EtcdStore([endpoint], timeout=2) as s:
+    with EtcdClient([endpoint], timeout=2) as s:
         s.put("/warm", b"1")
     server.stop()
     return endpoint
@@ -242,7 +238,7 @@ def dead_endpoint() -> str:
 
 def test_dead_etcd_fails_within_timeout(dead_endpoint: str) -> None:
     timeout = 1.0
-    with EtcdStore([dead_endpoint], timeout=timeout) as s:
+    with EtcdClient([dead_endpoint], timeout=timeout) as s:
         calls = {
             "get": lambda: s.get("/k"),
             "put": lambda: s.put("/k", b"v"),
@@ -255,7 +251,7 @@ def test_dead_etcd_fails_within_timeout(dead_endpoint: str) -> None:
         }
         for name, call in calls.items():
             started = time.monotonic()
-            with pytest.raises(EtcdUnavailableError) as err:
+            with pytest.raises(EtcdError) as err:
                 call()
             took = time.monotonic() - started
             assert took < timeout + 1.5, f"{name} took {took:.2f}s"
@@ -269,10 +265,10 @@ def test_unresponsive_endpoint_times_out() -> None:
         sink.bind(("127.0.0.1", 0))
         sink.listen(16)
         endpoint = f"127.0.0.1:{sink.getsockname()[1]}"
-        with EtcdStore([endpoint], timeout=1.0) as s:
+        with EtcdClient([endpoint], timeout=1.0) as s:
             for call in (lambda: s.get("/k"), lambda: s.cas("/k", b"v", None)):
                 started = time.monotonic()
-                with pytest.raises(EtcdUnavailableError):
+                with pytest.raises(EtcdError):
                     call()
                 assert time.monotonic() - started < 2.5
 
@@ -280,7 +276,7 @@ def test_unresponsive_endpoint_times_out() -> None:
 def test_fails_over_to_a_live_endpoint(
     dead_endpoint: str, etcd_endpoint: str, job_prefix: str
 ) -> None:
-    with EtcdStore([dead_endpoint, etcd_endpoint], timeout=5) as s:
+    with EtcdClient([dead_endpoint, etcd_endpoint], timeout=5) as s:
         for i in range(5):
             s.put(job_prefix + "k", str(i).encode())
             got = s.get(job_prefix + "k")
@@ -355,10 +351,10 @@ def test_recovers_after_an_outage(etcd_endpoint: str, job_prefix: str) -> None:
     proxy = OutageProxy(etcd_endpoint)
     proxy.up()
     try:
-        with EtcdStore([proxy.endpoint], timeout=1.0) as s:
+        with EtcdClient([proxy.endpoint], timeout=1.0) as s:
             s.put(job_prefix + "k", b"before")
             proxy.down()
-            with pytest.raises(EtcdUnavailableError):
+            with pytest.raises(EtcdError):
                 s.get(job_prefix + "k")
             proxy.up()
             started = time.monotonic()
@@ -366,7 +362,7 @@ def test_recovers_after_an_outage(etcd_endpoint: str, job_prefix: str) -> None:
             def works() -> bool:
                 try:
                     return s.get(job_prefix + "k") is not None
-                except EtcdUnavailableError:
+                except EtcdError:
                     return False
 
             wait_for(works, 15, what="store to reconnect")
@@ -377,24 +373,24 @@ def test_recovers_after_an_outage(etcd_endpoint: str, job_prefix: str) -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
-        EtcdStore([])
+        EtcdClient([])
     with pytest.raises(ValueError):
-        EtcdStore(["127.0.0.1:2379"], timeout=0)
+        EtcdClient(["127.0.0.1:2379"], timeout=0)
     with pytest.raises(ValueError):
-        EtcdStore(["ftp://x:1"])
-    with EtcdStore(["http://127.0.0.1:1", "localhost"], timeout=1) as s:
+        EtcdClient(["ftp://x:1"])
+    with EtcdClient(["http://127.0.0.1:1", "localhost"], timeout=1) as s:
         assert s.endpoints == ("127.0.0.1:1", "localhost:2379")
         with pytest.raises(ValueError):
             s.grant_lease(0)
-    closed = EtcdStore(["127.0.0.1:1"])
+    closed = EtcdClient(["127.0.0.1:1"])
     closed.close()
-    with pytest.raises(EtcdUnavailableError, match="closed"):
+    with pytest.raises(EtcdError, match="closed"):
         closed.get("/k")
 
 
 def test_tls_with_client_certificate(tls_etcd: tuple[str, Path]) -> None:
     endpoint, tls_dir = tls_etcd
-    with EtcdStore([endpoint], tls_dir=tls_dir) as s:
+    with EtcdClient([endpoint], tls_dir=tls_dir) as s:
         s.put("/tls/k", b"secret")
         assert s.cas("/tls/k", b"v2", (s.get("/tls/k") or (b"", 0))[1])[0]
         lease = s.grant_lease(5)
@@ -408,7 +404,7 @@ def test_tls_with_client_certificate(tls_etcd: tuple[str, Path]) -> None:
     only_ca.mkdir()
     shutil.copy(tls_dir / "ca.crt", only_ca / "ca.crt")
     for kwargs in ({"tls_dir": only_ca}, {}):
-        with EtcdStore([endpoint], timeout=1, **kwargs) as s, pytest.raises(EtcdUnavailableError):
+        with EtcdClient([endpoint], timeout=1, **kwargs) as s, pytest.raises(EtcdError):
             s.get("/tls/k")
 
 
@@ -416,7 +412,7 @@ def test_tls_with_client_certificate(tls_etcd: tuple[str, Path]) -> None:
 
 
 def test_failed_cas_returns_current_value_in_the_same_request(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     key = job_prefix + "state"
     ok, _, rev = store.cas(key, b"v1", None)
@@ -430,7 +426,7 @@ def test_failed_cas_returns_current_value_in_the_same_request(
 
 
 def test_cas_read_reads_other_items_in_the_same_transaction(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     key, alive = job_prefix + "state", job_prefix + "alive/"
     store.put(alive + "a", b"payload")
@@ -447,7 +443,7 @@ def test_cas_read_reads_other_items_in_the_same_transaction(
     assert snap.values[alive + "a"][0] == b"payload"
 
 
-def test_cas_read_require_and_delete(store: EtcdStore, job_prefix: str) -> None:
+def test_cas_read_require_and_delete(store: EtcdClient, job_prefix: str) -> None:
     key, other = job_prefix + "state", job_prefix + "req/x"
     store.put(other, b"1")
     other_rev = store.get(other)[1]  # type: ignore[index]
@@ -463,7 +459,7 @@ def test_cas_read_require_and_delete(store: EtcdStore, job_prefix: str) -> None:
     assert store.get(other) is None and other not in snap.values
 
 
-def test_put_read_writes_with_a_lease_and_reads_after(store: EtcdStore, job_prefix: str) -> None:
+def test_put_read_writes_with_a_lease_and_reads_after(store: EtcdClient, job_prefix: str) -> None:
     lease = store.grant_lease(5)
     a, b = job_prefix + "alive/a", job_prefix + "joining/a"
     snap = store.put_read({a: b"1", b: b"2"}, [job_prefix + "alive/", b], lease=lease.id)
@@ -471,13 +467,13 @@ def test_put_read_writes_with_a_lease_and_reads_after(store: EtcdStore, job_pref
     assert snap.revision == snap.values[a][1] == snap.values[b][1]  # one transaction
     lease.revoke()
     assert store.get(a) is None and store.get(b) is None  # both bound to the lease
-    with pytest.raises(EtcdLeaseNotFoundError):
+    with pytest.raises(EtcdLeaseNotFound):
         store.put_read({a: b"1"}, [a], lease=lease.id)
     assert store.get(a) is None
 
 
 def test_wait_change_sees_a_deletion_made_before_the_call(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     store.put(job_prefix + "alive/x", b"1")
     since = store.read([job_prefix + "alive/"]).revision
@@ -491,15 +487,15 @@ def test_failed_calls_and_lease_refreshes_are_reported(etcd_endpoint: str) -> No
     lease keep-alive's refreshes included."""
     from tests.ship.tcpproxy import TcpProxy
 
-    errors: list[EtcdUnavailableError] = []
+    errors: list[EtcdError] = []
     with TcpProxy(etcd_endpoint) as proxy:
-        store = EtcdStore([proxy.endpoint], timeout=0.5)
+        store = EtcdClient([proxy.endpoint], timeout=0.5)
         store.on_error = errors.append
         try:
             lease = store.grant_lease(5)
             assert not errors
             proxy.cut()
-            with pytest.raises(EtcdUnavailableError):
+            with pytest.raises(EtcdError):
                 store.get("/kl-test/x")
             assert any(str(e).count("get(") for e in errors), errors
             # the keep-alive (every ttl/3 s) fails on its own and says so
@@ -510,6 +506,6 @@ def test_failed_calls_and_lease_refreshes_are_reported(etcd_endpoint: str) -> No
         finally:
             store.close()
     n = len(errors)
-    with pytest.raises(EtcdUnavailableError):
+    with pytest.raises(EtcdError):
         store.get("/kl-test/x")  # closed: not an etcd failure
     assert len(errors) == n

@@ -9,15 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
-from kelastic_sidecar.etcd_watch import Watcher
+from kelastic_etcd import EtcdClient, EtcdError, Watcher
 from tests.conftest import wait_for
 from tests.etcd_client.test_etcd_store import OutageProxy
 
 
 @pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
-    s = EtcdStore([etcd_endpoint], timeout=5.0)
+def store(etcd_endpoint: str) -> Iterator[EtcdClient]:
+    s = EtcdClient([etcd_endpoint], timeout=5.0)
     yield s
     s.close()
 
@@ -38,7 +37,7 @@ def _wait_in_thread(
     return thread, out
 
 
-def test_wakes_a_waiter_on_a_put_and_a_deletion(store: EtcdStore, job_prefix: str) -> None:
+def test_wakes_a_waiter_on_a_put_and_a_deletion(store: EtcdClient, job_prefix: str) -> None:
     watcher = Watcher(store, [job_prefix + "state", job_prefix + "notes/"])
     try:
         since = store.read([job_prefix + "state"]).revision
@@ -55,7 +54,7 @@ def test_wakes_a_waiter_on_a_put_and_a_deletion(store: EtcdStore, job_prefix: st
         watcher.close()
 
 
-def test_other_keys_do_not_count_and_the_wait_times_out(store: EtcdStore, job_prefix: str) -> None:
+def test_other_keys_do_not_count_and_the_wait_times_out(store: EtcdClient, job_prefix: str) -> None:
     watcher = Watcher(store, [job_prefix + "state"])
     try:
         since = store.read([job_prefix + "state"]).revision
@@ -68,7 +67,7 @@ def test_other_keys_do_not_count_and_the_wait_times_out(store: EtcdStore, job_pr
         watcher.close()
 
 
-def test_a_change_before_the_wait_returns_at_once(store: EtcdStore, job_prefix: str) -> None:
+def test_a_change_before_the_wait_returns_at_once(store: EtcdClient, job_prefix: str) -> None:
     watcher = Watcher(store, [job_prefix + "state"])
     try:
         since = store.read([job_prefix + "state"]).revision
@@ -81,7 +80,7 @@ def test_a_change_before_the_wait_returns_at_once(store: EtcdStore, job_prefix: 
         watcher.close()
 
 
-def test_a_revision_older_than_the_watch_means_re_read(store: EtcdStore, job_prefix: str) -> None:
+def test_a_revision_older_than_the_watch_means_re_read(store: EtcdClient, job_prefix: str) -> None:
     before = store.read([job_prefix + "state"]).revision
     store.put(job_prefix + "state", b"1")  # made before the watch existed
     watcher = Watcher(store, [job_prefix + "state"])
@@ -94,7 +93,7 @@ def test_a_revision_older_than_the_watch_means_re_read(store: EtcdStore, job_pre
         watcher.close()
 
 
-def test_deletions_only_ignores_puts(store: EtcdStore, job_prefix: str) -> None:
+def test_deletions_only_ignores_puts(store: EtcdClient, job_prefix: str) -> None:
     watcher = Watcher(store, [job_prefix + "state"], deletions=[job_prefix + "alive/"])
     try:
         lease = store.grant_lease(5)
@@ -108,7 +107,7 @@ def test_deletions_only_ignores_puts(store: EtcdStore, job_prefix: str) -> None:
         watcher.close()
 
 
-def test_waits_send_no_requests(store: EtcdStore, job_prefix: str) -> None:
+def test_waits_send_no_requests(store: EtcdClient, job_prefix: str) -> None:
     watcher = Watcher(store, [job_prefix + "state"], deletions=[job_prefix + "alive/"])
     try:
         before = store.request_counts()
@@ -129,16 +128,16 @@ def test_outage_raises_after_the_timeout_and_nothing_is_missed(
 ) -> None:
     proxy = OutageProxy(etcd_endpoint)
     proxy.up()
-    direct = EtcdStore([etcd_endpoint], timeout=5.0)
-    cut_off = EtcdStore([proxy.endpoint], timeout=1.0)
-    errors: list[EtcdUnavailableError] = []
+    direct = EtcdClient([etcd_endpoint], timeout=5.0)
+    cut_off = EtcdClient([proxy.endpoint], timeout=1.0)
+    errors: list[EtcdError] = []
     cut_off.on_error = errors.append
     watcher = Watcher(cut_off, [job_prefix + "state"])
     try:
         since = direct.read([job_prefix + "state"]).revision
         proxy.down()
         started = time.monotonic()
-        with pytest.raises(EtcdUnavailableError, match="watch"):
+        with pytest.raises(EtcdError, match="watch"):
             watcher.wait(since, 30)
         assert 0.9 <= time.monotonic() - started < 10
         assert errors, "the broken stream was not reported"
@@ -160,8 +159,8 @@ def test_compacted_history_means_re_read(etcd_endpoint: str, job_prefix: str) ->
 
     proxy = OutageProxy(etcd_endpoint)
     proxy.up()
-    direct = EtcdStore([etcd_endpoint], timeout=5.0)
-    cut_off = EtcdStore([proxy.endpoint], timeout=5.0)
+    direct = EtcdClient([etcd_endpoint], timeout=5.0)
+    cut_off = EtcdClient([proxy.endpoint], timeout=5.0)
     watcher = Watcher(cut_off, [job_prefix + "state"])
     try:
         covered = watcher.covered_from
@@ -186,7 +185,7 @@ def test_compacted_history_means_re_read(etcd_endpoint: str, job_prefix: str) ->
         direct.close()
 
 
-def test_close_wakes_waiters_and_ends_the_thread(store: EtcdStore, job_prefix: str) -> None:
+def test_close_wakes_waiters_and_ends_the_thread(store: EtcdClient, job_prefix: str) -> None:
     watcher = Watcher(store, [job_prefix + "state"])
     since = store.read([job_prefix + "state"]).revision
     thread, out = _wait_in_thread(watcher, since, 60)
@@ -194,32 +193,32 @@ def test_close_wakes_waiters_and_ends_the_thread(store: EtcdStore, job_prefix: s
     watcher.close()
     thread.join(10)
     assert not thread.is_alive()
-    assert len(out) == 1 and isinstance(out[0], EtcdUnavailableError)
+    assert len(out) == 1 and isinstance(out[0], EtcdError)
     assert not watcher._thread.is_alive()
     watcher.close()  # idempotent
 
 
 def test_closing_the_store_wakes_waiters(etcd_endpoint: str, job_prefix: str) -> None:
-    store = EtcdStore([etcd_endpoint], timeout=5.0)
+    store = EtcdClient([etcd_endpoint], timeout=5.0)
     watcher = Watcher(store, [job_prefix + "state"])
     since = store.read([job_prefix + "state"]).revision
     thread, out = _wait_in_thread(watcher, since, 60)
     store.close()
     thread.join(10)
-    assert len(out) == 1 and isinstance(out[0], EtcdUnavailableError)
+    assert len(out) == 1 and isinstance(out[0], EtcdError)
     wait_for(lambda: not watcher._thread.is_alive(), 10, what="the watch thread to end")
 
 
-def test_bad_arguments_and_a_dead_etcd(store: EtcdStore) -> None:
+def test_bad_arguments_and_a_dead_etcd(store: EtcdClient) -> None:
     with pytest.raises(ValueError, match="nothing to watch"):
         Watcher(store, [])
     with pytest.raises(ValueError):
         Watcher(store, [""])
     sock_port = _free_port()
-    dead = EtcdStore([f"127.0.0.1:{sock_port}"], timeout=0.5)
+    dead = EtcdClient([f"127.0.0.1:{sock_port}"], timeout=0.5)
     try:
         started = time.monotonic()
-        with pytest.raises(EtcdUnavailableError):
+        with pytest.raises(EtcdError):
             Watcher(dead, ["/x"])
         assert time.monotonic() - started < 5
     finally:
@@ -237,11 +236,11 @@ def _free_port() -> int:
 def _changed(watcher: Watcher, since: int) -> bool:
     try:
         return watcher.wait(since, 0.5)
-    except EtcdUnavailableError:
+    except EtcdError:
         return False
 
 
-def test_the_value_of_a_lone_put_comes_with_the_event(store: EtcdStore, job_prefix: str) -> None:
+def test_the_value_of_a_lone_put_comes_with_the_event(store: EtcdClient, job_prefix: str) -> None:
     state, alive = job_prefix + "state", job_prefix + "alive/"
     watcher = Watcher(store, [state, job_prefix + "notes/"], deletions=[alive])
     try:
@@ -273,7 +272,7 @@ def test_the_value_of_a_lone_put_comes_with_the_event(store: EtcdStore, job_pref
         watcher.close()
 
 
-def test_the_journal_replays_every_change_in_order(store: EtcdStore, job_prefix: str) -> None:
+def test_the_journal_replays_every_change_in_order(store: EtcdClient, job_prefix: str) -> None:
     state, notes, alive = job_prefix + "state", job_prefix + "notes/", job_prefix + "alive/"
     watcher = Watcher(store, [state, notes], deletions=[alive], journal=True)
     plain = Watcher(store, [state])
@@ -303,7 +302,7 @@ def test_the_journal_replays_every_change_in_order(store: EtcdStore, job_prefix:
 
 
 def test_a_journal_without_values_keeps_keys_and_deletions(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     notes = job_prefix + "notes/"
     watcher = Watcher(store, [notes], journal=True, journal_values=False)
@@ -319,7 +318,7 @@ def test_a_journal_without_values_keeps_keys_and_deletions(
         watcher.close()
 
 
-def test_a_full_journal_drops_the_oldest_and_says_read(store: EtcdStore, job_prefix: str) -> None:
+def test_a_full_journal_drops_the_oldest_and_says_read(store: EtcdClient, job_prefix: str) -> None:
     notes = job_prefix + "notes/"
     watcher = Watcher(store, [notes], journal=True, journal_limit=3)
     try:

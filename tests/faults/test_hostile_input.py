@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kelastic_etcd import EtcdClient
 from kelastic_sidecar.control import MSG_DISCONNECTED, ControlServer, Hello, Message
-from kelastic_sidecar.etcd_store import EtcdStore
-from kelastic_sidecar.rendezvous_state import RendezvousStateError, decode_state
+from kelastic_sidecar.rendezvous.state import RendezvousStateError, decode_state
 from kelastic_sidecar.restart_budget import RestartBudget, decode_record
 from tests.conftest import wait_for
 from tests.localrun import WORKERS, KelasticRun, run_cli, write_job
@@ -130,7 +130,7 @@ def test_kelastic_run_survives_a_crafted_state_written_mid_training(
         env={"STEPS_MAX": "120", "STEPS_CHECKPOINT": str(tmp_path / "ckpt")},
     )  # fmt: skip
     run = KelasticRun(job, "--etcd", etcd_endpoint, workdir=tmp_path / "runs")
-    admin = EtcdStore([etcd_endpoint])
+    admin = EtcdClient([etcd_endpoint])
     try:
         wait_for(lambda: run.has("step 20"), 120, what="workers stepping")
         keys = [k for k in admin.get_prefix("/kelastic/") if f"/{name}/" in k]
@@ -188,7 +188,7 @@ def _pid_of(run: KelasticRun, rank: int) -> int:
     return pids[-1]
 
 
-def _record_key(admin: EtcdStore, name: str) -> str:
+def _record_key(admin: EtcdClient, name: str) -> str:
     """The job's in-process record key (``<prefix>/inprocess/iteration``)."""
     keys = [k for k in admin.get_prefix("/kelastic/") if f"/{name}/" in k]
     state = next(k for k in keys if k.endswith("/rdzv/state"))
@@ -219,7 +219,7 @@ def test_a_forged_inprocess_record_is_refused_and_in_process_restart_still_works
     name = f"forged-{uuid.uuid4().hex[:8]}"
     job, stop = _inprocess_job(tmp_path, name)
     run = KelasticRun(job, "--etcd", etcd_endpoint, "--in-process", workdir=tmp_path / "runs")
-    admin = EtcdStore([etcd_endpoint])
+    admin = EtcdClient([etcd_endpoint])
     try:
         wait_for(lambda: _stepping(run, range(2), 0), 120, what="both ranks stepping")
         pids = {r: _pid_of(run, r) for r in range(2)}
@@ -262,7 +262,7 @@ def test_ctrl_c_stops_kelastic_run_whatever_the_inprocess_record_holds(
     name = f"forged-{uuid.uuid4().hex[:8]}"
     job, _ = _inprocess_job(tmp_path, name)
     run = KelasticRun(job, "--etcd", etcd_endpoint, "--in-process", workdir=tmp_path / "runs")
-    admin = EtcdStore([etcd_endpoint])
+    admin = EtcdClient([etcd_endpoint])
     try:
         wait_for(lambda: _stepping(run, range(2), 0), 120, what="both ranks stepping")
         admin.put(_record_key(admin, name), FORGED)

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from kelastic import contract
-from kelastic_operator.handlers import OperatorContext, register
+from kelastic_operator.handlers import register
+from kelastic_operator.job_reconciler import OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.pods import PodSettings
 from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache

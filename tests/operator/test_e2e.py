@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from kelastic import contract
-from kelastic_operator.handlers import OperatorContext, register
+from kelastic_operator.handlers import register
+from kelastic_operator.job_reconciler import OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
 from kelastic_operator.pods import PodSettings
 from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
@@ -316,7 +317,7 @@ def test_a_spec_an_older_crd_allows_but_the_model_rejects_fails_clearly(
     job with the model's message instead of building broken Pods. (The CRD is cluster-wide
     and shared by the tests, so it is not weakened here: the operator's validation is fed
     the spec of a job the CRD accepts, through a pass of the reconciler itself.)"""
-    from kelastic_operator.handlers import JobReconciler
+    from kelastic_operator.job_reconciler import JobReconciler
 
     doc = yaml.safe_load(job_manifest("nocmd"))
     k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))

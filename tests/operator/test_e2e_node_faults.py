@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from kelastic_operator.handlers import OperatorContext
+from kelastic_operator.job_reconciler import OperatorContext
 from kelastic_operator.labels import SIDECAR_CONTAINER
 from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.images import KELASTIC

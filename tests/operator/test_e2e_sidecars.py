@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from kelastic import contract
-from kelastic_operator.handlers import OperatorContext
+from kelastic_etcd import EtcdClient
+from kelastic_operator.job_reconciler import OperatorContext
 from kelastic_operator.labels import SIDECAR_CONTAINER
 from kelastic_operator.local.etcd import EmbeddedEtcd
-from kelastic_sidecar.etcd_store import EtcdStore
 from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.images import KELASTIC
 from tests.k8s.node import PLACEMENT, RealNode
@@ -51,7 +51,7 @@ def test_deleting_a_running_job_stops_its_pods_before_its_etcd_keys_go(
     def status() -> dict[str, object]:
         return ((k8s.get("elasticjob", "sleepy") or {}).get("status")) or {}
 
-    with EtcdStore([etcd_server.endpoint]) as store:
+    with EtcdClient([etcd_server.endpoint]) as store:
         # the sidecars form a round: the job runs with world size 2
         try:
             wait_until(lambda: status().get("worldSize") == 2, T, what="world size 2")

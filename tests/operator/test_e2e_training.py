@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from kelastic import contract
-from kelastic_operator.handlers import OperatorContext
+from kelastic_etcd import EtcdClient
+from kelastic_operator.job_reconciler import OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd
-from kelastic_sidecar.etcd_store import EtcdStore
 from tests.k8s.cluster import Client, pods_by_name, wait_until
 from tests.k8s.node import PLACEMENT, RealNode
 
@@ -94,5 +94,5 @@ def test_digits_runs_scales_survives_a_pod_deletion_and_succeeds(
     api.kubectl("delete", "ej", "digits")
     wait_until(lambda: not pods_by_name(api), T, what="pods gone")
     prefix = contract.job_prefix(ns, "digits", uid)
-    with EtcdStore([etcd_server.endpoint]) as store:
+    with EtcdClient([etcd_server.endpoint]) as store:
         wait_until(lambda: not store.get_prefix(prefix), T, what="etcd keys gone")

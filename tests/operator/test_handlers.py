@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from kelastic import contract
-from kelastic_operator.handlers import JobReconciler, OperatorContext
+from kelastic_etcd import EtcdClient
+from kelastic_operator.job_reconciler import JobReconciler, OperatorContext
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.pods import PodSettings
 from kelastic_operator.rendezvous_store import EtcdRendezvousStore, StoreCache
-from kelastic_sidecar.etcd_store import EtcdStore
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.nodes import ManualNode
 
@@ -50,7 +50,7 @@ def round_two(etcd: str, k8s: Client, uid: str) -> str:
     """What the sidecars would have written: round 2 with 2 x 2 workers, 1 restart spent."""
     prefix = contract.job_prefix(k8s.namespace, "digits", uid)
     keys = contract.Keys(prefix)
-    with EtcdStore([etcd]) as store:
+    with EtcdClient([etcd]) as store:
         store.put(keys.rdzv_state, json.dumps({"version": 1, "round": 2, "complete": True,
                   "participants": {"digits-0": 0, "digits-1": 1}}).encode())  # fmt: skip
         store.put(keys.restarts, json.dumps({"version": 1, "count": 1, "last_round": 1,
@@ -126,7 +126,7 @@ def test_the_finalizer_work_deletes_the_jobs_prefix(
 ) -> None:
     job = apply_job(k8s, manual_node)
     prefix = round_two(etcd_server.endpoint, k8s, job["metadata"]["uid"])
-    with EtcdStore([etcd_server.endpoint]) as store:
+    with EtcdClient([etcd_server.endpoint]) as store:
         assert store.get_prefix(prefix)
         JobReconciler(ctx, k8s.namespace, "digits").delete_prefix(job)
         assert not store.get_prefix(prefix)
@@ -167,7 +167,7 @@ def test_an_in_process_restart_shows_in_the_status_events_and_metrics_once(
     record = {"iteration": 1, "round": 2, "restarts": 1, "cause": "exception",
               "node": "digits-1", "rank": 3, "message": "InjectedFault: SIGUSR1",
               "time": 1.7e9}  # fmt: skip
-    with EtcdStore([etcd_server.endpoint]) as store:
+    with EtcdClient([etcd_server.endpoint]) as store:
         store.put(contract.Keys(prefix).inprocess_iteration, json.dumps(record).encode())
     sample = ctx.metrics.registry.get_sample_value
     for _ in range(2):

@@ -43,7 +43,7 @@ def test_the_sidecars_record_decodes() -> None:
 
 
 def test_the_sidecars_own_encoder_is_read_alike() -> None:
-    from kelastic_sidecar.inprocess_record import IterationRecord, encode_iteration_record
+    from kelastic_sidecar.inprocess.record import IterationRecord, encode_iteration_record
 
     written = IterationRecord(iteration=5, round=1, restarts=4, cause="hang", node="n",
                               rank=-1, message="m", time=1.8e9)  # fmt: skip

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kelastic import contract
+from kelastic_etcd import EtcdClient
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.rendezvous_store import EtcdRendezvousStore, status_keys
 from kelastic_operator.rendezvous_watch import (
@@ -26,7 +27,6 @@ from kelastic_operator.rendezvous_watch import (
     StatusHubs,
     job_of_status_key,
 )
-from kelastic_sidecar.etcd_store import EtcdStore
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,7 +103,7 @@ def test_each_status_key_wakes_its_job_only(
         wait_for(lambda: hubs.hub(store).watching, 10, what="the stream")
         assert wakes.count >= 1 and others.count >= 1, "no wake once followed"
         assert _watch_threads() == 1, "two jobs of one etcd: one stream"
-        with EtcdStore([etcd_server.endpoint]) as etcd:
+        with EtcdClient([etcd_server.endpoint]) as etcd:
             for key in (keys.rdzv_state, keys.restarts, keys.report("j-1"),
                         keys.inprocess_iteration):  # fmt: skip
                 seen, theirs_seen = wakes.count, others.count
@@ -135,7 +135,7 @@ def test_a_new_prefix_moves_the_registration_and_none_ends_it(
     follower.follow(store, second)  # a new job uid: the registration follows it
     assert follower.following == second and hubs.hub(store).jobs == 1
     assert wakes.after(1)
-    with EtcdStore([etcd_server.endpoint]) as etcd:
+    with EtcdClient([etcd_server.endpoint]) as etcd:
         seen = wakes.count
         etcd.put(contract.Keys(second).rdzv_state, b"{}")
         assert wakes.after(seen)
@@ -165,7 +165,7 @@ def test_a_stalled_etcd_is_retried_until_it_answers() -> None:
         assert wakes.after(1, timeout=15), "no wake once the stream was made"
         wait_for(lambda: hub.watching, 10, what="the stream")
         seen = wakes.count
-        with EtcdStore([server.endpoint]) as etcd:
+        with EtcdClient([server.endpoint]) as etcd:
             etcd.put(contract.Keys(prefix).restarts, b"{}")
         assert wakes.after(seen)
         unregister()
@@ -193,7 +193,7 @@ def test_a_failing_callback_does_not_stop_the_others(
         hub.register(prefix, broken)
         hub.register(prefix, wakes)
         assert wakes.after(0)
-        with EtcdStore([etcd_server.endpoint]) as etcd:
+        with EtcdClient([etcd_server.endpoint]) as etcd:
             for n in range(3):
                 seen = wakes.count
                 etcd.put(contract.Keys(prefix).rdzv_state, str(n).encode())

@@ -125,7 +125,7 @@ def test_runtime_modules_import(podman: Podman, container: str) -> None:
         "kelastic_operator.__main__",
         "kelastic_operator.handlers",
         "kelastic_sidecar.supervisor",
-        "kelastic_sidecar.etcd_backend",
+        "kelastic_sidecar.torchrun_plugin",
         "kubernetes.client",
         "kubernetes.config",
         "kopf",

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kelastic_operator.metrics import OperatorMetrics
 from kelastic_sidecar.metrics import GoodputClock, SidecarMetrics
-from kelastic_sidecar.timer_server import TimerStats
+from kelastic_sidecar.timer import TimerStats
 
 PHASES = ("Pending", "Running", "Failed")
 

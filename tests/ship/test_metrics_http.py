@@ -35,7 +35,7 @@ import kelastic
 from kelastic_operator.metrics import OperatorMetrics
 from kelastic_sidecar.http import SidecarHttpServer
 from kelastic_sidecar.metrics import SidecarMetrics
-from kelastic_sidecar.timer_server import TimerStats
+from kelastic_sidecar.timer import TimerStats
 
 from .tools import CHART, ROOT, ToolMissing, system_tool
 

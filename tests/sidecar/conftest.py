@@ -6,12 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_etcd import EtcdClient
 
 
 @pytest.fixture
-def store(etcd_endpoint: str) -> Iterator[EtcdStore]:
+def store(etcd_endpoint: str) -> Iterator[EtcdClient]:
     """A client of the session's real etcd, closed after the test."""
-    s = EtcdStore([etcd_endpoint])
+    s = EtcdClient([etcd_endpoint])
     yield s
     s.close()

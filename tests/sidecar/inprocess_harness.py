@@ -26,11 +26,11 @@ from kelastic.inprocess_messages import (
     parse_coordinator_message,
 )
 from kelastic.sockaddr import unix_address
+from kelastic_etcd import EtcdClient
 from kelastic_sidecar.config import InProcessSettings
-from kelastic_sidecar.etcd_store import EtcdStore
-from kelastic_sidecar.inprocess_coordinator import InProcessCoordinator, RoundContext
+from kelastic_sidecar.inprocess.coordinator import InProcessCoordinator, RoundContext
 from kelastic_sidecar.metrics import SidecarMetrics
-from kelastic_sidecar.timer_server import TimerStats
+from kelastic_sidecar.timer import TimerStats
 from tests.conftest import wait_for
 
 
@@ -197,7 +197,7 @@ def settings(max_restarts: int = 10, soft: float = 30.0, hard: float = 60.0) -> 
 @contextlib.contextmanager
 def make_node(
     name: str,
-    store: EtcdStore,
+    store: EtcdClient,
     prefix: str,
     pod_ip: str = "127.0.0.1",
     cfg: InProcessSettings | None = None,

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from kelastic_sidecar.etcd_backend import (
+from kelastic_etcd import EtcdClient, EtcdError
+from kelastic_sidecar.torchrun_plugin import (
     TORCHRUN_ENTRY_POINT_GROUP,
     EtcdRendezvousBackend,
     create_torch_handler,
@@ -23,7 +24,6 @@ from kelastic_sidecar.etcd_backend import (
     register_torch_backend,
     torchrun_handler,
 )
-from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
 
 try:
     from torch.distributed.elastic.rendezvous import (
@@ -42,7 +42,7 @@ needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed"
 
 
 @pytest.fixture
-def backend(store: EtcdStore, job_prefix: str) -> EtcdRendezvousBackend:
+def backend(store: EtcdClient, job_prefix: str) -> EtcdRendezvousBackend:
     return EtcdRendezvousBackend(store, job_prefix + "rdzv/state")
 
 
@@ -78,7 +78,7 @@ def test_set_state_with_token(backend: EtcdRendezvousBackend) -> None:
 
 
 def test_set_state_after_the_state_vanished(
-    backend: EtcdRendezvousBackend, store: EtcdStore
+    backend: EtcdRendezvousBackend, store: EtcdClient
 ) -> None:
     first = backend.set_state(b"one")
     assert first is not None
@@ -88,9 +88,9 @@ def test_set_state_after_the_state_vanished(
 
 
 def test_backend_errors_are_connection_errors() -> None:
-    with EtcdStore(["127.0.0.1:1"], timeout=0.5) as dead:
+    with EtcdClient(["127.0.0.1:1"], timeout=0.5) as dead:
         b = EtcdRendezvousBackend(dead, "/k")
-        with pytest.raises(EtcdUnavailableError):
+        with pytest.raises(EtcdError):
             b.get_state()
         with pytest.raises(ConnectionError):
             b.set_state(b"x", 3)
@@ -99,8 +99,8 @@ def test_backend_errors_are_connection_errors() -> None:
 # ------------------------------------------------------------------------- torch adapter
 
 
-def _torch_backend(store: EtcdStore, key: str) -> Any:
-    from kelastic_sidecar.etcd_backend import _torch_classes
+def _torch_backend(store: EtcdClient, key: str) -> Any:
+    from kelastic_sidecar.torchrun_plugin import _torch_classes
 
     cls, _ = _torch_classes()
     return cls(EtcdRendezvousBackend(store, key))
@@ -123,7 +123,7 @@ def test_envelope_round_trip() -> None:
     ],
 )
 def test_corrupt_value_raises_torch_state_error(
-    store: EtcdStore, job_prefix: str, raw: bytes, message: str
+    store: EtcdClient, job_prefix: str, raw: bytes, message: str
 ) -> None:
     key = job_prefix + "rdzv/state"
     adapter = _torch_backend(store, key)
@@ -135,7 +135,7 @@ def test_corrupt_value_raises_torch_state_error(
 
 
 @needs_torch
-def test_torch_adapter_round_trip_and_token(store: EtcdStore, job_prefix: str) -> None:
+def test_torch_adapter_round_trip_and_token(store: EtcdClient, job_prefix: str) -> None:
     adapter = _torch_backend(store, job_prefix + "rdzv/state")
     assert adapter.name == "kelastic-etcd"
     assert adapter.get_state() is None
@@ -147,7 +147,7 @@ def test_torch_adapter_round_trip_and_token(store: EtcdStore, job_prefix: str) -
 
 @needs_torch
 def test_torch_adapter_maps_unavailable_etcd_to_connection_error() -> None:
-    with EtcdStore(["127.0.0.1:1"], timeout=0.5) as dead:
+    with EtcdClient(["127.0.0.1:1"], timeout=0.5) as dead:
         adapter = _torch_backend(dead, "/k")
         with pytest.raises(RendezvousConnectionError, match=r"127\.0\.0\.1:1"):
             adapter.get_state()
@@ -172,7 +172,7 @@ def _params(endpoint: str, run_id: str, **extra: Any) -> RendezvousParameters:
 
 @needs_torch
 def test_torch_dynamic_rendezvous_handler_on_our_backend(
-    etcd_endpoint: str, job_prefix: str, store: EtcdStore
+    etcd_endpoint: str, job_prefix: str, store: EtcdClient
 ) -> None:
     """torch's own DynamicRendezvousHandler completes a 2-node rendezvous on etcd v3."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
@@ -241,7 +241,7 @@ def test_entry_point_is_loadable_by_torch(tmp_path: Path, monkeypatch: pytest.Mo
         textwrap.dedent(
             f"""\
             [{TORCHRUN_ENTRY_POINT_GROUP}]
-            kelastic-etcd-probe = kelastic_sidecar.etcd_backend:torchrun_handler
+            kelastic-etcd-probe = kelastic_sidecar.torchrun_plugin:torchrun_handler
             """
         )
     )
@@ -271,7 +271,7 @@ def test_torchrun_with_kelastic_etcd_backend(etcd_endpoint: str, tmp_path: Path)
         )
     )
     launcher = (
-        "import sys; from kelastic_sidecar.etcd_backend import register_torch_backend; "
+        "import sys; from kelastic_sidecar.torchrun_plugin import register_torch_backend; "
         "register_torch_backend(); from torch.distributed.run import main; main(sys.argv[1:])"
     )
     run_id = uuid.uuid4().hex
@@ -301,7 +301,7 @@ def test_torchrun_with_kelastic_etcd_backend(etcd_endpoint: str, tmp_path: Path)
 
 
 def test_lost_set_state_returns_the_current_state_without_another_request(
-    store: EtcdStore, backend: EtcdRendezvousBackend
+    store: EtcdClient, backend: EtcdRendezvousBackend
 ) -> None:
     first = backend.set_state(b"s1")
     assert first is not None and first[2]
@@ -317,7 +317,7 @@ def test_lost_set_state_returns_the_current_state_without_another_request(
 
 
 def test_set_state_and_read(
-    store: EtcdStore, backend: EtcdRendezvousBackend, job_prefix: str
+    store: EtcdClient, backend: EtcdRendezvousBackend, job_prefix: str
 ) -> None:
     store.put(job_prefix + "rdzv/alive/a", b"x")
     ok, snap = backend.set_state_and_read(b"s1", None, [job_prefix + "rdzv/alive/"])

@@ -1,4 +1,4 @@
-"""The node-change rung on the coordinators (``kelastic_sidecar.inprocess_carry``), with
+"""The node-change rung on the coordinators (``kelastic_sidecar.inprocess.carry``), with
 real etcd and ranks played by socket clients: a round ending for its membership keeps the
 ranks, aborts them into the next iteration, holds them (no ``go``) until the next round
 begins, and then sends the next round's env; a new node's fresh workers are counted in
@@ -13,7 +13,7 @@ import pytest
 
 from kelastic import contract
 from kelastic.inprocess_messages import Abort, GiveUp, Go
-from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_etcd import EtcdClient
 from kelastic_sidecar.failure import (
     CAUSE_HANG,
     CAUSE_NODE_LOST,
@@ -21,12 +21,12 @@ from kelastic_sidecar.failure import (
     CAUSE_WORKER_FAILURE,
     Failure,
 )
-from kelastic_sidecar.inprocess_carry import CAUSE_MEMBERSHIP, carry_request
-from kelastic_sidecar.inprocess_record import (
+from kelastic_sidecar.inprocess.carry import CAUSE_MEMBERSHIP, carry_request
+from kelastic_sidecar.inprocess.record import (
     IterationRecord,
     decode_iteration_record,
 )
-from kelastic_sidecar.inprocess_round import RoundContext, restart_log_line
+from kelastic_sidecar.inprocess.round import RoundContext, restart_log_line
 from kelastic_sidecar.round_end import RoundEnd, RoundEndKind
 from tests.conftest import wait_for
 from tests.sidecar.inprocess_harness import NEVER_READY, Node, make_node, sample, settings
@@ -73,7 +73,7 @@ def test_the_sidecar_log_says_a_round_change_spends_no_restart() -> None:
         "(node node-a)")  # fmt: skip
 
 
-def _record(store: EtcdStore, prefix: str) -> IterationRecord:
+def _record(store: EtcdClient, prefix: str) -> IterationRecord:
     got = store.get(contract.Keys(prefix).inprocess_iteration)
     return IterationRecord() if got is None else decode_iteration_record(got[0])
 
@@ -114,7 +114,7 @@ def _abort_and_hold(node: Node, iteration: int) -> None:
 
 
 def test_a_lost_node_carries_the_survivors_into_the_next_round(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     with make_node("node-a", store, job_prefix) as a, make_node("node-b", store, job_prefix) as b:
         a.begin(1, 0, AB)
@@ -144,7 +144,7 @@ def test_a_lost_node_carries_the_survivors_into_the_next_round(
 
 @pytest.mark.parametrize("begun", [False, True], ids=["held", "next-round-begun"])
 def test_a_rank_that_cannot_leave_a_carried_iteration_is_killed_at_the_hard_timeout(
-    store: EtcdStore, job_prefix: str, begun: bool
+    store: EtcdClient, job_prefix: str, begun: bool
 ) -> None:
     """A lost node aborts the survivors into the next iteration; a survivor stuck where
     the abort cannot reach it is SIGKILLed by the sidecar at the hard timeout, whether the
@@ -171,7 +171,7 @@ def test_a_rank_that_cannot_leave_a_carried_iteration_is_killed_at_the_hard_time
 
 
 def test_a_joining_node_is_waited_for_and_spends_no_restart(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     with make_node("node-a", store, job_prefix) as a, make_node("node-c", store, job_prefix,
                                                                  "127.0.0.3") as c:  # fmt: skip
@@ -197,7 +197,7 @@ def test_a_joining_node_is_waited_for_and_spends_no_restart(
         assert _record(store, job_prefix).restarts == 0
 
 
-def test_a_restart_in_flight_is_carried_without_another(store: EtcdStore, job_prefix: str) -> None:
+def test_a_restart_in_flight_is_carried_without_another(store: EtcdClient, job_prefix: str) -> None:
     """A fault (the broken collective) moved the record first and node-a passed its
     termination barrier; node-b never will (lost). The carry spends nothing more, the
     ended round's barrier never goes (node-b's key, written before it died, is of that
@@ -217,7 +217,7 @@ def test_a_restart_in_flight_is_carried_without_another(store: EtcdStore, job_pr
         # node-b's ready key of round 1 appears now (written just before it died)
         b.coordinator.close()
         keys = contract.Keys(job_prefix)
-        from kelastic_sidecar.inprocess_record import ReadyRecord, encode_ready
+        from kelastic_sidecar.inprocess.record import ReadyRecord, encode_ready
 
         store.put(
             keys.inprocess_ready(1, "node-b"), encode_ready(ReadyRecord(1, "127.0.0.1", 9, 1))
@@ -230,7 +230,7 @@ def test_a_restart_in_flight_is_carried_without_another(store: EtcdStore, job_pr
         assert {g.env[contract.WORLD_SIZE] for g in gos} == {"2"}  # type: ignore[attr-defined]
 
 
-def test_refusals_take_the_process_path(store: EtcdStore, job_prefix: str) -> None:
+def test_refusals_take_the_process_path(store: EtcdClient, job_prefix: str) -> None:
     # the in-process budget spent: every round change starts the workers again, even one
     # that would spend nothing (a node joining looks like a peer's process restart)
     with make_node("node-a", store, job_prefix, cfg=settings(max_restarts=0)) as a:
@@ -261,7 +261,7 @@ def test_refusals_take_the_process_path(store: EtcdStore, job_prefix: str) -> No
 
 
 def test_a_lost_node_is_charged_even_when_its_own_sidecar_moved_the_record_first(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     """Seen on Kubernetes: the deleted Pod's sidecar sees its own lease gone (a restart
     that spends nothing) and wins the compare-and-set before SIGTERM stops it; the

@@ -9,14 +9,14 @@ import pytest
 
 from kelastic import contract
 from kelastic.control_messages import Assign, WorkerAssignment
+from kelastic_etcd import EtcdClient
 from kelastic_sidecar.config import ConfigError, InProcessSettings, SidecarConfig
-from kelastic_sidecar.etcd_store import EtcdStore
-from kelastic_sidecar.inprocess_coordinator import InProcessCoordinator
-from kelastic_sidecar.inprocess_record import IterationRecord, encode_iteration_record
+from kelastic_sidecar.inprocess.coordinator import InProcessCoordinator
+from kelastic_sidecar.inprocess.record import IterationRecord, encode_iteration_record
 from kelastic_sidecar.metrics import SidecarMetrics
-from kelastic_sidecar.rendezvous_state import RendezvousInfo
+from kelastic_sidecar.rendezvous.state import RendezvousInfo
 from kelastic_sidecar.supervisor import Supervisor
-from kelastic_sidecar.timer_server import TimerStats
+from kelastic_sidecar.timer import TimerStats
 
 GOOD = {
     contract.ENV_JOB_NAME: "digits",
@@ -58,7 +58,7 @@ def _assign() -> Assign:
 
 
 def test_begin_round_gives_the_workers_the_jobs_iteration(
-    store: EtcdStore, job_prefix: str, tmp_path: Path
+    store: EtcdClient, job_prefix: str, tmp_path: Path
 ) -> None:
     keys = contract.Keys(job_prefix)
     store.put(keys.inprocess_iteration, encode_iteration_record(IterationRecord(7, 4, 7)))
@@ -87,7 +87,7 @@ def test_begin_round_gives_the_workers_the_jobs_iteration(
 
 
 def test_disabled_changes_nothing_and_status_says_none(
-    store: EtcdStore, job_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: EtcdClient, job_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(contract.ENV_RUN_DIR, str(tmp_path))
     cfg = SidecarConfig.from_env(GOOD)

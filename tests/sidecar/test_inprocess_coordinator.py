@@ -15,8 +15,8 @@ import pytest
 
 from kelastic import contract
 from kelastic.inprocess_messages import Abort, Fault, GiveUp, Go, Progress
-from kelastic_sidecar.etcd_store import EtcdStore
-from kelastic_sidecar.inprocess_record import (
+from kelastic_etcd import EtcdClient
+from kelastic_sidecar.inprocess.record import (
     IterationRecord,
     advance_iteration,
     decode_iteration_record,
@@ -35,7 +35,7 @@ AB = ("node-a", "node-b")
 
 
 @pytest.fixture
-def two(store: EtcdStore, job_prefix: str) -> Iterator[tuple[Node, Node]]:
+def two(store: EtcdClient, job_prefix: str) -> Iterator[tuple[Node, Node]]:
     with (
         make_node("node-a", store, job_prefix, "127.0.0.1") as a,
         make_node("node-b", store, job_prefix, "127.0.0.2") as b,
@@ -45,7 +45,7 @@ def two(store: EtcdStore, job_prefix: str) -> Iterator[tuple[Node, Node]]:
         yield a, b
 
 
-def _record(store: EtcdStore, prefix: str) -> IterationRecord:
+def _record(store: EtcdClient, prefix: str) -> IterationRecord:
     got = store.get(contract.Keys(prefix).inprocess_iteration)
     return IterationRecord() if got is None else decode_iteration_record(got[0])
 
@@ -63,7 +63,7 @@ def _restart(nodes: tuple[Node, ...], iteration: int) -> list[Go]:
 
 
 def test_a_fault_on_one_node_restarts_both_with_one_env(
-    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+    two: tuple[Node, Node], store: EtcdClient, job_prefix: str
 ) -> None:
     a, b = two
     started = time.monotonic()
@@ -115,7 +115,7 @@ def test_a_fault_on_one_node_restarts_both_with_one_env(
 
 
 def test_two_nodes_faulting_the_same_iteration_restart_once(
-    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+    two: tuple[Node, Node], store: EtcdClient, job_prefix: str
 ) -> None:
     a, b = two
     a.ranks[0].fault(0)
@@ -134,7 +134,7 @@ def test_two_nodes_faulting_the_same_iteration_restart_once(
 
 
 def test_a_stale_fault_is_ignored(
-    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+    two: tuple[Node, Node], store: EtcdClient, job_prefix: str
 ) -> None:
     a, _ = two
     a.ranks[0].fault(0)
@@ -145,7 +145,7 @@ def test_a_stale_fault_is_ignored(
 
 
 def test_a_new_iteration_during_the_barrier_supersedes_it(
-    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+    two: tuple[Node, Node], store: EtcdClient, job_prefix: str
 ) -> None:
     a, b = two
     a.ranks[0].fault(0)
@@ -177,7 +177,7 @@ def test_a_new_iteration_during_the_barrier_supersedes_it(
         assert sample(node.metrics, "kelastic_restarts_total", **hang) == 1
 
 
-def test_budget_spent_gives_up_to_the_faulted_rank_only(store: EtcdStore, job_prefix: str) -> None:
+def test_budget_spent_gives_up_to_the_faulted_rank_only(store: EtcdClient, job_prefix: str) -> None:
     with make_node("solo", store, job_prefix, cfg=settings(max_restarts=1)) as n:
         n.begin(1, 0, ("solo",))
         n.ranks[0].fault(0)
@@ -196,7 +196,7 @@ def test_budget_spent_gives_up_to_the_faulted_rank_only(store: EtcdStore, job_pr
         assert status is not None and status["phase"] == "idle"
 
 
-def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdStore, job_prefix: str) -> None:
+def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdClient, job_prefix: str) -> None:
     with make_node("solo", store, job_prefix, cfg=settings(soft=0.2, hard=0.5)) as n:
         n.begin(1, 0, ("solo",), connect=False)
         hung = subprocess.Popen(
@@ -221,10 +221,10 @@ def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdStore, job_prefix:
 
 
 def test_bad_connections_are_dropped_and_the_others_unaffected(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     from kelastic.inprocess_messages import MAX_LINE
-    from kelastic_sidecar.inprocess_server import MAX_PENDING
+    from kelastic_sidecar.inprocess.server import MAX_PENDING
 
     with make_node("solo", store, job_prefix) as n:
         n.begin(1, 0, ("solo",))
@@ -278,7 +278,7 @@ def test_bad_connections_are_dropped_and_the_others_unaffected(
 
 
 def test_a_corrupt_record_is_counted_once_and_replaced_by_the_next_fault(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     """Issue 20: a corrupt record once made every fault a process restart until the next
     round; now the fault replaces it (compare-and-set on its revision, the restarts this
@@ -311,7 +311,7 @@ def test_a_corrupt_record_is_counted_once_and_replaced_by_the_next_fault(
 
 
 def test_end_round_gives_up_and_a_late_rank_is_aborted(
-    two: tuple[Node, Node], store: EtcdStore, job_prefix: str
+    two: tuple[Node, Node], store: EtcdClient, job_prefix: str
 ) -> None:
     a, b = two
     b.ranks[1].close()  # b's rank 1 is restarting (its process): it connects late
@@ -342,7 +342,7 @@ def test_progress_before_any_restart_is_not_a_restart(two: tuple[Node, Node]) ->
 
 
 def test_a_rank_failing_to_leave_gets_give_up_and_the_others_wait(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     with make_node("solo", store, job_prefix) as n:
         n.begin(1, 0, ("solo",))
@@ -360,7 +360,7 @@ def test_a_rank_failing_to_leave_gets_give_up_and_the_others_wait(
         assert status is not None and status["phase"] == "aborting"
 
 
-def test_ready_keys_are_bound_to_the_nodes_lease(store: EtcdStore, job_prefix: str) -> None:
+def test_ready_keys_are_bound_to_the_nodes_lease(store: EtcdClient, job_prefix: str) -> None:
     lease = store.grant_lease(30)
     keys = contract.Keys(job_prefix)
     try:
@@ -382,7 +382,7 @@ def test_ready_keys_are_bound_to_the_nodes_lease(store: EtcdStore, job_prefix: s
 def test_etcd_unreachable_falls_back_to_the_process_path(job_prefix: str) -> None:
     from kelastic_operator.local.etcd import free_port
 
-    dead = EtcdStore([f"127.0.0.1:{free_port()}"], timeout=0.5)  # nothing listens there
+    dead = EtcdClient([f"127.0.0.1:{free_port()}"], timeout=0.5)  # nothing listens there
     try:
         with make_node("solo", dead, job_prefix) as n:
             assert n.begin(1, 0, ("solo",)) == 0  # the record cannot be read: iteration 0
@@ -400,7 +400,7 @@ def test_a_restart_reads_no_barrier_key_per_node(etcd_endpoint: str, job_prefix:
     of each of N nodes costs the others no read (it did: N^2 reads of up to N keys per
     restart, on etcd, for N nodes)."""
     names = tuple(f"node-{i}" for i in range(6))
-    store = EtcdStore([etcd_endpoint])  # the nodes' requests, counted together
+    store = EtcdClient([etcd_endpoint])  # the nodes' requests, counted together
     try:
         with contextlib.ExitStack() as stack:
             nodes = [stack.enter_context(make_node(n, store, job_prefix)) for n in names]

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from kelastic import contract
+from kelastic_etcd import EtcdClient
 from kelastic_operator.local.etcd import free_port
-from kelastic_sidecar.etcd_store import EtcdStore
 from tests.conftest import wait_for
 from tests.sidecar.inprocess_harness import Node, make_node, sample
 from tests.worker_lib.test_inprocess_harness import ROOT, WORKER, Log, ev
@@ -69,7 +69,7 @@ def _workers(
 def test_a_raise_on_one_node_restarts_both_nodes_in_process(
     etcd_endpoint: str, job_prefix: str
 ) -> None:
-    store = EtcdStore([etcd_endpoint])
+    store = EtcdClient([etcd_endpoint])
     log = Log()
     env = {"KL_GLOO": "1", "KL_STEPS": "8", "KL_FAULT_3": "0:3", "KL_DO_3": "raise"}
     try:

@@ -14,17 +14,17 @@ import pytest
 
 from kelastic import contract
 from kelastic.inprocess_messages import Abort, GiveUp, Go
-from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_etcd import EtcdClient
 from kelastic_sidecar.failure import CAUSE_HANG, CAUSE_WORKER_FAILURE, Failure
-from kelastic_sidecar.inprocess_hybrid import (
+from kelastic_sidecar.inprocess.hybrid_verdicts import (
     CAUSE_WORKER_DIED,
     Absorb,
     absorb_verdict,
     death_cause,
     death_message,
 )
-from kelastic_sidecar.inprocess_record import IterationRecord, decode_iteration_record
-from kelastic_sidecar.inprocess_round import cause_label
+from kelastic_sidecar.inprocess.record import IterationRecord, decode_iteration_record
+from kelastic_sidecar.inprocess.round import cause_label
 from tests.conftest import wait_for
 from tests.sidecar.inprocess_harness import Node, Rank, make_node, sample, settings
 
@@ -112,7 +112,7 @@ class Respawns:
             raise AssertionError(f"no respawn within {timeout}s") from None
 
 
-def _nodes(store: EtcdStore, prefix: str, max_restarts: int = 10, hard: float = 60.0):  # type: ignore[no-untyped-def]
+def _nodes(store: EtcdClient, prefix: str, max_restarts: int = 10, hard: float = 60.0):  # type: ignore[no-untyped-def]
     cfg = settings(max_restarts=max_restarts, soft=min(30.0, hard / 2), hard=hard)
     return make_node("node-a", store, prefix, "127.0.0.1", cfg), make_node(
         "node-b", store, prefix, "127.0.0.2", cfg
@@ -125,7 +125,7 @@ StartPair = Callable[..., tuple[Node, Node, "Respawns"]]
 
 
 @pytest.fixture
-def two_nodes(store: EtcdStore, job_prefix: str) -> Iterator[StartPair]:
+def two_nodes(store: EtcdClient, job_prefix: str) -> Iterator[StartPair]:
     """The two-node set-up of the tests below: ``start(respawns_on, max_restarts=10,
     hard=60.0)``; both nodes stop (b first) when the test ends."""
     with contextlib.ExitStack() as stack:
@@ -145,7 +145,7 @@ def two_nodes(store: EtcdStore, job_prefix: str) -> Iterator[StartPair]:
         yield start
 
 
-def _record(store: EtcdStore, prefix: str) -> IterationRecord:
+def _record(store: EtcdClient, prefix: str) -> IterationRecord:
     got = store.get(contract.Keys(prefix).inprocess_iteration)
     return IterationRecord() if got is None else decode_iteration_record(got[0])
 
@@ -162,7 +162,7 @@ def _kill(node: Node, local_rank: int, pid: int = 4242) -> bool:
 
 
 def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
-    store: EtcdStore, job_prefix: str, two_nodes: StartPair
+    store: EtcdClient, job_prefix: str, two_nodes: StartPair
 ) -> None:
     a, b, respawned = two_nodes("b")
     started = time.monotonic()
@@ -219,7 +219,7 @@ def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
 
 
 def test_deaths_during_a_restart_join_it_and_all_start_again(
-    store: EtcdStore, job_prefix: str, two_nodes: StartPair
+    store: EtcdClient, job_prefix: str, two_nodes: StartPair
 ) -> None:
     a, b, respawned = two_nodes("a")
     b.ranks[0].fault(0)  # a raise on node b
@@ -241,7 +241,7 @@ def test_deaths_during_a_restart_join_it_and_all_start_again(
 
 
 def test_process_path_when_the_budget_is_spent_or_the_respawn_fails(
-    store: EtcdStore, job_prefix: str, two_nodes: StartPair
+    store: EtcdClient, job_prefix: str, two_nodes: StartPair
 ) -> None:
     a, b, respawned = two_nodes("b", max_restarts=1)
     assert _kill(b, 1, pid=100)
@@ -281,7 +281,7 @@ def test_a_respawned_rank_without_hello_in_time_gives_the_round_up(
     assert status is not None and status["phase"] == "failed"
 
 
-def test_disabled_or_no_round_refuses(store: EtcdStore, job_prefix: str) -> None:
+def test_disabled_or_no_round_refuses(store: EtcdClient, job_prefix: str) -> None:
     a_cm, _ = _nodes(store, job_prefix)
     with a_cm as a:
         failure = Failure(cause=CAUSE_WORKER_FAILURE, node="node-a", round=1, local_rank=0)
@@ -290,7 +290,7 @@ def test_disabled_or_no_round_refuses(store: EtcdStore, job_prefix: str) -> None
 
 def test_a_respawn_that_cannot_start_is_a_worker_failure_not_a_job_failure() -> None:
     from kelastic_sidecar.failure import CAUSE_START_FAILURE
-    from kelastic_sidecar.inprocess_hybrid import respawn_failure
+    from kelastic_sidecar.inprocess.hybrid_verdicts import respawn_failure
 
     failed = _failure(CAUSE_START_FAILURE, exitcode=127, message="fork: out of memory")
     again = respawn_failure(failed)

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from kelastic import contract
-from kelastic_sidecar.etcd_store import EtcdStore
-from kelastic_sidecar.inprocess_record import (
+from kelastic_etcd import EtcdClient
+from kelastic_sidecar.inprocess.record import (
     MAX_ITERATION,
     Advance,
     AdvanceOutcome,
@@ -22,11 +22,11 @@ from kelastic_sidecar.inprocess_record import (
     encode_iteration_record,
     encode_ready,
 )
-from kelastic_sidecar.inprocess_round import RoundContext, barrier_verdict, go_env
+from kelastic_sidecar.inprocess.round import RoundContext, barrier_verdict, go_env
 
 
 def _advance(
-    store: EtcdStore, key: str, faulted: int, budget: int = 10, node: str = "n"
+    store: EtcdClient, key: str, faulted: int, budget: int = 10, node: str = "n"
 ) -> Advance:
     out = advance_iteration(
         store, key, faulted, budget, round_=1, cause="exception", node=node, rank=0,
@@ -46,7 +46,7 @@ def test_round_trip_and_defaults() -> None:
             decode_iteration_record(bad)
 
 
-def test_racing_nodes_advance_an_iteration_once(store: EtcdStore, job_prefix: str) -> None:
+def test_racing_nodes_advance_an_iteration_once(store: EtcdClient, job_prefix: str) -> None:
     key = contract.Keys(job_prefix).inprocess_iteration
     outcomes: list[Advance] = []
     lock = threading.Lock()
@@ -73,7 +73,7 @@ def test_racing_nodes_advance_an_iteration_once(store: EtcdStore, job_prefix: st
     assert _advance(store, key, 1) is Advance.ADVANCED
 
 
-def test_budget_and_a_record_behind(store: EtcdStore, job_prefix: str) -> None:
+def test_budget_and_a_record_behind(store: EtcdClient, job_prefix: str) -> None:
     key = contract.Keys(job_prefix).inprocess_iteration
     assert _advance(store, key, 0, budget=1) is Advance.ADVANCED
     assert _advance(store, key, 1, budget=1) is Advance.EXHAUSTED

@@ -16,10 +16,10 @@ import pytest
 from kelastic import contract
 from kelastic.inprocess_messages import Abort, GiveUp, Go, Hello, WorkerMessage
 from kelastic.sockaddr import unix_address
-from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_etcd import EtcdClient
 from kelastic_sidecar.failure import CAUSE_WORKER_FAILURE, Failure
-from kelastic_sidecar.inprocess_record import decode_iteration_record
-from kelastic_sidecar.inprocess_spares import SpareHello, pair_spares, spare_hello_verdict
+from kelastic_sidecar.inprocess.record import decode_iteration_record
+from kelastic_sidecar.inprocess.spares import SpareHello, pair_spares, spare_hello_verdict
 from tests.conftest import wait_for
 from tests.sidecar.inprocess_harness import Node, Rank, make_node, sample, settings
 
@@ -94,7 +94,7 @@ class Calls:
             raise AssertionError(f"no call within {timeout}s") from None
 
 
-def _nodes(store: EtcdStore, prefix: str, spares: int = 1):  # type: ignore[no-untyped-def]
+def _nodes(store: EtcdClient, prefix: str, spares: int = 1):  # type: ignore[no-untyped-def]
     cfg = dataclasses.replace(settings(), spare_ranks=spares)
     return make_node("node-a", store, prefix, "127.0.0.1", cfg), make_node(
         "node-b", store, prefix, "127.0.0.2", cfg
@@ -124,7 +124,7 @@ def _kill(node: Node, local_rank: int, pid: int = 4242) -> bool:
 
 
 def test_a_waiting_spare_takes_the_dead_ranks_place_then_the_respawn(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     a_cm, b_cm = _nodes(store, job_prefix)
     with a_cm as a, b_cm as b:
@@ -191,7 +191,7 @@ def test_a_waiting_spare_takes_the_dead_ranks_place_then_the_respawn(
 
 
 def test_spares_outside_the_rules_are_dropped_or_sent_away(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     a_cm, _ = _nodes(store, job_prefix)
     with a_cm as a:
@@ -217,7 +217,7 @@ def test_spares_outside_the_rules_are_dropped_or_sent_away(
         assert _waiting(a) == []
 
 
-def test_a_node_without_spare_ranks_drops_a_spare(store: EtcdStore, job_prefix: str) -> None:
+def test_a_node_without_spare_ranks_drops_a_spare(store: EtcdClient, job_prefix: str) -> None:
     a_cm, _ = _nodes(store, job_prefix, spares=0)
     with a_cm as a:
         a.begin(1, 0, ("node-a",))
@@ -227,7 +227,7 @@ def test_a_node_without_spare_ranks_drops_a_spare(store: EtcdStore, job_prefix: 
 
 
 def test_a_spare_dying_while_waiting_is_no_fault_and_the_round_end_sends_spares_away(
-    store: EtcdStore, job_prefix: str
+    store: EtcdClient, job_prefix: str
 ) -> None:
     a_cm, _ = _nodes(store, job_prefix)
     with a_cm as a:

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from kelastic_sidecar.memory_release import release_memory
+from kelastic_sidecar.timer.memory_release import release_memory
 
 
 def _holder(mib: int = 64) -> subprocess.Popen[bytes]:

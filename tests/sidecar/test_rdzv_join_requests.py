@@ -8,13 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kelastic_sidecar.rendezvous import EtcdRendezvousHandler, RendezvousTimeoutError
-from kelastic_sidecar.rendezvous_state import (
+from kelastic_sidecar.rendezvous.handler import EtcdRendezvousHandler, RendezvousTimeoutError
+from kelastic_sidecar.rendezvous.state import (
     MAX_ADMITTED_PER_WRITE,
     RendezvousState,
     mark_closed,
 )
-from kelastic_sidecar.rendezvous_steps import Clock, admit_requests
+from kelastic_sidecar.rendezvous.steps import Clock, admit_requests
 from tests.conftest import wait_for
 from tests.sidecar.test_rendezvous import RUN, Cluster, join_all, settings
 
@@ -175,7 +175,7 @@ def test_a_pending_request_is_withdrawn_once_at_the_timeout(cluster: Cluster) ->
     import functools
     import threading
 
-    from kelastic_sidecar.rendezvous_steps import join_step
+    from kelastic_sidecar.rendezvous.steps import join_step
 
     s = settings(min_nodes=2, max_nodes=2)
     node = cluster.node("slow", s)
@@ -264,7 +264,7 @@ def test_a_write_never_exceeds_etcds_transaction_limit(cluster: Cluster) -> None
     import functools
     import threading
 
-    from kelastic_sidecar.rendezvous_steps import join_step
+    from kelastic_sidecar.rendezvous.steps import join_step
 
     n = 130
     s = settings(min_nodes=n, max_nodes=n, last_call_timeout=30, join_timeout=60)

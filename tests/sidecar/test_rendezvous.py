@@ -11,9 +11,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kelastic.contract import Keys
-from kelastic_etcd import EtcdUnavailable
-from kelastic_sidecar.etcd_store import EtcdStore, EtcdUnavailableError
-from kelastic_sidecar.rendezvous import (
+from kelastic_etcd import EtcdClient, EtcdError, EtcdUnavailable
+from kelastic_sidecar.rendezvous.handler import (
     LEAVE_OUTAGE_TIMEOUT,
     EtcdRendezvousHandler,
     RendezvousClosedError,
@@ -24,14 +23,14 @@ from kelastic_sidecar.rendezvous import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from kelastic_sidecar.rendezvous_state import (
+from kelastic_sidecar.rendezvous.state import (
     RendezvousState,
     decode_state,
     encode_state,
     remove_participant,
     sanitize,
 )
-from kelastic_sidecar.rendezvous_steps import (
+from kelastic_sidecar.rendezvous.steps import (
     Action,
     Clock,
     evaluate_round,
@@ -288,12 +287,12 @@ class Cluster:
     def __init__(self, endpoint: str, prefix: str) -> None:
         self.endpoint = endpoint
         self.keys = Keys(prefix)
-        self.admin = EtcdStore([endpoint])
-        self._stores: list[EtcdStore] = [self.admin]
+        self.admin = EtcdClient([endpoint])
+        self._stores: list[EtcdClient] = [self.admin]
         self.handlers: list[EtcdRendezvousHandler] = []
 
     def node(self, name: str, s: RendezvousSettings) -> EtcdRendezvousHandler:
-        store = EtcdStore([self.endpoint])
+        store = EtcdClient([self.endpoint])
         self._stores.append(store)
         handler = EtcdRendezvousHandler(store, self.keys, name, s)
         self.handlers.append(handler)
@@ -571,7 +570,7 @@ def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> 
     s = settings(min_nodes=2, max_nodes=2, join_timeout=60)
     proxy = OutageProxy(etcd_endpoint)
     proxy.up()
-    b_store = EtcdStore([proxy.endpoint], timeout=0.5)
+    b_store = EtcdClient([proxy.endpoint], timeout=0.5)
     try:
         b = EtcdRendezvousHandler(b_store, cluster.keys, "b", s)
         proxy.down()
@@ -596,13 +595,13 @@ def test_leave_gives_up_soon_when_etcd_is_away(cluster: Cluster, etcd_endpoint: 
     s = settings(min_nodes=1, max_nodes=1, close_timeout=60)
     proxy = OutageProxy(etcd_endpoint)
     proxy.up()
-    store = EtcdStore([proxy.endpoint], timeout=0.5)
+    store = EtcdClient([proxy.endpoint], timeout=0.5)
     handler = EtcdRendezvousHandler(store, cluster.keys, "a", s)
     try:
         handler.next_rendezvous()
         proxy.down()
         started = time.monotonic()
-        with pytest.raises(EtcdUnavailableError):
+        with pytest.raises(EtcdError):
             handler.leave("shutdown")
         assert LEAVE_OUTAGE_TIMEOUT <= time.monotonic() - started < 30  # not 60
     finally:
@@ -613,11 +612,11 @@ def test_leave_gives_up_soon_when_etcd_is_away(cluster: Cluster, etcd_endpoint: 
 
 def test_join_gives_up_when_etcd_stays_away(cluster: Cluster) -> None:
     s = settings(min_nodes=1, max_nodes=1, join_timeout=1.0)
-    with EtcdStore(["127.0.0.1:1"], timeout=0.3) as dead:
+    with EtcdClient(["127.0.0.1:1"], timeout=0.3) as dead:
         handler = EtcdRendezvousHandler(dead, cluster.keys, "a", s)
         started = time.monotonic()
         with pytest.raises(RendezvousConnectionError) as err:  # torch's term, at the boundary
             handler.next_rendezvous()
         assert 1.0 <= time.monotonic() - started < 4
         assert isinstance(err.value.__cause__, EtcdUnavailable)  # ridden out until the deadline
-        assert isinstance(err.value, (RendezvousError, EtcdUnavailableError))
+        assert isinstance(err.value, (RendezvousError, EtcdError))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from kelastic_sidecar.rendezvous import RECOVERY_GRACE, EtcdRendezvousHandler
+from kelastic_sidecar.rendezvous.handler import RECOVERY_GRACE, EtcdRendezvousHandler
 from tests.conftest import wait_for
 from tests.sidecar.test_rendezvous import Cluster, cluster, join_all, settings
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from kelastic.contract import Keys
-from kelastic_sidecar.etcd_store import EtcdStore
+from kelastic_etcd import EtcdClient
 from kelastic_sidecar.restart_budget import (
     HISTORY_LIMIT,
     BudgetCharge,
@@ -26,12 +26,12 @@ def keys(job_prefix: str) -> Keys:
     return Keys(job_prefix)
 
 
-def test_empty_budget(store: EtcdStore, keys: Keys) -> None:
+def test_empty_budget(store: EtcdClient, keys: Keys) -> None:
     record = RestartBudget(store, keys, 3).read()
     assert record == RestartRecord(count=0, last_round=-1, history=())
 
 
-def test_charge_once_per_round(store: EtcdStore, keys: Keys) -> None:
+def test_charge_once_per_round(store: EtcdClient, keys: Keys) -> None:
     budget = RestartBudget(store, keys, max_restarts=2)
     assert budget.charge(0, "worker_failure", "n0", {"exitcode": 1}) == BudgetCharge(1, True, False)
     assert budget.charge(0, "node_lost", "n1", {}) == BudgetCharge(1, False, False)
@@ -52,14 +52,14 @@ def test_charge_once_per_round(store: EtcdStore, keys: Keys) -> None:
     assert isinstance(record.history[0]["time"], float)
 
 
-def test_zero_restarts_allowed(store: EtcdStore, keys: Keys) -> None:
+def test_zero_restarts_allowed(store: EtcdClient, keys: Keys) -> None:
     assert RestartBudget(store, keys, 0).charge(5, "c", "n", {}).exhausted
 
 
 def test_concurrent_reports_of_one_round_charge_once(etcd_endpoint: str, keys: Keys) -> None:
     """Every node sees the same failure and reports it at once: one restart is spent."""
     nodes = 8
-    stores = [EtcdStore([etcd_endpoint]) for _ in range(nodes)]
+    stores = [EtcdClient([etcd_endpoint]) for _ in range(nodes)]
     charges: dict[int, BudgetCharge] = {}
     start = threading.Barrier(nodes)
 
@@ -84,7 +84,7 @@ def test_concurrent_reports_of_one_round_charge_once(etcd_endpoint: str, keys: K
 
 def test_concurrent_rounds_all_count(etcd_endpoint: str, keys: Keys) -> None:
     """Failures of different rounds each spend one, whatever the interleaving."""
-    stores = [EtcdStore([etcd_endpoint]) for _ in range(4)]
+    stores = [EtcdClient([etcd_endpoint]) for _ in range(4)]
 
     def report(i: int) -> None:
         budget = RestartBudget(stores[i], keys, 100)
@@ -120,7 +120,7 @@ def test_history_is_capped() -> None:
 
 
 def test_corrupt_record_is_replaced_another_version_is_an_error(
-    store: EtcdStore, keys: Keys
+    store: EtcdClient, keys: Keys
 ) -> None:
     budget = RestartBudget(store, keys, 3)
     store.put(keys.restarts, b"three restarts")
@@ -151,7 +151,7 @@ def test_decode_rejects_malformed_records(doc: object) -> None:
         decode_record(json.dumps(doc).encode())
 
 
-def test_bad_arguments(store: EtcdStore, keys: Keys) -> None:
+def test_bad_arguments(store: EtcdClient, keys: Keys) -> None:
     with pytest.raises(ValueError):
         RestartBudget(store, keys, -1)
     budget = RestartBudget(store, keys, 1)

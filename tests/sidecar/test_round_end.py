@@ -18,7 +18,7 @@ from kelastic_sidecar.failure import (
     CAUSE_WORKER_FAILURE,
     Failure,
 )
-from kelastic_sidecar.rendezvous_state import RoundCheck
+from kelastic_sidecar.rendezvous.state import RoundCheck
 from kelastic_sidecar.round_end import (
     RoundEnd,
     RoundEndKind,
@@ -30,7 +30,7 @@ from kelastic_sidecar.round_end import (
     lost_peer,
     stopped_failure,
 )
-from kelastic_sidecar.timer_server import ReapEvent
+from kelastic_sidecar.timer import ReapEvent
 
 NODE = "job-1"
 ROUND = RoundOf(node=NODE, round=7, group_rank=1, nproc=2)

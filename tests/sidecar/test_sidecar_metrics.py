@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kelastic_sidecar.metrics import SidecarMetrics
-from kelastic_sidecar.timer_server import TimerServer
+from kelastic_sidecar.timer import TimerServer
 from tests.conftest import wait_for
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kelastic_sidecar.timer_server import TimerServer
+from kelastic_sidecar.timer import TimerServer
 from tests.conftest import wait_for
 
 WATCHED = 4_100_000  # a fake pid: kill is a recorder, nothing is ever signalled

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kelastic_sidecar.config import InProcessSettings
-from kelastic_sidecar.timer_server import TimerServer
-from kelastic_sidecar.timer_table import TimerTable
-from kelastic_sidecar.timer_wire import _Request
+from kelastic_sidecar.timer import TimerServer
+from kelastic_sidecar.timer.table import TimerTable
+from kelastic_sidecar.timer.wire import _Request
 from tests.conftest import wait_for
 from tests.sidecar.test_timer_server import HUNG, Recorder, finish, spawn
 

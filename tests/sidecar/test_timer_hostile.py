@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from kelastic.contract import KELASTIC_TIMER_TOKEN
-from kelastic_sidecar import timer_reader
 from kelastic_sidecar.control import ControlServer
-from kelastic_sidecar.timer_server import ReapEvent, TimerServer
-from kelastic_sidecar.timer_wire import ipc_access
+from kelastic_sidecar.ipc import ipc_access
+from kelastic_sidecar.timer import ReapEvent, TimerServer
+from kelastic_sidecar.timer import reader as timer_reader
 from tests.conftest import strict_umask, wait_for
 from tests.sidecar.test_timer_server import finish, raw_write, request, spawn
 
@@ -346,7 +346,7 @@ def test_drops_and_corrupt_values_are_exported_as_metrics() -> None:
     from prometheus_client import generate_latest
 
     from kelastic_sidecar.metrics import SidecarMetrics
-    from kelastic_sidecar.timer_server import TimerStats
+    from kelastic_sidecar.timer import TimerStats
 
     stats = TimerStats(dropped_capacity=5, dropped_unwatched=3, forged=2, shed=7)
     metrics = SidecarMetrics(lambda: stats)

@@ -17,7 +17,7 @@ import pytest
 
 from kelastic.contract import TORCHELASTIC_TIMER_FILE
 from kelastic.timer import FifoTimerClient
-from kelastic_sidecar.timer_server import ReapEvent, TimerServer
+from kelastic_sidecar.timer import ReapEvent, TimerServer
 from tests.conftest import strict_umask, wait_for
 
 
@@ -506,7 +506,7 @@ def test_watch_pid_refuses_init_and_self(fifo: Path) -> None:
 def test_the_fifo_is_grown_so_bursts_do_not_fail_torch_clients(tmp_path: Path) -> None:
     import fcntl
 
-    from kelastic_sidecar.timer_server import FIFO_PIPE_SIZE
+    from kelastic_sidecar.timer.server import FIFO_PIPE_SIZE
 
     server = TimerServer(tmp_path / "timer.fifo")
     server.start()
@@ -577,7 +577,8 @@ def test_reap_records_whether_the_worker_was_stopped(
 
 def test_poll_wakes_at_or_before_the_deadline_and_the_rest_is_slept(fifo: Path) -> None:
     """poll() counts whole milliseconds: rounding up would kill up to 1 ms late."""
-    from kelastic_sidecar.timer_server import FINE_SLEEP, _Request
+    from kelastic_sidecar.timer.server import FINE_SLEEP
+    from kelastic_sidecar.timer.wire import _Request
 
     server = TimerServer(fifo, kill=lambda pid, sig: None)  # not started: no thread
     deadline = time.time() + 0.0405  # not on a whole millisecond

@@ -19,7 +19,7 @@ import pytest
 import kelastic.timer as ktimer
 from kelastic.contract import TORCHELASTIC_TIMER_FILE
 from kelastic.timer import FifoTimerClient, configure, expires
-from kelastic_sidecar.timer_server import TimerServer
+from kelastic_sidecar.timer import TimerServer
 from tests.conftest import wait_for
 
 

@@ -1,14 +1,14 @@
 """The in-process restart record: the one codec of every writer and reader of it.
 
 The sidecars keep one record per job at :attr:`kelastic.contract.Keys.inprocess_iteration`
-(written by compare-and-set, ``kelastic_sidecar.inprocess_record``); the operator reads it
+(written by compare-and-set, ``kelastic_sidecar.inprocess.record``); the operator reads it
 into the job's status; ``kelastic run`` reads its fields from the sidecars' ``/status``::
 
     {"iteration": 3, "round": 2, "restarts": 3, "cause": "exception", "node": "job-1",
      "rank": 5, "message": "ValueError: boom", "time": 1718000000.0}
 
-One codec for all of them, so that they agree on every value (issue 20: the sidecar's
-reader took iteration 2**53, which its writer then moved past what the same reader
+One codec for all of them, so that they agree on every value (with a reader each, the
+sidecar's took iteration 2**53, which its writer then moved past what the same reader
 accepts, while the operator's own reader and ``kelastic run`` took anything):
 
 - :func:`encode_record` is strict: it refuses (:class:`RecordError`) a record outside

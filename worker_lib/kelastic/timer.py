@@ -17,7 +17,7 @@ means "release" (sent with ``signal`` 0). Each line, newline included, is at mos
 this client also sends ``"token"``: the worker's ``$KELASTIC_TIMER_TOKEN``, which lets
 the sidecar refuse requests naming the worker's pid from writers that do not have it
 (torch's server ignores the extra field; torch's client, which sends no token, still
-works with the kelastic server: see ``kelastic_sidecar.timer_server``).
+works with the kelastic server: see ``kelastic_sidecar.timer``).
 
 Unlike torch's client, :class:`FifoTimerClient` keeps the FIFO open across requests
 (one ``open`` per process instead of one per request), reopens it once when the server

@@ -44,14 +44,14 @@ def test_help_explains_run_and_faults() -> None:
 def test_an_existing_etcd_is_used_and_keeps_the_job_record(
     tmp_path: Path, etcd_server: EmbeddedEtcd
 ) -> None:
-    from kelastic_sidecar.etcd_store import EtcdStore
+    from kelastic_etcd import EtcdClient
 
     etcd_endpoint = etcd_server.endpoint
     job = write_job(tmp_path / "job.yaml", name="ext", replicas=2, env={"STEPS_MAX": "5"})
     run = KelasticRun(job, "--etcd", etcd_endpoint, workdir=tmp_path / "runs")
     assert run.wait() == 0, run.output
     assert f"etcd {etcd_endpoint}," in run.output
-    with EtcdStore([etcd_endpoint]) as store:
+    with EtcdClient([etcd_endpoint]) as store:
         keys = store.get_prefix("/kelastic/default/ext/")
     reports = {k.rsplit("/", 1)[1]: json.loads(v) for k, (v, _) in keys.items() if "/reports/" in k}
     assert sorted(reports) == ["ext-0", "ext-1"]

@@ -1,10 +1,10 @@
 """The hybrid rung on one node: a dead worker's peers restart in process, it starts again.
 
-:class:`HybridMachine` is the :class:`~kelastic_sidecar.inprocess_machine.RestartMachine`
+:class:`HybridMachine` is the :class:`~kelastic_sidecar.inprocess.machine.RestartMachine`
 plus worker deaths (issue 12's second rung; the decisions are the pure
-:mod:`~kelastic_sidecar.inprocess_hybrid`'s). The supervisor's monitor hands it a worker's
+:mod:`~kelastic_sidecar.inprocess.hybrid_verdicts`'s). The supervisor's monitor hands it a worker's
 non-zero exit (:meth:`InProcessCoordinator.absorb_exit
-<kelastic_sidecar.inprocess_coordinator.InProcessCoordinator.absorb_exit>`):
+<kelastic_sidecar.inprocess.coordinator.InProcessCoordinator.absorb_exit>`):
 
 1. ``running`` in iteration ``n``: compare-and-set the record ``n -> n + 1`` (cause
    ``worker_died``, or ``hang`` for a reap or the hard-timeout kill; one in-process
@@ -22,7 +22,7 @@ non-zero exit (:meth:`InProcessCoordinator.absorb_exit
 4. A restarted rank that does not say ``hello`` within the hard timeout makes the node
    give up (``give_up`` to every rank: the process path); one that dies again before
    its ``hello`` is refused (the process path).
-5. Spare ranks (``spareRanks``, :mod:`~kelastic_sidecar.inprocess_spares`): a spare's
+5. Spare ranks (``spareRanks``, :mod:`~kelastic_sidecar.inprocess.spares`): a spare's
    ``hello`` keeps it waiting in the pool; at the ``go``, a waiting spare takes each dead
    rank's place instead of step 3's process start: it gets the ``go`` with the dead
    rank's env, its session becomes that rank's, and ``on_promote(round, slot,
@@ -44,16 +44,17 @@ from kelastic import contract
 from kelastic.inprocess_messages import GiveUp, Go, Hello
 from kelastic_etcd import EtcdError
 
-from .failure import Failure, signal_name
-from .inprocess_hybrid import (
+from ..failure import Failure, signal_name
+from ..ipc import DropReason
+from .hybrid_verdicts import (
     RESPAWN_NOTE,
     Absorb,
     absorb_verdict,
     death_cause,
     death_message,
 )
-from .inprocess_machine import ABORTING, BARRIER, RUNNING, RestartMachine, victim_pid
-from .inprocess_record import (
+from .machine import ABORTING, BARRIER, RUNNING, RestartMachine, victim_pid
+from .record import (
     Advance,
     IterationRecord,
     ReadyRecord,
@@ -61,9 +62,9 @@ from .inprocess_record import (
     advance_iteration,
     encode_iteration_record,
 )
-from .inprocess_round import RoundContext, barrier_verdict, go_env
-from .inprocess_server import Session
-from .inprocess_spares import (
+from .round import RoundContext, barrier_verdict, go_env
+from .server import Session
+from .spares import (
     SPARE_NOTE,
     SpareHello,
     SparePool,
@@ -220,7 +221,7 @@ class HybridMachine(RestartMachine):
         )  # fmt: skip
         if verdict.kind is SpareHello.DROP:
             log.error("%r: %s; dropping it", session, verdict.reason)
-            self._drop(session, "malformed")
+            self._drop(session, DropReason.MALFORMED)
         elif verdict.kind is SpareHello.GIVE_UP:
             log.info("%r: spare not needed (%s)", session, verdict.reason)
             session.send(GiveUp(reason=f"spare not needed: {verdict.reason}"))

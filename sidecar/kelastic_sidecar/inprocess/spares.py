@@ -5,7 +5,7 @@ The launcher runs ``spareRanks`` extra processes of the worker command per node
 (:mod:`kelastic._spares`); each waits in :class:`kelastic.inprocess.Wrapper`, warm, after a
 ``hello`` with ``spare: true`` whose ``local_rank`` is its *spare slot*
 (``nproc .. nproc + spares - 1``). When the hybrid rung
-(:mod:`~kelastic_sidecar.inprocess_respawn`) restarts a dead local rank's peers in
+(:mod:`~kelastic_sidecar.inprocess.hybrid`) restarts a dead local rank's peers in
 process, the ``go`` that ends the termination barrier goes to a waiting spare too, with the
 dead rank's env: the spare enters the iteration as that rank, and the launcher is told
 (``promote``) so that it reports the process as that rank and starts a new spare in the
@@ -34,7 +34,7 @@ from typing import Final
 from kelastic.control_messages import MAX_PID
 from kelastic.inprocess_messages import GiveUp
 
-from .inprocess_server import Session
+from .server import Session
 from .verdict import Verdict
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: What the iteration record's ``message`` adds to a death that a waiting spare takes
-#: (instead of :data:`~kelastic_sidecar.inprocess_hybrid.RESPAWN_NOTE`).
+#: (instead of :data:`~kelastic_sidecar.inprocess.hybrid_verdicts.RESPAWN_NOTE`).
 SPARE_NOTE: Final = "a waiting spare takes its place (no process start)"
 
 
@@ -73,7 +73,7 @@ def spare_hello_verdict(
 
     Args:
         phase: the coordinator's phase (``idle``, ``running``, ``aborting``, ``barrier``,
-            ``failed``: :mod:`~kelastic_sidecar.inprocess_machine`).
+            ``failed``: :mod:`~kelastic_sidecar.inprocess.machine`).
         nproc: local ranks of the round (0 when there is no round).
         spares: spare ranks this node runs (``spareRanks``).
         slot: the spare's slot.

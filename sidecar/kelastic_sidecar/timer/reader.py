@@ -1,12 +1,12 @@
 """Reading the timer FIFO in bounded turns, fairly under a flood.
 
-:mod:`kelastic_sidecar.timer_server`'s module doc ("Fairness under a flood") states the
+:mod:`kelastic_sidecar.timer.server`'s module doc ("Fairness under a flood") states the
 rule; this is its mechanics. A turn reads at most :data:`READ_PER_TURN` bytes, split into
-lines (:class:`~kelastic_sidecar.timer_wire.LineSplitter`). While nothing is queued, lines
-are applied to the :class:`~kelastic_sidecar.timer_table.TimerTable` in order; once the
+lines (:class:`~kelastic_sidecar.timer.wire.LineSplitter`). While nothing is queued, lines
+are applied to the :class:`~kelastic_sidecar.timer.table.TimerTable` in order; once the
 reader falls behind, the lines of watched pids are applied at once (unless a line of the
 same pid is still queued: a pid's requests keep their order) and the others queue
-(:class:`~kelastic_sidecar.timer_wire.Backlog`), :data:`LINES_PER_TURN` of them applied
+(:class:`~kelastic_sidecar.timer.wire.Backlog`), :data:`LINES_PER_TURN` of them applied
 per turn; beyond :data:`MAX_BACKLOG` queued lines, unwatched pids' lines are shed.
 """
 
@@ -16,9 +16,9 @@ import logging
 import os
 from typing import Final
 
-from .timer_admission import LOG_EVERY
-from .timer_table import TimerTable
-from .timer_wire import Backlog, LineSplitter, pid_hint
+from .admission import LOG_EVERY
+from .table import TimerTable
+from .wire import Backlog, LineSplitter, pid_hint
 
 __all__ = ["LINES_PER_TURN", "MAX_BACKLOG", "READ_PER_TURN", "WATCHED_PER_TURN", "FifoReader"]
 

@@ -1,10 +1,10 @@
-"""The supervisor's parts and the events they send it, built in one place.
+"""The supervisor's parts, built in one place and connected to its event queue.
 
 :func:`build_parts` constructs what one node's :class:`~kelastic_sidecar.supervisor.Supervisor`
 runs with (etcd store, timer server, control server, ``/metrics`` HTTP server,
 restart budget, metrics, in-process restart coordinator) and connects their callbacks
-to the supervisor's event queue as typed events (:class:`WorkerReaped`, :class:`FromLauncher`,
-:class:`RendezvousChanged`, :class:`RespawnDue`), so that the supervisor holds no construction code.
+to the supervisor's event queue as the typed events of :mod:`kelastic_sidecar.events`, so
+that the supervisor holds no construction code.
 """
 
 from __future__ import annotations
@@ -16,77 +16,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from kelastic import contract
+from kelastic_etcd import EtcdClient, EtcdError
 
 from .config import SidecarConfig
-from .control import ControlServer, Message
-from .etcd_store import EtcdStore, EtcdUnavailableError
+from .control import ControlServer
+from .events import Event, FromLauncher, RespawnDue, SparePromoted, WorkerReaped
 from .http import SidecarHttpServer
-from .inprocess_coordinator import InProcessCoordinator
+from .inprocess import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .restart_budget import RestartBudget
-from .timer_server import ReapEvent, TimerServer
+from .timer import TimerServer
 
-__all__ = [
-    "EtcdHealth",
-    "Event",
-    "FromLauncher",
-    "Hooks",
-    "Parts",
-    "RendezvousChanged",
-    "RespawnDue",
-    "WorkerReaped",
-    "build_parts",
-]
-
-
-@dataclass(frozen=True)
-class WorkerReaped:
-    """The timer server signalled a hung worker."""
-
-    reap: ReapEvent
-
-
-@dataclass(frozen=True)
-class FromLauncher:
-    """A message from the launcher, or its disconnection."""
-
-    message: Message
-
-
-@dataclass(frozen=True)
-class RespawnDue:
-    """The in-process coordinator wants a dead local rank started again (the hybrid
-    rung): ``env`` on top of its attempt's, for the round ``round``."""
-
-    round: int
-    local_rank: int
-    env: dict[str, str]
-    #: Not None: the spare waiting in this slot took the dead rank's place (spare
-    #: ranks): the launcher gets a ``promote`` instead, and starts no process for it.
-    spare: int | None = None
-    #: That spare's pid (its ``hello``'s), which the ``promote`` names.
-    spare_pid: int = 0
-
-
-@dataclass(frozen=True)
-class RendezvousChanged:
-    """The rendezvous may have changed: check the round (at most one waits queued)."""
-
-
-#: What the supervisor's main thread takes off its queue.
-Event = WorkerReaped | FromLauncher | RendezvousChanged | RespawnDue
+__all__ = ["EtcdHealth", "Hooks", "Parts", "build_parts"]
 
 
 class EtcdHealth:
     """Whether etcd answers, for ``/status``: every failed call of the store counts (the
     lease keep-alive's and the watches' included)."""
 
-    def __init__(self, store: EtcdStore, metrics: SidecarMetrics) -> None:
+    def __init__(self, store: EtcdClient, metrics: SidecarMetrics) -> None:
         self._store = store
         self._metrics = metrics
         self._error: tuple[float, str] | None = None  # (monotonic time, message)
 
-    def on_error(self, exc: EtcdUnavailableError) -> None:
+    def on_error(self, exc: EtcdError) -> None:
         """The store's ``on_error``."""
         self._metrics.etcd_errors.inc()
         self._error = (time.monotonic(), str(exc))
@@ -113,7 +66,7 @@ class Hooks:
 class Parts:
     """One node's servers and clients (see :func:`build_parts`)."""
 
-    store: EtcdStore
+    store: EtcdClient
     keys: contract.Keys
     events: queue.Queue[Event]
     timer: TimerServer
@@ -125,7 +78,7 @@ class Parts:
     inprocess: InProcessCoordinator
 
 
-def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) -> Parts:
+def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -> Parts:
     """Construct the supervisor's parts; nothing is started (``Supervisor.run`` does).
 
     Args:
@@ -169,7 +122,7 @@ def build_parts(config: SidecarConfig, store: EtcdStore | None, hooks: Hooks) ->
         config.inprocess, store, keys, config.node, metrics, config.run_dir, config.pod_ip,
         on_respawn=lambda round_, local_rank, env: events.put(RespawnDue(round_, local_rank, env)),
         on_promote=lambda round_, slot, local_rank, pid: events.put(
-            RespawnDue(round_, local_rank, {}, spare=slot, spare_pid=pid)
+            SparePromoted(round_, local_rank, slot, pid)
         ),
     )  # fmt: skip
     return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess)

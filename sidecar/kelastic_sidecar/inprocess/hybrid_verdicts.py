@@ -11,7 +11,7 @@ everything.
 :func:`absorb_verdict` says whether one node's coordinator can take such an exit in its
 round (:class:`Absorb`); :func:`death_cause` and :func:`death_message` describe it for the
 iteration record, ``/status`` and the log (``kelastic run`` prints the log).
-:class:`~kelastic_sidecar.inprocess_respawn.HybridMachine` acts on them. Table-tested in
+:class:`~kelastic_sidecar.inprocess.hybrid.HybridMachine` acts on them. Table-tested in
 ``tests/sidecar/test_inprocess_hybrid.py``.
 """
 
@@ -24,7 +24,7 @@ from typing import Final
 
 from kelastic.inprocess_record import RestartCause
 
-from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
+from ..failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
 from .verdict import Verdict
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
 #: The iteration record's ``cause`` for a worker process that died (a reap or the
 #: coordinator's hard-timeout kill is ``hang``). ``kelastic_restarts_total{level=
 #: "inprocess"}`` counts it as ``worker_failure``
-#: (:func:`~kelastic_sidecar.inprocess_round.cause_label`): the dashboards' cause set
+#: (:func:`~kelastic_sidecar.inprocess.round.cause_label`): the dashboards' cause set
 #: stays the process restarts' one.
 CAUSE_WORKER_DIED: Final = RestartCause.WORKER_DIED
 
@@ -81,7 +81,7 @@ def absorb_verdict(
 
     Args:
         phase: the coordinator's phase (``idle``, ``running``, ``aborting``, ``barrier``,
-            ``failed``: :mod:`~kelastic_sidecar.inprocess_machine`).
+            ``failed``: :mod:`~kelastic_sidecar.inprocess.machine`).
         nproc: local ranks of the round (0 when there is no round).
         local_rank: the worker that exited non-zero.
         connected: local ranks with a session (said ``hello``) now, the dead one's

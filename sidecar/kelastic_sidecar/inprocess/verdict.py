@@ -1,7 +1,7 @@
 """The outcome of a pure decision of the restart ladder: what to do, and why not.
 
-:data:`~kelastic_sidecar.inprocess_hybrid.AbsorbVerdict` (a dead worker: absorb it in
-process?) and :data:`~kelastic_sidecar.inprocess_spares.SpareVerdict` (a spare's
+:data:`~kelastic_sidecar.inprocess.hybrid_verdicts.AbsorbVerdict` (a dead worker: absorb it in
+process?) and :data:`~kelastic_sidecar.inprocess.spares.SpareVerdict` (a spare's
 ``hello``: keep it waiting?) are this one type over their own enum of actions.
 """
 

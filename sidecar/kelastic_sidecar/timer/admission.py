@@ -1,6 +1,6 @@
 """Which timer requests the timer table takes: a watched worker's token, and the budgets.
 
-The rules are :mod:`kelastic_sidecar.timer_server`'s (its module doc, "Budgets" and "Who may
+The rules are :mod:`kelastic_sidecar.timer.server`'s (its module doc, "Budgets" and "Who may
 write"); this module only decides, it holds no timers and does no I/O:
 
 - a watched pid is checked against its token (:class:`Watch`): once the worker sent its

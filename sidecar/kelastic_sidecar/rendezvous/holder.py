@@ -6,9 +6,9 @@ transaction (:class:`View`), writes the state by compare-and-set on the state ke
 (:meth:`RendezvousStateHolder.sync`), and holds the node's etcd session: its lease, its
 alive key and its join request, and the long-lived watch a waiting node needs. The
 operations that drive it (join, exit, leave, close) are
-:class:`~kelastic_sidecar.rendezvous_executor.RendezvousExecutor`'s; the public API is
-:class:`~kelastic_sidecar.rendezvous.EtcdRendezvousHandler`'s. See the module
-docstring of :mod:`kelastic_sidecar.rendezvous` for the design.
+:class:`~kelastic_sidecar.rendezvous.executor.RendezvousExecutor`'s; the public API is
+:class:`~kelastic_sidecar.rendezvous.handler.EtcdRendezvousHandler`'s. See the module
+docstring of :mod:`kelastic_sidecar.rendezvous.handler` for the design.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from kelastic.contract import Keys
 from kelastic_etcd import EtcdClient, EtcdError, EtcdLeaseNotFound, Lease, Snapshot, Watcher
 
-from .etcd_backend import EtcdRendezvousBackend
-from .rendezvous_state import (
+from .state import (
     CorruptStateError,
     RendezvousError,
     RendezvousSettings,
@@ -57,7 +56,7 @@ class View:
 class RendezvousStateHolder:
     """One node's state, session and writes in the rendezvous (see the module docstring).
 
-    Args: see :class:`~kelastic_sidecar.rendezvous.EtcdRendezvousHandler`.
+    Args: see :class:`~kelastic_sidecar.rendezvous.handler.EtcdRendezvousHandler`.
 
     Attributes:
         store, keys, node, settings: as given.
@@ -78,7 +77,6 @@ class RendezvousStateHolder:
         self.keys = keys
         self.node = node
         self.settings = settings
-        self._backend = EtcdRendezvousBackend(store, keys.rdzv_state, name="kelastic")
         # What a waiting node must notice: a state write, a departure notice, and a
         # lease gone (its alive key deleted); a peer's alive key appearing changes
         # nothing by itself (its join request and state write follow).
@@ -276,7 +274,8 @@ class RendezvousStateHolder:
         listed = new.participants.keys() | new.wait_list | new.redundancy_list
         if self.node in view.joining and self.node in listed:
             delete.append(self._joining_key)
-        ok, snap = self._backend.set_state_and_read(
+        ok, snap = self.store.cas_read(  # the state by compare-and-set on its mod_revision
+            self.keys.rdzv_state,
             encode_state(new),
             view.token,
             self._reads[1:],

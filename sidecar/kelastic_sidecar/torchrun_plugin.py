@@ -2,8 +2,8 @@
 
 :class:`EtcdRendezvousBackend` keeps one opaque state blob at one etcd key. The fencing
 token is the key's ``mod_revision`` and every write is one etcd transaction
-(compare-and-set, :meth:`~kelastic_sidecar.etcd_store.EtcdStore.cas`). Our own
-rendezvous (:mod:`kelastic_sidecar.rendezvous`) uses it directly, with JSON states.
+(compare-and-set, :meth:`~kelastic_etcd.EtcdClient.cas`). Our own
+rendezvous (:mod:`kelastic_sidecar.rendezvous.handler`) uses it directly, with JSON states.
 
 The same class backs torch's own ``DynamicRendezvousHandler`` so that
 ``torchrun --rdzv-backend=kelastic-etcd --rdzv-endpoint=<etcd host:port>`` works (torch's
@@ -14,7 +14,7 @@ no torch. torchrun finds the creator without user code through the entry point g
 it returns), for example in ``pyproject.toml``::
 
     [project.entry-points."torchrun.handlers"]
-    kelastic-etcd = "kelastic_sidecar.etcd_backend:torchrun_handler"
+    kelastic-etcd = "kelastic_sidecar.torchrun_plugin:torchrun_handler"
 
 torchrun parameters (``--rdzv-conf key=value,...``): ``tls_dir`` (holds ca.crt, tls.crt,
 tls.key; default ``$KELASTIC_ETCD_TLS_DIR``), ``etcd_timeout`` (seconds per etcd call,
@@ -54,7 +54,7 @@ from kelastic.contract import ENV_ETCD_PASSWORD, ENV_ETCD_TLS_DIR, ENV_ETCD_USER
 if TYPE_CHECKING:  # the etcd client (grpc) loads on first use: torch imports this module
     from collections.abc import Mapping, Sequence
 
-    from .etcd_store import EtcdStore, Snapshot
+    from kelastic_etcd import EtcdClient, Snapshot
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
@@ -78,11 +78,11 @@ class EtcdRendezvousBackend:
         name: the backend name reported to torch.
 
     The fencing token is the key's ``mod_revision`` (an ``int``). Errors from etcd
-    propagate as :class:`~kelastic_sidecar.etcd_store.EtcdUnavailableError`; the torch
+    propagate as :class:`~kelastic_etcd.EtcdError`; the torch
     adapter maps them to torch's ``RendezvousConnectionError``.
     """
 
-    def __init__(self, store: EtcdStore, key: str, *, name: str = TORCH_BACKEND_NAME) -> None:
+    def __init__(self, store: EtcdClient, key: str, *, name: str = TORCH_BACKEND_NAME) -> None:
         if not key:
             raise ValueError("the state key must not be empty")
         self._store = store
@@ -103,7 +103,7 @@ class EtcdRendezvousBackend:
         """Return ``(state, token)``, or ``None`` when no state is stored.
 
         Raises:
-            EtcdUnavailableError: etcd did not answer within the store's timeout.
+            EtcdError: etcd did not answer within the store's timeout.
         """
         return self._store.get(self._key)
 
@@ -119,7 +119,7 @@ class EtcdRendezvousBackend:
         Returns ``None`` when the write failed and no state exists (it was deleted).
 
         Raises:
-            EtcdUnavailableError: etcd did not answer within the store's timeout.
+            EtcdError: etcd did not answer within the store's timeout.
         """
         if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
             # A token from another backend cannot match ours.
@@ -161,7 +161,7 @@ class EtcdRendezvousBackend:
             the write when there was one).
 
         Raises:
-            EtcdUnavailableError: etcd did not answer within the store's timeout.
+            EtcdError: etcd did not answer within the store's timeout.
         """
         return self._store.cas_read(
             self._key, state, token, read, keys_only=keys_only, require=require, delete=delete
@@ -226,7 +226,7 @@ def _torch_backend_class() -> type[Any]:
     )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-    from .etcd_store import EtcdUnavailableError
+    from kelastic_etcd import EtcdError
 
     class TorchEtcdRendezvousBackend(RendezvousBackend):  # type: ignore[misc,unused-ignore]
         """torch's ``RendezvousBackend`` over :class:`EtcdRendezvousBackend`.
@@ -251,7 +251,7 @@ def _torch_backend_class() -> type[Any]:
         def get_state(self) -> tuple[bytes, Any] | None:
             try:
                 got = self._inner.get_state()
-            except EtcdUnavailableError as exc:
+            except EtcdError as exc:
                 raise RendezvousConnectionError(str(exc)) from exc
             return None if got is None else (self._unwrap(got[0]), got[1])
 
@@ -260,7 +260,7 @@ def _torch_backend_class() -> type[Any]:
         ) -> tuple[bytes, Any, bool] | None:
             try:
                 got = self._inner.set_state(encode_envelope(state), token)
-            except EtcdUnavailableError as exc:
+            except EtcdError as exc:
                 raise RendezvousConnectionError(str(exc)) from exc
             return None if got is None else (self._unwrap(got[0]), got[1], got[2])
 
@@ -272,7 +272,7 @@ def _torch_store_class() -> type[Any]:
     import torch.distributed as dist
     from torch._C._distributed_c10d import Store
 
-    from .etcd_store import EtcdUnavailableError
+    from kelastic_etcd import EtcdError
 
     class EtcdC10dStore(Store):  # type: ignore[misc,unused-ignore]
         """A c10d ``Store`` on etcd, returned by the handler (torch's etcd-v2 backend does alike).
@@ -281,7 +281,7 @@ def _torch_store_class() -> type[Any]:
         (via etcd watches) up to the store timeout and then raise ``DistStoreError``.
         """
 
-        def __init__(self, store: EtcdStore, prefix: str, timeout: dt.timedelta) -> None:
+        def __init__(self, store: EtcdClient, prefix: str, timeout: dt.timedelta) -> None:
             super().__init__()  # the pybind trampoline needs it
             self._store = store
             self._prefix = prefix if prefix.endswith("/") else prefix + "/"
@@ -298,7 +298,7 @@ def _torch_store_class() -> type[Any]:
         def _call(self, fn: Any, *args: Any) -> Any:
             try:
                 return fn(*args)
-            except EtcdUnavailableError as exc:
+            except EtcdError as exc:
                 raise dist.DistStoreError(str(exc)) from exc
 
         def set(self, key: str, value: str | bytes) -> None:
@@ -378,7 +378,7 @@ def create_torch_handler(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    from .etcd_store import EtcdStore, EtcdUnavailableError
+    from kelastic_etcd import EtcdClient, EtcdError
 
     backend_cls, store_cls = _torch_classes()
     if not params.endpoint:
@@ -390,7 +390,7 @@ def create_torch_handler(params: Any) -> Any:
     if not prefix.endswith("/"):
         prefix += "/"
     prefix += params.run_id + "/"
-    store = EtcdStore(
+    store = EtcdClient(
         params.endpoint.split(","),
         tls_dir=Path(tls_dir) if tls_dir else None,
         timeout=etcd_timeout,
@@ -399,7 +399,7 @@ def create_torch_handler(params: Any) -> Any:
     )
     try:
         store.get(prefix + "rdzv/state")  # fail now, clearly, when etcd is unreachable
-    except EtcdUnavailableError as exc:
+    except EtcdError as exc:
         store.close()
         raise RendezvousConnectionError(str(exc)) from exc
     name = str(params.backend or TORCH_BACKEND_NAME)

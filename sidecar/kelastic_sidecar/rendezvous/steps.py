@@ -1,13 +1,13 @@
 """The rendezvous steps: what a node does next towards joining, exiting, leaving or closing,
 and whether a running round can go on. Pure and etcd-free.
 
-A step looks at the (sanitized) :class:`~kelastic_sidecar.rendezvous_state.RendezvousState`
+A step looks at the (sanitized) :class:`~kelastic_sidecar.rendezvous.state.RendezvousState`
 and decides the :class:`Action` to take and the state to write (torch's
 ``_RendezvousJoinOp``, ``_RendezvousExitOp``, ``_RendezvousCloseOp``, apart from its
 ``_RendezvousState``, as here): :func:`join_step`, :func:`exit_step`, :func:`leave_step`,
 :func:`close_step`, :func:`admit_requests` (join requests applied by a write) and
 :func:`evaluate_round`. The state and its transitions are
-:mod:`kelastic_sidecar.rendezvous_state`'s; :mod:`kelastic_sidecar.rendezvous_executor` runs
+:mod:`kelastic_sidecar.rendezvous.state`'s; :mod:`kelastic_sidecar.rendezvous.executor` runs
 the steps against etcd.
 """
 
@@ -19,10 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .rendezvous_state import (
+from ..vocabulary import DEPARTURE_REJOIN, DEPARTURE_SUCCEEDED
+from .state import (
     CLOSED,
-    DEPARTURE_REJOIN,
-    DEPARTURE_SUCCEEDED,
     HEALTHY,
     LEASE_LOST,
     MAX_ADMITTED_PER_WRITE,

@@ -46,9 +46,11 @@ from typing import Any, Final
 from kelastic import contract
 from kelastic_etcd import EtcdError, EtcdLeaseNotFound
 
-from .failure import CAUSE_NODE_LOST, CAUSE_PEER
-from .inprocess_machine import ABORTING, BARRIER, RUNNING
-from .inprocess_record import (
+from ..failure import CAUSE_NODE_LOST, CAUSE_PEER
+from ..round_end import RoundEnd, RoundEndKind
+from .hybrid import HybridMachine
+from .machine import ABORTING, BARRIER, RUNNING
+from .record import (
     MAX_TEXT,
     Advance,
     IterationRecord,
@@ -60,9 +62,7 @@ from .inprocess_record import (
     encode_iteration_record,
     encode_ready,
 )
-from .inprocess_respawn import HybridMachine
-from .inprocess_round import RoundContext
-from .round_end import RoundEnd, RoundEndKind
+from .round import RoundContext
 
 __all__ = ["CAUSE_MEMBERSHIP", "CarryMachine", "CarryRequest", "carry_request", "with_master"]
 
@@ -106,7 +106,7 @@ def carry_request(end: RoundEnd) -> CarryRequest | None:
 
 
 class CarryMachine(HybridMachine):
-    """:class:`~kelastic_sidecar.inprocess_respawn.HybridMachine` whose workers may
+    """:class:`~kelastic_sidecar.inprocess.hybrid.HybridMachine` whose workers may
     outlive their round (see the module doc).
 
     Args:

@@ -22,7 +22,7 @@ Differences from torch, each for a reason:
 - With in-process restart on, a watched pid is reaped a *grace* after its timer expired
   (``hard_timeout - soft_timeout``), unless it releases or acquires the timer again
   meanwhile: the ranks blocked on a hung peer leave in process first (see
-  :mod:`~kelastic_sidecar.timer_table`). Without it, reaps happen at expiry, as torch's.
+  :mod:`~kelastic_sidecar.timer.table`). Without it, reaps happen at expiry, as torch's.
 - Only pids passed to :meth:`TimerServer.watch_pid` are ever signalled. Timers of other
   pids are accepted into the table (bounded by ``max_timers``), so a worker that
   acquires before the supervisor has watched its pid is covered as long as the pid is
@@ -42,7 +42,7 @@ Differences from torch, each for a reason:
 - Fairness under a flood: each loop turn first acts on the deadlines that are due, then
   reads at most :data:`READ_PER_TURN` bytes; while it keeps up it applies lines in
   order, else it applies the lines of watched pids at once (found by
-  :func:`~.timer_wire.pid_hint`, then parsed as usual; a pid with a line still queued
+  :func:`~.wire.pid_hint`, then parsed as usual; a pid with a line still queued
   waits behind it, so its requests keep their order) and queues the others, of which it
   applies at most :data:`LINES_PER_TURN` per turn. The queue holds at most
   :data:`MAX_BACKLOG` lines; beyond, lines of unwatched pids are shed (counted in
@@ -50,7 +50,7 @@ Differences from torch, each for a reason:
   behind a flood. A pid whose line was shed loses the timers it acquired before it was
   watched, when it is watched (a shed release could otherwise leave a stale timer).
 - Who may write: the FIFO is created with the mode of ``$KELASTIC_IPC_ACCESS``
-  (:func:`~.timer_wire.ipc_access`: the sidecar's user only locally, any user of the
+  (:func:`~kelastic_sidecar.ipc.ipc_access`: the sidecar's user only locally, any user of the
   Pod on Kubernetes). A FIFO tells the reader nothing about the writer (no
   ``SO_PEERCRED``), so what is checked beyond the mode is a *token*: the supervisor puts
   a random ``$KELASTIC_TIMER_TOKEN`` in each worker's env and passes it with the pid to
@@ -69,11 +69,11 @@ Differences from torch, each for a reason:
 
 The pieces: this module is the server (the FIFO, the thread and its loop, the API);
 the table of timers, deadlines, watched pids and reaping is
-:mod:`~kelastic_sidecar.timer_table`, what it reports (reaps, counters)
-:mod:`~kelastic_sidecar.timer_report`; which requests it takes (tokens, budgets)
-:mod:`~kelastic_sidecar.timer_admission`; reading the FIFO fairly
-:mod:`~kelastic_sidecar.timer_reader`; the wire format and access modes
-:mod:`~kelastic_sidecar.timer_wire`.
+:mod:`~kelastic_sidecar.timer.table`, what it reports (reaps, counters)
+:mod:`~kelastic_sidecar.timer.report`; which requests it takes (tokens, budgets)
+:mod:`~kelastic_sidecar.timer.admission`; reading the FIFO fairly
+:mod:`~kelastic_sidecar.timer.reader`; the wire format and access modes
+:mod:`~kelastic_sidecar.timer.wire`.
 """
 
 from __future__ import annotations
@@ -91,19 +91,11 @@ from pathlib import Path
 from signal import SIGKILL
 from typing import Final
 
+from ..ipc import fifo_mode, ipc_access
 from .memory_release import release_memory
-from .timer_admission import LOG_EVERY as LOG_EVERY
-from .timer_reader import FifoReader
-from .timer_report import ReapEvent, TimerStats
-from .timer_report import process_state as process_state
-from .timer_table import TimerTable
-from .timer_wire import MAX_LINE as MAX_LINE
-from .timer_wire import MAX_PID as MAX_PID
-from .timer_wire import MAX_SIGNAL as MAX_SIGNAL
-from .timer_wire import _BadRequest as _BadRequest
-from .timer_wire import _parse as _parse
-from .timer_wire import _Request as _Request
-from .timer_wire import fifo_mode, ipc_access
+from .reader import FifoReader
+from .report import ReapEvent, TimerStats
+from .table import TimerTable
 
 __all__ = ["ReapEvent", "TimerServer", "TimerStats"]
 
@@ -136,13 +128,13 @@ class TimerServer:
             timers beyond it are dropped and counted in ``dropped_capacity``.
         kill: sends a signal to a pid (``os.kill``; injectable for tests).
         release: after a SIGKILL, free the victim's memory from this thread
-            (:func:`~kelastic_sidecar.memory_release.release_memory`), so it is gone
+            (:func:`~kelastic_sidecar.timer.memory_release.release_memory`), so it is gone
             sooner.
         access: who may write the FIFO (``owner``, ``group``, ``pod``); default
-            :func:`~kelastic_sidecar.timer_wire.ipc_access` (``$KELASTIC_IPC_ACCESS``).
+            :func:`~kelastic_sidecar.ipc.ipc_access` (``$KELASTIC_IPC_ACCESS``).
         grace: seconds a watched pid's expired timer waits before the pid is reaped
             (a release or new acquire meanwhile spares it; see
-            :mod:`~kelastic_sidecar.timer_table`); 0: reaped at expiry, as torch.
+            :mod:`~kelastic_sidecar.timer.table`); 0: reaped at expiry, as torch.
 
     Attributes:
         last_acquire_time: ``time.time()`` of the last stored acquire, or None; a

@@ -1,4 +1,4 @@
-"""The timer FIFO's wire format and access rules (used by :mod:`.timer_server`).
+"""The timer FIFO's wire format (used by :mod:`.server`).
 
 Requests are torch's ``FileTimerClient`` JSON lines::
 
@@ -9,38 +9,28 @@ plus an optional ``"token": <str>`` that kelastic's own client
 unmodified client sends no token; torch's server ignores unknown fields, so a line with a
 token is still a valid torch request.
 
-Who may write the FIFO (and connect to the control socket) is set by
-``$KELASTIC_IPC_ACCESS`` (:func:`ipc_access`, :func:`fifo_mode`, :func:`socket_mode`).
+Who may write the FIFO is :mod:`kelastic_sidecar.ipc`'s rule (``$KELASTIC_IPC_ACCESS``).
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import os
 import re
 import select
-from collections.abc import Mapping
 from typing import Final, NamedTuple
 
 from kelastic._safejson import UnsafeJSONError, loads_bounded
-from kelastic.contract import ENV_IPC_ACCESS
 from kelastic.timer import MAX_SCOPE_LEN, WIRE_VERSION
 
 __all__ = [
-    "ACCESS_GROUP",
-    "ACCESS_OWNER",
-    "ACCESS_POD",
     "MAX_LINE",
     "MAX_PID",
     "MAX_SIGNAL",
     "MAX_TOKEN_LEN",
     "Backlog",
     "LineSplitter",
-    "fifo_mode",
-    "ipc_access",
     "pid_hint",
-    "socket_mode",
 ]
 
 #: Longest request line in bytes, newline excluded (torch's client checks the same bound).
@@ -55,54 +45,6 @@ MAX_TOKEN_LEN: Final = 128
 _SALVAGE_TRIES: Final = 8
 #: The pid of a request line, found without parsing it (for the watched-worker fast path).
 _PID_HINT: Final = re.compile(rb'"pid"\s*:\s*(\d{1,10})\s*[,}]')
-
-ACCESS_OWNER: Final = "owner"
-ACCESS_GROUP: Final = "group"
-ACCESS_POD: Final = "pod"
-_MODES: Final = {  # (FIFO, socket): the sidecar reads the FIFO, so its owner keeps read
-    ACCESS_OWNER: (0o600, 0o600),
-    ACCESS_GROUP: (0o620, 0o660),
-    ACCESS_POD: (0o622, 0o666),
-}
-
-
-def ipc_access(env: Mapping[str, str] | None = None) -> str:
-    """Who may write the timer FIFO and connect to the control socket.
-
-    ``$KELASTIC_IPC_ACCESS`` when set (``owner``, ``group`` or ``pod``); otherwise
-    ``pod`` on Kubernetes (``$KUBERNETES_SERVICE_HOST`` is set in every container there):
-    the trainer's user may be unknown to the operator, and only the Pod's containers
-    mount the run volume; else ``owner``: locally ``kelastic run`` starts the sidecar and
-    the trainer as the same user, and no other local user may write.
-
-    Raises:
-        ValueError: ``$KELASTIC_IPC_ACCESS`` holds another value.
-    """
-    env = os.environ if env is None else env
-    value = env.get(ENV_IPC_ACCESS, "").strip().lower()
-    if not value:
-        return ACCESS_POD if env.get("KUBERNETES_SERVICE_HOST") else ACCESS_OWNER
-    if value not in _MODES:
-        raise ValueError(f"{ENV_IPC_ACCESS} must be one of {sorted(_MODES)}, got {value!r}")
-    return value
-
-
-def fifo_mode(access: str) -> int:
-    """File mode of the timer FIFO for ``access`` (:func:`ipc_access`).
-
-    Raises:
-        KeyError: unknown ``access``.
-    """
-    return _MODES[access][0]
-
-
-def socket_mode(access: str) -> int:
-    """File mode of the control socket for ``access`` (:func:`ipc_access`).
-
-    Raises:
-        KeyError: unknown ``access``.
-    """
-    return _MODES[access][1]
 
 
 class _Request(NamedTuple):

@@ -4,8 +4,8 @@
 :func:`decode_state`; never pickle) and its transitions (torch's ``_RendezvousStateHolder``
 semantics: participants, wait list, redundancy list, last call, close, the epilogue of
 removing a participant). The *steps* a handler takes towards joining, exiting, leaving or
-closing, and :func:`~kelastic_sidecar.rendezvous_steps.evaluate_round`, are
-:mod:`kelastic_sidecar.rendezvous_steps`; :mod:`kelastic_sidecar.rendezvous` runs them
+closing, and :func:`~kelastic_sidecar.rendezvous.steps.evaluate_round`, are
+:mod:`kelastic_sidecar.rendezvous.steps`; :mod:`kelastic_sidecar.rendezvous.handler` runs them
 against etcd.
 
 Over ~400 lines because it is one cohesive thing: the state, its bounded wire form and the
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from kelastic._safejson import UnsafeJSONError, loads_bounded
+
+from ..vocabulary import CheckReason
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
@@ -54,19 +56,14 @@ MAX_NAME_LEN = 1024
 #: Latest deadline accepted, seconds since the epoch (year 5138).
 MAX_DEADLINE = 1e11
 
-#: Departure reason recorded when a participant exits a round to re-rendezvous.
-DEPARTURE_REJOIN = "rejoin"
-#: Departure of a node whose workers all exited 0: its peers carry on.
-DEPARTURE_SUCCEEDED = "succeeded"
 
-# RoundCheck reasons
-HEALTHY = ""
-NODES_WAITING = "nodes_waiting"
-PARTICIPANT_LOST = "participant_lost"
-PARTICIPANT_LEFT = "participant_left"
-CLOSED = "closed"
-ROUND_ADVANCED = "round_advanced"
-LEASE_LOST = "lease_lost"
+HEALTHY = CheckReason.HEALTHY
+NODES_WAITING = CheckReason.NODES_WAITING
+PARTICIPANT_LOST = CheckReason.PARTICIPANT_LOST
+PARTICIPANT_LEFT = CheckReason.PARTICIPANT_LEFT
+CLOSED = CheckReason.CLOSED
+ROUND_ADVANCED = CheckReason.ROUND_ADVANCED
+LEASE_LOST = CheckReason.LEASE_LOST
 
 
 # ---------------------------------------------------------------------------- errors
@@ -171,18 +168,26 @@ class RoundCheck:
 
     Attributes:
         healthy: True when nothing calls for a re-rendezvous.
-        reason: ``""`` when healthy, else the most severe of ``"closed"``,
-            ``"lease_lost"``, ``"round_advanced"``, ``"participant_lost"``,
-            ``"participant_left"``, ``"nodes_waiting"``.
+        reason: :attr:`CheckReason.HEALTHY` (``""``) when healthy, else the most severe
+            of ``closed``, ``lease_lost``, ``round_advanced``, ``participant_lost``,
+            ``participant_left``, ``nodes_waiting`` (:class:`CheckReason`).
         nodes: the nodes the reason is about (lost, left or waiting; sorted).
         departures: ``(node, reason)`` of the participants that left gracefully
             (``"succeeded"``, ``"scale_down"``, ``"shutdown"``, ``"rejoin"``, ...).
     """
 
     healthy: bool
-    reason: str
+    reason: CheckReason
     nodes: tuple[str, ...] = ()
     departures: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        """A reason given as its string value becomes the :class:`CheckReason`.
+
+        Raises:
+            ValueError: ``reason`` is no :class:`CheckReason` value.
+        """
+        object.__setattr__(self, "reason", CheckReason(self.reason))
 
 
 # ----------------------------------------------------------------------------- state

@@ -1,8 +1,8 @@
 """The rendezvous operation executor: drives one operation (join, exit, leave, close)
 to its end: read, sanitize, decide (a step function of
-:mod:`kelastic_sidecar.rendezvous_steps`), then write or wait, riding out etcd outages
+:mod:`kelastic_sidecar.rendezvous.steps`), then write or wait, riding out etcd outages
 up to the operation's deadline. The reads and writes are the
-:class:`~kelastic_sidecar.rendezvous_holder.RendezvousStateHolder`'s.
+:class:`~kelastic_sidecar.rendezvous.holder.RendezvousStateHolder`'s.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 from kelastic_etcd import EtcdLeaseNotFound, EtcdUnavailable
 
-from .rendezvous_holder import RendezvousStateHolder, View
-from .rendezvous_state import (
+from .holder import RendezvousStateHolder, View
+from .state import (
     MAX_WAIT,
     ROLLBACK_PERIOD,
     CorruptStateError,
@@ -26,7 +26,7 @@ from .rendezvous_state import (
     decode_state,
     sanitize,
 )
-from .rendezvous_steps import Action, Clock, Step, admit_requests
+from .steps import Action, Clock, Step, admit_requests
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
@@ -76,7 +76,7 @@ class RendezvousExecutor:
         With ``request_join`` our join request is written first (once per
         ``next_rendezvous``) and withdrawn before a timeout is acted on; with
         ``admit`` our writes apply the other nodes' join requests too
-        (:func:`~kelastic_sidecar.rendezvous_steps.admit_requests`).
+        (:func:`~kelastic_sidecar.rendezvous.steps.admit_requests`).
 
         An etcd outage is ridden out until the operation's deadline (for a redundant
         node, for ``timeout`` seconds of outage; with ``outage_timeout``, for at most

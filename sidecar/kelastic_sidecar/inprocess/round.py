@@ -16,8 +16,8 @@ from typing import Final
 from kelastic import contract
 from kelastic.inprocess_messages import CAUSE_SOFT_TIMEOUT
 
-from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_WORKER_FAILURE
-from .inprocess_record import (
+from ..failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_WORKER_FAILURE
+from .record import (
     IterationRecord,
     IterationRecordError,
     ReadyRecord,
@@ -54,7 +54,7 @@ class RoundContext:
             keys are bound to it.
         master: the round's ``MASTER_ADDR``/``MASTER_PORT`` (published by its group rank
             0, in every ``assign``); a restart carried into this round goes on to it
-            (:mod:`~kelastic_sidecar.inprocess_carry`). None: unknown.
+            (:mod:`~kelastic_sidecar.inprocess.carry`). None: unknown.
     """
 
     round: int
@@ -95,7 +95,7 @@ def barrier_verdict(
         prefix: :meth:`kelastic.contract.Keys.inprocess_ready_prefix` of the iteration.
         ctx: the round.
 
-    A key counts when its value decodes (:func:`~.inprocess_record.decode_ready`), its
+    A key counts when its value decodes (:func:`~.record.decode_ready`), its
     ``round`` is the round's (or unstated), its group rank is in the round, and, when the
     participants are known, the key's node is the one of that group rank: a key left by
     an earlier round, or by a node not in this one, never counts.
@@ -153,8 +153,8 @@ def cause_label(cause: str) -> str:
     other cause a ``worker_failure``), so that ``sum by (cause)`` stays one set of values;
     the fault's own cause is in the record and ``/status``. A dead worker's record says
     ``worker_died`` (a ``worker_failure``) or ``hang`` (reaped, or killed at the hard
-    timeout: :func:`~kelastic_sidecar.inprocess_hybrid.death_cause`). A round change
-    carried in process (:mod:`~kelastic_sidecar.inprocess_carry`) is a ``node_lost`` or,
+    timeout: :func:`~kelastic_sidecar.inprocess.hybrid_verdicts.death_cause`). A round change
+    carried in process (:mod:`~kelastic_sidecar.inprocess.carry`) is a ``node_lost`` or,
     when no fault (``membership``), a ``scale``."""
     if cause in (CAUSE_NODE_LOST, contract.INPROCESS_CAUSE_MEMBERSHIP):
         return CAUSE_NODE_LOST if cause == CAUSE_NODE_LOST else CAUSE_SCALE

@@ -5,9 +5,9 @@ wrapped function in the same processes: a fault in *iteration* ``n`` makes every
 abort, pass a *termination barrier*, and call the function again as iteration ``n + 1``.
 There the coordination lives in a store served by rank 0's process; here nothing lives
 only on one rank: each node's sidecar runs one :class:`InProcessCoordinator` that speaks
-to its local ranks over ``inprocess.sock`` (:mod:`~kelastic_sidecar.inprocess_server`,
+to its local ranks over ``inprocess.sock`` (:mod:`~kelastic_sidecar.inprocess.server`,
 protocol :mod:`kelastic.inprocess_messages`) and agrees with the other nodes through etcd
-(:mod:`~kelastic_sidecar.inprocess_record`):
+(:mod:`~kelastic_sidecar.inprocess.record`):
 
 1. ``fault(n)`` from a local rank, ``n`` the current iteration: compare-and-set the
    iteration record ``n -> n + 1`` (one restart spent) while the job's in-process budget
@@ -28,12 +28,12 @@ protocol :mod:`kelastic.inprocess_messages`) and agrees with the other nodes thr
    highest iteration is honoured.
 5. A worker *process* died (its non-zero exit, from the supervisor's monitor:
    :meth:`InProcessCoordinator.absorb_exit`): the hybrid rung
-   (:mod:`~kelastic_sidecar.inprocess_respawn`): the record moves ``n -> n + 1`` as for a
+   (:mod:`~kelastic_sidecar.inprocess.hybrid`): the record moves ``n -> n + 1`` as for a
    fault, the dead rank counts as ready and is started again at the ``go`` (the
    supervisor sends the launcher ``respawn``); refused, the exit is the process path's.
 6. The round ends for its membership (a lost node, nodes joining or leaving on purpose,
    a peer's restart; :meth:`InProcessCoordinator.carry`): the node-change rung
-   (:mod:`~kelastic_sidecar.inprocess_carry`): every rank aborts and waits for the next
+   (:mod:`~kelastic_sidecar.inprocess.carry`): every rank aborts and waits for the next
    round's ``go``, with that round's ranks and world size.
 7. Otherwise the round ends (the supervisor's monitor returned): ``give_up`` to every
    connected rank and forget the round.
@@ -49,7 +49,7 @@ iteration is taken to be in the round's first one.
 
 Over ~400 lines as one cohesive thing: the supervisor's calls into one node's coordinator
 and the threads that feed its machine; this docstring is the protocol's description, and
-the state lives in :mod:`~kelastic_sidecar.inprocess_machine` and its subclasses.
+the state lives in :mod:`~kelastic_sidecar.inprocess.machine` and its subclasses.
 """
 
 from __future__ import annotations
@@ -66,13 +66,14 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from kelastic import contract
 from kelastic.control_messages import Assign, WorkerAssignment
-from kelastic_etcd import EtcdError, Watcher
+from kelastic_etcd import EtcdClient, EtcdError, Watcher
 
-from .config import InProcessSettings
-from .etcd_store import EtcdStore
-from .failure import Failure
-from .inprocess_carry import CarryMachine, carry_request, with_master
-from .inprocess_record import (
+from ..config import InProcessSettings
+from ..failure import Failure
+from ..metrics import SidecarMetrics
+from .carry import CarryMachine, carry_request, with_master
+from .hybrid import OnPromote, OnRespawn
+from .record import (
     Advance,
     AdvanceOutcome,
     IterationRecord,
@@ -80,16 +81,14 @@ from .inprocess_record import (
     decode_iteration_record,
     encode_iteration_record,
 )
-from .inprocess_respawn import OnPromote, OnRespawn
-from .inprocess_round import RoundContext
-from .inprocess_server import InProcessServer
-from .metrics import SidecarMetrics
+from .round import RoundContext
+from .server import InProcessServer
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .rendezvous import EtcdRendezvousHandler, RendezvousInfo
-    from .round_end import RoundEnd
+    from ..rendezvous import EtcdRendezvousHandler, RendezvousInfo
+    from ..round_end import RoundEnd
 
 __all__ = ["InProcessCoordinator", "RoundContext", "lease_of"]
 
@@ -114,7 +113,7 @@ def lease_of(handler: EtcdRendezvousHandler | None) -> Callable[[], int | None]:
 
 class InProcessCoordinator:
     """One node's in-process restart coordinator (see the module doc): the socket
-    server, the loop thread running the :class:`~.inprocess_machine.RestartMachine`,
+    server, the loop thread running the :class:`~.machine.RestartMachine`,
     the etcd watch thread, and the supervisor's calls.
 
     Args:
@@ -139,7 +138,7 @@ class InProcessCoordinator:
     def __init__(
         self,
         settings: InProcessSettings,
-        store: EtcdStore,
+        store: EtcdClient,
         keys: contract.Keys,
         node: str,
         metrics: SidecarMetrics,
@@ -259,7 +258,7 @@ class InProcessCoordinator:
     def carry(self, end: RoundEnd) -> bool:
         """The round ended (``end``, from the supervisor's monitor): True when the
         workers stay for the next round (the node-change rung,
-        :mod:`~kelastic_sidecar.inprocess_carry`: a lost node, nodes joining or leaving on
+        :mod:`~kelastic_sidecar.inprocess.carry`: a lost node, nodes joining or leaving on
         purpose, a peer's restart; every rank aborts and waits for the next round's
         ``go``); the supervisor then stops nothing and sends no ``assign``, and calls
         :meth:`begin_round` as usual. False (the process path; call :meth:`end_round`):
@@ -282,7 +281,7 @@ class InProcessCoordinator:
         peers restart in process, it is started again at the ``go`` through
         ``on_respawn``); False for the process path: disabled, no round running in process,
         the in-process budget spent, etcd failing, a rank that died again before its
-        ``hello`` (see :func:`~kelastic_sidecar.inprocess_hybrid.absorb_verdict`), or a
+        ``hello`` (see :func:`~kelastic_sidecar.inprocess.hybrid_verdicts.absorb_verdict`), or a
         coordinator that does not answer within 30 s. Raises nothing.
         """
         if not self.enabled:

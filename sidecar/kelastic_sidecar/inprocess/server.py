@@ -4,7 +4,7 @@ Workers wrapped by :class:`kelastic.inprocess.Wrapper` connect to
 :func:`kelastic.contract.inprocess_socket_path` and speak the JSON lines of
 :mod:`kelastic.inprocess_messages` (one connection per worker process, ``hello`` first).
 Each decoded message is handed to a callback with its :class:`Session`; the
-coordinator (:mod:`~kelastic_sidecar.inprocess_coordinator`) answers through
+coordinator (:mod:`~kelastic_sidecar.inprocess.coordinator`) answers through
 :meth:`Session.send`.
 
 A worker is untrusted input, and one bad worker must cost nothing but its own session.
@@ -20,7 +20,7 @@ The connection is dropped (logged and counted by ``reason``, nothing else lost) 
 
 At most :data:`MAX_SESSIONS` connections are served at once (``too_many``). The socket
 is created with the access rule of the control socket
-(:func:`~kelastic_sidecar.timer_wire.ipc_access`). The kernel's credentials of the peer
+(:func:`~kelastic_sidecar.ipc.ipc_access`). The kernel's credentials of the peer
 (``SO_PEERCRED``) give the worker's pid independently of what its ``hello`` claims.
 """
 
@@ -47,7 +47,7 @@ from kelastic.inprocess_messages import (
 )
 from kelastic.sockaddr import listen_unix
 
-from .timer_wire import ipc_access, socket_mode
+from ..ipc import DROP_REASONS, DropReason, ipc_access, socket_mode
 
 __all__ = [
     "DROP_REASONS",
@@ -67,10 +67,6 @@ MAX_PENDING: Final = 256
 MAX_SESSIONS: Final = 1024
 #: Seconds a send may block on a worker that does not read before its session is dropped.
 SEND_TIMEOUT: Final = 2.0
-
-#: Why a session was dropped (the ``reason`` label of the drop counter).
-DropReason = str
-DROP_REASONS: Final = ("malformed", "no_hello", "oversized", "flood", "send_timeout", "too_many")
 
 
 class Session:
@@ -111,7 +107,7 @@ class Session:
                 return True
             except OSError as exc:
                 log.warning("%r: sending %s failed (%s); dropping it", self, msg.type, exc)
-                reason = "send_timeout" if _is_timeout(exc) else ""
+                reason = DropReason.SEND_TIMEOUT if _is_timeout(exc) else None
         self._server.drop(self, reason)
         return False
 
@@ -161,7 +157,7 @@ class InProcessServer:
         on_drop: called with a :data:`DROP_REASONS` value when a session is dropped for
             bad behaviour (for a metric).
         access: who may connect (``owner``, ``group``, ``pod``); default
-            :func:`~kelastic_sidecar.timer_wire.ipc_access`.
+            :func:`~kelastic_sidecar.ipc.ipc_access`.
 
     Raises:
         ValueError: a bad ``access`` (or ``$KELASTIC_IPC_ACCESS``).
@@ -202,9 +198,9 @@ class InProcessServer:
         with self._lock:
             return list(self._sessions.values())
 
-    def drop(self, session: Session, reason: DropReason) -> None:
-        """Close ``session``; count ``reason`` when it is one of :data:`DROP_REASONS`."""
-        if reason in self.dropped and not session.closed.is_set():
+    def drop(self, session: Session, reason: DropReason | None) -> None:
+        """Close ``session``; count ``reason`` (None: not for bad behaviour, not counted)."""
+        if reason is not None and not session.closed.is_set():
             self.dropped[reason] += 1
             self._on_drop(reason)
         session.close()
@@ -242,7 +238,7 @@ class InProcessServer:
                     self._sessions[session.id] = session
             if full:
                 log.error("more than %d in-process sessions; refusing one", MAX_SESSIONS)
-                self.drop(session, "too_many")
+                self.drop(session, DropReason.TOO_MANY)
                 conn.close()
                 continue
             threading.Thread(
@@ -264,7 +260,7 @@ class InProcessServer:
                         return
                 if len(buf) >= MAX_LINE:
                     log.error("%r sent a line over %d bytes; dropping it", session, MAX_LINE)
-                    self.drop(session, "oversized")
+                    self.drop(session, DropReason.OVERSIZED)
                     return
         except OSError:
             pass
@@ -284,16 +280,16 @@ class InProcessServer:
             msg = parse_worker_message(line)
         except ProtocolError as exc:
             log.error("%r: malformed in-process message (%s); dropping it", session, exc)
-            self.drop(session, "malformed")
+            self.drop(session, DropReason.MALFORMED)
             return False
         if session.hello is None and not isinstance(msg, Hello):
             log.error("%r: %s before hello; dropping it", session, msg.type)
-            self.drop(session, "no_hello")
+            self.drop(session, DropReason.NO_HELLO)
             return False
         if isinstance(msg, Hello):
             if session.hello is not None:
                 log.error("%r: a second hello; dropping it", session)
-                self.drop(session, "malformed")
+                self.drop(session, DropReason.MALFORMED)
                 return False
             session.hello = msg
             if session.peer_known and session.peer_pid != msg.pid:
@@ -301,7 +297,7 @@ class InProcessServer:
                             "need be", session, msg.pid)  # fmt: skip
         if not session._queued():
             log.error("%r: over %d messages pending (a flood); dropping it", session, MAX_PENDING)
-            self.drop(session, "flood")
+            self.drop(session, DropReason.FLOOD)
             return False
         self._on_message(session, msg)
         return True

@@ -36,19 +36,19 @@ Differences from torch, each for a reason (docs/architecture.md, "Rendezvous"):
   the winner wrote), so no read follows a write; a joining node writes a *join
   request* (``rdzv/joining/<node>``, bound to its lease) together with its alive key,
   and whoever writes the state for its own join applies the pending requests of the
-  others too (:func:`~kelastic_sidecar.rendezvous_steps.admit_requests`), in the same
+  others too (:func:`~kelastic_sidecar.rendezvous.steps.admit_requests`), in the same
   transaction, which deletes them and fails if one was withdrawn meanwhile. A node
   withdraws its request before it acts on its own join timeout. The requests only
   save writes: each node still writes its own join if nobody admitted it first.
 
-The state machine is pure: :class:`~kelastic_sidecar.rendezvous_state.RendezvousState`
-and its transitions (:mod:`kelastic_sidecar.rendezvous_state`) plus the step functions
-of :mod:`kelastic_sidecar.rendezvous_steps`, unit-testable without etcd. Three classes
+The state machine is pure: :class:`~kelastic_sidecar.rendezvous.state.RendezvousState`
+and its transitions (:mod:`kelastic_sidecar.rendezvous.state`) plus the step functions
+of :mod:`kelastic_sidecar.rendezvous.steps`, unit-testable without etcd. Three classes
 run it against etcd, as torch's ``DynamicRendezvousHandler`` splits its state holder,
 operation executor and handler:
-:class:`~kelastic_sidecar.rendezvous_holder.RendezvousStateHolder` (read, write and
+:class:`~kelastic_sidecar.rendezvous.holder.RendezvousStateHolder` (read, write and
 sync the state by compare-and-set, the join requests, the node's lease, alive key and
-watch), :class:`~kelastic_sidecar.rendezvous_executor.RendezvousExecutor` (runs an
+watch), :class:`~kelastic_sidecar.rendezvous.executor.RendezvousExecutor` (runs an
 operation: read, decide, write or wait) and :class:`EtcdRendezvousHandler` (the public
 API; etcd failures leave it as one :class:`RendezvousConnectionError`, torch's term).
 Deadlines in the state are wall-clock seconds (``time.time()``);
@@ -74,11 +74,11 @@ from typing import Any
 from kelastic.contract import Keys
 from kelastic_etcd import EtcdClient, EtcdError
 
-from .rendezvous_executor import RendezvousExecutor
-from .rendezvous_holder import RendezvousStateHolder, View
-from .rendezvous_state import (
+from ..vocabulary import DEPARTURE_REJOIN
+from .executor import RendezvousExecutor
+from .holder import RendezvousStateHolder, View
+from .state import (
     CLOSED,
-    DEPARTURE_REJOIN,
     HEALTHY,
     LEASE_LOST,
     NODES_WAITING,
@@ -95,7 +95,7 @@ from .rendezvous_state import (
     RendezvousTimeoutError,
     RoundCheck,
 )
-from .rendezvous_steps import (
+from .steps import (
     close_step,
     evaluate_round,
     exit_step,

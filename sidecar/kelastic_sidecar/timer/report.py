@@ -27,7 +27,7 @@ class ReapEvent:
             sleeping (e.g. blocked in a collective on a hung peer), ``R`` running;
             empty when unknown. A stopped worker is the one that held its peers up.
         grace: seconds the reap waited past the deadline by the server's grace (0: reaped
-            at expiry; see :mod:`~kelastic_sidecar.timer_table`).
+            at expiry; see :mod:`~kelastic_sidecar.timer.table`).
     """
 
     pid: int
@@ -52,7 +52,7 @@ def process_state(pid: int) -> str:
 
 @dataclass
 class TimerStats:
-    """Counters of a :class:`~kelastic_sidecar.timer_server.TimerServer` since construction
+    """Counters of a :class:`~kelastic_sidecar.timer.server.TimerServer` since construction
     (a snapshot).
 
     Attributes:

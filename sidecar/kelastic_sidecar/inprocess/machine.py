@@ -1,5 +1,5 @@
 """The in-process restart state machine of one node (see
-:mod:`~kelastic_sidecar.inprocess_coordinator` for the protocol it runs).
+:mod:`~kelastic_sidecar.inprocess.coordinator` for the protocol it runs).
 
 :class:`RestartMachine` holds the node's view of the job's iteration and the round's
 restart in flight, and handles the coordinator's events one at a time: a worker's
@@ -17,11 +17,12 @@ iteration, abort, termination barrier, hard timeout.
 Over ~400 lines as one cohesive thing: every transition of one node's in-process restart
 (round, worker messages, etcd reads, deadlines) works on the same private state, which a
 split would have to share between modules; the pure parts live in
-:mod:`~kelastic_sidecar.inprocess_round` and :mod:`~kelastic_sidecar.inprocess_record`.
+:mod:`~kelastic_sidecar.inprocess.round` and :mod:`~kelastic_sidecar.inprocess.record`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
@@ -43,11 +44,12 @@ from kelastic.inprocess_messages import (
     Ready,
     WorkerMessage,
 )
-from kelastic_etcd import EtcdError, EtcdLeaseNotFound
+from kelastic_etcd import EtcdClient, EtcdError, EtcdLeaseNotFound
 
-from .config import InProcessSettings
-from .etcd_store import EtcdStore
-from .inprocess_record import (
+from ..config import InProcessSettings
+from ..ipc import DropReason
+from ..metrics import SidecarMetrics
+from .record import (
     Advance,
     AdvanceOutcome,
     IterationRecord,
@@ -59,25 +61,40 @@ from .inprocess_record import (
     encode_iteration_record,
     encode_ready,
 )
-from .inprocess_round import (
+from .round import (
     RoundContext,
     barrier_verdict,
     cause_label,
     go_env,
     restart_log_line,
 )
-from .inprocess_server import Session
-from .metrics import SidecarMetrics
+from .server import Session
 
-__all__ = ["ABORTING", "BARRIER", "FAILED", "IDLE", "RUNNING", "RestartMachine"]
+__all__ = ["ABORTING", "BARRIER", "FAILED", "IDLE", "RUNNING", "Phase", "RestartMachine"]
 
 log = logging.getLogger("kelastic_sidecar.inprocess")
 
-IDLE: Final = "idle"
-RUNNING: Final = "running"
-ABORTING: Final = "aborting"
-BARRIER: Final = "barrier"
-FAILED: Final = "failed"
+
+class Phase(enum.StrEnum):
+    """Where a node's ranks are in the current iteration (``/status``'s ``phase``)."""
+
+    #: No round runs in process.
+    IDLE = "idle"
+    #: The ranks run the wrapped function.
+    RUNNING = "running"
+    #: An abort was sent; the ranks leave the iteration.
+    ABORTING = "aborting"
+    #: Every local rank is ready; the node waits at the termination barrier.
+    BARRIER = "barrier"
+    #: In-process restart gave up for this round (the process path takes over).
+    FAILED = "failed"
+
+
+IDLE: Final = Phase.IDLE
+RUNNING: Final = Phase.RUNNING
+ABORTING: Final = Phase.ABORTING
+BARRIER: Final = Phase.BARRIER
+FAILED: Final = Phase.FAILED
 #: Restarts described in ``/status`` before the latest (``earlier``), so that a reader
 #: polling slower than restarts happen still learns each one's cause.
 EARLIER_KEPT: Final = 8
@@ -134,7 +151,7 @@ class CorruptRecords:
         return True
 
     def replaced(self, out: AdvanceOutcome) -> None:
-        """``out`` (of :func:`~.inprocess_record.advance_iteration`) replaced a corrupt
+        """``out`` (of :func:`~.record.advance_iteration`) replaced a corrupt
         record: say so once, and what replaced it."""
         if out.replaced and out.record is not None:
             self.seen(out.replaced_revision, out.replaced,
@@ -164,11 +181,11 @@ class RestartMachine:
     def __init__(
         self,
         settings: InProcessSettings,
-        store: EtcdStore,
+        store: EtcdClient,
         keys: contract.Keys,
         node: str,
         metrics: SidecarMetrics,
-        drop: Callable[[Session, str], None],
+        drop: Callable[[Session, DropReason | None], None],
         kill: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -181,7 +198,7 @@ class RestartMachine:
         self._kill = kill
         self._clock = clock
         self._ctx: RoundContext | None = None
-        self._phase = IDLE
+        self._phase: Phase = IDLE
         self._iteration = 0  # the job's iteration as this node knows it (only grows)
         self._base = 0  # the iteration this round's workers started in
         self._restarts = 0
@@ -289,7 +306,7 @@ class RestartMachine:
         if ctx is not None and msg.local_rank >= ctx.nproc:
             log.error("%r: local rank %d, but this node runs %d; dropping it",
                       session, msg.local_rank, ctx.nproc)  # fmt: skip
-            self._drop(session, "malformed")
+            self._drop(session, DropReason.MALFORMED)
             return
         old = self._sessions.get(msg.local_rank)
         if old is not None and old is not session:

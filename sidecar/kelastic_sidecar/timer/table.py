@@ -2,9 +2,9 @@
 and the reaping of watched pids whose timers expired.
 
 The semantics (torch's ``FileTimerServer`` and kelastic's differences) are
-:mod:`kelastic_sidecar.timer_server`'s module doc; which requests are taken is
-:mod:`~kelastic_sidecar.timer_admission`'s; reading the FIFO is
-:mod:`~kelastic_sidecar.timer_reader`'s. Deadlines are a heap with lazy deletion: a
+:mod:`kelastic_sidecar.timer.server`'s module doc; which requests are taken is
+:mod:`~kelastic_sidecar.timer.admission`'s; reading the FIFO is
+:mod:`~kelastic_sidecar.timer.reader`'s. Deadlines are a heap with lazy deletion: a
 released or replaced timer's entry is skipped when it reaches the top (and the heap is
 rebuilt when stale entries outnumber live ones).
 
@@ -12,7 +12,7 @@ A *grace* (seconds, 0 by default) delays the reap of a watched pid: at its deadl
 timer becomes *overdue* (logged, counted in ``expired``, a new heap entry at deadline +
 grace); a release or a new acquire of its scope within the grace spares the worker
 (counted in ``spared``); at deadline + grace it is reaped as usual, the
-:class:`~kelastic_sidecar.timer_report.ReapEvent` saying by how much the grace delayed it.
+:class:`~kelastic_sidecar.timer.report.ReapEvent` saying by how much the grace delayed it.
 With in-process restart on, the grace is ``hard_timeout - soft_timeout``: the ranks
 blocked in a collective on a hung peer hold expired timers too, and leave in process
 (their wrapper reports the expired timer as a soft timeout) within it; the hung rank,
@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable
 from typing import Final, NamedTuple
 
-from .timer_admission import LOG_EVERY, Budgets, Watch, same_token
-from .timer_report import ReapEvent, TimerStats, process_state
-from .timer_wire import MAX_LINE, _BadRequest, _parse, _Request, _salvage
+from .admission import LOG_EVERY, Budgets, Watch, same_token
+from .report import ReapEvent, TimerStats, process_state
+from .wire import MAX_LINE, _BadRequest, _parse, _Request, _salvage
 
 __all__ = ["TimerTable"]
 
@@ -107,7 +107,7 @@ class TimerTable:
 
     def watch(self, pid: int, token: str | None) -> None:
         """Mark ``pid`` as a worker (see :meth:`TimerServer.watch_pid
-        <kelastic_sidecar.timer_server.TimerServer.watch_pid>`)."""
+        <kelastic_sidecar.timer.server.TimerServer.watch_pid>`)."""
         with self.lock:
             if pid in self._watched:
                 self._watched[pid] = Watch(token)
