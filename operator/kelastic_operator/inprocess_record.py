@@ -8,7 +8,7 @@ The sidecars keep one record per job at :attr:`kelastic.contract.Keys.inprocess_
 
 The operator only reads it, to show in-process restarts in the job's status, with the one
 codec every reader and writer of the record shares (:mod:`kelastic.inprocess_record`:
-bounded, so a record the sidecars refuse the operator refuses too, issue 20). Where the
+bounded, so a record the sidecars refuse the operator refuses too). Where the
 sidecars raise, the operator shows no record (the sidecars decide, the operator reports),
 and texts are cut to :data:`MAX_TEXT` characters for the status.
 """

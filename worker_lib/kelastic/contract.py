@@ -42,24 +42,6 @@ ENV_TERMINATION_LOG: Final = "KELASTIC_TERMINATION_LOG"
 TERMINATION_MESSAGE_MAX_BYTES: Final = 4096
 
 
-#: In-memory checkpoints (``kelastic.checkpoint``): a memory-backed volume of its own
-#: (``emptyDir`` with ``medium: Memory`` and a ``sizeLimit``), mounted here in the trainer
-#: (and, once it keeps the slots, the sidecar). Not under the run volume: that one is on
-#: the node's disk (logs), and a memory volume's pages count against the memory limit
-#: of the container that touches them, so it gets its own size. Each rank has two slot
-#: files ``rank-<rank>.slot0|1`` and a lock file ``rank-<rank>.lock`` in it.
-DEFAULT_CHECKPOINT_DIR: Final = "/var/run/kelastic-checkpoints"
-#: Name of the checkpoint volume in the Pod.
-CHECKPOINT_VOLUME_NAME: Final = "kelastic-checkpoints"
-#: Env var overriding the checkpoint folder (local mode, tests, a plain ``/dev/shm``).
-ENV_CHECKPOINT_DIR: Final = "KELASTIC_CHECKPOINT_DIR"
-
-
-def checkpoint_dir() -> Path:
-    """The checkpoint folder: ``$KELASTIC_CHECKPOINT_DIR`` or :data:`DEFAULT_CHECKPOINT_DIR`."""
-    return Path(os.environ.get(ENV_CHECKPOINT_DIR, DEFAULT_CHECKPOINT_DIR))
-
-
 def run_dir() -> Path:
     """Return the shared run directory: ``$KELASTIC_RUN_DIR`` or :data:`DEFAULT_RUN_DIR`."""
     return Path(os.environ.get(ENV_RUN_DIR, DEFAULT_RUN_DIR))
@@ -112,7 +94,7 @@ TORCHELASTIC_TIMER_FILE: Final = "TORCHELASTIC_TIMER_FILE"
 KELASTIC_ROUND: Final = "KELASTIC_ROUND"
 #: A secret per worker and attempt, set by the supervisor: kelastic's timer client sends it
 #: as the ``token`` field of each FIFO request, so the timer server can refuse requests
-#: that name the worker's pid without it (see ``kelastic_sidecar.timer``).
+#: that name the worker's pid without it (see ``kelastic_sidecar.timer_server``).
 KELASTIC_TIMER_TOKEN: Final = "KELASTIC_TIMER_TOKEN"
 
 WORKER_ENV_NAMES: Final = (

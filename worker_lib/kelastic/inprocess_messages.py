@@ -5,7 +5,8 @@ A worker wrapped by :class:`kelastic.inprocess.Wrapper` and its node's sidecar
 volume (:func:`kelastic.contract.inprocess_socket_path`), one connection per worker
 process, one object per line of at most :data:`MAX_LINE` bytes.
 
-The vocabulary follows NVIDIA's in-process restart (``shared/seeds/``): an *iteration* is
+The vocabulary follows NVIDIA's in-process restart (``nvidia_resiliency_ext.inprocess``):
+an *iteration* is
 one call of the wrapped function on every rank; a *fault* in iteration ``n`` makes the
 coordinators agree on iteration ``n + 1`` (the fencing token); every rank *aborts*
 (leaves the function, tears down its process groups), passes the *termination barrier*

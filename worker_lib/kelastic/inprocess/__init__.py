@@ -13,7 +13,7 @@
             with call_wrapper.atomic():          # never interrupted by an abort
                 save_checkpoint()
 
-Semantics from NVIDIA's in-process restart wrapper (``shared/seeds/``): a fault on any
+Semantics from NVIDIA's in-process restart (``nvidia_resiliency_ext.inprocess``): a fault on any
 rank (an exception, no progress for ``soft_timeout`` seconds) ends the current
 *iteration* on every rank, which aborts (process groups torn down, :class:`RestartAbort`
 raised in the function), finalizes, checks its health, passes a termination barrier and

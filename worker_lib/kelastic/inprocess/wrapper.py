@@ -1,6 +1,6 @@
 """``Wrapper`` and ``CallWrapper``: the public face of in-process restart (stdlib only).
 
-Semantics from NVIDIA's ``nvidia_resiliency_ext.inprocess.Wrapper`` (``shared/seeds/``),
+Semantics from NVIDIA's ``nvidia_resiliency_ext.inprocess.Wrapper`` (nvidia-resiliency-ext),
 with the coordination (which iteration comes next, the termination barrier, the restart
 budget, the hard timeout) done by the node's kelastic sidecar instead of a TCPStore
 among the ranks; :mod:`kelastic.inprocess.session` is the worker's half of that protocol.
