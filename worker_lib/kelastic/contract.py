@@ -6,8 +6,7 @@ volume's layout, environment variable names (torch's own names for the worker en
 unchanged), the etcd key layout, and the control-socket message types.
 
 This module is stdlib only and has no side effects on import. Semantics follow
-torch's ``torch.distributed.elastic`` (its ``run``, ``timer`` and ``multiprocessing``
-modules) and ``docs/architecture.md``.
+``torch.distributed.elastic`` (see ``shared/seeds/``) and ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +39,24 @@ DEFAULT_TERMINATION_LOG: Final = "/dev/termination-log"
 ENV_TERMINATION_LOG: Final = "KELASTIC_TERMINATION_LOG"
 #: Kubernetes truncates termination messages at 4096 bytes.
 TERMINATION_MESSAGE_MAX_BYTES: Final = 4096
+
+
+#: In-memory checkpoints (``kelastic.checkpoint``): a memory-backed volume of its own
+#: (``emptyDir`` with ``medium: Memory`` and a ``sizeLimit``), mounted here in the trainer
+#: (and, once it keeps the slots, the sidecar). Not under the run volume: that one is on
+#: the node's disk (logs), and a memory volume's pages count against the memory limit
+#: of the container that touches them, so it gets its own size. Each rank has two slot
+#: files ``rank-<rank>.slot0|1`` and a lock file ``rank-<rank>.lock`` in it.
+DEFAULT_CHECKPOINT_DIR: Final = "/var/run/kelastic-checkpoints"
+#: Name of the checkpoint volume in the Pod.
+CHECKPOINT_VOLUME_NAME: Final = "kelastic-checkpoints"
+#: Env var overriding the checkpoint folder (local mode, tests, a plain ``/dev/shm``).
+ENV_CHECKPOINT_DIR: Final = "KELASTIC_CHECKPOINT_DIR"
+
+
+def checkpoint_dir() -> Path:
+    """The checkpoint folder: ``$KELASTIC_CHECKPOINT_DIR`` or :data:`DEFAULT_CHECKPOINT_DIR`."""
+    return Path(os.environ.get(ENV_CHECKPOINT_DIR, DEFAULT_CHECKPOINT_DIR))
 
 
 def run_dir() -> Path:

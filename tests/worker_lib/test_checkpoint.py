@@ -1,0 +1,379 @@
+"""kelastic.checkpoint with real torch: round trips, the two slots, crashes, corruption,
+and a folder too small for the slots."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kelastic import checkpoint, contract
+from kelastic.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    TreeError,
+    slot_bytes,
+)
+from kelastic.checkpoint.slot_format import HEADER_SIZE, SlotFormatError, decode_header
+from kelastic.checkpoint.store import slot_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SAVER = REPO / "tests" / "workers" / "checkpoint_saver.py"
+
+
+def _env() -> dict[str, str]:
+    paths = [str(REPO), str(REPO / "worker_lib")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99))
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _assert_same(a: Any, b: Any, path: str = "state") -> None:
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for key in a:
+            _assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, path
+
+
+def test_round_trip_of_a_model_and_its_optimizer(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer()
+    wide = torch.arange(24, dtype=torch.int64).reshape(4, 6)
+    state = {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "bf16": torch.randn(5, 3).to(torch.bfloat16),
+        "int64": wide,
+        "transposed": wide.t(),  # non-contiguous
+        "strided": torch.randn(10, 10)[::3, 1::2],
+        "empty": torch.empty(0, 7),
+        "scalar": torch.tensor(2.5),
+        "bool": torch.tensor([True, False, True]),
+        "plain": {
+            "epoch": 3,
+            "lr": 1e-3,
+            "nan": float("nan"),
+            "inf": -float("inf"),
+            "name": "digits",
+            "none": None,
+            "pair": (1, "a"),
+            7: [1.5, True],
+        },
+    }
+    with CheckpointStore(tmp_path, rank=0, job="j", capacity=slot_bytes(state)) as ckpt:
+        ckpt.save(7, state).wait()
+        loaded = ckpt.load()
+    assert loaded is not None
+    step, got = loaded
+    assert step == 7
+    _assert_same(state, got)
+    assert got["model"]._metadata == state["model"]._metadata  # torch's module versions
+    assert isinstance(got["model"], OrderedDict)
+    assert got["optim"]["param_groups"][0]["betas"] == (0.8, 0.99)
+    fresh, fresh_optimizer = _model_and_optimizer()
+    fresh.load_state_dict(got["model"])
+    fresh_optimizer.load_state_dict(got["optim"])
+
+
+def test_the_caller_may_change_its_tensors_once_save_returns(tmp_path: Path) -> None:
+    weight = torch.ones(1000)
+    with CheckpointStore(tmp_path) as ckpt:
+        handle = ckpt.save(1, {"w": weight})
+        weight.zero_()  # training goes on while the commit runs
+        handle.wait()
+        loaded = ckpt.load()
+    assert loaded is not None and torch.equal(loaded[1]["w"], torch.ones(1000))
+
+
+def test_two_slots_alternate_and_the_newest_loads(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path, rank=3, job="j", world_size=4) as ckpt:
+        slots = [ckpt.save(step, {"step": torch.tensor(step)}, blocking=True).slot
+                 for step in (1, 2, 3, 4)]  # fmt: skip
+        assert slots == [0, 1, 0, 1]
+        assert [(i.slot, i.step, i.seq) for i in ckpt.slots()] == [(1, 4, 4), (0, 3, 3)]
+        assert ckpt.load() is not None and ckpt.load()[0] == 4  # type: ignore[index]
+        assert ckpt.load(step=3) is not None and ckpt.load(step=3)[0] == 3  # type: ignore[index]
+        assert ckpt.load(step=2) is None  # overwritten
+    # a restarted process (same rank) finds them, and writes the older slot next
+    with CheckpointStore(tmp_path, rank=3, job="j", world_size=4) as ckpt:
+        assert ckpt.load() is not None and ckpt.load()[0] == 4  # type: ignore[index]
+        assert ckpt.save(5, {"x": 1}, blocking=True).slot == 0
+    reader = CheckpointStore(tmp_path, rank=3, job="j", writable=False)
+    assert reader.load() == (5, {"x": 1})
+    assert CheckpointStore(tmp_path, rank=3, job="other", writable=False).load() is None
+    assert CheckpointStore(tmp_path, rank=0, job="j", writable=False).load() is None
+
+
+def test_a_slot_that_outgrows_its_capacity_grows(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path, capacity=slot_bytes({"w": torch.zeros(10)})) as ckpt:
+        ckpt.save(1, {"w": torch.zeros(10)}, blocking=True)
+        ckpt.save(2, {"w": torch.zeros(10), "m": torch.ones(100_000)}, blocking=True)
+        loaded = ckpt.load()
+    assert loaded is not None and loaded[0] == 2 and loaded[1]["m"].sum() == 100_000
+
+
+def test_one_writer_per_rank(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path, rank=1):
+        with pytest.raises(CheckpointError, match="one writer per rank"):
+            CheckpointStore(tmp_path, rank=1)
+        CheckpointStore(tmp_path, rank=2).close()  # another rank is another writer
+
+
+def test_unsupported_values_are_refused_with_their_path(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as ckpt:
+        for state, where in (
+            ({"a": {"b": {1, 2}}}, "state['a']['b']"),
+            ({"a": [torch.device("cpu")]}, "state['a'][0]"),
+            ({"s": torch.ones(2, 2).to_sparse()}, "['s']"),
+            ({"big": 2**64}, "2**63"),
+            ({(1, frozenset()): 3}, "key"),
+        ):
+            with pytest.raises(TreeError, match=__import__("re").escape(where)):
+                ckpt.save(1, state)
+        with pytest.raises(SlotFormatError, match="step"):
+            ckpt.save(-1, {})
+        assert ckpt.load() is None  # nothing was touched
+
+
+def test_module_level_save_and_load_use_the_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(tmp_path))
+    monkeypatch.setenv(contract.RANK, "5")
+    monkeypatch.setenv(contract.WORLD_SIZE, "8")
+    monkeypatch.setenv(contract.TORCHELASTIC_RUN_ID, "job-uid")
+    monkeypatch.setattr(checkpoint, "_default", None)
+    try:
+        checkpoint.save(11, {"w": torch.ones(3)}).wait()
+        loaded = checkpoint.load()
+        assert loaded is not None and loaded[0] == 11
+        info = checkpoint.default_store().slots()[0]
+        assert (info.rank, info.world_size, info.job) == (5, 8, "job-uid")
+        assert slot_path(tmp_path, 5, 0).stat().st_size >= slot_bytes({"w": torch.ones(3)})
+    finally:
+        checkpoint.default_store().close()
+
+
+# ------------------------------------------------------------------ corruption
+
+
+def _two_steps(directory: Path) -> None:
+    with CheckpointStore(directory, job="j") as ckpt:
+        ckpt.save(1, {"w": torch.full((3000,), 1.0)}, blocking=True)
+        ckpt.save(2, {"w": torch.full((3000,), 2.0)}, blocking=True)
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _where(path: Path, part: str) -> int:
+    raw = path.read_bytes()
+    lay = decode_header(raw[:HEADER_SIZE], file_size=len(raw)).layout
+    return {
+        "header": 100,
+        "commit": 17,
+        "table": HEADER_SIZE + 1,
+        "payload": lay.payload_offset + 5000,
+        "manifest": lay.manifest_offset + 10,
+    }[part]
+
+
+@pytest.mark.parametrize("part", ["header", "commit", "table", "payload", "manifest"])
+def test_a_corrupted_slot_falls_back_to_the_other(tmp_path: Path, part: str) -> None:
+    _two_steps(tmp_path)
+    newest = slot_path(tmp_path, 0, 1)
+    _flip(newest, _where(newest, part))
+    ckpt = CheckpointStore(tmp_path, job="j", writable=False)
+    loaded = ckpt.load()
+    assert loaded is not None and loaded[0] == 1 and bool((loaded[1]["w"] == 1.0).all())
+    assert [slot for slot, _ in ckpt.skipped] == [1], ckpt.skipped
+    assert ckpt.load(step=2) is None
+
+
+def test_both_slots_corrupted_load_nothing(tmp_path: Path) -> None:
+    _two_steps(tmp_path)
+    for slot in (0, 1):
+        path = slot_path(tmp_path, 0, slot)
+        _flip(path, _where(path, "payload"))
+    ckpt = CheckpointStore(tmp_path, job="j", writable=False)
+    assert ckpt.load() is None
+    assert all("crc32" in why for _, why in ckpt.skipped), ckpt.skipped
+
+
+# ------------------------------------------------------------------ crashes
+
+
+def _saver(directory: Path, mode: str, elements: int = 1 << 18) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(SAVER), str(directory), mode, str(elements)],
+                            stdout=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+
+
+def _loaded_step(directory: Path) -> int:
+    loaded = CheckpointStore(directory, job="crash", writable=False).load()
+    assert loaded is not None
+    step, state = loaded
+    assert state["step"] == step
+    for tensor in state["w"]:  # whole: every element of every tensor is the step's
+        assert bool((tensor == float(step)).all()), step
+    return step
+
+
+@pytest.mark.parametrize("mode,line", [("stage", "staging"), ("commit", "committing")])
+def test_sigkill_mid_save_keeps_the_last_committed_step(tmp_path: Path, mode: str,
+                                                        line: str) -> None:  # fmt: skip
+    proc = _saver(tmp_path, mode)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "committed 1"
+        assert proc.stdout.readline().strip() == line
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _loaded_step(tmp_path) == 1
+    # a new writer of the rank takes the slots over and goes on
+    with CheckpointStore(tmp_path, job="crash") as ckpt:
+        ckpt.save(9, {"w": [torch.full((4,), 9.0)], "step": 9}).wait()
+    assert _loaded_step(tmp_path) == 9
+
+
+def test_sigkill_at_random_moments_never_tears_a_step(tmp_path: Path) -> None:
+    rng = random.Random(21)
+    for _ in range(6):
+        proc = _saver(tmp_path, "loop", elements=1 << 19)
+        assert proc.stdout is not None
+        committed = 0
+        try:
+            for _ in range(rng.randint(2, 8)):
+                committed = int(proc.stdout.readline().split()[1])
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            tail = proc.stdout.read().split()
+            if tail:
+                committed = int(tail[-1])
+        finally:
+            proc.kill()
+            proc.wait()
+        step = _loaded_step(tmp_path)
+        assert committed <= step <= committed + 1, (committed, step)
+        shutil.rmtree(tmp_path)
+        tmp_path.mkdir()
+
+
+# ------------------------------------------------------------------ a folder too small
+
+_OPEN = """
+import sys
+from kelastic.checkpoint import CheckpointSpaceError, CheckpointStore
+try:
+    CheckpointStore(sys.argv[1], capacity=int(sys.argv[2]))
+except CheckpointSpaceError as exc:
+    print("refused", exc.needed, exc)
+else:
+    print("opened")
+"""
+
+
+def test_a_file_size_limit_fails_at_open_naming_the_bytes(tmp_path: Path) -> None:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    capacity = 3 << 20
+    out = subprocess.run([sys.executable, "-c", _OPEN, str(tmp_path), str(capacity)],
+                         capture_output=True, text=True, env=_env(), preexec_fn=limit,
+                         timeout=60, check=True).stdout  # fmt: skip
+    assert out.startswith(f"refused {capacity} "), out
+    assert f"{capacity} more bytes" in out and "File too large" in out, out
+    assert not any(p.stat().st_size for p in tmp_path.glob("*.slot*"))  # left as they were
+
+
+_TMPFS = """
+import os, sys
+from pathlib import Path
+import torch
+from kelastic.checkpoint import CheckpointSpaceError, CheckpointStore, _slotfile, store
+folder = Path(sys.argv[1])
+try:  # 2 x 6 MiB in a 8 MiB tmpfs: refused before anything is allocated
+    CheckpointStore(folder, capacity=6 << 20)
+except CheckpointSpaceError as exc:
+    print("too small:", exc.needed, exc.free)
+ckpt = CheckpointStore(folder, capacity=3 << 20)  # 2 x 3 MiB: allocated and touched
+with open(folder / "filler", "wb", buffering=0) as f:  # another writer takes the rest
+    try:
+        while True:
+            f.write(bytes(1 << 16))
+    except OSError as exc:
+        print("filled:", exc.strerror)
+for step in range(4):  # saves into the allocated slots: no SIGBUS
+    ckpt.save(step, {"w": torch.full(((3 << 20) // 4 - 4096,), float(step))}).wait()
+print("saved:", ckpt.load()[0])
+store.free_bytes = lambda d: -1  # past the free-space check: posix_fallocate refuses
+try:
+    ckpt.save(9, {"w": torch.zeros(2 << 20)})
+except CheckpointSpaceError as exc:
+    print("grow refused:", exc.needed, "No space" in str(exc))
+print("still:", ckpt.load()[0])
+"""
+
+
+def test_a_small_tmpfs_fails_at_open_and_never_sigbus(tmp_path: Path) -> None:
+    """A real 8 MiB tmpfs, mounted in a private mount namespace (``unshare -m``)."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root to mount a tmpfs in a private mount namespace")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_TMPFS))
+    shell = (f"mount -t tmpfs -o size=8m kelastic-test {mnt} && "
+             f"exec {sys.executable} {script} {mnt}")  # fmt: skip
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", shell],
+                          capture_output=True, text=True, env=_env(), timeout=120)  # fmt: skip
+    if proc.returncode and "mount" in proc.stderr and "too small" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    needed, free = map(int, lines["too small"].split())
+    assert needed == 2 * (6 << 20) and 0 < free < needed
+    assert lines["filled"] == "No space left on device"
+    assert lines["saved"] == "3"
+    grow_needed, named = lines["grow refused"].split()
+    assert int(grow_needed) > 0 and named == "True"
+    assert lines["still"] == "3"

@@ -1,0 +1,396 @@
+"""A rank's two checkpoint slots: save into the one not last committed, load the newest.
+
+**Save** (:meth:`CheckpointStore.save`), in this order:
+
+1. pick the *target*: the slot with the lower commit sequence (never the last committed
+   one); grow it if the state no longer fits (allocated and touched, see
+   ``_slotfile``);
+2. mark it dirty: zero its commit word, ``msync`` the header page;
+3. stage: copy every tensor's bytes into the slot's map (``Tensor.copy_`` into a view of
+   it), write the manifest; **save returns here** (unless ``blocking``);
+4. commit, on a thread of the store (``zlib.crc32`` releases the GIL on each 4 MiB
+   chunk, so the trainer's thread keeps running: DLRover's agent does this part in
+   another process): the chunk checksums into the table, the header (its crc over
+   every field, the commit word still zero), ``msync`` of the whole slot (on a
+   disk-backed folder the bytes reach the disk before the commit; on tmpfs it returns
+   at once), then the commit word (sequence = the other slot's + 1, checked by a crc
+   that binds it to this header), ``msync`` of the header page.
+
+A crash anywhere before the commit word leaves the target dirty or failing its checksums,
+and the other slot, the last committed step, untouched: a crash never tears it (NVRx's
+dirty-then-rename, with a commit word instead of a rename: the slot's pages stay where
+they are, allocated). The next save waits for the previous commit (the slot it would
+write is the one being committed). The writes are to a ``MAP_SHARED`` map: they are in
+the file the moment they are made, so a SIGKILLed process loses nothing it wrote.
+
+**Load** (:meth:`CheckpointStore.load`): the rank's committed slots, newest first (or
+the one of the agreed step); each is checked (header crc and bounds, table and manifest
+crc, every payload chunk's crc while it is copied out, the commit word unchanged after
+the copy: a writer that started over the slot meanwhile is caught) and the first that
+passes is returned; a corrupted slot falls back to the other one, else ``None``.
+
+One writer per rank (a ``flock`` on the rank's lock file); readers take no lock. A slot
+is per rank whatever the parallelism: with DDP every rank saves its copy of the
+replicated state, with sharded state each rank its own part (torch DCP's per-rank
+files); resharding for another world size is not done here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final
+
+from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
+from ._tensors import entries, is_tensor, stage, tensors_from
+from .slot_format import (
+    COMMIT_OFFSET,
+    HEADER_SIZE,
+    PAGE,
+    SlotFormatError,
+    SlotHeader,
+    chunk_checksums,
+    copy_verified,
+    decode_commit,
+    decode_header,
+    decode_manifest,
+    encode_commit,
+    encode_header,
+    encode_manifest,
+    encode_table,
+    layout,
+)
+from .tree import build, flatten
+
+#: Spare room a slot gets when a save grows it (of the save's size), so that a state
+#: that grows a little (an optimizer's first step) does not grow the slot every save.
+_GROW_HEADROOM: Final = 8
+_MIB: Final = 1 << 20
+
+
+def slot_path(directory: Path, rank: int, slot: int) -> Path:
+    """``<directory>/rank-<rank>.slot<0|1>``."""
+    return directory / f"rank-{rank}.slot{slot}"
+
+
+def slot_bytes(state_dict: Any) -> int:
+    """Bytes one slot needs for ``state_dict`` (header, table, payload, manifest): pass
+    it as :class:`CheckpointStore`'s ``capacity`` to allocate the slots at open.
+
+    Raises:
+        kelastic.checkpoint.tree.TreeError: the state holds something no slot holds.
+    """
+    tree, tensors = flatten(state_dict, is_tensor)
+    items, payload_len = entries(tensors)
+    return layout(payload_len, len(encode_manifest(items, tree))).file_size
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """A committed slot as its header says (checksums not verified: :meth:`load` does)."""
+
+    slot: int
+    seq: int
+    step: int
+    round: int
+    rank: int
+    world_size: int
+    job: str
+    created: float
+    payload_bytes: int
+
+
+class SaveHandle:
+    """A save whose bytes are staged; :meth:`wait` returns once it is committed."""
+
+    def __init__(self, step: int, slot: int) -> None:
+        self.step = step
+        self.slot = slot
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _start(self, commit: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                commit()
+            except BaseException as exc:  # reported by wait()
+                self.error = exc
+
+        self._thread = threading.Thread(target=run, name="kelastic-checkpoint-commit")
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the commit has ended (committed, or failed: :meth:`wait` says)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the commit, ``timeout`` seconds at most (None: no limit).
+
+        Raises:
+            TimeoutError: still committing after ``timeout``.
+            CheckpointError: the commit failed (its cause chained); the last committed
+                step is still the one before.
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"step {self.step} still committing after {timeout} s")
+        if self.error is not None:
+            raise CheckpointError(f"commit of step {self.step} failed: {self.error}") from (
+                self.error
+            )
+
+
+class CheckpointStore:
+    """The two slots of one rank in ``directory``.
+
+    Args:
+        directory: a memory-backed folder (:func:`kelastic.contract.checkpoint_dir`;
+            anywhere locally); it must exist.
+        rank: the global rank whose slots these are (torch's ``RANK``).
+        job: the job's id (torch's ``TORCHELASTIC_RUN_ID``): a slot of another job is
+            never loaded. At most 256 UTF-8 bytes.
+        round: the rendezvous round saves are made in (``KELASTIC_ROUND``; -1 unknown).
+        world_size: ``WORLD_SIZE`` (0 unknown), recorded in each save.
+        capacity: bytes per slot (:func:`slot_bytes`) to allocate and touch now, both
+            slots; 0 allocates at the first save. A save that outgrows a slot grows it.
+        writable: False opens the slots read only, for :meth:`load` and :meth:`slots`
+            (no lock, nothing created).
+
+    Raises:
+        CheckpointSpaceError: the folder cannot hold two slots of ``capacity`` bytes
+            (the message names the bytes needed and free).
+        CheckpointError: another live process writes this rank's slots.
+        FileNotFoundError: ``directory`` does not exist.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, rank: int = 0, job: str = "",
+                 round: int = -1, world_size: int = 0, capacity: int = 0,
+                 writable: bool = True) -> None:  # fmt: skip
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {self.directory} does not exist")
+        self.rank, self.job, self.round, self.world_size = rank, job, round, world_size
+        self.writable = writable
+        #: why each slot passed over by the last load was (slot, reason), for logs
+        self.skipped: list[tuple[int, str]] = []
+        self._pending: SaveHandle | None = None
+        self._lock_fd = lock_rank(self.directory / f"rank-{rank}.lock") if writable else -1
+        self._files: list[SlotFile] = []
+        try:
+            for slot in (0, 1):
+                path = slot_path(self.directory, rank, slot)
+                if writable or path.exists():
+                    self._files.append(SlotFile(path, writable))
+            if len(self._files) < 2:  # a reader of slots never written
+                self._files = []
+            self._seqs = []
+            for slot in range(len(self._files)):
+                header = self._header(slot)[0]
+                self._seqs.append(header.seq if header is not None else 0)
+            if capacity > 0 and writable:
+                self._reserve([max(0, capacity - f.size) for f in self._files], "two slots")
+                for f in self._files:
+                    f.grow(capacity)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, step: int, state_dict: Any, *, blocking: bool = False) -> SaveHandle:
+        """Stage ``state_dict`` as step ``step`` and return once its bytes are staged.
+
+        Args:
+            step: the training step, 0..2**53.
+            state_dict: tensors (CPU; CUDA ones are copied synchronously, unmeasured) in
+                dicts, lists and tuples with plain values, as torch's ``state_dict()``
+                and ``optimizer.state_dict()``; non-contiguous, empty and 0-dim tensors
+                are stored contiguous. Tensors are copied before this returns: the
+                trainer may change them at once.
+            blocking: commit before returning (else on the store's thread).
+
+        Returns:
+            The save's handle: :meth:`SaveHandle.wait` returns once it is committed.
+
+        Raises:
+            kelastic.checkpoint.tree.TreeError: a value no slot holds (the path named).
+            SlotFormatError: ``step`` outside 0..2**53, a manifest over 64 MiB.
+            CheckpointSpaceError: the slot had to grow and the folder cannot give it.
+            CheckpointError: the previous save's commit failed (raised once; that step
+                is not committed), or the store is read only or closed.
+        """
+        if not self.writable or not self._files:
+            raise CheckpointError("this store is read only or closed")
+        self.wait()
+        tree, tensors = flatten(state_dict, is_tensor)
+        items, payload_len = entries(tensors)
+        manifest = encode_manifest(items, tree)
+        lay = layout(payload_len, len(manifest))
+        header = SlotHeader(step, self.round, self.rank, self.world_size, self.job, time.time(),
+                            lay, 0, zlib.crc32(manifest))  # fmt: skip
+        encode_header(header)  # its bounds, before the slot is touched
+        target = 0 if self._seqs[0] <= self._seqs[1] else 1
+        f = self._files[target]
+        if f.size < lay.file_size:
+            size = -(-(lay.file_size + lay.file_size // _GROW_HEADROOM) // _MIB) * _MIB
+            self._reserve([size - f.size], f"{f.path.name} of {size} bytes")
+            f.grow(size)
+        f.write(COMMIT_OFFSET, encode_commit(0, 0))
+        f.flush(0, PAGE)
+        self._seqs[target] = 0
+        assert f.map is not None
+        stage(f.map, lay.payload_offset, items, tensors)
+        f.write(lay.manifest_offset, manifest)
+        handle = SaveHandle(step, target)
+        if blocking:
+            self._commit(target, header)
+        else:
+            handle._start(lambda: self._commit(target, header))
+            self._pending = handle
+        return handle
+
+    def _commit(self, target: int, header: SlotHeader) -> None:
+        f, lay = self._files[target], header.layout
+        assert f.map is not None
+        with memoryview(f.map) as view:
+            payload = view[lay.payload_offset : lay.payload_offset + lay.payload_len]
+            table = encode_table(chunk_checksums(payload, lay.chunk_size))
+            payload.release()
+        raw, crc = encode_header(replace(header, table_crc=zlib.crc32(table)))
+        f.write(HEADER_SIZE, table)
+        f.write(0, raw)  # its commit word is zero: still dirty
+        f.flush()
+        seq = max(self._seqs) + 1
+        f.write(COMMIT_OFFSET, encode_commit(seq, crc))
+        f.flush(0, PAGE)
+        self._seqs[target] = seq
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the pending save's commit (see :meth:`SaveHandle.wait`)."""
+        pending = self._pending
+        if pending is not None:
+            pending.wait(timeout)  # TimeoutError keeps it pending
+            self._pending = None
+
+    def _reserve(self, growth: list[int], what: str) -> None:
+        needed = sum(growth)
+        free = free_bytes(self.directory)
+        if needed > 0 and 0 <= free < needed:
+            raise space_error(self.directory, needed, what)
+
+    # ------------------------------------------------------------------ loading
+
+    def _header(self, slot: int) -> tuple[SlotHeader | None, str]:
+        f = self._files[slot]
+        if not self.writable:
+            f.refresh()
+        if f.map is None:
+            return None, "empty"
+        try:
+            header = decode_header(f.read(0, HEADER_SIZE), file_size=f.size)
+        except SlotFormatError as exc:
+            return None, str(exc)
+        if header.rank != self.rank or header.job != self.job:
+            return None, f"holds rank {header.rank} of job {header.job!r}"
+        return header, "" if header.seq else "not committed"
+
+    def slots(self) -> list[SlotInfo]:
+        """The committed slots, newest first, as their headers say (a later part records
+        them in etcd so that the job agrees on a step every rank committed)."""
+        self.wait()
+        out = []
+        for slot in range(len(self._files)):
+            h, _ = self._header(slot)
+            if h is not None and h.seq:
+                out.append(SlotInfo(slot, h.seq, h.step, h.round, h.rank, h.world_size, h.job,
+                                    h.created, h.layout.payload_len))  # fmt: skip
+        return sorted(out, key=lambda info: -info.seq)
+
+    def load(self, step: int | None = None) -> tuple[int, Any] | None:
+        """The newest committed step of this rank's slots that passes its checksums.
+
+        Args:
+            step: load this step (the job-wide agreed one: the newest step every rank
+                committed, which the sidecar will agree on through etcd), or None for
+                this rank's newest.
+
+        Returns:
+            ``(step, state_dict)`` (tensors on the CPU, views of one buffer read from the
+            slot; dicts, OrderedDicts with torch's ``_metadata``, lists, tuples as saved),
+            or None: no committed slot (of that step) passes. :attr:`skipped` says why
+            each slot was passed over. An in-process restart needs no load: the
+            process keeps its state.
+
+        Raises:
+            CheckpointError: the pending save's commit failed (see :meth:`wait`).
+        """
+        self.wait()
+        self.skipped = []
+        found: list[tuple[int, SlotHeader]] = []
+        for slot in range(len(self._files)):
+            header, why = self._header(slot)
+            if header is None or not header.seq:
+                self.skipped.append((slot, why))
+            elif step is not None and header.step != step:
+                self.skipped.append((slot, f"holds step {header.step}, not {step}"))
+            else:
+                found.append((slot, header))
+        for slot, header in sorted(found, key=lambda item: -item[1].seq):
+            try:
+                return header.step, self._read(slot, header)
+            except SlotFormatError as exc:
+                self.skipped.append((slot, str(exc)))
+        return None
+
+    def _read(self, slot: int, h: SlotHeader) -> Any:
+        f, lay = self._files[slot], h.layout
+        table = f.read(HEADER_SIZE, 4 * lay.chunk_count)
+        if zlib.crc32(table) != h.table_crc:
+            raise SlotFormatError("the checksum table fails its crc32")
+        raw = f.read(lay.manifest_offset, lay.manifest_len)
+        if zlib.crc32(raw) != h.manifest_crc:
+            raise SlotFormatError("the manifest fails its crc32")
+        manifest = decode_manifest(raw, payload_len=lay.payload_len)
+        buffer = bytearray(lay.payload_len)
+        assert f.map is not None
+        with memoryview(f.map) as src, memoryview(buffer) as dst:
+            payload = src[lay.payload_offset : lay.payload_offset + lay.payload_len]
+            try:
+                copy_verified(payload, dst, table, lay.chunk_size)
+            finally:
+                payload.release()
+        if decode_commit(f.read(COMMIT_OFFSET, 16), h.header_crc) != h.seq:
+            raise SlotFormatError("the slot was rewritten while it was read")
+        tensors = tensors_from(buffer, manifest.tensors) if manifest.tensors else []
+        return build(manifest.tree, tensors)
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Wait for the pending commit, unmap the slots, release the rank's lock.
+
+        Raises:
+            CheckpointError: the pending commit failed (the store is closed anyway).
+        """
+        try:
+            self.wait()
+        finally:
+            self._pending = None
+            for f in self._files:
+                f.close()
+            self._files = []
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
