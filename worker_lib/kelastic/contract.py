@@ -6,7 +6,8 @@ volume's layout, environment variable names (torch's own names for the worker en
 unchanged), the etcd key layout, and the control-socket message types.
 
 This module is stdlib only and has no side effects on import. Semantics follow
-``torch.distributed.elastic`` (see ``shared/seeds/``) and ``docs/architecture.md``.
+torch's ``torch.distributed.elastic`` (its ``run``, ``timer`` and ``multiprocessing``
+modules) and ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ TORCHELASTIC_TIMER_FILE: Final = "TORCHELASTIC_TIMER_FILE"
 KELASTIC_ROUND: Final = "KELASTIC_ROUND"
 #: A secret per worker and attempt, set by the supervisor: kelastic's timer client sends it
 #: as the ``token`` field of each FIFO request, so the timer server can refuse requests
-#: that name the worker's pid without it (see ``kelastic_sidecar.timer_server``).
+#: that name the worker's pid without it (see ``kelastic_sidecar.timer``).
 KELASTIC_TIMER_TOKEN: Final = "KELASTIC_TIMER_TOKEN"
 
 WORKER_ENV_NAMES: Final = (
