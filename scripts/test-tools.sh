@@ -22,10 +22,10 @@ python3 -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".
     | { grep -v '^WARNING: Location .* is ignored' || true; }
 python3 -m tests.ship.tools > /dev/null
 # the Kubernetes control plane of the operator, deploy and chart tests (built from Go
-# modules into a cache keyed by version; ~8 min cold on 2 cores, reused afterwards)
+# modules into a cache keyed by version; ~11 min cold on 2 cores, reused afterwards)
 bash scripts/build-k8s.sh > /dev/null
 # the real node's runtime: containerd, its runc shim, ctr, crictl, the CNI plugins and the
-# sandbox's pause binary (~5 min cold, then reused; kubelet comes with the control plane)
+# sandbox's pause binary (~4 min cold, then reused; kubelet comes with the control plane)
 bash scripts/build-node.sh > /dev/null
 # the images the real node runs (pause, Dockerfile's kelastic, examples/digits' trainer),
 # built with podman on a debootstrapped base and cached by content (~7 min cold, 4.4 GB)
