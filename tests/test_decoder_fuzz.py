@@ -282,6 +282,27 @@ def _spare_hello(raw: bytes) -> None:
         ipm.encode(msg)
 
 
+# ------------------------------------------ checkpoint slots: the manifest (kelastic.checkpoint)
+
+CKPT_MANIFEST = {"format": 1, "tensors": [["float32", [2, 3], 0, 24], ["int64", [], 64, 8]],
+                 "tree": ["d", "w", ["T", 0], "step", ["T", 1], "lr", 0.5]}  # fmt: skip
+
+
+def _checkpoint_manifest(raw: bytes) -> None:
+    from kelastic.checkpoint.slot_format import SlotFormatError, decode_manifest
+    from kelastic.checkpoint.tree import build
+
+    try:
+        manifest = decode_manifest(raw, payload_len=4096)
+    except SlotFormatError:
+        return
+    end = 0
+    for tensor in manifest.tensors:
+        assert end <= tensor.offset and tensor.offset + tensor.nbytes <= 4096
+        end = tensor.offset + tensor.nbytes
+    build(manifest.tree, [None] * len(manifest.tensors))  # what was accepted builds
+
+
 # ------------------------------------------------------------------ the registry
 
 
@@ -316,6 +337,7 @@ DECODERS: dict[str, Decoder] = {
     "promote": Decoder(_promote, PROMOTE),
     "assign_spares": Decoder(_promote, ASSIGN_SPARES),
     "spare_hello": Decoder(_spare_hello, SPARE_HELLO),
+    "checkpoint_manifest": Decoder(_checkpoint_manifest, CKPT_MANIFEST),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}
 
