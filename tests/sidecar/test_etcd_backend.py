@@ -3,6 +3,7 @@ DynamicRendezvousHandler running on it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -24,8 +25,10 @@ from kelastic_sidecar.torchrun_plugin import (
     register_torch_backend,
     torchrun_handler,
 )
+from tests.prereq import require_module
 
-try:
+# The sidecar image has no torch; the adapter tests need it (they use torch_elastic).
+with contextlib.suppress(ImportError):
     from torch.distributed.elastic.rendezvous import (
         RendezvousConnectionError,
         RendezvousParameters,
@@ -34,11 +37,15 @@ try:
     )
     from torch.distributed.elastic.rendezvous.registry import _register_out_of_tree_handlers
 
-    HAVE_TORCH = True
-except ImportError:  # the sidecar image has no torch; the adapter tests need it
-    HAVE_TORCH = False
 
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+@pytest.fixture
+def torch_elastic() -> None:
+    """torch's rendezvous API, which the adapter tests need: skipped where torch is not
+    installed, failed under CI=true (tests/prereq.py)."""
+    require_module("torch.distributed.elastic.rendezvous")
+
+
+needs_torch = pytest.mark.usefixtures("torch_elastic")
 
 
 @pytest.fixture

@@ -11,16 +11,15 @@ import sys
 import threading
 from collections.abc import Iterator
 
-import pytest
-
 from kelastic import contract
 from kelastic_etcd import EtcdClient
 from kelastic_operator.local.etcd import free_port
 from tests.conftest import wait_for
+from tests.prereq import require_module
 from tests.sidecar.inprocess_harness import Node, make_node, sample
 from tests.worker_lib.test_inprocess_harness import ROOT, WORKER, Log, ev
 
-pytest.importorskip("torch")
+require_module("torch")
 
 NODES = ("node-a", "node-b")
 NPROC = 2

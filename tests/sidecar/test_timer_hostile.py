@@ -23,6 +23,7 @@ from kelastic_sidecar.ipc import ipc_access
 from kelastic_sidecar.timer import ReapEvent, TimerServer
 from kelastic_sidecar.timer import reader as timer_reader
 from tests.conftest import strict_umask, wait_for
+from tests.prereq import require_module
 from tests.sidecar.test_timer_server import finish, raw_write, request, spawn
 
 # Waits for "go" on stdin, so that it is watched before its first request; then holds a
@@ -238,7 +239,7 @@ TORCH_CLIENT = """
 def test_torchs_unmodified_client_still_works_for_a_watched_worker(
     tokened: tuple[TimerServer, Path, list[ReapEvent]],
 ) -> None:
-    pytest.importorskip("torch")
+    require_module("torch")
     server, fifo, reaps = tokened
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(TORCH_CLIENT), str(fifo)],

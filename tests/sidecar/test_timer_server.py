@@ -19,6 +19,7 @@ from kelastic.contract import TORCHELASTIC_TIMER_FILE
 from kelastic.timer import FifoTimerClient
 from kelastic_sidecar.timer import ReapEvent, TimerServer
 from tests.conftest import strict_umask, wait_for
+from tests.prereq import require_module
 
 
 class Recorder:
@@ -244,7 +245,7 @@ def test_pid_watched_after_acquire_but_before_expiry_is_reaped(
 def test_torch_file_timer_client_against_our_server(
     server: TimerServer, fifo: Path, rec: Recorder
 ) -> None:
-    pytest.importorskip("torch.distributed.elastic.timer")
+    require_module("torch.distributed.elastic.timer")
     proc = spawn(
         fifo,
         """
@@ -269,7 +270,7 @@ def test_torch_file_timer_client_against_our_server(
 
 
 def test_our_client_against_torch_file_timer_server(fifo: Path) -> None:
-    file_based = pytest.importorskip("torch.distributed.elastic.timer.file_based_local_timer")
+    file_based = require_module("torch.distributed.elastic.timer.file_based_local_timer")
     torch_server = file_based.FileTimerServer(str(fifo), run_id="kelastic-test", max_interval=0.05)
     torch_server.start()
     client = FifoTimerClient(fifo)

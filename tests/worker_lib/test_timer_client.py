@@ -21,6 +21,7 @@ from kelastic.contract import TORCHELASTIC_TIMER_FILE
 from kelastic.timer import FifoTimerClient, configure, expires
 from kelastic_sidecar.timer import TimerServer
 from tests.conftest import wait_for
+from tests.prereq import require_module
 
 
 class FifoReader:
@@ -89,7 +90,7 @@ def test_wire_format_is_byte_identical_to_torch(fifo: Path, reader: FifoReader) 
     }
     assert json.loads(release)["expiration_time"] == -1
     assert json.loads(release)["signal"] == 0
-    file_based = pytest.importorskip("torch.distributed.elastic.timer.file_based_local_timer")
+    file_based = require_module("torch.distributed.elastic.timer.file_based_local_timer")
     req = file_based.FileTimerRequest
     assert acquire.decode() == req(os.getpid(), "step", 1234.5, signal.SIGKILL).to_json() + "\n"
     assert release.decode() == req(os.getpid(), "step", -1, 0).to_json() + "\n"
