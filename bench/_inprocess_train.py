@@ -63,7 +63,7 @@ def train(call_wrapper: Any = None, base_store: Any = None) -> None:
         store = dist.PrefixStore(str(iteration), base_store)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         # NVRx releases ranks blocked in a collective only by its timeout: its best case,
-        # the 3 s the anchor measured with (the default is 30 min)
+        # 3 s, the timeout its anchor number was measured with (the default is 30 min)
         timeout = datetime.timedelta(seconds=float(os.environ.get("BENCH_NVRX_PG_TIMEOUT", "3")))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     else:

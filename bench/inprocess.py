@@ -14,7 +14,7 @@ job stepping again, side by side in one run.
 (c) one rank hangs (SIGUSR2: no step, no ``ping``): kelastic's soft-timeout abort; the
     sample is the time from the hang to all ranks stepping again, minus the soft timeout.
 
-All sides run :mod:`bench._inprocess_train`. Targets (issue 12): (a) <= 0.3 s median,
+All sides run :mod:`bench._inprocess_train`. Targets: (a) <= 0.3 s median,
 <= 0.05x torchrun, >= 10x faster than NVRx; (b) <= 0.5x kelastic warm; (c) <= 0.3 s past
 the soft timeout.
 """

@@ -12,7 +12,7 @@ reconcile duration (the operator's histogram, p50/p99 by interpolation as Promet
 idle job per minute once everything runs (from the audit log); then ``kubectl delete`` of
 every job -> nothing left in the API or in etcd. No torch baseline: torch has no operator.
 
-Targets (issue 10): all Pods within 60 s; operator RSS <= 300 MB; idle jobs cost ~0
+Targets: all Pods within 60 s; operator RSS <= 300 MB; idle jobs cost ~0
 requests (no polling).
 """
 

@@ -539,7 +539,7 @@ def _throughput_once(
 
 def _fork_bulk_flooder(fifo: str, go_r: int, duration: float, base: int) -> int:
     """Fork a hostile writer: whole ``PIPE_BUF`` chunks of far-future acquires naming
-    other pids, written as fast as the pipe takes them (issue 11's forged-timer flood)."""
+    other pids, written as fast as the pipe takes them (a forged-timer flood)."""
     pid = os.fork()
     if pid:
         return pid

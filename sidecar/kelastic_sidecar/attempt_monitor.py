@@ -11,7 +11,7 @@ the main thread.
 
 With in-process restart on, a worker's non-zero exit is first offered to the in-process
 coordinator (:meth:`~kelastic_sidecar.inprocess.coordinator.InProcessCoordinator.absorb_exit`,
-the hybrid rung of issue 12): taken, the round goes on (its peers restart in process) and
+the hybrid rung): taken, the round goes on (its peers restart in process) and
 the coordinator's :class:`RespawnDue` becomes a ``respawn`` for the launcher, whose
 ``started`` adds the new pid; refused, the round ends as without it.
 """

@@ -31,8 +31,8 @@ _TRUE = ("1", "true", "yes", "on")
 @dataclass(frozen=True)
 class InProcessSettings:
     """In-process restarts (``spec.inProcess``; coordinated by
-    :mod:`~kelastic_sidecar.inprocess.coordinator`; NVIDIA's in-process restart wrapper's
-    knobs, ``shared/seeds/nvrx_inprocess_wrapper.txt``).
+    :mod:`~kelastic_sidecar.inprocess.coordinator`; the knobs of NVIDIA's in-process
+    restart wrapper, ``nvidia_resiliency_ext.inprocess.Wrapper``).
 
     Attributes:
         enabled: ``$KELASTIC_INPROCESS`` is ``1`` (or ``true``/``yes``/``on``).

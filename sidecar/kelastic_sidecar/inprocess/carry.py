@@ -1,13 +1,13 @@
 """The node-change rung: a round ends for its membership, the workers stay.
 
-Issue 12's restart ladder: a node lost (lease expired, Pod deleted) or joining (a node
+The restart ladder: a node lost (lease expired, Pod deleted) or joining (a node
 waiting, a planned scale-down) ends the rendezvous round, and without in-process restart
 every node stops its workers and starts new ones in the next round. With it, the
 survivors keep their processes: they abort the running iteration in process, wait in the
 termination barrier while the supervisor runs the next round's rendezvous, and re-enter
 the function with the new round's ranks and world size (a new process group); only a new
 node's workers start as processes. NVIDIA's in-process restart
-(``shared/seeds/nvrx_inprocess_wrapper.txt``) has no such rung: there the world only
+(``nvidia_resiliency_ext.inprocess``) has no such rung: there the world only
 shrinks (inactive ranks), and a new rank means a new job.
 
 1. :func:`carry_request` (pure) says which round ends carry: a lost node (a fault: one

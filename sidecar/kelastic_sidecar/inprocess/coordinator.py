@@ -1,6 +1,6 @@
 """In-process restarts of a job, coordinated by the sidecars through etcd.
 
-NVIDIA's in-process restart (``shared/seeds/nvrx_inprocess_wrapper.txt``) restarts the
+NVIDIA's in-process restart (``nvidia_resiliency_ext.inprocess``) restarts the
 wrapped function in the same processes: a fault in *iteration* ``n`` makes every rank
 abort, pass a *termination barrier*, and call the function again as iteration ``n + 1``.
 There the coordination lives in a store served by rank 0's process; here nothing lives

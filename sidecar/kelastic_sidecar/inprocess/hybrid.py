@@ -1,7 +1,7 @@
 """The hybrid rung on one node: a dead worker's peers restart in process, it starts again.
 
 :class:`HybridMachine` is the :class:`~kelastic_sidecar.inprocess.machine.RestartMachine`
-plus worker deaths (issue 12's second rung; the decisions are the pure
+plus worker deaths (the ladder's second rung; the decisions are the pure
 :mod:`~kelastic_sidecar.inprocess.hybrid_verdicts`'s). The supervisor's monitor hands it a worker's
 non-zero exit (:meth:`InProcessCoordinator.absorb_exit
 <kelastic_sidecar.inprocess.coordinator.InProcessCoordinator.absorb_exit>`):

@@ -1,10 +1,10 @@
 """The hybrid rung of in-process restart, decided (pure: no etcd, no sockets, no threads).
 
-Issue 12's restart ladder: a worker *process* dies (SIGKILL, segfault, OOM, a timer-server
+The restart ladder: a worker *process* dies (SIGKILL, segfault, OOM, a timer-server
 reap, the coordinator's own hard-timeout kill) while in-process restart is on -> the
 survivors restart in process, and only the dead local rank is started again as a process
 (forked from the warm-start zygote when that is on) in the same iteration. NVIDIA's
-in-process restart (``shared/seeds/nvrx_inprocess_wrapper.txt``) has no such rung: there a
+in-process restart (``nvidia_resiliency_ext.inprocess``) has no such rung: there a
 dead rank ends the wrapper's job (its monitor process reports it) and the launcher restarts
 everything.
 
@@ -143,7 +143,7 @@ def respawn_failure(failure: Failure) -> Failure:
     one that could not even be started (``start_failure``, which fails the job at once:
     :func:`~kelastic_sidecar.round_end.classify_exit`) is a ``worker_failure`` here, since
     the same command started in this attempt: a process restart of the group follows
-    (issue 12: a failed respawn takes the process path). Other failures are unchanged."""
+    (a failed respawn takes the process path). Other failures are unchanged."""
     if failure.cause != CAUSE_START_FAILURE:
         return failure
     text = f"could not be started again after its death: {failure.message}".rstrip(": ")

@@ -11,7 +11,7 @@ Phases of a round: ``running`` (the ranks run the current iteration) -> ``aborti
 (``abort(m)`` sent, waiting for every local ``ready(m)``) -> ``barrier`` (our ready key
 written, waiting for the other nodes') -> ``running`` (``go(m)`` sent). ``failed``: gave
 up for the round (every fault then goes to the process path); ``idle``: no round.
-Semantics from NVIDIA's in-process restart (``shared/seeds/nvrx_inprocess_wrapper.txt``):
+Semantics from NVIDIA's in-process restart (``nvidia_resiliency_ext.inprocess``):
 iteration, abort, termination barrier, hard timeout.
 
 Over ~400 lines as one cohesive thing: every transition of one node's in-process restart

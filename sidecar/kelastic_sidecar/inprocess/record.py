@@ -11,7 +11,7 @@ package used)::
 
 ``iteration`` is the job's current in-process iteration and the *fencing token* of every
 in-process restart (NVIDIA's in-process restart calls it the restart iteration,
-``shared/seeds/nvrx_inprocess_wrapper.txt``): a fault of iteration ``n`` moves the record
+``nvidia_resiliency_ext.inprocess``): a fault of iteration ``n`` moves the record
 from ``n`` to ``n + 1`` by compare-and-set on its ``mod_revision``, so that however many
 ranks and nodes report a fault of ``n``, one restart happens. ``restarts`` counts the
 in-process restarts the job spent (the budget, job-wide); the other fields describe the

@@ -3,7 +3,7 @@
 
 :class:`RoundContext` is what the supervisor hands the coordinator per rendezvous round;
 :func:`barrier_verdict` reads the ready keys of an iteration (NVIDIA's termination
-barrier, ``shared/seeds/nvrx_inprocess_wrapper.txt``, kept in etcd instead of rank 0's
+barrier, ``nvidia_resiliency_ext.inprocess``, kept in etcd instead of rank 0's
 store) and :func:`go_env` builds the env a rank re-enters the function with.
 """
 

@@ -1,4 +1,4 @@
-"""Spare ranks of in-process restart (``spec.inProcess.spareRanks``, issue 12): decided
+"""Spare ranks of in-process restart (``spec.inProcess.spareRanks``): decided
 (pure: no etcd, no threads; the sessions are only held and sent to).
 
 The launcher runs ``spareRanks`` extra processes of the worker command per node
@@ -11,7 +11,7 @@ dead rank's env: the spare enters the iteration as that rank, and the launcher i
 (``promote``) so that it reports the process as that rank and starts a new spare in the
 slot. No spare waiting: the dead rank is started again as a process, as without spares.
 
-NVIDIA's in-process restart (``shared/seeds/nvrx_inprocess_wrapper.txt``) has spare ranks
+NVIDIA's in-process restart (``nvidia_resiliency_ext.inprocess``) has spare ranks
 too: with a ``rank_filter``, the ranks it leaves out of the active world run ``spare_fn``
 (they wait, pinging, until a rank completes) and its ``rank_assignment`` moves them into
 the world of the next iteration in place of terminated ranks. Here a spare is a process

@@ -15,7 +15,7 @@ Usage in a training script (the same script runs without kelastic: the folder is
         train_step()
         checkpoint.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
 
-What exists now (issue 21, the worker library's part): per rank two *slots*, files on
+What exists now (the worker library's part): per rank two *slots*, files on
 the memory-backed folder :func:`kelastic.contract.checkpoint_dir` (a volume of its own,
 ``emptyDir`` with ``medium: Memory``); the format (:mod:`.slot_format`: a fixed header
 with job, round, rank, step, commit sequence and the chunks' crc32, a bounded JSON
