@@ -59,7 +59,7 @@ PACKAGES = ("worker_lib/kelastic", "etcd_client/kelastic_etcd", "sidecar/kelasti
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 120
 MAX_MODULE_LINES = 400
-#: What a longer module's docstring says, then why it is one cohesive thing (issue 13).
+#: What a longer module's docstring says, then why it is one cohesive thing.
 WHY_LONG = re.compile(r"Over ~400 lines (because|as one cohesive thing)\b(?P<why>.*)", re.S)
 
 
@@ -92,7 +92,7 @@ def _sizes() -> tuple[list[str], list[str], list[str]]:
 
 
 def test_no_class_function_or_module_outgrows_its_bound() -> None:
-    """Issue 13: no class over 400 lines, no function over 120; a module over ~400 lines
+    """No class over 400 lines, no function over 120; a module over ~400 lines
     is one cohesive thing and its docstring says why ("Over ~400 lines because ..." or
     "Over ~400 lines as one cohesive thing: ...", with the reason)."""
     classes, functions, modules = _sizes()
@@ -119,9 +119,9 @@ def test_the_size_check_sees_what_it_bounds() -> None:
 #: The packages whose module imports may form no cycle (folder, import name).
 GRAPH_PACKAGES = (("worker_lib", "kelastic"), ("etcd_client", "kelastic_etcd"),
                   ("sidecar", "kelastic_sidecar"), ("operator", "kelastic_operator"))  # fmt: skip
-#: The sidecar's longest chain of module imports, in modules (issue 19: it was 13).
+#: The sidecar's longest chain of module imports, in modules (it was 13).
 MAX_SIDECAR_DEPTH = 9
-#: Known cycles, each to be broken where it lives (issue 19 point 7: the worker library's
+#: Known cycles, each to be broken where it lives (the worker library's
 #: session and wrapper import each other inside functions). The test fails on any other.
 KNOWN_CYCLES = frozenset({("kelastic.inprocess.session", "kelastic.inprocess.wrapper")})
 
@@ -258,7 +258,7 @@ def _longest_chain(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_cycle_in_the_four_packages() -> None:
-    """Issue 19: no module imports itself through others, counting every import (at the
+    """No module imports itself through others, counting every import (at the
     top, inside functions, and for type checking only) and every package face."""
     cycles = []
     for folder, package in GRAPH_PACKAGES:
@@ -268,7 +268,7 @@ def test_no_import_cycle_in_the_four_packages() -> None:
 
 
 def test_the_sidecars_import_chains_are_short() -> None:
-    """Issue 19: the sidecar's longest chain of module imports (what Python runs when it
+    """The sidecar's longest chain of module imports (what Python runs when it
     imports the first) has at most MAX_SIDECAR_DEPTH modules; it had 13, mostly a chain of
     wrappers. Imports for type checking only are no chain (never executed), and a
     package's face adds no layer (it re-exports)."""
@@ -279,7 +279,7 @@ def test_the_sidecars_import_chains_are_short() -> None:
 
 
 def test_the_sidecars_packages_meet_through_their_faces() -> None:
-    """Issue 19: a module of the sidecar imports another package's modules only through
+    """A module of the sidecar imports another package's modules only through
     that package's ``__init__`` (``kelastic_sidecar.timer``, not its ``.table``)."""
     modules = _modules("sidecar", "kelastic_sidecar")
     graph = _import_graph(modules, runtime=False, through_faces=False)

@@ -1,4 +1,4 @@
-"""Packaging (issue 13, point 1): a bare ``pip install kelastic`` is the worker library alone.
+"""Packaging: a bare ``pip install kelastic`` is the worker library alone.
 
 - The wheel, built from this tree with hatchling (``pip wheel --no-deps``, no network),
   declares no dependency outside an extra, and its version is ``kelastic.__version__``.

@@ -297,7 +297,7 @@ def test_an_expired_auth_token_is_replaced(tmp_path: Path) -> None:
 
 
 def test_the_sidecar_reports_refused_credentials_as_refused(auth_etcd: str, tmp_path: Path) -> None:
-    # Issue 19: etcd refusing the sidecar's credentials is no outage to ride out. The
+    # etcd refusing the sidecar's credentials is no outage to ride out. The
     # sidecar says "refused" and fails the node at once; it never logs "etcd unavailable
     # ... will retry" (kelastic_etcd's rule: surface a refusal, never retry it).
     import os

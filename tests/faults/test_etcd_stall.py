@@ -1,5 +1,4 @@
-"""Fault matrix: etcd stalls (SIGSTOP) shorter and longer than the lease TTL (issue 11,
-item 6).
+"""Fault matrix: etcd stalls (SIGSTOP) shorter and longer than the lease TTL.
 
 Training needs no etcd between rounds: when etcd comes back and the membership is
 unchanged, the round goes on without stopping the workers (each node takes a new lease

@@ -1,4 +1,4 @@
-"""Fault matrix, hostile input (issue 11, item 2): crafted values in etcd and on the
+"""Fault matrix, hostile input: crafted values in etcd and on the
 control socket are refused as corrupt, counted, and recovered from; no sidecar part
 crashes. Real etcd, real sockets, and one row with ``kelastic run``.
 """
@@ -157,9 +157,9 @@ def test_kelastic_run_survives_a_crafted_state_written_mid_training(
         admin.close()
 
 
-# ----------------------------------------------- issue 20: a forged in-process record
+# ----------------------------------------------- a forged in-process record
 
-#: The issue's forged record: a valid shape, iteration 2**53 (no writer gets there).
+#: A forged record: a valid shape, iteration 2**53 (no writer gets there).
 FORGED = (b'{"iteration":9007199254740992,"round":0,"restarts":0,"cause":"x","node":"x",'
           b'"rank":1,"message":"forged","time":1}')  # fmt: skip
 _PID = re.compile(r"^\[(\d)\]:? ?pid (\d+) start iteration (\d+)$", re.M)
@@ -210,7 +210,7 @@ def _stepping(run: KelasticRun, ranks: range, after: int) -> bool:
 def test_a_forged_inprocess_record_is_refused_and_in_process_restart_still_works(
     tmp_path: Path, etcd_endpoint: str
 ) -> None:
-    """Issue 20, item 1. Before: the sidecars took iteration 2**53, every rank aborted
+    """Before: the sidecars took iteration 2**53, every rank aborted
     with no fault, ``kelastic run`` printed ``in-process restart (iteration N): see the
     sidecar logs`` for every N up to 2**53 and never returned. Now every reader refuses
     the record as corrupt, ``kelastic run`` says so once, the raise that follows is an
@@ -257,7 +257,7 @@ def test_a_forged_inprocess_record_is_refused_and_in_process_restart_still_works
 def test_ctrl_c_stops_kelastic_run_whatever_the_inprocess_record_holds(
     tmp_path: Path, etcd_endpoint: str
 ) -> None:
-    """Issue 20, item 1: the issue's probe (forged record, then a raise), then Ctrl-C.
+    """A forged record, then a raise, then Ctrl-C.
     Before: "stopping the job" was printed and nothing stopped (SIGKILL needed)."""
     name = f"forged-{uuid.uuid4().hex[:8]}"
     job, _ = _inprocess_job(tmp_path, name)
@@ -284,7 +284,7 @@ def test_ctrl_c_stops_kelastic_run_whatever_the_inprocess_record_holds(
     wait_for(lambda: run.strays() == [], 30, what="every process gone")
 
 
-# ------------------------------------- issue 20, item 4: bad input to kelastic run
+# ------------------------------------- bad input to kelastic run
 
 
 @pytest.mark.parametrize(

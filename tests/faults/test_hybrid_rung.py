@@ -1,4 +1,4 @@
-"""The hybrid rung with real processes (issue 12): ``kelastic run`` of a 2 x 2 job whose
+"""The hybrid rung with real processes: ``kelastic run`` of a 2 x 2 job whose
 wrapped function takes timed steps (``tests/workers/wrapped_steps.py``, no torch), real
 etcd, sidecars, launchers. A SIGKILLed worker: its peers restart in process (same pids)
 and only it starts again, in the same iteration, no process restart charged. The
@@ -227,7 +227,7 @@ def test_ddp_survivors_of_killed_workers_leave_their_iteration_at_once(tmp_path:
 def test_a_hung_ddp_rank_alone_is_killed_its_blocked_peers_restart_in_process(
     tmp_path: Path,
 ) -> None:
-    """Issue 12's hang: SIGSTOP of rank 3 of a DDP job whose steps are in ``expires(3)``.
+    """A hang: SIGSTOP of rank 3 of a DDP job whose steps are in ``expires(3)``.
     Its peers block in DDP's all-reduce on it, so their step timers expire too: each
     one's wrapper reports its expired timer as a soft timeout at once and leaves in
     process, while the timer server's grace (hard - soft timeout: 4 s) keeps it from

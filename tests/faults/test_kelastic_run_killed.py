@@ -1,4 +1,4 @@
-"""Fault matrix: ``kelastic run`` itself SIGKILLed mid-training (issue 11, item 4).
+"""Fault matrix: ``kelastic run`` itself SIGKILLed mid-training.
 
 Everything it started (etcd, sidecars, launchers, workers) dies with it, and the next
 ``kelastic run`` in the same folder removes the etcd data the killed one left; the run

@@ -1,4 +1,4 @@
-"""The node-change rung with real processes (issue 12): ``kelastic run`` of a 2 x 2 job
+"""The node-change rung with real processes: ``kelastic run`` of a 2 x 2 job
 with in-process restart on, real etcd, sidecars and launchers. A node lost (its sidecar
 SIGKILLed: the Pod fails and is replaced 3 s later) ends the round; the surviving node's
 workers stay: they restart in process into the next round (the same pids, a new iteration,

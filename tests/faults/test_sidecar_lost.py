@@ -1,4 +1,4 @@
-"""Fault matrix: a node's sidecar SIGKILLed mid-training (issue 11, item 5).
+"""Fault matrix: a node's sidecar SIGKILLed mid-training.
 
 Local mode treats it as a lost Pod, as the operator does: the node leaves the
 rendezvous at once (the restart is charged to the lost node, not to the connection

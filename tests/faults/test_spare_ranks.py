@@ -1,4 +1,4 @@
-"""Spare ranks with real processes (issue 12, point 5): ``kelastic run --in-process
+"""Spare ranks with real processes: ``kelastic run --in-process
 --spares 1`` of a 2 x 2 job whose wrapped function takes timed steps
 (``tests/workers/wrapped_steps.py``, no torch), real etcd, sidecars, launchers. Each node
 runs one spare, which waits, warm, in the Wrapper. A SIGKILLed worker: its peers restart

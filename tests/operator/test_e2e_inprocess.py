@@ -1,4 +1,4 @@
-"""In-process restart on the operator's path (issue 12): the digits job with
+"""In-process restart on the operator's path: the digits job with
 ``spec.inProcess.enabled`` on the real test cluster (kubectl, kopf as the operator's
 ServiceAccount, real etcd, the real node running each Pod's sidecar and trainer containers
 from the images built here, real torch DDP training in a ``restricted`` namespace).

@@ -3,7 +3,7 @@ operator's ServiceAccount, real etcd, and the real node (kubelet, containerd, ru
 each Pod's sidecar and trainer containers from the images built here (real torch DDP
 training across Pod IPs), in a namespace that enforces Pod Security ``restricted``.
 
-One job goes through the issue's scenarios in order: Running with its world size ->
+One job goes through these scenarios in order: Running with its world size ->
 ``kubectl scale`` mid-training (a third node joins at the next round) -> ``kubectl delete
 pod`` mid-training (replaced; training resumes from its checkpoint; the restart shows in
 the status) -> Succeeded -> ``kubectl delete ej`` (Pods, then etcd keys, gone).

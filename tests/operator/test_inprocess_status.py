@@ -68,7 +68,7 @@ def test_what_is_not_a_record_reads_as_none(value: bytes | None) -> None:
 
 
 def test_mistyped_details_are_refused_as_the_sidecars_refuse_them_and_texts_are_cut() -> None:
-    """Issue 20: one codec for every reader. The operator once read a record with a
+    """One codec for every reader. The operator once read a record with a
     mistyped detail (the sidecars refused it) as one with unknown details; now it shows
     none, as the sidecars see none."""
     for bad in (dict(cause=7), dict(cause="x"), dict(rank="3"), dict(time=1e300),

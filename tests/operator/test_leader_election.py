@@ -29,7 +29,7 @@ from .conftest import job_manifest, operator_client
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
-TAKEOVER_LIMIT = 15.0  # seconds, the bound
+TAKEOVER_LIMIT = 15.0  # seconds to a new leader after a SIGKILL (the Lease expires after 10 s)
 
 
 def deployment_args() -> list[str]:

@@ -614,7 +614,7 @@ def test_the_packaged_chart_holds_the_crds_and_not_the_alert_tests(tmp_path: Pat
 
 def test_the_dashboard_is_well_formed() -> None:
     """Grafana's current schema: unique ids, a 24-column grid without overlaps, the data
-    source and the namespace/elasticjob variables on every query, the issue's sections."""
+    source and the namespace/elasticjob variables on every query, its sections."""
     dash = json.loads((CHART / "dashboards" / "kelastic.json").read_text())
     assert dash["schemaVersion"] >= 39 and dash["uid"] == "kelastic"
     variables = {v["name"]: v for v in dash["templating"]["list"]}

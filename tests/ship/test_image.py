@@ -1,4 +1,4 @@
-"""The container image (issue 4, item 1): the repo-root ``Dockerfile``, built for real.
+"""The container image: the repo-root ``Dockerfile``, built for real.
 
 - ``hadolint`` lints the Dockerfile clean.
 - The FROM image (``ARG PYTHON_IMAGE`` in the Dockerfile, a ``python:3.11-slim-bookworm``)

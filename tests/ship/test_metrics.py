@@ -1,4 +1,4 @@
-"""The metrics issue 4 lists, by name, as the sidecar and the operator export them."""
+"""The documented metrics, by name, as the sidecar and the operator export them."""
 
 from __future__ import annotations
 

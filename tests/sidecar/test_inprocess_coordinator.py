@@ -280,7 +280,7 @@ def test_bad_connections_are_dropped_and_the_others_unaffected(
 def test_a_corrupt_record_is_counted_once_and_replaced_by_the_next_fault(
     store: EtcdClient, job_prefix: str
 ) -> None:
-    """Issue 20: a corrupt record once made every fault a process restart until the next
+    """A corrupt record once made every fault a process restart until the next
     round; now the fault replaces it (compare-and-set on its revision, the restarts this
     node knew of kept) and restarts in process. A corrupt record at a round's start is
     replaced too, past every iteration this node knew of."""

@@ -1,4 +1,4 @@
-"""The hybrid rung of in-process restart (issue 12): a worker process dies -> its peers
+"""The hybrid rung of in-process restart: a worker process dies -> its peers
 restart in process and only it starts again. Pure decisions by tables; then two nodes'
 coordinators on a real etcd with ranks played by clients of the real unix socket."""
 

@@ -84,7 +84,7 @@ def test_budget_and_a_record_behind(store: EtcdClient, job_prefix: str) -> None:
     )
     assert out.kind is Advance.ADVANCED and out.record is not None
     assert (out.record.iteration, out.record.restarts, out.record.round) == (6, 2, 2)
-    # a corrupt record met by a fault is replaced (issue 20: it was a process restart
+    # a corrupt record met by a fault is replaced (it was a process restart
     # for every fault until the next round), the caller's restarts counted, not refilled
     store.put(key, b"{corrupt")
     put = store.get(key)[1]  # type: ignore[index]

@@ -1,4 +1,4 @@
-"""Spare ranks of in-process restart (issue 12, point 5): a waiting spare takes a dead
+"""Spare ranks of in-process restart: a waiting spare takes a dead
 rank's place at the ``go`` (no process start). Pure decisions by tables; then two nodes'
 coordinators on a real etcd with ranks and spares played by clients of the real unix
 socket (the launcher's side: tests/worker_lib/test_launch_spares.py; everything together

@@ -1,4 +1,4 @@
-"""A round survives its nodes' leases expiring while etcd was away (issue 11, item 6):
+"""A round survives its nodes' leases expiring while etcd was away:
 nodes on a real etcd, leases let expire as an etcd stall longer than the TTL does."""
 
 from __future__ import annotations

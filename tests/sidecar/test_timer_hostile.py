@@ -1,4 +1,4 @@
-"""Hostile input to the timer server (issue 11, items 1 and 3): floods of forged timers,
+"""Hostile input to the timer server: floods of forged timers,
 other local users, forged tokens, and a hang armed behind a flood. Real FIFOs, real
 child processes, real signals; conditions waited on with deadlines.
 """

@@ -254,7 +254,7 @@ def test_a_dead_sidecars_last_status_does_not_hold_a_restart_back() -> None:
 
 
 def test_a_jump_of_iterations_is_one_line_and_an_out_of_bounds_one_none() -> None:
-    """Issue 20: a status naming a far iteration (a forged record let through, or a
+    """A status naming a far iteration (a forged record let through, or a
     sidecar gone wrong) once drove ``kelastic run`` to say ``in-process restart
     (iteration N): see the sidecar logs`` for every N up to it (2**53: forever, Ctrl-C
     included). Now a poll looks at a bounded number of iterations, says a jump in one
@@ -277,7 +277,7 @@ def test_a_jump_of_iterations_is_one_line_and_an_out_of_bounds_one_none() -> Non
 def test_a_restart_overwritten_before_the_poll_is_still_named_and_a_corrupt_record_said_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 20: ``see the sidecar logs`` was said where the cause was known (a later
+    """``see the sidecar logs`` was said where the cause was known (a later
     restart overwrote ``last`` before the poll, e.g. a sidecar killed right after a
     raise); now the sidecars keep the ``earlier`` restarts. A corrupt record the
     sidecars refused is said, once per record, with what replaced it."""

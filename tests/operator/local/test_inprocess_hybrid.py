@@ -1,4 +1,4 @@
-"""``kelastic run`` end to end, the hybrid rung (issue 12): the digits job with
+"""``kelastic run`` end to end, the hybrid rung: the digits job with
 ``--in-process --fault kill:rank=2,after=4``: rank 2's process is SIGKILLed; the other
 three restart in process (their pids unchanged), rank 2 alone starts again as a process
 (forked from the warm-start zygote) in the same iteration, no process restart is charged,
