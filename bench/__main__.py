@@ -33,6 +33,7 @@ CASES: dict[str, tuple[str, str, float, float]] = {
     "goodput": ("bench.goodput", "goodput", 420, 200),
     "operator_scale": ("bench.operator_scale", "operator_scale", 1200, 300),
     "inprocess": ("bench.inprocess", "inprocess", 1500, 300),
+    "checkpoint": ("bench.checkpoint", "checkpoint", 900, 120),
 }
 #: left out of ``all --quick`` (each starts real DDP jobs); run them by name
 NOT_QUICK = {
@@ -42,6 +43,7 @@ NOT_QUICK = {
     "goodput",
     "operator_scale",
     "inprocess",
+    "checkpoint",  # 100 MiB and 1 GiB state dicts; quick: 16 MiB, ~25 s
 }
 
 

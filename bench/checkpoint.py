@@ -1,0 +1,214 @@
+"""Checkpoint save stall and load (issue 21, first cut): ``kelastic.checkpoint`` vs a plain
+memory copy of the same bytes (the floor) and ``torch.save``/``torch.load``, on CPU state
+dicts of 100 MiB and 1 GiB (when the machine has the memory; quick: 16 MiB), measured in
+one process, the sides taking turns in a rotating order each repetition.
+
+- **memory copy (floor)**: every tensor ``Tensor.copy_``-ed into a preallocated buffer
+  whose pages are touched (what any staging must do at least);
+- **kelastic save (stall)**: ``CheckpointStore.save`` until it returns (the bytes are
+  staged in the slot; the store was opened once with its capacity, as a trainer does);
+- **kelastic save -> committed**: until ``SaveHandle.wait`` returns (checksums, header and
+  commit word, on the store's thread, while the trainer would compute);
+- **torch.save -> disk**: ``torch.save`` to a file on the disk-backed temp folder (no
+  fsync, as trainers call it: the bytes go to the page cache), the ref row; **+ fsync**:
+  the same, durable; **-> tmpfs**: to ``/dev/shm``, the folder kelastic's slots are in;
+- **load**: ``CheckpointStore.load`` (every chunk's crc32 checked) vs ``torch.load``
+  (``weights_only=True``, file in the page cache).
+
+Targets (issue 21): save stall <= 1.25x the memory copy and <= 0.1x ``torch.save``.
+Restore after a process restart, from a peer and from disk, DCP, DLRover, ML Flashpoint
+and NVRx are the later parts' rows.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .common import CaseResult, Check, Row, log, median, save_partial
+
+MIB = 1 << 20
+#: a model's tensors (MiB) by kind, repeated to fill a third of the state; AdamW's two
+#: moments make the other two thirds
+_SHAPES_MIB = (16, 8, 4, 4, 2, 1, 1, 0.5, 0.25)
+
+
+def state_dict(total: int) -> dict[str, Any]:
+    """A model + AdamW-like state of about ``total`` bytes (float32, some bfloat16)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(21)
+    model: dict[str, Any] = {}
+    optim: dict[int, Any] = {}
+    size, index = 0, 0
+    while size < total // 3:
+        mib = _SHAPES_MIB[index % len(_SHAPES_MIB)]
+        count = min(int(mib * MIB) // 4, (total // 3 - size) // 4 + 1)
+        dtype = torch.bfloat16 if index % 7 == 6 else torch.float32
+        weight = torch.randn(count, generator=gen).to(dtype)
+        model[f"layer{index}.weight"] = weight
+        optim[index] = {"step": torch.tensor(float(index)),
+                        "exp_avg": torch.randn(count, generator=gen).to(dtype),
+                        "exp_avg_sq": torch.rand(count, generator=gen).to(dtype)}  # fmt: skip
+        size += weight.nbytes
+        index += 1
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(index))}]
+    return {"model": model, "optim": {"state": optim, "param_groups": groups}, "epoch": 3}
+
+
+def _tensors(obj: Any) -> list[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _floor(tensors: list[Any], buffer: Any) -> None:
+    offset = 0
+    for tensor in tensors:
+        n = tensor.nbytes
+        buffer[offset : offset + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        offset += -(-n // 64) * 64
+
+
+def _save_fsync(torch: Any, state: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _time(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _measure_size(result: CaseResult, label: str, total: int, reps: int) -> None:
+    import torch
+
+    from kelastic.checkpoint import CheckpointStore, slot_bytes
+
+    state = state_dict(total)
+    tensors = _tensors(state)
+    nbytes = sum(t.nbytes for t in tensors)
+    log(f"checkpoint: {label}: {len(tensors)} tensors, {nbytes / MIB:.0f} MiB, {reps} reps")
+    buffer = torch.empty(nbytes + 64 * len(tensors), dtype=torch.uint8)
+    buffer.fill_(1)  # its pages touched, as the slots' are
+    shm = Path(tempfile.mkdtemp(prefix="kelastic-bench-ckpt-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="kelastic-bench-ckpt-"))
+    samples: dict[str, list[float]] = {k: [] for k in
+                                       ("floor", "stall", "commit", "disk", "tmpfs", "fsync",
+                                        "kload", "tload")}  # fmt: skip
+    try:
+        store = CheckpointStore(shm, job="bench", capacity=slot_bytes(state))
+        saved = disk / "state.pt"
+        step = 0
+
+        def kelastic() -> None:
+            nonlocal step
+            step += 1
+            started = time.perf_counter()
+            handle = store.save(step, state)
+            samples["stall"].append(time.perf_counter() - started)
+            handle.wait()
+            samples["commit"].append(time.perf_counter() - started)
+
+        sides: list[tuple[str, Callable[[], None]]] = [
+            ("floor", lambda: samples["floor"].append(_time(lambda: _floor(tensors, buffer)))),
+            ("kelastic", kelastic),
+            ("disk", lambda: samples["disk"].append(
+                _time(lambda: torch.save(state, disk / "state.pt"))
+            )),
+            ("tmpfs", lambda: samples["tmpfs"].append(
+                _time(lambda: torch.save(state, shm / "state.pt"))
+            )),
+            ("fsync", lambda: samples["fsync"].append(
+                _time(lambda: _save_fsync(torch, state, disk / "durable.pt"))
+            )),
+        ]  # fmt: skip
+        for _, side in [*sides, ("kelastic", kelastic)]:  # warm up: each buffer, file, slot
+            side()
+        samples = {k: [] for k in samples}
+        for rep in range(reps):
+            for _, side in sides[rep % len(sides) :] + sides[: rep % len(sides)]:
+                gc.collect()
+                side()
+            for which in ("kload", "tload") if rep % 2 == 0 else ("tload", "kload"):
+                gc.collect()
+                if which == "kload":
+                    samples[which].append(_time(store.load))
+                else:
+                    samples[which].append(_time(lambda: torch.load(saved, weights_only=True)))
+            log(f"checkpoint: {label} rep {rep + 1}: " + ", ".join(
+                f"{k} {v[-1]:.3f}" for k, v in samples.items()))  # fmt: skip
+        store.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    _rows(result, label, samples)
+
+
+def _rows(result: CaseResult, label: str, samples: dict[str, list[float]]) -> None:
+    save, load = f"save stall, {label} state dict", f"load, {label} state dict"
+    result.rows += [
+        Row("checkpoint", save, "torch.save -> disk", "s", samples["disk"], ref=True,
+            note="no fsync, as trainers call it"),
+        Row("checkpoint", save, "torch.save -> tmpfs (/dev/shm)", "s", samples["tmpfs"]),
+        Row("checkpoint", save, "torch.save -> disk + fsync", "s", samples["fsync"],
+            note="durable on the disk: what a checkpoint that survives the node costs"),
+        Row("checkpoint", save, "memory copy (floor)", "s", samples["floor"]),
+        Row("checkpoint", save, "kelastic save (stall)", "s", samples["stall"]),
+        Row("checkpoint", save, "kelastic save -> committed", "s", samples["commit"],
+            note="checksums + commit on the store's thread, after the stall"),
+        Row("checkpoint", load, "torch.load <- disk (page cache)", "s", samples["tload"],
+            ref=True),
+        Row("checkpoint", load, "kelastic load (crc32 checked)", "s", samples["kload"]),
+    ]  # fmt: skip
+    stall, floor, disk, durable = (median(samples[k]) for k in ("stall", "floor", "disk", "fsync"))
+    result.checks += [
+        Check("checkpoint", f"{label}: save stall <= 1.25x memory copy",
+              f"{stall:.3f} s / {floor:.3f} s = {stall / floor:.2f}x", stall <= 1.25 * floor),
+        Check("checkpoint", f"{label}: save stall <= 0.1x torch.save",
+              f"{stall:.3f} s / {disk:.3f} s = {stall / disk:.3f}x", stall <= 0.1 * disk),
+        Check("checkpoint", f"{label}: save stall <= 0.1x torch.save + fsync",
+              f"{stall:.3f} s / {durable:.3f} s = {stall / durable:.3f}x",
+              stall <= 0.1 * durable),
+    ]  # fmt: skip
+    save_partial(result)
+
+
+def _available() -> int:
+    """MemAvailable, bytes (0 when unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def checkpoint(quick: bool) -> CaseResult:
+    result = CaseResult("checkpoint")
+    sizes = [("16 MiB", 16 * MIB, 3)] if quick else [("100 MiB", 100 * MIB, 9)]
+    if not quick:
+        # the state, the floor's buffer, two slots, two torch.save files, a load: ~7x
+        if _available() >= 8 * 1024 * MIB:
+            sizes.append(("1 GiB", 1024 * MIB, 3))
+        else:
+            log(f"checkpoint: 1 GiB skipped: {_available() / MIB:.0f} MiB available, 8 GiB needed")
+    for label, total, reps in sizes:
+        _measure_size(result, label, total, reps)
+    return result
