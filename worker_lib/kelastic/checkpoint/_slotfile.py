@@ -91,9 +91,14 @@ class SlotFile:
         self._map()
 
     def _map(self) -> None:
-        if self.size >= HEADER_SIZE:
-            access = mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ
-            self.map = mmap.mmap(self.fd, self.size, access=access)
+        if self.size < HEADER_SIZE:
+            return
+        if self.writable:  # page tables filled now (MAP_POPULATE), not by faults in a save
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | populate,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+        else:
+            self.map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
 
     def grow(self, size: int) -> None:
         """Make the file ``size`` bytes or more: allocate (``posix_fallocate``), write zeros
