@@ -24,7 +24,8 @@ just calls the function once. A fault the sidecar does not restart in-process (b
 spent, failed health check, lost sidecar) ends the process with the fault's exception,
 and the process-restart path takes over.
 
-Modules: :mod:`~kelastic.inprocess.wrapper` (``Wrapper``, ``CallWrapper``),
+Modules: :mod:`~kelastic.inprocess.wrapper` (``Wrapper``), :mod:`~kelastic.inprocess.call`
+(``CallWrapper``, what a session reads of its ``Wrapper``),
 :mod:`~kelastic.inprocess.session` (the protocol's worker half),
 :mod:`~kelastic.inprocess.monitor` (reader thread, soft timeout),
 :mod:`~kelastic.inprocess.interrupt` (asynchronous abort, ``atomic``),

@@ -27,10 +27,11 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kelastic import contract, timer
 from kelastic.inprocess import abort
+from kelastic.inprocess.call import PARAMETER, CallWrapper, Hooks
 from kelastic.inprocess.client import Closed, Connection
 from kelastic.inprocess.errors import GiveUpError, RestartAbort
 from kelastic.inprocess.inject import Injector
@@ -49,9 +50,6 @@ from kelastic.inprocess_messages import (
     Progress,
     Ready,
 )
-
-if TYPE_CHECKING:
-    from kelastic.inprocess.wrapper import Wrapper
 
 __all__ = ["Session", "summary"]
 
@@ -101,14 +99,12 @@ class Session(Generic[R]):
 
     def __init__(
         self,
-        wrapper: Wrapper,
+        wrapper: Hooks,
         fn: Callable[..., R],
         wants_call_wrapper: bool,
         args: Any,
         kwargs: Any,
     ) -> None:
-        from kelastic.inprocess.wrapper import PARAMETER, CallWrapper
-
         self._wrapper = wrapper
         self._soft_timeout, _ = wrapper.timeouts()
         self._fn = fn
@@ -210,7 +206,7 @@ class Session(Generic[R]):
         self._rank = _int_env(contract.RANK)
         self._first = item.iteration
         self._monitor.set_local_rank(self._local_rank)  # its faults name it
-        self.call_wrapper._iteration = item.iteration
+        self.call_wrapper.set_iteration(item.iteration)
         print(f"kelastic.inprocess: spare (pid {os.getpid()}) promoted to local rank "
               f"{self._local_rank} (rank {self._rank}) in iteration {item.iteration}",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -255,7 +251,7 @@ class Session(Generic[R]):
     def _run_once(self, iteration: int) -> _Outcome[R]:
         """Call the function as ``iteration``; whatever it raises is returned."""
         assert self._monitor is not None
-        self.call_wrapper._iteration = iteration
+        self.call_wrapper.set_iteration(iteration)
         sys.excepthook = self._excepthook
         self._snapshot = abort.snapshot()
         self._heartbeat.begin(iteration)

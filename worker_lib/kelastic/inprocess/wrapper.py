@@ -1,4 +1,5 @@
-"""``Wrapper`` and ``CallWrapper``: the public face of in-process restart (stdlib only).
+"""``Wrapper``: the public face of in-process restart (stdlib only); its ``CallWrapper`` is
+:mod:`kelastic.inprocess.call`'s.
 
 Semantics from NVIDIA's ``nvidia_resiliency_ext.inprocess.Wrapper`` (nvidia-resiliency-ext),
 with the coordination (which iteration comes next, the termination barrier, the restart
@@ -13,96 +14,18 @@ import inspect
 import math
 import os
 from collections.abc import Callable
-from types import TracebackType
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from kelastic import contract
+from kelastic.inprocess.call import PARAMETER, CallWrapper, Hook
 from kelastic.inprocess.client import CONNECT_TIMEOUT
 from kelastic.inprocess.inject import Injector
-from kelastic.inprocess.interrupt import AbortGuard
-from kelastic.inprocess.monitor import Heartbeat
+from kelastic.inprocess.session import Session
 
 __all__ = ["CallWrapper", "Hook", "Wrapper"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-#: A hook: called with the :class:`CallWrapper`; ``health_check`` fails by raising.
-Hook = Callable[["CallWrapper"], object]
-
-#: Name of the wrapped function's parameter that receives the :class:`CallWrapper`.
-PARAMETER: Final = "call_wrapper"
-
-
-class _Atomic:
-    """The context manager :meth:`CallWrapper.atomic` returns."""
-
-    def __init__(self, guard: AbortGuard | None) -> None:
-        self._guard = guard
-
-    def __enter__(self) -> None:
-        if self._guard is not None:
-            self._guard.enter()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._guard is not None:
-            self._guard.exit()
-
-
-_NO_ATOMIC: Final = _Atomic(None)
-
-
-class CallWrapper:
-    """The state of one call of a wrapped function, across its restart iterations.
-
-    Made by :class:`Wrapper` for each call; passed to the wrapped function as its
-    ``call_wrapper`` argument when it has one, and to every hook. Semantics from
-    NVIDIA's ``CallWrapper`` (``iteration``, ``ping``, ``atomic``).
-    """
-
-    def __init__(
-        self,
-        iteration: int = 0,
-        heartbeat: Heartbeat | None = None,
-        guard: AbortGuard | None = None,
-    ) -> None:
-        self._iteration = iteration
-        self._heartbeat = heartbeat
-        self._atomic = _Atomic(guard) if guard is not None else _NO_ATOMIC
-        #: The exception that ended the last iteration on this rank (the own fault, the
-        #: :class:`RestartAbort`, or a collective's error after an abort); None in the
-        #: first iteration. Hooks may look at it.
-        self.fault: BaseException | None = None
-
-    @property
-    def iteration(self) -> int:
-        """The restart iteration being run: 0 at first (or ``$KELASTIC_INPROCESS_ITERATION``
-        for a rank started into a running job), then the one each ``go`` named."""
-        return self._iteration
-
-    def ping(self) -> None:
-        """Report progress: resets the soft-timeout clock; the first ping of an iteration
-        tells the sidecar the rank is stepping again. Cheap; never raises; a no-op when
-        in-process restart is off. A :func:`kelastic.timer.expires` acquire counts too."""
-        if self._heartbeat is not None:
-            self._heartbeat.ping()
-
-    def atomic(self) -> _Atomic:
-        """Context manager for a section no abort may interrupt (a checkpoint write, an
-        optimizer step): an abort that arrives inside it is delivered right after it (as
-        :class:`RestartAbort` raised from the ``with`` statement), and the section is not
-        entered once an abort is under way (:class:`RestartAbort` from the ``with``).
-        Reentrant; main thread only; a no-op when in-process restart is off.
-
-        Raises:
-            RestartAbort: as described.
-        """
-        return self._atomic
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -242,7 +165,5 @@ class Wrapper:
             with Injector() as injector:
                 injector.armed = True
                 return fn(*args, **kwargs)
-        from kelastic.inprocess.session import Session
-
         session: Session[R] = Session(self, fn, wants, args, kwargs)
         return session.run()
