@@ -24,6 +24,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kelastic.control_messages import Exited, Hello, Promote, Respawn, Started, Stop, Stopped
 from kelastic_etcd import EtcdError
@@ -38,9 +39,8 @@ from .events import (
     WorkerReaped,
 )
 from .failure import CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
-from .inprocess import InProcessCoordinator, respawn_failure
-from .metrics import SidecarMetrics
-from .rendezvous import EtcdRendezvousHandler, RendezvousError, RendezvousInfo
+from .inprocess import respawn_failure
+from .rendezvous import RendezvousError
 from .round_end import (
     RoundEnd,
     RoundEndKind,
@@ -51,7 +51,12 @@ from .round_end import (
     lost_peer,
     stopped_failure,
 )
-from .timer import ReapEvent, TimerServer
+
+if TYPE_CHECKING:  # annotations only
+    from .inprocess import InProcessCoordinator
+    from .metrics import SidecarMetrics
+    from .rendezvous import EtcdRendezvousHandler, RendezvousInfo
+    from .timer import ReapEvent, TimerServer
 
 __all__ = ["AttemptMonitor"]
 

@@ -16,6 +16,7 @@ from kelastic_sidecar.inprocess.record import (
     IterationRecord,
     IterationRecordError,
     ReadyRecord,
+    RestartCause,
     advance_iteration,
     decode_iteration_record,
     decode_ready,
@@ -107,6 +108,42 @@ def test_budget_and_a_record_behind(store: EtcdClient, job_prefix: str) -> None:
     assert refused.kind is Advance.CORRUPT and "2147483647" in refused.error
     got = store.get(key)
     assert got is not None and decode_iteration_record(got[0]) == top
+
+
+def test_a_lost_node_takes_over_a_free_restart_into_its_iteration(
+    store: EtcdClient, job_prefix: str
+) -> None:
+    # The lost node's own sidecar may move the record first as a change that spends
+    # nothing (membership); the node that sees the loss charges that restart instead of
+    # aborting again: one compare-and-set, the iteration unchanged.
+    key = contract.Keys(job_prefix).inprocess_iteration
+
+    def lost(faulted: int, budget: int = 3) -> AdvanceOutcome:
+        return advance_iteration(
+            store, key, faulted, budget, round_=2, cause=RestartCause.NODE_LOST, node="n0",
+            rank=-1, message="node n1 lost", now=0.0, take_over=True,
+        )  # fmt: skip
+
+    free = IterationRecord(iteration=4, round=2, restarts=1, cause=RestartCause.MEMBERSHIP)
+    store.put(key, encode_iteration_record(free))
+    out = lost(3)
+    assert out.kind is Advance.TAKEN_OVER and out.record is not None
+    assert (out.record.iteration, out.record.restarts, out.record.cause) == (4, 2, "node_lost")
+    got = store.get(key)
+    assert got is not None and decode_iteration_record(got[0]) == out.record
+    assert got[1] == out.revision
+    # charged already (no longer a free restart): superseded, nothing written
+    assert lost(3).kind is Advance.SUPERSEDED
+    assert store.get(key) == got
+    # a free restart with the budget spent: exhausted, nothing written
+    store.put(key, encode_iteration_record(free))
+    assert lost(3, budget=1).kind is Advance.EXHAUSTED
+    # without take_over a free restart is only superseded
+    plain = advance_iteration(
+        store, key, 3, 3, round_=2, cause=RestartCause.NODE_LOST, node="n0", rank=-1,
+        message="", now=0.0,
+    )  # fmt: skip
+    assert plain.kind is Advance.SUPERSEDED and plain.record == free
 
 
 def _ctx(round_: int = 3, participants: tuple[str, ...] = ("a", "b")) -> RoundContext:

@@ -49,7 +49,7 @@ iteration is taken to be in the round's first one.
 
 Over ~400 lines as one cohesive thing: the supervisor's calls into one node's coordinator
 and the threads that feed its machine; this docstring is the protocol's description, and
-the state lives in :mod:`~kelastic_sidecar.inprocess.machine` and its subclasses.
+the state lives in :mod:`~kelastic_sidecar.inprocess.machine` and its rungs' parts.
 """
 
 from __future__ import annotations
@@ -71,8 +71,11 @@ from kelastic_etcd import EtcdClient, EtcdError, Watcher
 from ..config import InProcessSettings
 from ..failure import Failure
 from ..metrics import SidecarMetrics
-from .carry import CarryMachine, carry_request, with_master
-from .hybrid import OnPromote, OnRespawn
+from .barrier import TerminationBarrier
+from .carry import CarryRung, carry_request, with_master
+from .hybrid import RespawnRung
+from .machine import RestartMachine
+from .parts import OnPromote, OnRespawn, no_promote, no_respawn
 from .record import (
     Advance,
     AdvanceOutcome,
@@ -83,6 +86,7 @@ from .record import (
 )
 from .round import RoundContext
 from .server import InProcessServer
+from .spares import SpareRung
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -168,10 +172,12 @@ class InProcessCoordinator:
             on_drop=lambda reason: metrics.inprocess_dropped.labels(reason=reason).inc(),
         )
         #: The state; only the loop thread touches it.
-        self.machine = CarryMachine(
-            settings, store, keys, node, metrics, self.server.drop, kill, clock,
-            **({"on_respawn": on_respawn} if on_respawn is not None else {}),
-            **({"on_promote": on_promote} if on_promote is not None else {}),
+        spares, carry = SpareRung(), CarryRung()
+        self.machine = RestartMachine(
+            settings, store, keys, node, metrics, self.server.drop,
+            respawn=RespawnRung(spares), spares=spares, carry=carry,
+            barrier=TerminationBarrier(carry), on_respawn=on_respawn or no_respawn,
+            on_promote=on_promote or no_promote, kill=kill, clock=clock,
         )  # fmt: skip
         self._status: dict[str, Any] | None = self.machine.status_doc() if self.enabled else None
         #: The watch thread's copy of the record and barrier keys: key -> (value, revision).

@@ -11,7 +11,7 @@ everything.
 :func:`absorb_verdict` says whether one node's coordinator can take such an exit in its
 round (:class:`Absorb`); :func:`death_cause` and :func:`death_message` describe it for the
 iteration record, ``/status`` and the log (``kelastic run`` prints the log).
-:class:`~kelastic_sidecar.inprocess.hybrid.HybridMachine` acts on them. Table-tested in
+:class:`~kelastic_sidecar.inprocess.hybrid.RespawnRung` acts on them. Table-tested in
 ``tests/sidecar/test_inprocess_hybrid.py``.
 """
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol, TypeGuard
 
 from kelastic._safejson import UnsafeJSONError, loads_bounded
@@ -171,6 +171,9 @@ class Advance(enum.Enum):
     #: No next record can be written (the iteration at
     #: :data:`~kelastic.inprocess_record.MAX_ITERATION`; :attr:`AdvanceOutcome.error`).
     CORRUPT = "corrupt"
+    #: Another node's restart into the next iteration spent nothing (a change of
+    #: membership); this call charged it to its own cause (``take_over``).
+    TAKEN_OVER = "taken_over"
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ class AdvanceOutcome:
         record: the record as stored now (the one written on :attr:`Advance.ADVANCED`);
             ``None`` on :attr:`Advance.CORRUPT`.
         revision: its ``mod_revision`` (0 when missing or corrupt).
-        error: why no record could be written, on :attr:`Advance.CORRUPT`.
+        error: why no record could be written, on :attr:`Advance.CORRUPT`; on
+            :attr:`Advance.SUPERSEDED`, why a take-over's write failed (the record as is).
         replaced: on :attr:`Advance.ADVANCED` over a corrupt record, the decoder's
             message about it (``""`` otherwise).
         replaced_revision: that corrupt record's ``mod_revision`` (0 when none).
@@ -211,6 +215,7 @@ def advance_iteration(
     known: tuple[bytes | None, int] | None = None,
     charge: bool = True,
     known_restarts: int = 0,
+    take_over: bool = False,
 ) -> AdvanceOutcome:
     """Move the record from iteration ``faulted`` to ``faulted + 1`` (one restart spent),
     by compare-and-set on its ``mod_revision`` (the fencing of every in-process restart).
@@ -237,6 +242,13 @@ def advance_iteration(
             that is not a fault (nodes joining or leaving on purpose), neither checked
             nor counted.
         known_restarts: restarts the caller knows were spent (used over a corrupt record).
+        take_over: a charged restart that finds another node's restart into
+            ``faulted + 1`` that spent nothing (``membership``: a lost node's own sidecar
+            sees its lease lost before its SIGTERM, and may win the race) makes it its
+            own: the record keeps its iteration (nobody aborts again) and gets this
+            cause and one restart spent (:attr:`Advance.TAKEN_OVER`;
+            :attr:`Advance.EXHAUSTED` when the budget is spent). One compare-and-set; a
+            failed one leaves the record as it is (:attr:`Advance.SUPERSEDED`).
 
     Returns:
         the outcome; :attr:`Advance.SUPERSEDED` is the fenced-out loser of a race.
@@ -259,6 +271,10 @@ def advance_iteration(
         except IterationRecordError as exc:
             record, corrupt = IterationRecord(iteration=faulted, restarts=known_restarts), str(exc)
         if record.iteration > faulted:
+            if take_over and charge and not corrupt and record.iteration == faulted + 1 \
+                    and record.cause == RestartCause.MEMBERSHIP:  # fmt: skip
+                return _take_over(store, key, record, revision, max_restarts, cause=cause,
+                                  node=node, message=message)  # fmt: skip
             return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
         if charge and record.restarts >= max_restarts:
             return AdvanceOutcome(Advance.EXHAUSTED, record, revision)
@@ -278,3 +294,29 @@ def advance_iteration(
                                   revision if corrupt else 0)  # fmt: skip
         got = None if current is None else (current, new_revision)
     raise RuntimeError(f"could not update {key} after {_MAX_CAS} tries")
+
+
+def _take_over(
+    store: RecordStore,
+    key: str,
+    record: IterationRecord,
+    revision: int,
+    max_restarts: int,
+    *,
+    cause: RestartCause,
+    node: str,
+    message: str,
+) -> AdvanceOutcome:
+    """:func:`advance_iteration`'s ``take_over``: charge ``record`` (at ``revision``) to
+    ``cause``, its iteration unchanged, by one compare-and-set."""
+    if record.restarts >= max_restarts:
+        return AdvanceOutcome(Advance.EXHAUSTED, record, revision)
+    charged = replace(record, restarts=record.restarts + 1, cause=cause, node=node,
+                      message=message[:MAX_TEXT])  # fmt: skip
+    try:
+        ok, _, new_revision = store.cas(key, encode_iteration_record(charged), revision)
+    except ConnectionError as exc:  # etcd's errors are ConnectionErrors: go on uncharged
+        return AdvanceOutcome(Advance.SUPERSEDED, record, revision, str(exc))
+    if not ok:
+        return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
+    return AdvanceOutcome(Advance.TAKEN_OVER, charged, new_revision)

@@ -28,23 +28,35 @@ a store on rank 0, pairs them.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Collection, Iterator
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
+from kelastic import contract
 from kelastic.control_messages import MAX_PID
-from kelastic.inprocess_messages import GiveUp
+from kelastic.inprocess_messages import GiveUp, Go, Hello
 
-from .server import Session
+from ..ipc import DropReason
+from .round import go_env
 from .verdict import Verdict
+
+if TYPE_CHECKING:  # annotations only
+    from .parts import Node
+    from .record import ReadyRecord
+    from .round import RoundContext
+    from .server import Session
 
 __all__ = [
     "SPARE_NOTE",
     "SpareHello",
     "SparePool",
+    "SpareRung",
     "SpareVerdict",
     "pair_spares",
     "spare_hello_verdict",
 ]
+
+log = logging.getLogger("kelastic_sidecar.inprocess")
 
 #: What the iteration record's ``message`` adds to a death that a waiting spare takes
 #: (instead of :data:`~kelastic_sidecar.inprocess.hybrid_verdicts.RESPAWN_NOTE`).
@@ -73,7 +85,7 @@ def spare_hello_verdict(
 
     Args:
         phase: the coordinator's phase (``idle``, ``running``, ``aborting``, ``barrier``,
-            ``failed``: :mod:`~kelastic_sidecar.inprocess.machine`).
+            ``failed``: :class:`~kelastic_sidecar.inprocess.round.Phase`).
         nproc: local ranks of the round (0 when there is no round).
         spares: spare ranks this node runs (``spareRanks``).
         slot: the spare's slot.
@@ -152,3 +164,111 @@ class SparePool:
             session.send(GiveUp(reason=reason))
             session.close()
         self._waiting.clear()
+
+
+class SpareRung:
+    """The spare ranks' part of a node's :class:`~.machine.RestartMachine`: the waiting
+    spares (their ``hello``, their end) and, at a ``go``, their promotion into the
+    places of dead ranks (called by the :class:`~.hybrid.RespawnRung`).
+
+    A promotion is told through the machine's ``on_promote``.
+
+    Attributes:
+        promotions: dead local ranks replaced by a waiting spare, for ``/status``.
+    """
+
+    def __init__(self) -> None:
+        self._pool = SparePool()
+        self._promoted: set[int] = set()  # ids of the sessions of promoted spares
+        self.promotions = 0
+
+    def hello(self, m: Node, session: Session, msg: Hello) -> None:
+        """A spare's ``hello``: keep it waiting, ``give_up`` or drop it."""
+        ctx = m.ctx
+        verdict = spare_hello_verdict(
+            phase=m.phase, nproc=ctx.nproc if ctx is not None else 0,
+            spares=m.settings.spare_ranks, slot=msg.local_rank, pid=msg.pid,
+        )  # fmt: skip
+        if verdict.kind is SpareHello.DROP:
+            log.error("%r: %s; dropping it", session, verdict.reason)
+            m.drop(session, DropReason.MALFORMED)
+        elif verdict.kind is SpareHello.GIVE_UP:
+            log.info("%r: spare not needed (%s)", session, verdict.reason)
+            session.send(GiveUp(reason=f"spare not needed: {verdict.reason}"))
+        else:
+            if self._pool.add(msg.local_rank, session) is not None:
+                log.warning("spare slot %d connected again; dropped its previous session",
+                            msg.local_rank)  # fmt: skip
+            log.info("%r: spare waiting (pid %d, slot %d)", session, msg.pid, msg.local_rank)
+        m.metrics.inprocess_spares_waiting.set(len(self._pool))
+
+    def closed(self, m: Node, session: Session) -> bool:
+        """A session ended: True when it was a waiting spare's (only logged: no failure of
+        the round, the launcher starts a new spare)."""
+        slot = self._pool.discard(session)
+        if slot is None:
+            return False
+        pid = session.hello.pid if session.hello is not None else "?"
+        log.warning("the spare in slot %d (pid %s) went away while waiting; the launcher "
+                    "starts a new one", slot, pid)  # fmt: skip
+        m.metrics.inprocess_spares_waiting.set(len(self._pool))
+        return True
+
+    def note(self, dead: Collection[int]) -> str:
+        """How a new dead rank comes back, as the record says it, when a waiting spare
+        (one not promised to a rank that died before, ``dead``) takes it; else ``""``."""
+        return SPARE_NOTE if len(self._pool) > len(dead) else ""
+
+    def take_places(
+        self,
+        m: Node,
+        ctx: RoundContext,
+        dead: Collection[int],
+        master: ReadyRecord,
+        iteration: int,
+    ) -> list[int]:
+        """At the ``go`` of ``iteration``: a waiting spare enters it in place of each dead
+        local rank it can; return those ranks."""
+        paired = pair_spares(dead, list(self._pool))
+        for local_rank, slot in paired.items():
+            self._promote(m, ctx, local_rank, slot, master, iteration)
+        return list(paired)
+
+    def _promote(self, m: Node, ctx: RoundContext, local_rank: int, slot: int,
+                 master: ReadyRecord, iteration: int) -> None:  # fmt: skip
+        """The spare of ``slot`` enters ``iteration`` as the dead ``local_rank``."""
+        session = self._pool.take(slot)
+        env = go_env(ctx, local_rank, master, iteration)
+        hello = session.hello
+        pid = hello.pid if hello is not None else 0
+        rank = env.get(contract.RANK, "")
+        number = int(rank) if rank.isdigit() else 0
+        session.hello = Hello(pid=pid, local_rank=local_rank, rank=number, iteration=iteration)
+        m.sessions[local_rank] = session
+        m.offset[session.id] = 0
+        self._promoted.add(session.id)
+        self.promotions += 1
+        m.metrics.inprocess_spares_promoted.inc()
+        m.metrics.inprocess_spares_waiting.set(len(self._pool))
+        line = (f"local rank {local_rank} replaced by the spare of slot {slot} (pid {pid}, no "
+                f"process start)")  # fmt: skip
+        m.history.note("promoted", line)
+        log.warning("%s in iteration %d (its peers restarted in process)", line, iteration)
+        m.on_promote(ctx.round, slot, local_rank, pid)
+        session.send(Go(iteration, env))
+
+    def ended(self, m: Node, reason: str) -> None:
+        """The round ended: ``give_up`` to the waiting spares (they exit 0)."""
+        self._pool.give_up_all(f"round ended: {reason}")
+        self._promoted.clear()
+        m.metrics.inprocess_spares_waiting.set(0)
+
+    def status(self, m: Node) -> dict[str, Any]:
+        """``/status``'s ``spares``: ``configured`` (spare ranks per node), ``waiting``
+        (their slots waiting now), ``promoted`` (dead ranks they replaced), ``pids``
+        (global rank -> pid of each promoted spare serving now, whose process env still
+        says its spare identity: ``kelastic run``'s faults find it by this)."""
+        pids = {str(s.hello.rank): s.hello.pid for s in m.sessions.values()
+                if s.id in self._promoted and s.hello is not None}  # fmt: skip
+        return {"configured": m.settings.spare_ranks, "waiting": list(self._pool),
+                "promoted": self.promotions, "pids": pids}  # fmt: skip

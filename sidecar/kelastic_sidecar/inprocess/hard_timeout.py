@@ -1,0 +1,104 @@
+"""The in-process hard timeout: a rank sent an ``abort`` that has not answered ``ready``
+within ``hard_timeout`` seconds is SIGKILLed by its pid, and its exit is the process
+path's (NVIDIA's in-process restart kills it the same way). A part of the
+:class:`~.machine.RestartMachine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from ..metrics import SidecarMetrics
+    from .server import Session
+
+__all__ = ["HardTimeouts", "victim_pid"]
+
+log = logging.getLogger("kelastic_sidecar.inprocess")
+
+
+def victim_pid(session: Session) -> int | None:
+    """The pid to kill for ``session``'s rank: the kernel's peer pid (none when the peer
+    is outside our pid namespace: its ``hello`` pid would name another process here);
+    the one its ``hello`` claims only where the kernel cannot tell. Never 0, 1 or the
+    sidecar's own."""
+    claimed = session.hello.pid if session.hello else None
+    pid = session.peer_pid if session.peer_known else claimed
+    return pid if pid is not None and pid > 1 and pid != os.getpid() else None
+
+
+class HardTimeouts:
+    """Each aborted local rank's kill deadline (loop thread only).
+
+    Args:
+        hard_timeout: seconds a rank has to answer an ``abort``.
+        clock: monotonic seconds.
+        kill: how a pid is killed (``os.kill``).
+        metrics: the sidecar's metrics (``kelastic_inprocess_workers_killed_total``).
+    """
+
+    def __init__(
+        self,
+        hard_timeout: float,
+        clock: Callable[[], float],
+        kill: Callable[[int, int], None],
+        metrics: SidecarMetrics,
+    ) -> None:
+        self._hard_timeout = hard_timeout
+        self._clock = clock
+        self._kill = kill
+        self._metrics = metrics
+        self._at: dict[int, float] = {}  # local rank -> when it is SIGKILLed
+
+    def arm(self, local_rank: int) -> None:
+        """``local_rank`` was sent an ``abort``: its deadline, unless one runs already."""
+        self._at.setdefault(local_rank, self._clock() + self._hard_timeout)
+
+    def rearm(self, local_rank: int) -> None:
+        """``local_rank`` answered an earlier abort: alive; a new deadline for the newer
+        one, when it has one."""
+        if local_rank in self._at:
+            self._at[local_rank] = self._clock() + self._hard_timeout
+
+    def cancel(self, local_rank: int) -> None:
+        """``local_rank`` is ready, or gone: no kill."""
+        self._at.pop(local_rank, None)
+
+    def clear(self) -> None:
+        """No kill for anyone (a ``go``, a give-up, the round's end)."""
+        self._at.clear()
+
+    def deadlines(self) -> list[float]:
+        """The kill deadlines (monotonic seconds)."""
+        return list(self._at.values())
+
+    def due(self, now: float) -> list[int]:
+        """The local ranks past their deadline at ``now`` (forgotten here)."""
+        late = [lr for lr, when in self._at.items() if when <= now]
+        for local_rank in late:
+            del self._at[local_rank]
+        return late
+
+    def kill(self, session: Session, iteration: int) -> int | None:
+        """SIGKILL ``session``'s rank, which did not pass the termination barrier of
+        ``iteration`` in time; return its pid (None: none to kill, logged)."""
+        assert session.hello is not None
+        local_rank = session.hello.local_rank
+        pid = victim_pid(session)
+        if pid is None:
+            log.error("local rank %d missed the hard timeout, but has no pid to kill", local_rank)
+            return None
+        log.error(
+            "local rank %d (pid %d) did not pass the termination barrier of iteration %d "
+            "within %.1fs; killing it", local_rank, pid, iteration, self._hard_timeout,
+        )  # fmt: skip
+        try:
+            self._kill(pid, signal.SIGKILL)
+            self._metrics.inprocess_killed.inc()
+        except OSError as exc:
+            log.error("killing pid %d failed: %s", pid, exc)
+        return pid
