@@ -24,7 +24,7 @@ from .common import CaseResult, child_env, log, table
 CASES: dict[str, tuple[str, str, float, float]] = {
     "timer_reap": ("bench.timer_cases", "reap", 180, 40),
     "timer_throughput": ("bench.timer_cases", "throughput", 180, 40),
-    "rdzv_join": ("bench.rdzv_cases", "join", 300, 60),
+    "rdzv_join": ("bench.rdzv_cases", "join", 600, 90),
     "rdzv_rejoin": ("bench.rdzv_cases", "rejoin", 300, 90),
     "rdzv_scale": ("bench.rdzv_cases", "scale", 400, 120),
     "sidecar_footprint": ("bench.footprint", "footprint", 150, 40),
@@ -32,7 +32,7 @@ CASES: dict[str, tuple[str, str, float, float]] = {
     "hang_recovery": ("bench.hang", "hang", 300, 150),
     "goodput": ("bench.goodput", "goodput", 420, 200),
     "operator_scale": ("bench.operator_scale", "operator_scale", 1200, 300),
-    "inprocess": ("bench.inprocess", "inprocess", 1500, 300),
+    "inprocess": ("bench.inprocess", "inprocess", 1800, 300),
     "checkpoint": ("bench.checkpoint", "checkpoint", 900, 120),
 }
 #: left out of ``all --quick`` (each starts real DDP jobs); run them by name
@@ -51,6 +51,9 @@ def _run_child(name: str, quick: bool, out: str, window: float | None) -> int:
     """In the case's own process: run it and write its :class:`CaseResult` as JSON."""
     import importlib
 
+    from . import common
+
+    common.PARTIAL_OUT = out  # rows written as they are measured; this file at the end
     module, func, _, _ = CASES[name]
     started = time.monotonic()
     kwargs: dict[str, Any] = {"quick": quick}
@@ -89,7 +92,13 @@ def _run_case(name: str, quick: bool, window: float | None) -> CaseResult:
 
             os.killpg(proc.pid, signal.SIGKILL)  # the case's own session: it and its helpers
             proc.wait()
-            return CaseResult(name, error=f"time limit of {limit:.0f} s exceeded")
+            error = f"time limit of {limit:.0f} s exceeded"
+            if not os.path.exists(out):
+                return CaseResult(name, error=error)
+            result = CaseResult.from_json(json.loads(Path(out).read_text()))
+            result.error = error + f" (the {len(result.rows)} rows measured before it are kept)"
+            result.seconds = time.monotonic() - started
+            return result
         except BaseException:
             import signal
 

@@ -26,7 +26,9 @@ class Row:
     """One measured line of the table: a side of a comparison, with its raw samples.
 
     ``group`` names the comparison (rows of one group are compared with its ``ref`` row,
-    torch's component); ``better`` is ``"lower"`` or ``"higher"``.
+    torch's component); ``better`` is ``"lower"`` or ``"higher"``. ``status`` is empty
+    when the side ran in full, else what cut it short (``"timed out after 60 s (1 of 3
+    runs)"``, ``"failed: ..."``); its samples are those measured before.
     """
 
     case: str
@@ -38,6 +40,7 @@ class Row:
     ref: bool = False
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    status: str = ""
 
 
 @dataclass
@@ -129,10 +132,13 @@ def table(results: Sequence[CaseResult]) -> str:
             s = row.samples
             unit = row.unit + (" (lower better)" if row.better == "lower" else " (higher better)")
             lo, hi = (min(s), max(s)) if s else (math.nan, math.nan)
+            versus = ratio(row, refs.get(row.group))
+            if row.status:
+                versus = f"{versus}; {row.status}" if s else row.status
             lines.append(
                 f"| {row.case} | {row.group} | {row.side} | {len(s)} | {_fmt(lo)} "
                 f"| {_fmt(median(s))} | {_fmt(percentile(s, 99))} | {_fmt(hi)} "
-                f"| {unit} | {ratio(row, refs.get(row.group))} |"
+                f"| {unit} | {versus} |"
             )
         if result.error:
             lines.append(f"| {result.name} | ERROR | {result.error[:150]} | 0 | | | | | | |")
@@ -149,6 +155,20 @@ def table(results: Sequence[CaseResult]) -> str:
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines)
+
+
+#: where :func:`save_partial` writes (set by ``python -m bench`` in a case's process)
+PARTIAL_OUT: str | None = None
+
+
+def save_partial(result: CaseResult) -> None:
+    """Write the rows measured so far where the suite reads them if the case's time limit
+    ends its process, so that a late hang costs only the rows not yet measured."""
+    if PARTIAL_OUT is None:
+        return
+    tmp = f"{PARTIAL_OUT}.partial"
+    Path(tmp).write_text(json.dumps(result.to_json()))
+    os.replace(tmp, PARTIAL_OUT)
 
 
 def log(msg: str) -> None:

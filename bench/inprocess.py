@@ -4,17 +4,24 @@ job stepping again, side by side in one run.
 (a) one rank raises inside the training function (SIGUSR1 -> exception): kelastic's
     in-process restart vs NVIDIA's ``nvidia_resiliency_ext.inprocess.Wrapper`` (under
     torchrun, its documented set-up; its process group's timeout lowered to 3 s, its best
-    case: ranks blocked in a collective are released only by that timeout) vs kelastic's
-    warm process restart vs torchrun.
+    case: ranks blocked in a collective are released only by that timeout) vs torchft
+    (below) vs kelastic's warm process restart vs torchrun.
 (b) one worker is SIGKILLed: kelastic's hybrid rung (survivors restart in process, the
     dead rank starts again as a process) vs kelastic with a spare rank per node
     (``spareRanks: 1``: a waiting spare takes the dead rank's place, no process start; a
     new spare is forked meanwhile; a kill before it is ready falls back to the hybrid
-    rung) vs kelastic's warm process restart vs torchrun.
+    rung) vs torchft vs kelastic's warm process restart vs torchrun.
+torchft, on (a) and (b) (:mod:`bench._torchft_train`, torchft's DDP example): 4 replica
+    groups of one worker under ``torchrun --standalone`` each, a lighthouse
+    (``min_replicas`` 1, its wait for stragglers and heartbeat timeout lowered to 1 s)
+    and 3 s timeouts of its Manager and ``ProcessGroupGloo`` (its best case, as NVRx's
+    3 s is): a raise ends the rank's process as in torchft's examples; the dead rank's
+    torchrun starts it again, it heals from a peer, and the others step without it
+    meanwhile; the sample is the time until all 4 step together again.
 (c) one rank hangs (SIGUSR2: no step, no ``ping``): kelastic's soft-timeout abort; the
     sample is the time from the hang to all ranks stepping again, minus the soft timeout.
 
-All sides run :mod:`bench._inprocess_train`. Targets: (a) <= 0.3 s median,
+All other sides run :mod:`bench._inprocess_train`. Targets: (a) <= 0.3 s median,
 <= 0.05x torchrun, >= 10x faster than NVRx; (b) <= 0.5x kelastic warm; (c) <= 0.3 s past
 the soft timeout.
 """
@@ -25,6 +32,8 @@ import importlib
 import os
 import signal
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,6 +48,8 @@ from .common import (
     log,
     median,
     read_events,
+    save_partial,
+    spawn_logged,
     start_kelastic,
     start_torchrun_pair,
 )
@@ -114,12 +125,81 @@ def _torchrun(tmp: Path, name: str, sig: int, count: int, wrap: str = "none") ->
         _teardown(procs, signal.SIGTERM)
 
 
-def _nvrx_missing() -> str | None:
+TORCHFT_TRAIN = REPO / "bench" / "_torchft_train.py"
+#: torchft's lighthouse as its examples start it (``--min_replicas 1 --quorum_tick_ms
+#: 100``), the wait for stragglers and the heartbeat timeout lowered to 1 s (defaults 60
+#: and 5 s): its best case
+LIGHTHOUSE = ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "1000",
+              "--heartbeat_timeout_ms", "1000"]  # fmt: skip
+
+
+def _lighthouse(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+    """torchft's lighthouse (the wheel's ``torchft_lighthouse``, its Rust server) on a
+    free loopback port, its log to a file; returns it and its address once it listens."""
+    import socket
+
+    from kelastic_operator.local.etcd import free_port
+
+    port = free_port()
+    # the console script the wheel installs beside this interpreter: its Rust argument
+    # parser reads the process's own argv, so it cannot be started through ``python -c``
+    script = Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"
+    args = [str(script), "--bind", f"127.0.0.1:{port}", *LIGHTHOUSE]
+    proc = spawn_logged(args, child_env(), tmp / f"lighthouse-{name}.log", tmp)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _teardown([proc], signal.SIGTERM)
+                what = f"torchft's lighthouse did not start (exit {proc.poll()})"
+                raise RuntimeError(what) from None
+            time.sleep(0.05)
+
+
+def _torchft(tmp: Path, name: str, sig: int, count: int) -> list[float]:
+    """4 replica groups of one worker, each under ``torchrun --standalone`` (which starts
+    its worker again), and a lighthouse: torchft's DDP set-up."""
+    lighthouse, address = _lighthouse(tmp, name)
+    events = tmp / f"{name}.jsonl"
+    procs = [lighthouse]
     try:
-        importlib.import_module("nvidia_resiliency_ext.inprocess")
-    except Exception as exc:  # ImportError, or its import failing on this machine
-        return f"{type(exc).__name__}: {exc} (pip install '.[bench]')"
-    return None
+        for replica in range(4):
+            env = child_env(BENCH_EVENTS=str(events), REPLICA_GROUP_ID=str(replica),
+                            NUM_REPLICA_GROUPS="4", TORCHFT_LIGHTHOUSE=address)  # fmt: skip
+            env.pop("TORCHELASTIC_TIMER_FILE", None)
+            env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torchft's Manager uses it
+            args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "1", "--max-restarts", "50", "--monitor-interval",
+                    "0.1", str(TORCHFT_TRAIN)]  # fmt: skip
+            procs.append(spawn_logged(args, env, tmp / f"torchft-{name}-{replica}.log", tmp))
+        return _faults(events, procs[1:], sig, count)
+    finally:
+        _teardown(procs, signal.SIGTERM)
+
+
+TORCHFT_SIDE = "torchft {} (4 replica groups of 1, lighthouse; torchrun restarts the dead one)"
+
+
+def _anchor(result: CaseResult, tmp: Path, group: str, module: str, side: str, dist: str,
+            fn: Callable[[], list[float]]) -> list[float] | None:  # fmt: skip
+    """Another project's side: its row says what it is not measured for when its package
+    is not installed or its import fails here; ``side`` gets the installed version."""
+    from importlib.metadata import version
+
+    try:
+        importlib.import_module(module)
+        label = side.format(version(dist))
+    except Exception as exc:  # ImportError, PackageNotFoundError, its import failing here
+        label = side.format("").replace("  ", " ")
+        why = f"not measured: {type(exc).__name__}: {exc} (pip install '.[bench]')"[:300]
+        log(f"inprocess: {group}: {label}: {why}")
+        result.rows.append(Row("inprocess", group, label, "s", [], status=why))
+        save_partial(result)
+        return None
+    return _run(result, tmp, group, label, fn)
 
 
 def _run(result: CaseResult, tmp: Path, group: str, side: str,
@@ -131,10 +211,13 @@ def _run(result: CaseResult, tmp: Path, group: str, side: str,
         for name in sorted(os.listdir(tmp)):
             if name.endswith(".log"):
                 log(f"--- {name}:\n" + (tmp / name).read_text()[-3000:])
-        result.checks.append(Check("inprocess", f"{side} ran", f"{type(exc).__name__}: {exc}",
-                                   False))  # fmt: skip
+        why = f"failed: {type(exc).__name__}: {exc}"[:300]
+        result.rows.append(Row("inprocess", group, side, "s", [], ref=ref, status=why))
+        result.checks.append(Check("inprocess", f"{side} ran", why, False))
+        save_partial(result)
         return None
     result.rows.append(Row("inprocess", group, side, "s", samples, ref=ref))
+    save_partial(result)
     return samples
 
 
@@ -169,18 +252,15 @@ def inprocess(quick: bool) -> CaseResult:
             "kelastic in-process",
             lambda: _kelastic(tmp, "a-inproc", usr1, n, in_process=True),
         )
-        missing = _nvrx_missing()
-        nvrx_a = None
-        if missing is None and not quick:
-            nvrx_a = _run(
-                result,
-                tmp,
-                a,
-                "NVRx 0.4.1 Wrapper (torchrun)",
+        nvrx_a = tft_a = tft_b = None
+        if not quick:
+            nvrx_a = _anchor(
+                result, tmp, a, "nvidia_resiliency_ext.inprocess", "NVRx {} Wrapper (torchrun)",
+                "nvidia-resiliency-ext",
                 lambda: _torchrun(tmp, "a-nvrx", usr1, min(n, 3), wrap="nvrx"),
-            )
-        elif missing is not None:
-            log(f"inprocess: NVRx not measured: {missing}")
+            )  # fmt: skip
+            tft_a = _anchor(result, tmp, a, "torchft", TORCHFT_SIDE, "torchft",
+                            lambda: _torchft(tmp, "a-torchft", usr1, min(n, 3)))  # fmt: skip
         b = "(b) rank 1 SIGKILLed -> all ranks stepping"
         if not quick:
             torch_b = _run(
@@ -212,6 +292,8 @@ def inprocess(quick: bool) -> CaseResult:
                 "kelastic spare (in-process + a waiting spare per node)",
                 lambda: _kelastic(tmp, "b-spare", kill, n, in_process=True, spares=1),
             )
+            tft_b = _anchor(result, tmp, b, "torchft", TORCHFT_SIDE, "torchft",
+                            lambda: _torchft(tmp, "b-torchft", kill, 3))  # fmt: skip
         c = f"(c) rank 1 hangs -> all stepping, minus the {SOFT_TIMEOUT:g} s soft timeout"
         ours_c = _run(result, tmp, c, "kelastic in-process (soft timeout)",
                       lambda: _kelastic(tmp, "c-soft", usr2, min(n, 3), in_process=True,
@@ -237,6 +319,13 @@ def inprocess(quick: bool) -> CaseResult:
                 v >= 10 * m,
             )
         )
+    for group, ours, theirs in (("(a)", ours_a, tft_a), ("(b)", ours_b, tft_b)):
+        if ours and theirs:
+            m, f = median(ours), median(theirs)
+            result.checks.append(
+                Check("inprocess", f"{group} vs torchft", f"{m:.3f} s vs {f:.2f} s = {m / f:.3f}x",
+                      m < f)
+            )  # fmt: skip
     if ours_a and warm_a:
         m, w = median(ours_a), median(warm_a)
         result.checks.append(

@@ -11,7 +11,6 @@ shared TCPStore, which kelastic's handler does not do either.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -33,6 +32,7 @@ from .common import (
     embedded_etcd,
     log,
     median,
+    save_partial,
     stop_process,
 )
 
@@ -182,50 +182,93 @@ def _torch_etcd_join(endpoint: str, n: int) -> float:
                 h._state_holder._backend._inner._store.close()
 
 
+def _ours_join_counts(endpoint: str, n: int) -> dict[str, int]:
+    """One more join of ours; the etcd requests it sent, by operation."""
+    counts: dict[str, int] = {}
+    _ours_join(endpoint, n, counts)
+    return counts
+
+
+#: the sides of a join: (name, ``module:function`` called with (store or etcd, N), ref)
+JOIN_SIDES = (
+    ("torch handler + c10d (TCPStore)", "bench.rdzv_cases:_torch_c10d_join", True),
+    ("kelastic handler + etcd", "bench.rdzv_cases:_ours_join", False),
+    ("torch handler + kelastic etcd backend", "bench.rdzv_cases:_torch_etcd_join", False),
+)
+#: seconds each side may take per run at one N (its deadline: this times its runs)
+JOIN_RUN_BUDGET = 20.0
+
+
+def _join_note(n: int, counts: dict[str, int]) -> tuple[str, dict[str, float]]:
+    per_node = {k: round(v / n, 1) for k, v in sorted(counts.items())}
+    total = sum(v for k, v in counts.items() if k != "cas_failed") / n
+    note = (
+        f"N={n}: {total:.1f} etcd requests per node until joined "
+        f"(CAS {per_node.get('cas', 0)}, of which failed {per_node.get('cas_failed', 0)};"
+        f" reads {per_node.get('read', 0)}; alive put+read {per_node.get('put_read', 0)};"
+        f" watch streams {per_node.get('watch', 0) + per_node.get('wait_change', 0)};"
+        f" lease grants {per_node.get('grant_lease', 0)}; the stream and the grant"
+        " are the session, opened before the timed window)"
+    )
+    return note, per_node
+
+
 def join(quick: bool) -> CaseResult:
-    """min = max = N nodes (threads of this process) join one round; time to the last."""
+    """min = max = N nodes (threads of one helper process) join one round; time to the
+    last. Each side at each N runs in :class:`~bench.sides.SideRunner` with its own
+    deadline (``BENCH_SIDE_DEADLINE`` s, default :data:`JOIN_RUN_BUDGET` per run): a
+    side that times out or fails costs its own row (and its rows at larger N, where it
+    is not run again after a time-out); every row is logged and saved as it arrives."""
     import torch.distributed as dist
+
+    from .sides import SideRunner
 
     _quiet()
     result = CaseResult("rdzv_join")
     ns = (2,) if quick else (2, 4, 8, 16, 32, 64)
     ours_reps, torch_reps = (2, 1) if quick else (5, 3)
+    fixed = os.environ.get("BENCH_SIDE_DEADLINE")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with embedded_etcd() as endpoint:
+    timed_out: dict[str, int] = {}  # side -> the N it timed out at
+    with embedded_etcd() as endpoint, SideRunner("rdzv_join") as runner:
         for n in ns:
             group = f"N={n} join (start -> round complete on all)"
-            sides: list[tuple[str, Callable[[int], float], int, bool]] = [
-                ("torch handler + c10d (TCPStore)",
-                 functools.partial(_torch_c10d_join, server.port), torch_reps, True),
-                ("kelastic handler + etcd", functools.partial(_ours_join, endpoint), ours_reps,
-                 False),
-                ("torch handler + kelastic etcd backend",
-                 functools.partial(_torch_etcd_join, endpoint), torch_reps, False),
-            ]  # fmt: skip
-            for side, fn, reps, ref in sides:
-                log(f"rdzv_join: N={n}: {side} x{reps}")
-                samples = [fn(n) * 1000 for _ in range(reps)]
-                result.rows.append(Row("rdzv_join", group, side, "ms", samples, ref=ref))
-            counts: dict[str, int] = {}  # one more run of ours, counting its etcd calls
-            _ours_join(endpoint, n, counts)
-            per_node = {k: round(v / n, 1) for k, v in sorted(counts.items())}
-            total = sum(v for k, v in counts.items() if k != "cas_failed") / n
-            ours = result.rows[-2]
-            ours.extra["etcd_calls_per_node"] = per_node
-            ours.note = (
-                f"N={n}: {total:.1f} etcd requests per node until joined "
-                f"(CAS {per_node.get('cas', 0)}, of which failed {per_node.get('cas_failed', 0)};"
-                f" reads {per_node.get('read', 0)}; alive put+read {per_node.get('put_read', 0)};"
-                f" watch streams {per_node.get('watch', 0) + per_node.get('wait_change', 0)};"
-                f" lease grants {per_node.get('grant_lease', 0)}; the stream and the grant"
-                " are the session, opened before the timed window)"
-            )
+            for side, fn, ref in JOIN_SIDES:
+                reps = torch_reps if side.startswith("torch") else ours_reps
+                where: str | int = server.port if "c10d" in side else endpoint
+                if side in timed_out:
+                    status = f"not run: timed out at N={timed_out[side]}"
+                    samples: list[float] = []
+                else:
+                    deadline = float(fixed) if fixed else JOIN_RUN_BUDGET * reps
+                    log(f"rdzv_join: N={n}: {side} x{reps} (deadline {deadline:g} s)")
+                    values, status = runner.run(side, fn, [where, n], reps, deadline)
+                    samples = [float(v) * 1000 for v in values]
+                    if status.startswith("timed out"):
+                        timed_out[side] = n
+                row = Row("rdzv_join", group, side, "ms", samples, ref=ref, status=status)
+                result.rows.append(row)
+                log(f"rdzv_join: N={n}: {side}: median {median(samples):.1f} ms"
+                    + (f" ({status})" if status else ""))  # fmt: skip
+                save_partial(result)
+            ours = next(r for r in result.rows if r.group == group and r.side == JOIN_SIDES[1][0])
+            if ours.samples:  # one more run of ours, counting its etcd calls
+                deadline = float(fixed) if fixed else JOIN_RUN_BUDGET
+                got, status = runner.run("etcd request count", "bench.rdzv_cases:_ours_join_counts",
+                                         [endpoint, n], 1, deadline)  # fmt: skip
+                if got:
+                    ours.note, per_node = _join_note(n, got[0])
+                    ours.extra["etcd_calls_per_node"] = per_node
+                else:
+                    ours.note = f"N={n}: etcd requests not counted: {status}"
+                save_partial(result)
     n = 32 if 32 in ns else ns[-1]  # the target is set at N = 32
     ours = next(r for r in result.rows if r.group.startswith(f"N={n} ") and "kelastic h" in r.side)
     med = median(ours.samples)
     if not quick:
+        value = f"{med:.0f} ms" if ours.samples else ours.status
         result.checks.append(
-            Check("rdzv_join", "kelastic median <= 100 ms at N = 32", f"{med:.0f} ms", med <= 100)
+            Check("rdzv_join", "kelastic median <= 100 ms at N = 32", value, med <= 100)
         )
     return result
 

@@ -7,6 +7,7 @@ torch's side and kelastic's measured, not how fast either is.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,41 @@ def test_bench_all_quick(tmp_path: Path) -> None:
     assert {r["group"] for r in footprint} == {"idle sidecar RSS", "idle sidecar CPU (1 s samples)"}
     assert all(r["samples"] for r in footprint)
     assert "| case | target | this run | met |" in table
+
+
+@pytest.mark.timeout(200)
+def test_a_hanging_or_failing_side_costs_only_its_rows(tmp_path: Path) -> None:
+    """``rdzv_join`` with one side made to hang and one to raise (``BENCH_SIDE_FAULTS``),
+    each side with a 3 s deadline: those two rows say so, the third side is measured,
+    and the case itself has no error."""
+    out = tmp_path / "results.json"
+    hang, fail = "torch handler + c10d (TCPStore)", "torch handler + kelastic etcd backend"
+    env = {
+        **os.environ,
+        "BENCH_SIDE_DEADLINE": "3",
+        "BENCH_SIDE_FAULTS": json.dumps({hang: "hang", fail: "fail"}),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "rdzv_join", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert not case["error"], case["error"]
+    rows = {r["side"]: r for r in case["rows"]}
+    assert set(rows) == {hang, fail, "kelastic handler + etcd"}
+    assert rows[hang]["samples"] == []
+    assert rows[hang]["status"] == "timed out after 3 s (0 of 1 runs)"
+    assert rows[fail]["samples"] == []
+    assert rows[fail]["status"] == "failed: RuntimeError: injected by BENCH_SIDE_FAULTS"
+    ours = rows["kelastic handler + etcd"]
+    assert len(ours["samples"]) == 2 and ours["status"] == "" and "etcd requests" in ours["note"]
+    for side in (hang, fail):
+        assert f"| {side} | 0 |" in proc.stdout and rows[side]["status"] in proc.stdout
 
 
 def test_slow_cases_selectable_by_name() -> None:
