@@ -127,9 +127,12 @@ def test_lease_expiry_removes_keys(store: EtcdClient, job_prefix: str) -> None:
 
 
 def test_lease_keep_alive_outlives_ttl(store: EtcdClient, job_prefix: str) -> None:
+    before = store.request_counts().get("keep_alive", 0)
     lease = store.grant_lease(1)
     store.put(job_prefix + "alive/n", b"x", lease=lease.id)
-    time.sleep(3.0)  # three TTLs: only the keep-alive can hold the key
+    # three TTLs: 9 keep-alives, one per TTL/3 (only they can hold the key that long)
+    wait_for(lambda: store.request_counts().get("keep_alive", 0) >= before + 9, 30,
+             what="9 keep-alives of the lease")  # fmt: skip
     assert store.get(job_prefix + "alive/n") is not None
     assert not lease.lost
     lease.revoke()
