@@ -1,4 +1,4 @@
-"""Checkpoint save stall and load (issue 21, first cut): ``kelastic.checkpoint`` vs a plain
+"""Checkpoint save stall and load (first cut): ``kelastic.checkpoint`` vs a plain
 memory copy of the same bytes (the floor) and ``torch.save``/``torch.load``, on CPU state
 dicts of 100 MiB and 1 GiB (when the machine has the memory; quick: 16 MiB), measured in
 one process, the sides taking turns in a rotating order each repetition.
@@ -15,7 +15,7 @@ one process, the sides taking turns in a rotating order each repetition.
 - **load**: ``CheckpointStore.load`` (every chunk's crc32 checked) vs ``torch.load``
   (``weights_only=True``, file in the page cache).
 
-Targets (issue 21): save stall <= 1.25x the memory copy and <= 0.1x ``torch.save``.
+Targets: save stall <= 1.25x the memory copy and <= 0.1x ``torch.save``.
 Restore after a process restart, from a peer and from disk, DCP, DLRover, ML Flashpoint
 and NVRx are the later parts' rows.
 """
