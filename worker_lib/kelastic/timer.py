@@ -53,6 +53,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "MAX_SCOPE_LEN",
     "WIRE_VERSION",
+    "WRITE_TIMEOUT",
     "FifoTimerClient",
     "TimerClient",
     "configure",
@@ -68,6 +69,10 @@ WIRE_VERSION: Final = 1
 MAX_LINE_BYTES: Final = select.PIPE_BUF
 #: Longest ``scope_id`` in characters (the kelastic server drops longer ones).
 MAX_SCOPE_LEN: Final = 1024
+#: Seconds a request waits for room in a full FIFO before it fails (``TimeoutError``): a
+#: flood of other writers fills the pipe for fractions of a second while the server
+#: drains it; a server that stopped reading leaves it full.
+WRITE_TIMEOUT: Final = 10.0
 
 
 class TimerClient(Protocol):
@@ -88,10 +93,15 @@ class FifoTimerClient:
     this process.
 
     The FIFO is opened lazily on the first request with ``O_WRONLY | O_NONBLOCK`` (so a
-    missing server fails at once instead of blocking), then switched to blocking mode (so
-    a momentarily full pipe makes the write wait instead of failing), and kept open. On
-    ``EPIPE`` (the server restarted: the old FIFO has no reader) it is reopened once. A
-    forked child never writes through its parent's descriptor: it reopens its own.
+    missing server fails at once instead of blocking) and kept open, non-blocking. A
+    write that finds the pipe full (``EAGAIN``: other writers, torch's unthrottled
+    clients say, filled it faster than the server drains) waits until the pipe is
+    writable and writes again, for at most ``write_timeout`` seconds, so that neither a
+    flood (torch's client fails with ``BlockingIOError`` there) nor a server that stopped
+    reading (a blocking write would wait for ever) decides the request's fate without a
+    bound. On ``EPIPE`` (the server restarted: the old FIFO has no reader) it is reopened
+    once. A forked child never writes through its parent's descriptor: it reopens its
+    own.
 
     Note: writing to a FIFO without a reader raises ``SIGPIPE``; Python ignores that
     signal by default, turning it into :class:`BrokenPipeError`. A program that restores
@@ -104,9 +114,12 @@ class FifoTimerClient:
             0 means "expire without killing". Must be in ``0..64``.
         token: sent with each request (at most 128 characters); default
             ``$KELASTIC_TIMER_TOKEN`` as set when the client is made, none if unset.
+        write_timeout: seconds a request waits for room in a full FIFO (positive,
+            finite); default :data:`WRITE_TIMEOUT`.
 
     Raises:
-        ValueError: ``signal`` is outside ``0..64``, or ``token`` is too long.
+        ValueError: ``signal`` is outside ``0..64``, ``token`` is too long, or
+            ``write_timeout`` is not a positive finite number.
     """
 
     def __init__(
@@ -114,8 +127,12 @@ class FifoTimerClient:
         file_path: str | os.PathLike[str],
         signal: int = _signal.SIGKILL,
         token: str | None = None,
+        write_timeout: float = WRITE_TIMEOUT,
     ) -> None:
         signal = int(signal)
+        if not (math.isfinite(write_timeout) and write_timeout > 0):
+            raise ValueError(f"write_timeout must be a positive number of seconds, got "
+                             f"{write_timeout}")  # fmt: skip
         if not 0 <= signal <= 64:
             raise ValueError(f"signal must be in 0..64 (0: expire without kill), got {signal}")
         if token is None:
@@ -125,6 +142,7 @@ class FifoTimerClient:
         self.file_path: Final = os.fspath(file_path)
         self.signal: Final = signal
         self.token: Final = token
+        self.write_timeout: Final = float(write_timeout)
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._fd_pid = 0
@@ -144,6 +162,8 @@ class FifoTimerClient:
                 line exceeds ``select.PIPE_BUF`` bytes.
             BrokenPipeError: no timer server is reading the FIFO (a
                 :class:`ConnectionError`).
+            TimeoutError: the FIFO stayed full for ``write_timeout`` seconds (the server
+                stopped reading); the request was not delivered.
         """
         if not isinstance(expiration_time, (int, float)) or isinstance(expiration_time, bool):
             raise ValueError(f"expiration_time must be a number, got {expiration_time!r}")
@@ -160,6 +180,7 @@ class FifoTimerClient:
             ValueError: ``scope_id`` too long or the request line exceeds
                 ``select.PIPE_BUF`` bytes.
             BrokenPipeError: no timer server is reading the FIFO.
+            TimeoutError: the FIFO stayed full for ``write_timeout`` seconds.
         """
         self._send(scope_id, -1, 0)
 
@@ -187,7 +208,7 @@ class FifoTimerClient:
                     self._fd = self._open()
                     self._fd_pid = os.getpid()
                 try:
-                    written = os.write(self._fd, line)
+                    written = self._write(self._fd, line)
                 except BrokenPipeError as exc:
                     self._close_fd()
                     if attempt == 1:
@@ -195,7 +216,7 @@ class FifoTimerClient:
                             f"timer server stopped reading {self.file_path} (request not delivered)"
                         ) from exc
                     continue  # the server restarted: reopen the (new) FIFO once
-                if written != len(line):  # impossible for a blocking pipe write <= PIPE_BUF
+                if written != len(line):  # impossible for a pipe write <= PIPE_BUF
                     raise OSError(f"short write to {self.file_path}: {written}/{len(line)}")
                 return
 
@@ -210,11 +231,31 @@ class FifoTimerClient:
         try:
             if not stat.S_ISFIFO(os.fstat(fd).st_mode):
                 raise BrokenPipeError(f"timer server not available: {self.file_path} is not a FIFO")
-            os.set_blocking(fd, True)
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+    def _write(self, fd: int, line: bytes) -> int:
+        """Write ``line`` (at most ``PIPE_BUF`` bytes: all or nothing) to the non-blocking
+        ``fd``, waiting for room while the pipe is full, for ``write_timeout`` seconds."""
+        deadline = time.monotonic() + self.write_timeout
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        while True:
+            try:
+                return os.write(fd, line)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"timer server not reading: {self.file_path} stayed full for "
+                        f"{self.write_timeout:g} s (request not delivered)"
+                    ) from None
+                # POLLOUT says a page is free; a line may still not fit (other writers
+                # race for it): the write says, and the wait repeats. At most 50 ms per
+                # wait, so the bound holds whatever poll reports.
+                poller.poll(min(50, max(1, int(left * 1000))))
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
@@ -416,6 +457,8 @@ def expires(after: float, scope: str | None = None, client: TimerClient | None =
             unset.
         ValueError: ``after`` is not finite.
         BrokenPipeError: (on entry or exit) no timer server is reading the FIFO.
+        TimeoutError: (on entry or exit) the FIFO stayed full for the client's
+            ``write_timeout`` seconds (the server stopped reading).
     """
     if not math.isfinite(after):
         raise ValueError(f"after must be a finite number of seconds, got {after}")
