@@ -15,7 +15,10 @@ one process, the sides taking turns in a rotating order each repetition.
 - **load**: ``CheckpointStore.load`` (every chunk's crc32 checked) vs ``torch.load``
   (``weights_only=True``, file in the page cache).
 
-Targets: save stall <= 1.25x the memory copy and <= 0.1x ``torch.save``.
+Targets: save stall <= 1.25x the memory copy and <= 0.1x ``torch.save``; a
+target is judged by the median of each repetition's own ratio (its two sides measured
+within seconds of each other: on a shared machine the load drifts more between
+repetitions than within one); the ratio of the medians is shown beside it.
 Restore after a process restart, from a peer and from disk, DCP, DLRover, ML Flashpoint
 and NVRx are the later parts' rows.
 """
@@ -177,15 +180,19 @@ def _rows(result: CaseResult, label: str, samples: dict[str, list[float]]) -> No
         Row("checkpoint", load, "kelastic load (crc32 checked)", "s", samples["kload"]),
     ]  # fmt: skip
     stall, floor, disk, durable = (median(samples[k]) for k in ("stall", "floor", "disk", "fsync"))
-    result.checks += [
-        Check("checkpoint", f"{label}: save stall <= 1.25x memory copy",
-              f"{stall:.3f} s / {floor:.3f} s = {stall / floor:.2f}x", stall <= 1.25 * floor),
-        Check("checkpoint", f"{label}: save stall <= 0.1x torch.save",
-              f"{stall:.3f} s / {disk:.3f} s = {stall / disk:.3f}x", stall <= 0.1 * disk),
-        Check("checkpoint", f"{label}: save stall <= 0.1x torch.save + fsync",
-              f"{stall:.3f} s / {durable:.3f} s = {stall / durable:.3f}x",
-              stall <= 0.1 * durable),
-    ]  # fmt: skip
+
+    def paired(side: str) -> float:  # the median of each repetition's own ratio
+        return median([a / b for a, b in zip(samples["stall"], samples[side], strict=True)])
+
+    for target, side, ref, bound in (("memory copy", "floor", floor, 1.25),
+                                     ("torch.save", "disk", disk, 0.1),
+                                     ("torch.save + fsync", "fsync", durable, 0.1)):  # fmt: skip
+        value = (f"medians {stall:.3f} s / {ref:.3f} s = {stall / ref:.2f}x; "
+                 f"per-repetition ratio {paired(side):.2f}x")  # fmt: skip
+        met = paired(side) <= bound
+        result.checks.append(
+            Check("checkpoint", f"{label}: save stall <= {bound}x {target}", value, met)
+        )
     save_partial(result)
 
 
@@ -202,11 +209,11 @@ def _available() -> int:
 
 def checkpoint(quick: bool) -> CaseResult:
     result = CaseResult("checkpoint")
-    sizes = [("16 MiB", 16 * MIB, 3)] if quick else [("100 MiB", 100 * MIB, 9)]
+    sizes = [("16 MiB", 16 * MIB, 3)] if quick else [("100 MiB", 100 * MIB, 15)]
     if not quick:
         # the state, the floor's buffer, two slots, two torch.save files, a load: ~7x
         if _available() >= 8 * 1024 * MIB:
-            sizes.append(("1 GiB", 1024 * MIB, 3))
+            sizes.append(("1 GiB", 1024 * MIB, 5))
         else:
             log(f"checkpoint: 1 GiB skipped: {_available() / MIB:.0f} MiB available, 8 GiB needed")
     for label, total, reps in sizes:

@@ -20,7 +20,6 @@ import torch
 
 from kelastic import checkpoint, contract
 from kelastic.checkpoint import (
-    CheckpointError,
     CheckpointStore,
     TreeError,
     slot_bytes,
@@ -145,11 +144,34 @@ def test_a_slot_that_outgrows_its_capacity_grows(tmp_path: Path) -> None:
     assert loaded is not None and loaded[0] == 2 and loaded[1]["m"].sum() == 100_000
 
 
-def test_one_writer_per_rank(tmp_path: Path) -> None:
+_OTHER_WRITER = """
+import sys
+from kelastic.checkpoint import CheckpointError, CheckpointStore
+try:
+    CheckpointStore(sys.argv[1], rank=1)
+except CheckpointError as exc:
+    print(exc)
+"""
+
+
+def test_one_writer_per_rank_and_a_forked_child_holds_no_lock(tmp_path: Path) -> None:
+    other = [sys.executable, "-c", _OTHER_WRITER, str(tmp_path)]
     with CheckpointStore(tmp_path, rank=1):
-        with pytest.raises(CheckpointError, match="one writer per rank"):
-            CheckpointStore(tmp_path, rank=1)
+        out = subprocess.run(other, capture_output=True, text=True, env=_env(), check=True)
+        assert f"(pid {os.getpid()})" in out.stdout and "one writer per rank" in out.stdout
         CheckpointStore(tmp_path, rank=2).close()  # another rank is another writer
+        child = os.fork()
+        if child == 0:  # a DataLoader-like child that outlives its parent's store
+            try:
+                signal.pause()
+            finally:
+                os._exit(0)
+    try:  # the store is closed; its forked child still lives and holds nothing
+        with CheckpointStore(tmp_path, rank=1) as again:
+            again.save(1, {}, blocking=True)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 def test_unsupported_values_are_refused_with_their_path(tmp_path: Path) -> None:
@@ -176,10 +198,14 @@ def test_module_level_save_and_load_use_the_env(
     monkeypatch.setenv(contract.WORLD_SIZE, "8")
     monkeypatch.setenv(contract.TORCHELASTIC_RUN_ID, "job-uid")
     monkeypatch.setattr(checkpoint, "_default", None)
+    monkeypatch.setattr(checkpoint, "_sized", False)
     try:
+        assert checkpoint.load() is None  # a fresh start: opens the store, sizes nothing
+        assert slot_path(tmp_path, 5, 0).stat().st_size == 0
         checkpoint.save(11, {"w": torch.ones(3)}).wait()
         loaded = checkpoint.load()
         assert loaded is not None and loaded[0] == 11
+        assert slot_path(tmp_path, 5, 1).stat().st_size >= slot_bytes({"w": torch.ones(3)})
         info = checkpoint.default_store().slots()[0]
         assert (info.rank, info.world_size, info.job) == (5, 8, "job-uid")
         assert slot_path(tmp_path, 5, 0).stat().st_size >= slot_bytes({"w": torch.ones(3)})

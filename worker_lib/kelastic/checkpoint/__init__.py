@@ -45,9 +45,10 @@ from typing import Any
 
 from kelastic import contract
 
+from ._handle import SaveHandle
 from ._slotfile import CheckpointError, CheckpointSpaceError
 from .slot_format import FORMAT_VERSION, SlotFormatError
-from .store import CheckpointStore, SaveHandle, SlotInfo, slot_bytes
+from .store import CheckpointStore, SlotInfo, slot_bytes
 from .tree import TreeError
 
 __all__ = [
@@ -96,27 +97,32 @@ def open_store(directory: str | os.PathLike[str] | None = None, *, capacity: int
     )
 
 
-def default_store(state_dict: Any = None) -> CheckpointStore:
-    """The process's store of :func:`save` and :func:`load`, opened on first use (with
-    ``state_dict``: its two slots allocated for it, plus 1/8)."""
+def default_store() -> CheckpointStore:
+    """The process's store of :func:`save` and :func:`load`, opened on first use by
+    :func:`open_store` (its slots sized by the first :func:`save`)."""
     global _default
     with _default_lock:
         if _default is None:
-            capacity = 0
-            if state_dict is not None:
-                capacity = slot_bytes(state_dict)
-                capacity += capacity // 8
-            _default = open_store(capacity=capacity)
+            _default = open_store()
         return _default
+
+
+_sized = False
 
 
 def save(step: int, state_dict: Any, *, blocking: bool = False) -> SaveHandle:
     """Stage ``state_dict`` as ``step`` in this rank's slots; returns once the bytes are
     staged (the commit follows on a thread; the next save or load waits for it). The
-    first call opens the store and allocates both slots for this state (a folder too
-    small raises :class:`CheckpointSpaceError` naming the bytes needed). See
+    first call allocates both slots for this state, plus 1/8 (a folder too small raises
+    :class:`CheckpointSpaceError` naming the bytes needed). See
     :meth:`CheckpointStore.save` for the arguments and errors."""
-    return default_store(state_dict).save(step, state_dict, blocking=blocking)
+    global _sized
+    store = default_store()
+    if not _sized:
+        capacity = slot_bytes(state_dict)
+        store.reserve(capacity + capacity // 8)
+        _sized = True
+    return store.save(step, state_dict, blocking=blocking)
 
 
 def load(step: int | None = None) -> tuple[int, Any] | None:

@@ -173,7 +173,9 @@ class SlotFile:
 
 
 def lock_rank(path: Path) -> int:
-    """Take the rank's writer lock (``flock``, released when the process dies).
+    """Take the rank's writer lock: a POSIX record lock (``lockf``), released when the
+    process dies and not inherited by its forked children (a DataLoader worker that
+    outlives a killed trainer for a moment does not keep the restarted rank out).
 
     Returns:
         the lock file's descriptor (close it to release).
@@ -183,8 +185,8 @@ def lock_rank(path: Path) -> int:
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
         raise CheckpointError(

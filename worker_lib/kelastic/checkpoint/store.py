@@ -29,7 +29,7 @@ crc, every payload chunk's crc while it is copied out, the commit word unchanged
 the copy: a writer that started over the slot meanwhile is caught) and the first that
 passes is returned; a corrupted slot falls back to the other one, else ``None``.
 
-One writer per rank (a ``flock`` on the rank's lock file); readers take no lock. A slot
+One writer per rank (a POSIX lock on the rank's lock file); readers take no lock. A slot
 is per rank whatever the parallelism: with DDP every rank saves its copy of the
 replicated state, with sharded state each rank its own part (torch DCP's per-rank
 files); resharding for another world size is not done here.
@@ -38,14 +38,13 @@ files); resharding for another world size is not done here.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
+from ._handle import SaveHandle
 from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
 from ._tensors import entries, is_tensor, stage, tensors_from
 from .slot_format import (
@@ -105,47 +104,6 @@ class SlotInfo:
     payload_bytes: int
 
 
-class SaveHandle:
-    """A save whose bytes are staged; :meth:`wait` returns once it is committed."""
-
-    def __init__(self, step: int, slot: int) -> None:
-        self.step = step
-        self.slot = slot
-        self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-
-    def _start(self, commit: Callable[[], None]) -> None:
-        def run() -> None:
-            try:
-                commit()
-            except BaseException as exc:  # reported by wait()
-                self.error = exc
-
-        self._thread = threading.Thread(target=run, name="kelastic-checkpoint-commit")
-        self._thread.start()
-
-    def done(self) -> bool:
-        """Whether the commit has ended (committed, or failed: :meth:`wait` says)."""
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for the commit, ``timeout`` seconds at most (None: no limit).
-
-        Raises:
-            TimeoutError: still committing after ``timeout``.
-            CheckpointError: the commit failed (its cause chained); the last committed
-                step is still the one before.
-        """
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"step {self.step} still committing after {timeout} s")
-        if self.error is not None:
-            raise CheckpointError(f"commit of step {self.step} failed: {self.error}") from (
-                self.error
-            )
-
-
 class CheckpointStore:
     """The two slots of one rank in ``directory``.
 
@@ -194,9 +152,7 @@ class CheckpointStore:
                 header = self._header(slot)[0]
                 self._seqs.append(header.seq if header is not None else 0)
             if capacity > 0 and writable:
-                self._reserve([max(0, capacity - f.size) for f in self._files], "two slots")
-                for f in self._files:
-                    f.grow(capacity)
+                self.reserve(capacity)
         except BaseException:
             self.close()
             raise
@@ -277,6 +233,20 @@ class CheckpointStore:
         if pending is not None:
             pending.wait(timeout)  # TimeoutError keeps it pending
             self._pending = None
+
+    def reserve(self, capacity: int) -> None:
+        """Grow both slots to ``capacity`` bytes each (no-op where they are larger):
+        allocated and touched now, so a folder too small fails here.
+
+        Raises:
+            CheckpointSpaceError: the folder cannot give the bytes (named in the message).
+        """
+        if not self.writable or not self._files:
+            raise CheckpointError("this store is read only or closed")
+        self.wait()
+        self._reserve([max(0, capacity - f.size) for f in self._files], "two slots")
+        for f in self._files:
+            f.grow(capacity)
 
     def _reserve(self, growth: list[int], what: str) -> None:
         needed = sum(growth)
