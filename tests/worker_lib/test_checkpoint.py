@@ -20,6 +20,7 @@ import torch
 
 from kelastic import checkpoint, contract
 from kelastic.checkpoint import (
+    CheckpointError,
     CheckpointStore,
     TreeError,
     slot_bytes,
@@ -134,6 +135,30 @@ def test_two_slots_alternate_and_the_newest_loads(tmp_path: Path) -> None:
     assert reader.load() == (5, {"x": 1})
     assert CheckpointStore(tmp_path, rank=3, job="other", writable=False).load() is None
     assert CheckpointStore(tmp_path, rank=0, job="j", writable=False).load() is None
+
+
+def test_a_failed_commit_is_raised_once_and_the_last_step_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kelastic.checkpoint import store as store_module
+
+    with CheckpointStore(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}).wait()
+        real = store_module.chunk_checksums
+
+        def broken(payload: Any, size: int) -> list[int]:
+            raise OSError("checksum thread died")
+
+        monkeypatch.setattr(store_module, "chunk_checksums", broken)
+        ckpt.save(2, {"w": torch.full((4,), 2.0)})
+        with pytest.raises(CheckpointError, match="commit of step 2 failed"):
+            ckpt.save(3, {"w": torch.full((4,), 3.0)})  # raised by the next call, once
+        monkeypatch.setattr(store_module, "chunk_checksums", real)
+        loaded = ckpt.load()
+        assert loaded is not None and loaded[0] == 1
+        ckpt.save(4, {"w": torch.full((4,), 4.0)}).wait()
+        loaded = ckpt.load()
+        assert loaded is not None and loaded[0] == 4
 
 
 def test_a_slot_that_outgrows_its_capacity_grows(tmp_path: Path) -> None:

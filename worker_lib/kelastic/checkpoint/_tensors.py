@@ -70,9 +70,10 @@ def stage(buffer: Any, payload_offset: int, items: Sequence[TensorEntry],
     whole = torch.frombuffer(buffer, dtype=torch.uint8, count=length, offset=payload_offset)
     try:
         for entry, tensor in zip(items, tensors, strict=True):
-            if entry.nbytes:
-                dst = whole[entry.offset : entry.offset + entry.nbytes]
-                dst.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            if entry.nbytes:  # no name holds a view: a raised error keeps no export alive
+                whole[entry.offset : entry.offset + entry.nbytes].view(tensor.dtype).view(
+                    tensor.shape
+                ).copy_(tensor.detach())
     finally:
         del whole
 

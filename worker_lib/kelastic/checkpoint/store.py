@@ -216,8 +216,10 @@ class CheckpointStore:
         assert f.map is not None
         with memoryview(f.map) as view:
             payload = view[lay.payload_offset : lay.payload_offset + lay.payload_len]
-            table = encode_table(chunk_checksums(payload, lay.chunk_size))
-            payload.release()
+            try:
+                table = encode_table(chunk_checksums(payload, lay.chunk_size))
+            finally:
+                payload.release()  # else the map stays exported: it could not be closed
         raw, crc = encode_header(replace(header, table_crc=zlib.crc32(table)))
         f.write(HEADER_SIZE, table)
         f.write(0, raw)  # its commit word is zero: still dirty
@@ -228,10 +230,17 @@ class CheckpointStore:
         self._seqs[target] = seq
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for the pending save's commit (see :meth:`SaveHandle.wait`)."""
+        """Wait for the pending save's commit (see :meth:`SaveHandle.wait`). A failed
+        commit is raised once (:class:`CheckpointError`); the next save goes on."""
         pending = self._pending
         if pending is not None:
-            pending.wait(timeout)  # TimeoutError keeps it pending
+            try:
+                pending.wait(timeout)
+            except TimeoutError:
+                raise  # still pending
+            except BaseException:
+                self._pending = None
+                raise
             self._pending = None
 
     def reserve(self, capacity: int) -> None:
