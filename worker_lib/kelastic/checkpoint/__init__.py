@@ -6,6 +6,7 @@ Usage in a training script (the same script runs without kelastic: the folder is
 
     from kelastic import checkpoint
 
+    start = -1
     restored = checkpoint.load()                 # None on a fresh start
     if restored is not None:
         start, state = restored
@@ -14,6 +15,10 @@ Usage in a training script (the same script runs without kelastic: the folder is
     for step in range(start + 1, steps):
         train_step()
         checkpoint.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+
+Every rank saves and loads its own slots: its replica of the state under DDP, its part of
+sharded state. Loaded tensors are on the CPU (``load_state_dict`` copies them where the
+parameters are).
 
 What exists now (the worker library's part): per rank two *slots*, files on
 the memory-backed folder :func:`kelastic.contract.checkpoint_dir` (a volume of its own,
