@@ -238,6 +238,37 @@ def test_module_level_save_and_load_use_the_env(
         checkpoint.default_store().close()
 
 
+_RANK_SAVER = """
+import os
+import torch
+from kelastic import checkpoint
+rank = int(os.environ["RANK"])
+for step in range(1, 4):  # each rank its own part (sharded), or its replica (DDP)
+    shard = torch.full((1000 * (rank + 1),), float(100 * rank + step))
+    checkpoint.save(step, {"shard": shard, "rank": rank})
+checkpoint.default_store().close()
+"""
+
+
+def test_ranks_share_the_folder_each_with_its_own_slots(tmp_path: Path) -> None:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK_SAVER],
+                         env={**_env(), contract.ENV_CHECKPOINT_DIR: str(tmp_path),
+                              contract.RANK: str(rank), contract.WORLD_SIZE: "2",
+                              contract.TORCHELASTIC_RUN_ID: "job"})
+        for rank in (0, 1)
+    ]  # fmt: skip
+    assert [p.wait(120) for p in procs] == [0, 0]
+    for rank in (0, 1):
+        loaded = CheckpointStore(tmp_path, rank=rank, job="job", writable=False).load()
+        assert loaded is not None
+        step, state = loaded
+        assert (step, state["rank"], state["shard"].numel()) == (3, rank, 1000 * (rank + 1))
+        assert bool((state["shard"] == 100 * rank + 3).all())
+    assert sorted(p.name for p in tmp_path.glob("*.slot*")) == [
+        "rank-0.slot0", "rank-0.slot1", "rank-1.slot0", "rank-1.slot1"]  # fmt: skip
+
+
 # ------------------------------------------------------------------ corruption
 
 
