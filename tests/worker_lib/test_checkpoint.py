@@ -269,6 +269,73 @@ def test_ranks_share_the_folder_each_with_its_own_slots(tmp_path: Path) -> None:
         "rank-0.slot0", "rank-0.slot1", "rank-1.slot0", "rank-1.slot1"]  # fmt: skip
 
 
+_DDP = """
+import os, sys
+import torch, torch.distributed as dist
+from kelastic import checkpoint
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+optim = torch.optim.Adam(model.parameters(), lr=0.01)
+start = 0
+restored = checkpoint.load()
+if restored is not None:
+    start, state = restored
+    model.module.load_state_dict(state["model"])
+    optim.load_state_dict(state["optim"])
+    start += 1
+for step in range(start, start + int(sys.argv[1])):
+    torch.manual_seed(1000 * step + rank)  # each rank its own batch; DDP averages
+    model(torch.randn(8, 16)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    checkpoint.save(step, {"model": model.module.state_dict(), "optim": optim.state_dict()})
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+print(f"rank {rank} start {start} sum {flat.double().sum().item():.12f}", flush=True)
+checkpoint.default_store().close()
+dist.destroy_process_group()
+"""
+
+
+def _ddp(tmp_path: Path, steps: int) -> list[str]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _DDP, str(steps)], stdout=subprocess.PIPE,
+                         text=True, env={**_env(), contract.ENV_CHECKPOINT_DIR: str(tmp_path),
+                                         contract.RANK: str(rank), contract.WORLD_SIZE: "2",
+                                         contract.MASTER_ADDR: "127.0.0.1",
+                                         contract.MASTER_PORT: str(port),
+                                         contract.TORCHELASTIC_RUN_ID: "ddp"})
+        for rank in (0, 1)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=180)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return outs
+
+
+def test_a_gloo_ddp_job_resumes_from_its_ranks_slots(tmp_path: Path) -> None:
+    """2 ranks of DDP save every step; a restart of both resumes from the step after
+    the last one, every rank from its own replica, and trains on identically."""
+    first = _ddp(tmp_path, 3)
+    assert [line.split()[3] for line in first] == ["0", "0"]
+    sums = {line.split()[5] for line in first}
+    assert len(sums) == 1  # DDP: the replicas agree
+    for rank in (0, 1):  # what each rank committed is what it trained to
+        loaded = CheckpointStore(tmp_path, rank=rank, job="ddp", writable=False).load()
+        assert loaded is not None and loaded[0] == 2
+        weight, bias = loaded[1]["model"]["weight"], loaded[1]["model"]["bias"]
+        total = torch.cat([weight.flatten(), bias.flatten()]).double().sum().item()
+        assert f"{total:.12f}" in sums
+    second = _ddp(tmp_path, 2)
+    assert [line.split()[3] for line in second] == ["3", "3"]  # resumed after step 2
+    assert len({line.split()[5] for line in second}) == 1
+
+
 # ------------------------------------------------------------------ corruption
 
 
