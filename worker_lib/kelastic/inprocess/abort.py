@@ -42,6 +42,22 @@ measured when the rank joined after the host had left). A rank connecting to a h
 that is gone (its node lost) still waits for the store's timeout or the sidecar's hard
 timeout.
 
+Before the shutdown, a connection on which a peer's send to this rank is half written is
+*drained* (:data:`DRAIN_LIMIT`): gloo's ``Pair::signalException`` fails the operations a
+pair has queued, but not an unbound-buffer send already in its write queue, so a peer
+whose ring send to this rank waits for room when this rank's FIN (the shutdown) or RST
+(the process group destroyed with bytes unread) arrives waits for that send until the
+process group's timeout (30 minutes by default). Seen with two ranks raising at once
+(1 run in 7 of the digits job; 1 in 6 of a 4-rank DDP loop): a third rank's collective
+failed on a raiser's closed connection, gloo dropped its receive buffers and stopped
+reading the connection from the fourth rank, whose ring send then filled the window;
+the fourth rank stayed in ``loss.backward()`` (DDP's ``finalize_backward`` waiting on
+that send) until the sidecar's hard timeout killed it. gloo never reads such a
+connection again (its next read needs the dropped buffer), so bytes that stay unread
+are safe to drop: they are read and dropped until the peer has been quiet for
+:data:`DRAIN_QUIET` seconds, and its send completes. The store's connections are never
+drained.
+
 Caveat: TCP connections the training code itself opened during the iteration (a data
 service, say) are shut down too.
 
@@ -53,15 +69,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import gc
 import os
+import select
 import socket
+import struct
 import sys
+import termios
+import time
 from typing import Any, Final
 
 from kelastic import contract
 
 __all__ = [
+    "DRAIN_LIMIT",
+    "DRAIN_QUIET",
     "abort_nccl",
     "destroy_process_groups",
     "keep_store",
@@ -71,6 +94,15 @@ __all__ = [
 ]
 
 _FD_DIR: Final = "/proc/self/fd"
+#: Seconds a teardown spends at most dropping what peers still send on connections gloo
+#: stopped reading (module docstring).
+DRAIN_LIMIT: Final = 3.0
+#: Seconds without a byte from such a peer that end its drain: its send completed (a
+#: peer's gloo thread, descheduled on a busy machine, may pause that long mid-send).
+DRAIN_QUIET: Final = 0.2
+#: Seconds between the two looks that tell a stopped reader (bytes still unread) from a
+#: working one (it reads them within microseconds).
+_DRAIN_LOOK: Final = 0.02
 
 
 def snapshot() -> frozenset[str]:
@@ -106,7 +138,9 @@ def _store_port() -> int | None:
 def shutdown_connections(
     before: frozenset[str], store_port: int | None = None, store_clients: bool = True
 ) -> int:
-    """Shut down (``SHUT_RDWR``) the TCP connections opened since ``before`` was taken.
+    """Shut down (``SHUT_RDWR``) the TCP connections opened since ``before`` was taken,
+    after draining those whose peer is sending into a connection gloo stopped reading
+    (module docstring; at most :data:`DRAIN_LIMIT` seconds).
 
     The descriptors stay open (their owner, gloo, closes them when the process group is
     destroyed): each one is duplicated, the duplicate shut down and closed. Safe to call
@@ -122,31 +156,96 @@ def shutdown_connections(
         How many connections were shut down.
     """
     port = store_port if store_port is not None else _store_port()
-    count = 0
-    for fd in _new_socket_fds(before):
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue  # closed meanwhile, or not a socket after all
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue  # a listener: gloo aborts the process if it fails
-            local = sock.getsockname()[1]
-            try:
-                peer = sock.getpeername()[1]
-            except OSError:
-                continue  # not connected (yet, or any more)
-            if port is not None and (local == port or (peer == port and not store_clients)):
-                continue  # the TCPStore's server (or its clients, when asked)
-            sock.shutdown(socket.SHUT_RDWR)
-            count += 1
-        except OSError:
-            pass
-        finally:
+    targets: list[socket.socket] = []
+    drainable: list[socket.socket] = []
+    try:
+        for fd in _new_socket_fds(before):
+            sock = _connection(fd, port, store_clients)
+            if sock is not None:
+                targets.append(sock)
+                if port is None or sock.getpeername()[1] != port:
+                    drainable.append(sock)  # never the store's: its client reads late
+        _drain_stopped(drainable)
+        count = 0
+        for sock in targets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+        return count
+    except OSError:
+        return 0
+    finally:
+        for sock in targets:
             sock.close()  # closes the duplicate only
-    return count
+
+
+def _connection(fd: int, port: int | None, store_clients: bool) -> socket.socket | None:
+    """A duplicate of ``fd`` when it is a connected TCP socket to shut down (not a
+    listener, not the store's server side, not a store client unless ``store_clients``),
+    else None (nothing left open)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None  # closed meanwhile, or not a socket after all
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not sock.getsockopt(
+            socket.SOL_SOCKET,
+            socket.SO_ACCEPTCONN,  # a listener: gloo aborts if it fails
+        ):
+            local, peer = sock.getsockname()[1], sock.getpeername()[1]
+            if port is None or not (local == port or (peer == port and not store_clients)):
+                return sock
+    except OSError:
+        pass  # not connected (yet, or any more)
+    sock.close()
+    return None
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes received on ``sock`` and not read yet (0 when that cannot be told)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int(struct.unpack("i", raw)[0])
+
+
+def _drain_stopped(socks: list[socket.socket]) -> int:
+    """Read and drop what peers send on the connections among ``socks`` whose reader
+    stopped: bytes unread at two looks a few milliseconds apart (a working gloo reads
+    them within microseconds). They are read until every such peer was quiet for
+    :data:`DRAIN_QUIET` seconds or closed, or :data:`DRAIN_LIMIT` passed.
+
+    Returns:
+        The bytes dropped.
+    """
+    first = {sock: _unread(sock) for sock in socks}
+    if not any(first.values()):
+        return 0
+    time.sleep(_DRAIN_LOOK)
+    stopped = {s.fileno(): s for s in socks if first[s] and _unread(s) >= first[s]}
+    poller = select.poll()
+    for fd in stopped:
+        poller.register(fd, select.POLLIN)
+    dropped = 0
+    deadline = time.monotonic() + DRAIN_LIMIT
+    while stopped and time.monotonic() < deadline:
+        for fd, sock in list(stopped.items()):
+            while True:
+                try:
+                    data = sock.recv(1 << 20, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    data = b""
+                if not data:  # the peer closed (or reset) it: nothing more to drop
+                    poller.unregister(fd)
+                    del stopped[fd]
+                    break
+                dropped += len(data)
+        if stopped and not poller.poll(DRAIN_QUIET * 1000):
+            break  # quiet: the peers' sends completed
+    return dropped
 
 
 def _dist() -> Any:

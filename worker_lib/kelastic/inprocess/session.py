@@ -296,6 +296,9 @@ class Session(Generic[R]):
     def _leave(self, target: int, error: BaseException | None) -> None:
         """Destroy the process groups, run the hooks; a failure is reported and raised."""
         wrapper = self._wrapper
+        # Shut down (peers' half-written sends drained first) before the groups close their
+        # sockets: closed with bytes unread, they reset a peer whose send then never ends.
+        abort.shutdown_connections(self._snapshot)
         # The aborted iteration's objects (a DDP reducer) go before their process group: a
         # reducer freed after its group blocked in its destructor (test_hybrid_rung, DDP).
         _release_frames(error)
