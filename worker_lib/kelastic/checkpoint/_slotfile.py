@@ -7,9 +7,10 @@ provide, long after the file was made (DLRover and ML Flashpoint hit it with Doc
 first (``statvfs``), allocates with ``os.posix_fallocate`` (tmpfs allocates and charges
 the pages there, or fails with ``ENOSPC``) and writes zeros over every new page, so a
 folder too small fails at once with :class:`CheckpointSpaceError` naming the bytes
-needed. The pages are charged to the memory cgroup of the process that touches them
-(here the trainer's container; the sidecar, once it keeps the slots, its own).
-Stdlib only.
+needed. Pages a file already has (a restarted rank opening its slots again) are not
+rewritten: they were touched when they were made, and they hold the checkpoints. The
+pages are charged to the memory cgroup of the process that touches them (here the
+trainer's container; the sidecar, once it keeps the slots, its own). Stdlib only.
 """
 
 from __future__ import annotations
