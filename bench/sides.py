@@ -53,9 +53,9 @@ class SideRunner:
             start_new_session=True,  # its own process group: killed whole at a deadline
         )
         self._proc, self._reader = proc, LineReader(proc)
-        doc = json.loads(self._reader.get(START_TIMEOUT))
-        if doc.get("ev") != "ready":
-            raise RuntimeError(f"side helper: unexpected first line {doc!r}")
+        end = time.monotonic() + START_TIMEOUT
+        while _parse(self._reader.get(end - time.monotonic())).get("ev") != "ready":
+            pass
         return self._reader
 
     def run(
@@ -73,15 +73,19 @@ class SideRunner:
             self.close()
             return [], f"failed: the side helper did not start: {exc}"[:300]
         assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"side": side, "fn": fn, "args": list(args),
-                                           "reps": reps}) + "\n")  # fmt: skip
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(json.dumps({"side": side, "fn": fn, "args": list(args),
+                                               "reps": reps}) + "\n")  # fmt: skip
+            self._proc.stdin.flush()
+        except OSError as exc:  # the helper died since its last side
+            self.close()
+            return [], f"failed: the side helper is gone: {exc}"
         values: list[Any] = []
         end = time.monotonic() + deadline
         while True:
             left = end - time.monotonic()
             try:
-                doc = json.loads(reader.get(left))
+                doc = _parse(reader.get(left))
             except TimeoutError:
                 self.close()  # kills the hung or slow side, and whatever it started
                 return values, f"timed out after {deadline:g} s ({len(values)} of {reps} runs)"
@@ -115,6 +119,15 @@ class SideRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _parse(line: str) -> dict[str, Any]:
+    """The helper's JSON line; ``{}`` for anything else a library printed to its stdout."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        doc = None
+    return doc if isinstance(doc, dict) else {}
 
 
 def _faults() -> dict[str, str]:
