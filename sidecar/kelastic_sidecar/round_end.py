@@ -9,7 +9,8 @@ module decides *what* that something means, as :class:`RoundEnd` (a
 it (stop the workers, charge the restart budget, rejoin, finish).
 
 Everything here is a function of its arguments (a :class:`Failure` stamps its own
-time): no etcd, no processes, no logging (import-linter keeps it so). It is tested
+time, or takes its fault's when that is believable): no etcd, no processes, no logging
+(import-linter keeps it so). It is tested
 like ``reconcile``, with tables of inputs (``tests/sidecar/test_round_end.py``). The inputs
 it reads are described structurally (:class:`ReapLike`, :class:`CheckLike`), so it
 needs neither the timer server nor the rendezvous handler.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -249,7 +251,10 @@ def classify_exit(
     cause = CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE
     if reap is None and (pid is None or msg.exitcode in NOT_STARTED_EXIT_CODES):
         cause = CAUSE_START_FAILURE  # exec failed, or the command is not there
-    return Failure(
+    # Timed when its exception was raised (the error file's fault_time), when believable:
+    # a fault re-raised after the sidecar gave up orders before what it caused in peers.
+    raised = _believable(error.get("fault_time"))
+    failure = Failure(
         cause=cause,
         node=round_.node,
         round=round_.round,
@@ -260,6 +265,21 @@ def classify_exit(
         message=message,
         tail=msg.tail,
     )
+    return failure if raised is None else replace(failure, time=raised)
+
+
+#: Seconds before a failure is seen that its fault may have been raised (an in-process
+#: rank re-raises its fault only when its sidecar gives up, within minutes).
+FAULT_AGE_LIMIT = 3600.0
+
+
+def _believable(raised: object) -> float | None:
+    """``raised`` when it can be a worker's fault time (a number, not bool, not later than
+    now and at most :data:`FAULT_AGE_LIMIT` seconds before it), else None."""
+    if isinstance(raised, bool) or not isinstance(raised, (int, float)):
+        return None
+    now = time.time()
+    return float(raised) if now - FAULT_AGE_LIMIT <= raised <= now else None  # NaN: None
 
 
 def lost_peer(check_end: RoundEnd | None) -> Failure | None:

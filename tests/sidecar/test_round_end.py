@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -243,3 +244,25 @@ def test_build_assign_ranks_and_env() -> None:
     assert env[contract.KELASTIC_TIMER_TOKEN] == "t1" and env[contract.KELASTIC_ROUND] == "7"
     assert env[contract.TORCHELASTIC_RESTART_COUNT] == "1"
     assert all(isinstance(v, str) for w in msg.workers for v in w.env.values())
+
+
+def test_a_failure_is_timed_when_its_fault_was_raised() -> None:
+    """etcd stopped, rank 1 raised: its in-process restart could not be agreed, and it
+    exited only after its sidecar gave up; its peer's collective, failed on rank 1's
+    closed connection, exited first. Each failure carries the time its exception was
+    raised (the error file's ``fault_time``), so the raise, not the consequence, is the
+    earliest (``kelastic run`` and the operator name the earliest of a round)."""
+    now = time.time()
+    raised = Exited(1, 1, 101, 1, None, {"message": "InjectedFault: injected",
+                                         "fault_time": now - 2.0}, ())  # fmt: skip
+    consequence = Exited(1, 0, 100, 1, None, {"message": "RuntimeError: Connection closed by "
+                                              "peer", "fault_time": now - 1.5}, ())  # fmt: skip
+    first = classify_exit(ROUND, raised, PIDS, {})
+    second = classify_exit(ROUND, consequence, PIDS, {})
+    assert first.time == now - 2.0 and second.time == now - 1.5
+    assert min((first, second), key=lambda f: f.time).rank == ROUND.rank(1)
+    # a fault time no worker could have stamped (later than its exit is seen, not a
+    # number) is not believed: the failure is timed when it was observed
+    for bad in (now + 3600, "soon", float("nan"), True, -1.0):
+        exited = Exited(1, 1, 101, 1, None, {"message": "x", "fault_time": bad}, ())
+        assert now <= classify_exit(ROUND, exited, PIDS, {}).time <= time.time()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kelastic import contract
-from kelastic.errors import read_error_file, record
+from kelastic.errors import fault_time, read_error_file, record, stamp_fault, write_error_file
 from tests.prereq import require_module
 
 
@@ -237,3 +237,28 @@ def test_our_error_file_is_read_by_torch(tmp_path: Path, monkeypatch: pytest.Mon
     assert abs(failure.timestamp - time.time()) < 60
     formatted = errors.ChildFailedError("trainer", {0: failure}).format_msg()
     assert "KeyError: 'missing 3'" in formatted
+
+
+def test_a_fault_stamped_when_raised_keeps_that_time_in_its_error_file(tmp_path: Path) -> None:
+    """An in-process fault the sidecar could not restart in process is re-raised when
+    the process ends, seconds after it was raised (its rank waited for etcd): its error
+    file says when it was raised (``fault_time``, sub-second), which orders it before the
+    errors it caused in its peers. torch's ``timestamp`` stays an integer string."""
+    exc = ValueError("boom")
+    stamp_fault(exc, 1_700_000_000.25)
+    stamp_fault(exc, 1_700_000_009.0)  # the first stamp stays: the raise, not a re-raise
+    assert fault_time(exc) == 1_700_000_000.25
+    write_error_file(tmp_path / "error.json", exc)
+    info = read_error_file(tmp_path / "error.json")
+    assert info is not None
+    assert (info["timestamp"], info.get("fault_time")) == (1_700_000_000, 1_700_000_000.25)
+    extra = json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]
+    assert extra["timestamp"] == "1700000000"
+    write_error_file(tmp_path / "plain.json", RuntimeError("no stamp"))
+    plain = read_error_file(tmp_path / "plain.json")
+    assert plain is not None and "fault_time" not in plain
+    for bad in ("soon", float("nan"), -1.0, 2.0**60, True, None):
+        data = {"message": {"message": "x", "extraInfo": {"fault_time": bad}}}
+        (tmp_path / "bad.json").write_text(json.dumps(data))
+        got = read_error_file(tmp_path / "bad.json")
+        assert got is not None and "fault_time" not in got, bad

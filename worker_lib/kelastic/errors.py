@@ -13,7 +13,11 @@ The file format is exactly the one written by torch's
 
 so files written by torch's own ``@record`` and by ours are read alike, and torch's
 ``ProcessFailure`` can read ours. :func:`read_error_file` also accepts torch's "new"
-flat format ``{"message": "...", "timestamp": 1700000000}``.
+flat format ``{"message": "...", "timestamp": 1700000000}``. Ours may add
+``extraInfo.fault_time``: when the exception was raised, in seconds with a fraction
+(:func:`stamp_fault`; ``kelastic.inprocess`` stamps the faults it re-raises later, after
+the sidecar gave up), so that a fault orders before the errors it caused in peers that
+exited first; torch's readers ignore the key.
 
 Stdlib only.
 """
@@ -31,11 +35,19 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ParamSpec, TypedDict, TypeVar
+from typing import Any, Final, ParamSpec, TypedDict, TypeVar
 
 from kelastic import contract
 
-__all__ = ["ErrorInfo", "read_error_file", "record", "write_error_file"]
+__all__ = [
+    "FAULT_TIME_ATTR",
+    "ErrorInfo",
+    "fault_time",
+    "read_error_file",
+    "record",
+    "stamp_fault",
+    "write_error_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +59,13 @@ _R = TypeVar("_R")
 MAX_ERROR_FILE_BYTES = 8 << 20
 
 
-class ErrorInfo(TypedDict):
+class _ErrorInfoKeys(TypedDict):
+    message: str
+    traceback: str | None
+    timestamp: int | None
+
+
+class ErrorInfo(_ErrorInfoKeys, total=False):
     """A worker's recorded failure, as returned by :func:`read_error_file`.
 
     Keys:
@@ -55,26 +73,56 @@ class ErrorInfo(TypedDict):
         traceback: the formatted Python traceback (torch's ``extraInfo.py_callstack``),
             or ``None`` when the file has none.
         timestamp: when the error was recorded, seconds since the epoch, or ``None``.
+        fault_time: (only when the file has a valid one) when the exception was raised,
+            seconds since the epoch with a fraction (:func:`stamp_fault`).
     """
 
-    message: str
-    traceback: str | None
-    timestamp: int | None
+    fault_time: float
+
+
+#: The attribute :func:`stamp_fault` sets on an exception.
+FAULT_TIME_ATTR: Final = "kelastic_fault_time"
+
+
+def _valid_time(value: object) -> float | None:
+    """``value`` as seconds since the epoch when it is a finite number in ``0..2**53``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 <= value <= 2**53 else None  # NaN compares False
+
+
+def stamp_fault(exc: BaseException, when: float | None = None) -> None:
+    """Record on ``exc`` when it was raised, unless it has a time already (a fault keeps
+    the time of its first raise). :func:`write_error_file` writes it as
+    ``extraInfo.fault_time``. Never raises (an exception that takes no attributes keeps
+    none).
+
+    Args:
+        exc: the exception.
+        when: seconds since the epoch (``time.time()`` clock); default now.
+    """
+    if fault_time(exc) is None:
+        with contextlib.suppress(Exception):
+            setattr(exc, FAULT_TIME_ATTR, time.time() if when is None else float(when))
+
+
+def fault_time(exc: BaseException) -> float | None:
+    """When ``exc`` was raised, as :func:`stamp_fault` recorded it (seconds since the
+    epoch), or None."""
+    return _valid_time(getattr(exc, FAULT_TIME_ATTR, None))
 
 
 def _error_file_data(exc: BaseException) -> dict[str, Any]:
-    """The JSON document torch's ``ErrorHandler.record_exception`` writes for ``exc``."""
-    return {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": "".join(
-                    traceback.format_exception(type(exc), exc, exc.__traceback__)
-                ),
-                "timestamp": str(int(time.time())),
-            },
-        }
+    """The JSON document torch's ``ErrorHandler.record_exception`` writes for ``exc``
+    (plus ``fault_time`` when ``exc`` was stamped)."""
+    raised = fault_time(exc)
+    extra: dict[str, Any] = {
+        "py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "timestamp": str(int(time.time() if raised is None else raised)),
     }
+    if raised is not None:
+        extra["fault_time"] = raised
+    return {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": extra}}
 
 
 def write_error_file(path: str | os.PathLike[str], exc: BaseException) -> None:
@@ -214,7 +262,11 @@ def parse_error_data(data: object) -> ErrorInfo | None:
         if message is None:
             return None
     timestamp = _parse_timestamp(extra.get("timestamp", inner.get("timestamp")))
-    return {"message": message, "traceback": tb, "timestamp": timestamp}
+    info: ErrorInfo = {"message": message, "traceback": tb, "timestamp": timestamp}
+    raised = _valid_time(extra.get("fault_time"))
+    if raised is not None:
+        info["fault_time"] = raised
+    return info
 
 
 def read_error_file(path: str | os.PathLike[str]) -> ErrorInfo | None:

@@ -253,7 +253,10 @@ def _cap_error(error: ErrorInfo | None) -> ErrorInfo | None:
     tb = error["traceback"]
     if tb is not None and len(tb) > MAX_TRACEBACK_CHARS:
         tb = "[truncated]..." + tb[-MAX_TRACEBACK_CHARS:]
-    return {"message": message, "traceback": tb, "timestamp": error["timestamp"]}
+    capped: ErrorInfo = {"message": message, "traceback": tb, "timestamp": error["timestamp"]}
+    if "fault_time" in error:
+        capped["fault_time"] = error["fault_time"]
+    return capped
 
 
 class Launcher:

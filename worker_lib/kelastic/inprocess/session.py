@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kelastic import contract, timer
+from kelastic import contract, errors, timer
 from kelastic.inprocess import abort
 from kelastic.inprocess.call import PARAMETER, CallWrapper, Hooks
 from kelastic.inprocess.client import Closed, Connection
@@ -267,6 +267,7 @@ class Session(Generic[R]):
                 value = self._fn(*self._args, **self._kwargs)
                 outcome = _Outcome(returned=True, value=value)
             except BaseException as exc:
+                errors.stamp_fault(exc)  # re-raised later, maybe: the error file says when
                 outcome = _Outcome(returned=False, error=exc)
             finally:
                 self._stop_iteration()
