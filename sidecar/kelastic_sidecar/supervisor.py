@@ -163,6 +163,8 @@ class Supervisor:
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
         self._last_failure: Failure | None = None
+        #: the budget record's last charge (a failure's dict), as last read or written
+        self._last_charge: dict[str, Any] | None = None
         self._shutting_down = False  # a SidecarShutdown was raised
         self._spent = 0
         self._acquired_at_start = 0  # timer acquires before the current attempt
@@ -201,6 +203,7 @@ class Supervisor:
             "timer_grace_s": stats.grace,
             "workers_warm": self.workers.warm,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
+            "last_charge": self._last_charge,
             "etcd_unreachable": self.etcd_health.outage(),
             "inprocess": self.inprocess.status(),
         }
@@ -369,7 +372,10 @@ class Supervisor:
         carried = self._carried
         tokens = self.workers.tokens if carried else self.workers.new_attempt()
         try:
-            self._spent = self.budget.read().count
+            record = self.budget.read()
+            self._spent = record.count
+            detail = record.history[-1].get("detail") if record.history else None
+            self._last_charge = detail if isinstance(detail, dict) else None
         except (EtcdError, RestartRecordError) as exc:
             log.error("cannot read the restart budget: %s", exc)
         spent = self._spent
@@ -415,6 +421,8 @@ class Supervisor:
             log.error("cannot record the restart in etcd: %s", exc)
             return False
         self._spent = charge.count
+        if charge.charged:
+            self._last_charge = failure.as_dict()
         self.metrics.budget_spent.set(charge.count)
         self.metrics.restarts.labels(level="process", cause=failure.cause).inc()
         if charge.charged:

@@ -16,7 +16,7 @@ import http.client
 import json
 import time
 import urllib.request
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +38,34 @@ EARLIER_READ = 8
 NOT_YET = "not every rank is stepping again yet"
 
 
-def root_cause(failures: list[dict[str, Any]]) -> str:
-    """The summary that best explains a restart, from the sidecars' ``last_failure``.
+def root_cause(failures: list[dict[str, Any]], charges: Sequence[Any] = ()) -> str:
+    """The summary that best explains a restart, from the sidecars' ``last_failure``
+    and, for a node no running sidecar speaks for (its sidecar killed right after the
+    fault), the budget record's last charge (``last_charge``, each sidecar's reading).
 
-    Among the failures of the latest round: a hung worker that was stopped (its peers'
-    timers expire too, while they wait for it), then the earliest.
+    Among the failures and charges of the latest round: a hung worker that was stopped
+    (its peers' timers expire too, while they wait for it), then the earliest (a fault's
+    time is when it was raised: the fault, not the errors it caused in peers). "see
+    the sidecar logs" only when no sidecar knows any.
     """
-    if not failures:
+    known = [f for f in [*failures, *charges] if _described_failure(f)]
+    if not known:
         return "see the sidecar logs"
-    latest = max(int(f.get("round", -1)) for f in failures)
-    pool = [f for f in failures if int(f.get("round", -1)) == latest]
+    latest = max(int(f.get("round", -1)) for f in known)
+    pool = [f for f in known if int(f.get("round", -1)) == latest]
     pool.sort(key=lambda f: (not f.get("stopped"), float(f.get("time") or 0)))
     return str(pool[0].get("summary") or "see the sidecar logs")
+
+
+def _described_failure(value: object) -> bool:
+    """``value`` is a failure's description (``Failure.as_dict()``: a non-empty summary,
+    an integer round, a numeric or absent time), as a sidecar's status or the budget
+    record, which other nodes wrote, may hold it."""
+    if not isinstance(value, dict) or not isinstance(value.get("summary"), str):
+        return False
+    rnd, when = value.get("round"), value.get("time")
+    numeric = when is None or (isinstance(when, (int, float)) and not isinstance(when, bool))
+    return bool(value["summary"]) and isinstance(rnd, int) and not isinstance(rnd, bool) and numeric
 
 
 def _iteration(value: object) -> int | None:
@@ -247,6 +263,7 @@ class ProgressReporter:
             # The nodes report their failures within moments of each other: wait until
             # each did (or a new round runs, or a second passed) to name the root cause.
             failures = [s["last_failure"] for s in statuses if s.get("last_failure")]
+            charges = [s["last_charge"] for s in statuses if s.get("last_charge")]
             latest = max((int(f.get("round", -1)) for f in failures), default=-1)
             each = all(int((s.get("last_failure") or {}).get("round", -2)) == latest
                        for s in statuses)  # fmt: skip
@@ -260,7 +277,7 @@ class ProgressReporter:
                     if spent <= top
                     else f"process restart budget ({top}) spent"
                 )
-                self.say(f"{what}: {root_cause(failures)}")
+                self.say(f"{what}: {root_cause(failures, charges)}")
                 self._seen["spent"] = spent
                 del self._seen["spent_at"]
         if rnd is not None and rnd != self._seen["round"]:
