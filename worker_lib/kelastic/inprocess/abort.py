@@ -43,7 +43,10 @@ that is gone (its node lost) still waits for the store's timeout or the sidecar'
 timeout.
 
 Before the shutdown, a connection on which a peer's send to this rank is half written is
-*drained* (:data:`DRAIN_LIMIT`): gloo's ``Pair::signalException`` fails the operations a
+*drained* (:data:`DRAIN_LIMIT`), and this rank's own sends are waited for until the
+peers have them (:data:`SEND_LIMIT`; a peer that sees this rank's shutdown while this rank's send to
+it is half written closes the connection with bytes unread, and that send is the one
+left waiting): gloo's ``Pair::signalException`` fails the operations a
 pair has queued, but not an unbound-buffer send already in its write queue, so a peer
 whose ring send to this rank waits for room when this rank's FIN (the shutdown) or RST
 (the process group destroyed with bytes unread) arrives waits for that send until the
@@ -85,6 +88,7 @@ from kelastic import contract
 __all__ = [
     "DRAIN_LIMIT",
     "DRAIN_QUIET",
+    "SEND_LIMIT",
     "abort_nccl",
     "destroy_process_groups",
     "keep_store",
@@ -100,6 +104,9 @@ DRAIN_LIMIT: Final = 3.0
 #: Seconds without a byte from such a peer that end its drain: its send completed (a
 #: peer's gloo thread, descheduled on a busy machine, may pause that long mid-send).
 DRAIN_QUIET: Final = 0.2
+#: Seconds a teardown waits at most for its own sends to reach their peers (a working
+#: peer takes them in milliseconds; a stopped one's full window is not waited out).
+SEND_LIMIT: Final = 0.5
 #: Seconds between the two looks that tell a stopped reader (bytes still unread) from a
 #: working one (it reads them within microseconds).
 _DRAIN_LOOK: Final = 0.02
@@ -166,6 +173,7 @@ def shutdown_connections(
                 if port is None or sock.getpeername()[1] != port:
                     drainable.append(sock)  # never the store's: its client reads late
         _drain_stopped(drainable)
+        _await_sent(drainable)
         count = 0
         for sock in targets:
             with contextlib.suppress(OSError):
@@ -208,6 +216,32 @@ def _unread(sock: socket.socket) -> int:
     except OSError:
         return 0
     return int(struct.unpack("i", raw)[0])
+
+
+def _unsent(sock: socket.socket) -> int:
+    """Bytes written to ``sock`` that its peer has not acknowledged yet (0 when that
+    cannot be told)."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int(struct.unpack("i", raw)[0])
+
+
+def _await_sent(socks: list[socket.socket]) -> None:
+    """Wait (at most :data:`SEND_LIMIT` seconds) until what this rank writes on
+    ``socks`` has reached the peers: nothing unacknowledged at two looks 5 ms apart
+    (between them gloo writes what waited in its queue for room). A send of this rank
+    still half written when the peer sees the shutdown is the peer's reset away: the
+    peer's gloo closes the connection with our bytes unread, and that send never ends
+    here (module docstring)."""
+    deadline = time.monotonic() + SEND_LIMIT
+    quiet = 0
+    while time.monotonic() < deadline:
+        quiet = quiet + 1 if not any(_unsent(s) for s in socks) else 0
+        if quiet == 2:
+            return
+        time.sleep(0.005)
 
 
 def _drain_stopped(socks: list[socket.socket]) -> int:
