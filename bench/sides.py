@@ -49,7 +49,7 @@ class SideRunner:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=child_env(),
+            env=child_env(BENCH_SIDE_PARENT=str(os.getpid())),
             start_new_session=True,  # its own process group: killed whole at a deadline
         )
         self._proc, self._reader = proc, LineReader(proc)
@@ -139,10 +139,21 @@ def _emit(**doc: Any) -> None:
     print(json.dumps(doc), flush=True)
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this helper when the case's process dies (the suite kills that one at the
+    case's time limit; this helper is in a process group of its own)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if str(os.getppid()) != os.environ.get("BENCH_SIDE_PARENT"):
+        os._exit(1)  # it died before the line above
+
+
 def main() -> None:
     """The helper: one JSON command per stdin line, one JSON line per value."""
     import logging
 
+    _die_with_parent()
     logging.basicConfig(level=logging.ERROR)
     faults = _faults()
     _emit(ev="ready")

@@ -99,6 +99,37 @@ def test_a_hanging_or_failing_side_costs_only_its_rows(tmp_path: Path) -> None:
         assert f"| {side} | 0 |" in proc.stdout and rows[side]["status"] in proc.stdout
 
 
+@pytest.mark.timeout(200)
+def test_a_case_ended_by_its_limit_keeps_the_rows_measured(tmp_path: Path) -> None:
+    """The last side of ``rdzv_join`` hangs past the case's own time limit (its side
+    deadline longer still): the suite kills the case, and the rows measured before the
+    hang are in the table and the JSON, with the case's error saying so."""
+    out = tmp_path / "results.json"
+    hang = "torch handler + kelastic etcd backend"
+    env = {
+        **os.environ,
+        "BENCH_CASE_LIMIT": "60",
+        "BENCH_SIDE_DEADLINE": "600",
+        "BENCH_SIDE_FAULTS": json.dumps({hang: "hang"}),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "rdzv_join", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the case's error
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["error"] == "time limit of 60 s exceeded (the 2 rows measured before it are kept)"
+    rows = {r["side"]: r for r in case["rows"]}
+    assert set(rows) == {"torch handler + c10d (TCPStore)", "kelastic handler + etcd"}
+    assert all(r["samples"] and not r["status"] for r in rows.values())
+    for side, row in rows.items():
+        assert f"| {side} | {len(row['samples'])} |" in proc.stdout
+
+
 def test_slow_cases_selectable_by_name() -> None:
     """The DDP-job cases (a minute or more each, far from the 20 s a smoke case may take
     on a loaded 2-core machine) run in ``all`` and by name, not in ``--quick``."""
