@@ -180,7 +180,8 @@ WORKER = textwrap.dedent(
         return {"iteration": it, "rank": RANK}
 
 
-    value = train()
+    from kelastic.errors import record  # the error file, when $TORCHELASTIC_ERROR_FILE is set
+    value = record(train)()
     emit("result", value=value, threads=[t.name for t in threading.enumerate()])
     """
 )
