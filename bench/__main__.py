@@ -71,6 +71,28 @@ def _run_child(name: str, quick: bool, out: str, window: float | None) -> int:
     return 0
 
 
+def _kill_case(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a case's process, its process group, and every process it started in a
+    session of its own (the jobs and agents of the DDP cases), found before the kill:
+    none is left to load the next case."""
+    import contextlib
+    import signal
+
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    proc.wait()
+    psutil.wait_procs(tree, timeout=5)
+
+
 def _run_case(name: str, quick: bool, window: float | None) -> CaseResult:
     _, _, limit, quick_limit = CASES[name]
     limit = quick_limit if quick else limit
@@ -90,10 +112,7 @@ def _run_case(name: str, quick: bool, window: float | None) -> CaseResult:
         try:
             proc.wait(limit)
         except subprocess.TimeoutExpired:
-            import signal
-
-            os.killpg(proc.pid, signal.SIGKILL)  # the case's own session: it and its helpers
-            proc.wait()
+            _kill_case(proc)
             error = f"time limit of {limit:.0f} s exceeded"
             if not os.path.exists(out):
                 return CaseResult(name, error=error)
@@ -102,10 +121,7 @@ def _run_case(name: str, quick: bool, window: float | None) -> CaseResult:
             result.seconds = time.monotonic() - started
             return result
         except BaseException:
-            import signal
-
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_case(proc)
             raise
         if not os.path.exists(out):
             return CaseResult(name, error=f"case process exited with code {proc.returncode}")
