@@ -24,17 +24,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kelastic import contract
+from kelastic import contract, etcd_values
 from kelastic import inprocess_messages as ipm
 from kelastic._control import ProtocolError, encode_message, parse_message
 from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.control_messages import Assign, Exited, Promote
 from kelastic.errors import parse_error_data
+from kelastic.etcd_values import MAX_RANK, MAX_ROUND, decode_master
 from kelastic_operator.rendezvous_store import view_from_keys
 from kelastic_sidecar.control import ControlProtocolError, parse_launcher_message
 from kelastic_sidecar.rendezvous.state import (
-    MAX_RANK,
-    MAX_ROUND,
     RendezvousState,
     RendezvousStateError,
     decode_state,
@@ -46,7 +45,7 @@ from kelastic_sidecar.restart_budget import (
     decode_record,
     encode_record,
 )
-from kelastic_sidecar.supervisor import decode_master, node_report
+from kelastic_sidecar.supervisor import node_report
 from kelastic_sidecar.timer import TimerServer
 from kelastic_sidecar.timer.wire import LineSplitter, _BadRequest, _parse
 from kelastic_sidecar.torchrun_plugin import decode_envelope, encode_envelope
@@ -303,6 +302,83 @@ def _checkpoint_manifest(raw: bytes) -> None:
     build(manifest.tree, [None] * len(manifest.tensors))  # what was accepted builds
 
 
+# ------------------------- the one codec of each etcd value (kelastic.etcd_values)
+
+REPORT = json.loads(node_report("failed", "job-0", "job failed: x"))
+
+
+def _strict_and_partial(
+    decode: Callable[..., Any], raw: bytes
+) -> tuple[Any, type[Exception] | None, Any, type[Exception] | None]:
+    """What the strict (the sidecars') and the partial (the operator's) reading make of
+    ``raw``: (value, error class) each."""
+    out: list[Any] = []
+    for partial in (False, True):
+        try:
+            out += [decode(raw, partial=partial), None]
+        except (etcd_values.CorruptValueError, etcd_values.ForeignValueError) as exc:
+            out += [None, type(exc)]
+    return out[0], out[1], out[2], out[3]
+
+
+def _readers_agree(
+    decode: Callable[..., Any], encode: Callable[[Any], bytes], doc_type: Any, raw: bytes
+) -> None:
+    """The strict reader's value is the partial reader's; a value with every field (and
+    no other) that the strict reader calls corrupt, the partial reader refuses too; what
+    is read is written back unchanged."""
+    strict, strict_error, partial, partial_error = _strict_and_partial(decode, raw)
+    try:
+        doc = loads_bounded(raw, max_bytes=1 << 22)
+    except UnsafeJSONError:
+        doc = None
+    complete = isinstance(doc, dict) and set(doc) == set(doc_type.__annotations__)
+    if strict_error is None:
+        assert partial == strict
+        written = encode(strict)
+        assert encode(decode(written)) == written  # read back alike, written alike
+    elif strict_error is etcd_values.CorruptValueError and (complete or doc is None):
+        assert partial_error is etcd_values.CorruptValueError, raw[:200]
+    else:  # another version: the partial reader shows what it can, within the bounds
+        assert partial_error in (None, etcd_values.CorruptValueError)
+
+
+def _state_codec(raw: bytes) -> None:
+    def decode(raw: bytes, partial: bool = False) -> etcd_values.StateDoc:
+        return etcd_values.decode_state(raw, partial=partial)
+
+    _readers_agree(decode, etcd_values.encode_state, etcd_values.StateDoc, raw)
+
+
+def _restarts_codec(raw: bytes) -> None:
+    def decode(raw: bytes, partial: bool = False) -> etcd_values.RestartsDoc:
+        return etcd_values.decode_restarts(raw, partial=partial)
+
+    _readers_agree(decode, etcd_values.encode_restarts, etcd_values.RestartsDoc, raw)
+
+
+def _report_codec(raw: bytes) -> None:
+    def decode(raw: bytes, partial: bool = False) -> etcd_values.ReportDoc:
+        return etcd_values.decode_report(raw, partial=partial)
+
+    _readers_agree(decode, etcd_values.encode_report, etcd_values.ReportDoc, raw)
+
+
+def _departure(raw: bytes) -> None:
+    reason = etcd_values.decode_departure(raw)
+    assert isinstance(reason, str) and len(reason) <= etcd_values.MAX_NAME_LEN
+    if reason:
+        assert etcd_values.decode_departure(etcd_values.encode_departure(reason)) == reason
+
+
+def _master_codec(raw: bytes) -> None:
+    try:
+        addr, port = decode_master(raw, "key")
+    except etcd_values.CorruptValueError:
+        return
+    assert decode_master(etcd_values.encode_master(addr, port), "key") == (addr, port)
+
+
 # ------------------------------------------------------------------ the registry
 
 
@@ -338,6 +414,11 @@ DECODERS: dict[str, Decoder] = {
     "assign_spares": Decoder(_promote, ASSIGN_SPARES),
     "spare_hello": Decoder(_spare_hello, SPARE_HELLO),
     "checkpoint_manifest": Decoder(_checkpoint_manifest, CKPT_MANIFEST),
+    "state_codec": Decoder(_state_codec, json.loads(encode_state(STATE))),
+    "restarts_codec": Decoder(_restarts_codec, json.loads(encode_record(RECORD))),
+    "report_codec": Decoder(_report_codec, REPORT, ({**REPORT, "outcome": "succeeded"},)),
+    "master_codec": Decoder(_master_codec, {"addr": "10.0.0.1", "port": 29500}),
+    "departure": Decoder(_departure, {"reason": "scale_down"}),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}
 

@@ -20,15 +20,16 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
-from kelastic import contract
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic import contract, etcd_values
+from kelastic.etcd_values import ReportOutcome
 
 from .inprocess_record import decode_record
 from .reconcile import JOB_FAILED_PREFIX, RendezvousView
 
 log = logging.getLogger("kelastic_operator.etcd")
+_Doc = TypeVar("_Doc")
 
 
 #: Most changed keys a :meth:`EtcdRendezvousStore.watch` keeps between two reads of its
@@ -64,10 +65,12 @@ class RendezvousStore(Protocol):
         ...
 
     def mark_departing(self, prefix: str, nodes: Sequence[str], reason: str) -> None:
-        """Post departure notices (:meth:`kelastic.contract.Keys.departing`) for ``nodes``.
+        """Post departure notices (:meth:`kelastic.contract.Keys.departing`) for ``nodes``
+        (the value: :func:`kelastic.etcd_values.encode_departure` of ``reason``).
 
         Raises:
             RendezvousStoreError: etcd is unreachable.
+            kelastic.etcd_values.CorruptValueError: ``reason`` is not 1..1024 characters.
         """
         ...
 
@@ -120,22 +123,39 @@ def status_keys(prefix: str) -> list[str]:
     return [keys.rdzv_state, keys.restarts, keys.reports_prefix, keys.inprocess_iteration]
 
 
-def _json(raw: bytes | None) -> Any:
-    # Bounded: a crafted value (deep nesting, a huge integer, NaN) reads as corrupt.
+def _read(decode: Callable[[bytes], _Doc], raw: bytes | None) -> _Doc | None:
+    """The tolerant (``partial``) reading of one value by its codec; None when missing or
+    refused (a value no writer could produce: the sidecars refuse it too)."""
     if raw is None:
         return None
     try:
-        return loads_bounded(raw, max_bytes=4 * 1024 * 1024)
-    except UnsafeJSONError:
+        return decode(raw)
+    except etcd_values.CorruptValueError:
         return None
 
 
-def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) -> RendezvousView:
-    """Parse the job's keys (full key -> value) into a :class:`RendezvousView`.
+def _state(raw: bytes) -> etcd_values.StateDoc:
+    return etcd_values.decode_state(raw, partial=True)
 
-    Tolerant: a missing or corrupt key leaves its part of the view empty. Only reports of
-    a failed *job* (summary starting with :data:`~kelastic_operator.reconcile.JOB_FAILED_PREFIX`)
-    count as failures; a node's own failure is handled through its Pod.
+
+def _restarts(raw: bytes) -> etcd_values.RestartsDoc:
+    return etcd_values.decode_restarts(raw, partial=True)
+
+
+def _report(raw: bytes) -> etcd_values.ReportDoc:
+    return etcd_values.decode_report(raw, partial=True)
+
+
+def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) -> RendezvousView:
+    """Parse the job's keys (full key -> value) into a :class:`RendezvousView`, each value
+    by its one codec (:mod:`kelastic.etcd_values`, :mod:`kelastic.inprocess_record`).
+
+    Tolerant where the sidecars are strict: a missing key, or a missing field (a value of
+    an older or newer sidecar, of another version), leaves its part of the view empty; a
+    value the codec refuses (not bounded JSON, a field outside the writer's bounds) is
+    read as missing, never raises. Only reports of a failed *job* (summary starting with
+    :data:`~kelastic_operator.reconcile.JOB_FAILED_PREFIX`) count as failures; a node's own
+    failure is handled through its Pod.
 
     Args:
         prefix: the job prefix (:func:`kelastic.contract.job_prefix`).
@@ -143,34 +163,31 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) ->
         nproc_per_node: workers per node (world size = nodes x this).
     """
     keys = contract.Keys(prefix)
-    state = _json(kv.get(keys.rdzv_state))
-    rnd = world = None
-    if isinstance(state, dict):
-        if isinstance(state.get("round"), int):
-            rnd = state["round"]
-        participants = state.get("participants")
-        if state.get("complete") and isinstance(participants, dict):
-            world = len(participants) * nproc_per_node
-    restarts = _json(kv.get(keys.restarts))
-    spent = restarts.get("count") if isinstance(restarts, dict) else None
+    state = _read(_state, kv.get(keys.rdzv_state)) or {}
+    participants = state.get("participants")
+    world = None
+    if state.get("complete") and participants is not None:
+        world = len(participants) * nproc_per_node
+    restarts = _read(_restarts, kv.get(keys.restarts)) or {}
     failed: dict[str, str] = {}
     succeeded: set[str] = set()
     for key, raw in kv.items():
         if not key.startswith(keys.reports_prefix):
             continue
         node = key[len(keys.reports_prefix) :]
-        report = _json(raw)
-        if not isinstance(report, dict):
+        report = _read(_report, raw)
+        if report is None:
             continue
-        summary = str(report.get("summary") or "")
-        if report.get("outcome") == "failed" and summary.startswith(JOB_FAILED_PREFIX):
+        summary = report.get("summary") or ""
+        outcome = report.get("outcome")
+        if outcome is ReportOutcome.FAILED and summary.startswith(JOB_FAILED_PREFIX):
             failed[node] = summary  # a node's own failure (e.g. its join timed out) is not
-        elif report.get("outcome") == "succeeded":
+        elif outcome is ReportOutcome.SUCCEEDED:
             succeeded.add(node)
     return RendezvousView(
-        round=rnd,
+        round=state.get("round"),
         world_size=world,
-        restarts_spent=spent if isinstance(spent, int) else None,
+        restarts_spent=restarts.get("count"),
         failed_reports=failed,
         succeeded_nodes=frozenset(succeeded),
         inprocess=decode_record(kv.get(keys.inprocess_iteration)),
@@ -260,10 +277,11 @@ class EtcdRendezvousStore:
     def mark_departing(self, prefix: str, nodes: Sequence[str], reason: str) -> None:
         """See :meth:`RendezvousStore.mark_departing`."""
         keys = [contract.Keys(prefix).departing(node) for node in nodes]
+        value = etcd_values.encode_departure(reason)
 
         def put() -> None:
             for key in keys:
-                self._client.put(key, reason.encode())
+                self._client.put(key, value)
 
         if keys:
             self._call(f"put {', '.join(keys)}", put)

@@ -14,7 +14,9 @@ Record (``version`` 1)::
      "history": [{"round": 3, "cause": "worker_failure", "node": "job-1",
                   "detail": {...}, "time": 1718000000.0}, ...]}
 
-``history`` keeps the last :data:`HISTORY_LIMIT` charges.
+``history`` keeps the last :data:`HISTORY_LIMIT` charges. The bytes are the one codec's
+(:mod:`kelastic.etcd_values.restarts`, shared with the operator's reader); this module
+converts its :class:`RestartRecord` to and from the codec's document.
 """
 
 from __future__ import annotations
@@ -24,17 +26,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic import etcd_values
 from kelastic.contract import Keys
 from kelastic_etcd import EtcdClient
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
-RECORD_VERSION = 1
-#: Charges kept in ``history``.
-HISTORY_LIMIT = 100
+#: Charges kept in ``history`` (the codec's bound).
+HISTORY_LIMIT = etcd_values.HISTORY_LIMIT
 _MAX_ATTEMPTS = 1000  # CAS retries; each failure means another node's write landed
 
 
@@ -78,52 +79,23 @@ class RestartRecord:
 
 
 def encode_record(record: RestartRecord) -> bytes:
-    """Serialize ``record`` to the JSON stored in etcd."""
-    doc = {
-        "version": RECORD_VERSION,
-        "count": record.count,
-        "last_round": record.last_round,
-        "history": list(record.history),
-    }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    """Serialize ``record`` to the JSON stored in etcd, by the one codec of the value
+    (:func:`kelastic.etcd_values.encode_restarts`).
 
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-#: Largest record accepted, bytes.
-MAX_RECORD_BYTES = 2 * 1024 * 1024
-#: Highest count or round accepted (2**53: exact as a float).
-_MAX_COUNT = 2**53
-#: Longest ``cause`` or ``node`` of a history entry, characters.
-_MAX_TEXT = 1024
-
-
-def _is_entry(entry: object) -> bool:
-    if not isinstance(entry, dict):
-        return False
-    round_, when = entry.get("round"), entry.get("time")
-    cause, node = entry.get("cause"), entry.get("node")
-    return (
-        _is_int(round_)
-        and 0 <= round_ <= _MAX_COUNT
-        and isinstance(cause, str)
-        and len(cause) <= _MAX_TEXT
-        and isinstance(node, str)
-        and len(node) <= _MAX_TEXT
-        and isinstance(entry.get("detail"), dict)
-        and isinstance(when, int | float)
-        and not isinstance(when, bool)
+    Raises:
+        kelastic.etcd_values.CorruptValueError: ``record`` is outside the codec's bounds
+            (strict: nothing written is refused when read back).
+    """
+    return etcd_values.encode_restarts(
+        {"count": record.count, "last_round": record.last_round, "history": list(record.history)}
     )
 
 
 def decode_record(raw: bytes, where: str = "restart record") -> RestartRecord:
-    """Parse and validate a record.
-
-    Hostile input is bounded: at most :data:`MAX_RECORD_BYTES` bytes nested at most 32
-    deep, integers of at most 19 digits, finite numbers; ``count`` and ``last_round`` at
-    most 2**53, at most :data:`HISTORY_LIMIT` history entries.
+    """Parse and validate a record, by the one codec of the value
+    (:func:`kelastic.etcd_values.decode_restarts`: at most 2 MiB nested at most 32 deep,
+    integers of at most 19 digits, finite numbers; ``count`` and ``last_round`` at most
+    2**53, at most :data:`HISTORY_LIMIT` history entries).
 
     Raises:
         CorruptRecordError: (a :class:`RestartRecordError`) not JSON, over a bound, or a
@@ -132,31 +104,12 @@ def decode_record(raw: bytes, where: str = "restart record") -> RestartRecord:
             holds.
     """
     try:
-        doc = loads_bounded(raw, max_bytes=MAX_RECORD_BYTES)
-    except UnsafeJSONError as exc:
-        raise CorruptRecordError(f"{where}: {exc}: {raw[:80]!r}") from None
-    if not isinstance(doc, dict):
-        raise CorruptRecordError(f"{where}: not a JSON object")
-    version = doc.get("version")
-    if not _is_int(version) or version < 1:
-        raise CorruptRecordError(f"{where}: no record version")
-    if version != RECORD_VERSION:
-        raise RestartRecordError(
-            f"{where}: version {version}, this kelastic reads {RECORD_VERSION}"
-        )
-    count, last_round, history = doc.get("count"), doc.get("last_round"), doc.get("history")
-    if not _is_int(count) or not 0 <= count <= _MAX_COUNT:
-        raise CorruptRecordError(f"{where}: 'count' must be an integer in 0..{_MAX_COUNT}")
-    if not _is_int(last_round) or not -1 <= last_round <= _MAX_COUNT:
-        raise CorruptRecordError(f"{where}: 'last_round' must be an integer in -1..{_MAX_COUNT}")
-    if not isinstance(history, list) or len(history) > HISTORY_LIMIT:
-        raise CorruptRecordError(f"{where}: 'history' must be a list of <= {HISTORY_LIMIT}")
-    for entry in history:
-        if not _is_entry(entry):
-            raise CorruptRecordError(
-                f"{where}: history entries need round, cause, node, detail, time: {entry!r:.200}"
-            )
-    return RestartRecord(count=count, last_round=last_round, history=tuple(history))
+        doc = etcd_values.decode_restarts(raw, where)
+    except etcd_values.CorruptValueError as exc:
+        raise CorruptRecordError(str(exc)) from None
+    except etcd_values.ForeignValueError as exc:
+        raise RestartRecordError(str(exc)) from None
+    return RestartRecord(doc["count"], doc["last_round"], tuple(doc["history"]))
 
 
 def apply_charge(

@@ -36,19 +36,26 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import logging
 import signal
-import socket
 import time
 from types import FrameType
 from typing import Any
 
 from kelastic import contract
-from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.control_messages import (
     Shutdown,
 )
+from kelastic.etcd_values import (
+    MAX_SUMMARY,
+    CorruptValueError,
+    ReportOutcome,
+    decode_departure,
+    decode_master,
+    encode_master,
+    encode_report,
+)
+from kelastic.sockaddr import free_port
 from kelastic_etcd import EtcdClient, EtcdError, EtcdRefused
 
 from .assignment import build_assign
@@ -223,7 +230,7 @@ class Supervisor:
         try:
             return self._run()
         except SidecarShutdown as exc:
-            reason = self._departure_reason()
+            reason = departure_reason(self.store, self.keys.departing(self.cfg.node))
             log.info("received %s: stopping workers, leaving the rendezvous (%s)", exc, reason)
             self._stop_workers("sidecar stopping")
             self._leave(reason)
@@ -306,7 +313,7 @@ class Supervisor:
                     publish=info.group_rank == 0, timeout=min(self.cfg.join_timeout, 60.0),
                 )  # fmt: skip
             except (TimeoutError, EtcdError, ValueError) as exc:
-                if type(exc) is ValueError:  # decode_master refused the record
+                if isinstance(exc, CorruptValueError):  # the codec refused the record
                     self.metrics.corrupt_values.labels(source="master_record").inc()
                 log.warning("round %d: no master address (%s); re-rendezvous", info.round, exc)
                 continue
@@ -322,10 +329,12 @@ class Supervisor:
                 self._stop_workers("rendezvous closed")
                 return self._finish_closed(self.handler.closed_reason())
             if end.kind is RoundEndKind.REMOVED:
-                return self._finish_removed(end.reason or self._departure_reason())
+                return self._finish_removed(
+                    end.reason or departure_reason(self.store, self.keys.departing(self.cfg.node))
+                )
             if end.kind is RoundEndKind.LAUNCHER_LOST:
                 self._leave("shutdown")
-                self._report("failed", "trainer container (launcher) disconnected")
+                self._report(ReportOutcome.FAILED, "trainer container (launcher) disconnected")
                 return EXIT_FAILED
             self._down_since = time.time()
             pids = dict(self.workers.pids)  # stop forgets them; a stopped one is named below
@@ -438,14 +447,6 @@ class Supervisor:
         self._phase = Phase.STOPPING
         self.workers.stop_workers(reason)
 
-    def _departure_reason(self) -> str:
-        """``scale_down`` when the operator posted a departure notice for this node (it is
-        being removed on purpose, and the peers owe no restart); else ``shutdown``."""
-        got: tuple[bytes, int] | None = None
-        with contextlib.suppress(EtcdError):
-            got = self.store.get(self.keys.departing(self.cfg.node))
-        return got[0].decode(errors="replace") if got else "shutdown"
-
     def _leave(self, reason: str) -> None:
         if self.handler is None:
             return
@@ -454,12 +455,8 @@ class Supervisor:
         except (RendezvousError, EtcdError) as exc:
             log.warning("leaving the rendezvous failed: %s", exc)
 
-    def _report(self, outcome: str, summary: str, failure: Failure | None = None) -> None:
-        doc = node_report(outcome, self.cfg.node, summary, failure)
-        try:
-            self.store.put(self.keys.report(self.cfg.node), doc)
-        except EtcdError as exc:
-            log.error("cannot write the node report to etcd: %s", exc)
+    def _report(self, outcome: ReportOutcome, summary: str, failure: Failure | None = None) -> None:
+        write_report(self.store, self.keys, self.cfg.node, outcome, summary, failure)
 
     def _shutdown_launcher(self, exitcode: int, summary: str) -> None:
         self.control.send(Shutdown(exitcode=exitcode, summary=summary))
@@ -472,7 +469,7 @@ class Supervisor:
             summary += f" (round {info.round}, world size {info.group_world_size * self._nproc})"
         log.info(summary)
         self._leave("succeeded")
-        self._report("succeeded", summary)
+        self._report(ReportOutcome.SUCCEEDED, summary)
         self._shutdown_launcher(EXIT_SUCCEEDED, summary)
         return EXIT_SUCCEEDED
 
@@ -484,7 +481,7 @@ class Supervisor:
         self._phase = Phase.REMOVED
         self._stop_workers(summary)
         self._leave(reason or "shutdown")
-        self._report("removed", summary)
+        self._report(ReportOutcome.REMOVED, summary)
         code = EXIT_SUCCEEDED if planned else EXIT_FAILED
         self._shutdown_launcher(code, summary)
         return code
@@ -517,14 +514,14 @@ class Supervisor:
         self._phase = Phase.FAILED
         failure, text = closed_outcome(reason, self.cfg.max_restarts)
         self._last_failure = failure or self._last_failure
-        self._report("failed", text, failure)
+        self._report(ReportOutcome.FAILED, text, failure)
         self._shutdown_launcher(EXIT_FAILED, text)
         return EXIT_FAILED
 
     def _fail_fatal(self, text: str) -> int:
         self._phase = Phase.FAILED
         log.error(text)
-        self._report("failed", text)
+        self._report(ReportOutcome.FAILED, text)
         self._shutdown_launcher(EXIT_FAILED, text)
         return EXIT_FAILED
 
@@ -534,6 +531,33 @@ def refused(exc: BaseException) -> bool:
     a bad request), directly or as the cause of a rendezvous error: an error to surface
     at once, which retrying cannot cure (``kelastic_etcd``'s rule)."""
     return isinstance(exc, EtcdRefused) or isinstance(exc.__cause__, EtcdRefused)
+
+
+def write_report(
+    store: EtcdClient,
+    keys: contract.Keys,
+    node: str,
+    outcome: ReportOutcome,
+    summary: str,
+    failure: Failure | None = None,
+) -> None:
+    """Write ``node``'s final report (:func:`node_report`) at its key; a report etcd does
+    not take, or that the codec refuses, is logged (the node ends either way)."""
+    try:
+        store.put(keys.report(node), node_report(outcome, node, summary, failure))
+    except (EtcdError, CorruptValueError) as exc:
+        log.error("cannot write the node report to etcd: %s", exc)
+
+
+def departure_reason(store: EtcdClient, key: str) -> str:
+    """The reason of this node's departure notice at ``key`` (the operator posts
+    ``scale_down`` before it removes the node on purpose: the peers owe no restart), read
+    by the value's one codec (:func:`kelastic.etcd_values.decode_departure`); ``shutdown``
+    when there is none or etcd does not answer. Never raises."""
+    got: tuple[bytes, int] | None = None
+    with contextlib.suppress(EtcdError):
+        got = store.get(key)
+    return decode_departure(got[0]) if got else "shutdown"
 
 
 def round_master(
@@ -547,56 +571,43 @@ def round_master(
     Raises:
         TimeoutError: the record did not appear within ``timeout`` s.
         EtcdError: etcd did not answer, or refused the request.
-        ValueError: the record is corrupt (:func:`decode_master`).
+        kelastic.etcd_values.CorruptValueError: the record is corrupt, or ``pod_ip``
+            cannot be written as one (the one codec of the value,
+            :mod:`kelastic.etcd_values.rounds`).
+        OSError: ``pod_ip`` is not an address of this host (:func:`kelastic.sockaddr.free_port`).
     """
     if publish:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((pod_ip, 0))
-            port = int(sock.getsockname()[1])
-        store.put(key, json.dumps({"addr": pod_ip, "port": port}).encode())
+        port = free_port(pod_ip)
+        store.put(key, encode_master(pod_ip, port))
         return pod_ip, port
     raw = store.wait_value(key, timeout=timeout)
     return decode_master(raw, key)
 
 
-def decode_master(raw: bytes, key: str) -> tuple[str, int]:
-    """Parse a round's master record ``{"addr": str, "port": int}`` (bounded, see
-    :func:`kelastic._safejson.loads_bounded`).
+def node_report(
+    outcome: ReportOutcome | str, node: str, summary: str, failure: Failure | None = None
+) -> bytes:
+    """The node's final report, as stored at :meth:`kelastic.contract.Keys.report`, by the
+    one codec of the value (:func:`kelastic.etcd_values.encode_report`).
 
-    Returns:
-        ``(MASTER_ADDR, MASTER_PORT)``.
+    A JSON object: ``outcome`` (a :class:`~kelastic.etcd_values.ReportOutcome`:
+    ``"succeeded"``, ``"failed"`` or ``"removed"``), ``node``, ``summary`` (one line,
+    cut to :data:`~kelastic.etcd_values.MAX_SUMMARY` characters; a failed *job* starts
+    with :data:`kelastic.contract.JOB_FAILED_PREFIX`), ``failure``
+    (:meth:`Failure.as_dict` or null) and ``time`` (``time.time()``). The operator reads
+    ``outcome`` and ``summary`` (``kelastic_operator.rendezvous_store.view_from_keys``).
 
     Raises:
-        ValueError: the record is corrupt (not bounded JSON, an address that is not a
-            string of 1..255 characters, a port outside 1..65535); never another error.
+        ValueError: ``outcome`` is no :class:`~kelastic.etcd_values.ReportOutcome`.
+        kelastic.etcd_values.CorruptValueError: the report is outside the codec's bounds
+            (a node name that is empty or over 1024 characters).
     """
-    try:
-        doc = loads_bounded(raw, max_bytes=4096)
-    except UnsafeJSONError as exc:
-        raise ValueError(f"corrupt master record at {key} ({exc}): {raw[:200]!r}") from None
-    addr = doc.get("addr") if isinstance(doc, dict) else None
-    port = doc.get("port") if isinstance(doc, dict) else None
-    if not isinstance(addr, str) or not 0 < len(addr) <= 255:
-        raise ValueError(f"corrupt master record at {key}: bad addr: {raw[:200]!r}")
-    if type(port) is not int or not 0 < port < 65536:
-        raise ValueError(f"corrupt master record at {key}: bad port: {raw[:200]!r}")
-    return addr, port
-
-
-def node_report(outcome: str, node: str, summary: str, failure: Failure | None = None) -> bytes:
-    """The node's final report, as stored at :meth:`kelastic.contract.Keys.report`.
-
-    A JSON object: ``outcome`` (``"succeeded"``, ``"failed"`` or ``"removed"``), ``node``,
-    ``summary`` (one line; a failed *job* starts with
-    :data:`kelastic.contract.JOB_FAILED_PREFIX`), ``failure`` (:meth:`Failure.as_dict`
-    or null) and ``time`` (``time.time()``). The operator reads ``outcome`` and
-    ``summary`` (``kelastic_operator.rendezvous_store.view_from_keys``).
-    """
-    doc = {
-        "outcome": outcome,
-        "node": node,
-        "summary": summary,
-        "failure": failure.as_dict() if failure else None,
-        "time": time.time(),
-    }
-    return json.dumps(doc).encode()
+    return encode_report(
+        {
+            "outcome": ReportOutcome(outcome),
+            "node": node,
+            "summary": summary[:MAX_SUMMARY],
+            "failure": failure.as_dict() if failure else None,
+            "time": time.time(),
+        }
+    )

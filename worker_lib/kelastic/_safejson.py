@@ -7,7 +7,9 @@ becomes ``inf``). :func:`loads_bounded` checks the size first, the nesting depth
 linear scan before parsing, and every number while parsing, and raises only
 :class:`UnsafeJSONError` (a ``ValueError``). Callers then check types and ranges of the
 fields they use and turn the error into their own corrupt-input error. :func:`env_map`
-checks one such field both wire protocols carry, an environment map. Stdlib only.
+checks one such field both wire protocols carry, an environment map; :func:`is_int` is
+the one integer check of every decoder (a bool is no integer), :func:`load_object` the
+one "bounded JSON object" step of every etcd value's decoder. Stdlib only.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Final
+from typing import Any, Final, NoReturn, TypeGuard
 
 __all__ = [
     "MAX_DEPTH",
@@ -23,6 +25,8 @@ __all__ = [
     "BadEnvError",
     "UnsafeJSONError",
     "env_map",
+    "is_int",
+    "load_object",
     "loads_bounded",
 ]
 
@@ -75,6 +79,51 @@ def env_map(value: object, name: str, *, ints: bool = False) -> dict[str, str]:
             raise BadEnvError(f"{name}[{key!r}] must be a string, got {val!r}")
         env[key] = val
     return env
+
+
+def is_int(value: object, low: int | None = None, high: int | None = None) -> TypeGuard[int]:
+    """Whether ``value`` is an integer (``bool`` is not, though Python says it is) within
+    ``low..high``, both inclusive, each bound only when given."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (low is None or value >= low)
+        and (high is None or value <= high)
+    )
+
+
+def load_object(
+    raw: bytes,
+    where: str,
+    *,
+    max_bytes: int,
+    max_depth: int = MAX_DEPTH,
+    error: type[Exception] = UnsafeJSONError,
+) -> dict[str, Any]:
+    """Decode ``raw`` as one JSON object within bounds (:func:`loads_bounded`).
+
+    Args:
+        raw: the bytes (an etcd value).
+        where: what it is (its key), for the message.
+        max_bytes, max_depth: as :func:`loads_bounded`.
+        error: the exception class to raise (the caller's corrupt-value error), built
+            from one message argument.
+
+    Raises:
+        error: not bounded JSON, or not an object; the message names ``where`` and
+            the first 80 bytes. Never another exception, whatever ``raw`` holds.
+    """
+    try:
+        doc = loads_bounded(raw, max_bytes=max_bytes, max_depth=max_depth)
+    except UnsafeJSONError as exc:
+        _raise(error, f"{where}: {exc}: {raw[:80]!r}")
+    if not isinstance(doc, dict):
+        _raise(error, f"{where}: not a JSON object: {raw[:80]!r}")
+    return doc
+
+
+def _raise(error: type[Exception], message: str) -> NoReturn:
+    raise error(message) from None
 
 
 def _depth_ok(raw: bytes, max_depth: int) -> bool:

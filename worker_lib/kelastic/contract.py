@@ -245,7 +245,8 @@ class Keys:
 
     @property
     def rdzv_state(self) -> str:
-        """The rendezvous state (JSON, compare-and-set on its mod_revision)."""
+        """The rendezvous state (JSON, compare-and-set on its mod_revision; codec:
+        :mod:`kelastic.etcd_values.rendezvous`)."""
         return self.prefix + "rdzv/state"
 
     @property
@@ -265,7 +266,8 @@ class Keys:
     def departing(self, node: str) -> str:
         """Departure notice of ``node`` (value: the reason, e.g. ``scale_down``), written by
         the operator before it deletes the node's Pod: when the node goes, its peers
-        re-rendezvous without spending the restart budget."""
+        re-rendezvous without spending the restart budget (codec:
+        :func:`kelastic.etcd_values.encode_departure`)."""
         return self.departing_prefix + node
 
     @property
@@ -279,12 +281,14 @@ class Keys:
         return self.joining_prefix + node
 
     def master(self, round_: int) -> str:
-        """``{"addr", "port"}`` of the round's c10d store, written by group rank 0."""
+        """``{"addr", "port"}`` of the round's c10d store, written by group rank 0 (codec:
+        :mod:`kelastic.etcd_values.rounds`)."""
         return f"{self.prefix}rounds/{round_}/master"
 
     @property
     def restarts(self) -> str:
-        """The job's global restart budget record (JSON)."""
+        """The job's global restart budget record (JSON; codec:
+        :mod:`kelastic.etcd_values.restarts`)."""
         return self.prefix + "restarts"
 
     @property
@@ -293,7 +297,8 @@ class Keys:
         return self.prefix + "reports/"
 
     def report(self, node: str) -> str:
-        """Final report of ``node`` (JSON: outcome, root cause)."""
+        """Final report of ``node`` (JSON: outcome, root cause; codec:
+        :mod:`kelastic.etcd_values.reports`)."""
         return self.reports_prefix + node
 
     @property

@@ -35,9 +35,9 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeGuard
+from typing import Any, Final
 
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic._safejson import is_int, load_object
 
 __all__ = [
     "MAX_ITERATION",
@@ -127,13 +127,9 @@ _CAUSES: Final = frozenset(c.value for c in RestartCause)
 _FIELDS: Final = ("iteration", "round", "restarts", "cause", "node", "rank", "message", "time")
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int(doc: Mapping[str, Any], name: str, where: str, low: int, high: int, dflt: int) -> int:
     value = doc.get(name, dflt)
-    if not _is_int(value) or not low <= value <= high:
+    if not is_int(value, low, high):
         raise RecordError(f"{where}: {name!r} must be an integer in {low}..{high}, "
                           f"got {value!r:.80}")  # fmt: skip
     return value
@@ -203,12 +199,7 @@ def decode_record(raw: bytes, where: str = "in-process record") -> IterationReco
         RecordError: not bounded JSON, not an object, a field outside the bounds or of
             the wrong type. Never another exception, whatever ``raw`` holds.
     """
-    try:
-        doc = loads_bounded(raw, max_bytes=MAX_RECORD_BYTES, max_depth=4)
-    except UnsafeJSONError as exc:
-        raise RecordError(f"{where}: {exc}: {raw[:80]!r}") from None
-    if not isinstance(doc, dict):
-        raise RecordError(f"{where}: not a JSON object: {raw[:80]!r}")
+    doc = load_object(raw, where, max_bytes=MAX_RECORD_BYTES, max_depth=4, error=RecordError)
     return record_from_mapping(doc, where)
 
 

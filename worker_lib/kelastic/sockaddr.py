@@ -4,6 +4,7 @@ Run dirs can be deep (local mode under ``$TMPDIR``, test temp dirs), so the cont
 socket's path may not fit in a ``sockaddr_un``. :func:`unix_address` then goes through
 ``/proc/self/fd/<dirfd>/<name>``, which Linux resolves for ``bind`` and ``connect`` while
 the directory fd is open; the socket file itself stays where the contract says.
+:func:`free_port` picks a free TCP port (the one picker of the sidecar and the operator).
 """
 
 from __future__ import annotations
@@ -58,3 +59,23 @@ def listen_unix(path: Path, mode: int, backlog: int) -> socket.socket:
         listener.close()
         raise
     return listener
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago: bound to port 0, then released.
+
+    The one port picker of the product: a round's c10d store (group rank 0's sidecar,
+    fresh each round so that a restarted round never meets a stale store,
+    pytorch/pytorch#135712), the next in-process iteration's store, local mode's etcd
+    and HTTP ports. Another process may take the port before it is bound again.
+
+    Args:
+        host: an address of this host (IPv4, or IPv6 when it holds a ``:``).
+
+    Raises:
+        OSError: ``host`` is not an address of this host.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

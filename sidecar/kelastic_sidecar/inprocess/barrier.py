@@ -9,33 +9,22 @@ the pure :func:`~.round.barrier_verdict`.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kelastic.sockaddr import free_port
 from kelastic_etcd import EtcdError, EtcdLeaseNotFound
 
-from .record import ReadyRecord, encode_ready
+from .record import IterationRecordError, ReadyRecord, encode_ready
 from .round import Phase, barrier_verdict
 
 if TYPE_CHECKING:  # annotations only
     from .carry import CarryRung
     from .parts import Node
 
-__all__ = ["TerminationBarrier", "pick_port"]
+__all__ = ["TerminationBarrier"]
 
 log = logging.getLogger("kelastic_sidecar.inprocess")
-
-
-def pick_port(ip: str) -> int:
-    """A TCP port free on ``ip`` now (the c10d store of the next iteration binds it).
-
-    Raises:
-        OSError: ``ip`` is not an address of this host.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((ip, 0))
-        return int(sock.getsockname()[1])
 
 
 class TerminationBarrier:
@@ -66,7 +55,7 @@ class TerminationBarrier:
         prefix = m.keys.inprocess_ready_prefix(m.iteration)
         try:
             port = self._carry.master_port(m, ctx)
-            port = pick_port(ctx.pod_ip) if port is None else port
+            port = free_port(ctx.pod_ip) if port is None else port
             value = encode_ready(ReadyRecord(ctx.group_rank, ctx.pod_ip, port, ctx.round))
             try:
                 snap = m.store.put_read({key: value}, [prefix], ctx.lease_id())
@@ -74,7 +63,7 @@ class TerminationBarrier:
                 snap = m.store.put_read({key: value}, [prefix])
             for old in set(self.published) - {key}:
                 m.store.delete(old)
-        except (EtcdError, OSError) as exc:
+        except (EtcdError, OSError, IterationRecordError) as exc:
             m.give_up_all(f"cannot write the termination barrier key: {exc}")
             return
         self.published = [key]

@@ -39,9 +39,9 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Final, Protocol, TypeGuard
+from typing import Final, Protocol
 
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic._safejson import is_int, load_object
 from kelastic.inprocess_record import (
     MAX_ITERATION,
     MAX_TEXT,
@@ -102,20 +102,6 @@ class ReadyRecord:
     round: int = -1
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _load_object(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        doc = loads_bounded(raw, max_bytes=MAX_RECORD_BYTES, max_depth=4)
-    except UnsafeJSONError as exc:
-        raise IterationRecordError(f"{where}: {exc}: {raw[:80]!r}") from None
-    if not isinstance(doc, dict):
-        raise IterationRecordError(f"{where}: not a JSON object: {raw[:80]!r}")
-    return doc
-
-
 def decode_ready(raw: bytes, where: str = "in-process ready key") -> ReadyRecord:
     """Parse and validate a termination-barrier value ``{"group_rank", "addr", "port"}``.
 
@@ -125,26 +111,34 @@ def decode_ready(raw: bytes, where: str = "in-process ready key") -> ReadyRecord
             characters, a port outside 1..65535, a round outside -1..2**53. Never another
             exception.
     """
-    doc = _load_object(raw, where)
+    doc = load_object(raw, where, max_bytes=MAX_RECORD_BYTES, max_depth=4,
+                      error=IterationRecordError)  # fmt: skip
     addr, port = doc.get("addr"), doc.get("port")
     if not isinstance(addr, str) or not 0 < len(addr) <= _MAX_ADDR:
         raise IterationRecordError(f"{where}: bad 'addr': {raw[:120]!r}")
-    if not _is_int(port) or not 0 < port < 65536:
+    if not is_int(port, 1, 65535):
         raise IterationRecordError(f"{where}: bad 'port': {raw[:120]!r}")
     round_ = doc.get("round", -1)
-    if not _is_int(round_) or not -1 <= round_ <= MAX_COUNTER:
+    if not is_int(round_, -1, MAX_COUNTER):
         raise IterationRecordError(f"{where}: bad 'round': {raw[:120]!r}")
     group_rank = doc.get("group_rank")
-    if not _is_int(group_rank) or not 0 <= group_rank <= MAX_COUNTER:
+    if not is_int(group_rank, 0, MAX_COUNTER):
         raise IterationRecordError(f"{where}: bad 'group_rank': {raw[:120]!r}")
     return ReadyRecord(group_rank, addr, port, round_)
 
 
 def encode_ready(ready: ReadyRecord) -> bytes:
-    """Serialize a termination-barrier value."""
+    """Serialize a termination-barrier value (strict: what :func:`decode_ready` refuses
+    is not written).
+
+    Raises:
+        IterationRecordError: ``ready`` is outside :func:`decode_ready`'s bounds.
+    """
     doc = {"group_rank": ready.group_rank, "addr": ready.addr, "port": ready.port,
            "round": ready.round}  # fmt: skip
-    return json.dumps(doc, separators=(",", ":")).encode()
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    decode_ready(raw, "in-process ready value to write")
+    return raw
 
 
 class RecordStore(Protocol):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kelastic.contract import Keys
+from kelastic.etcd_values import decode_departure
 from kelastic_etcd import EtcdClient, EtcdError, EtcdLeaseNotFound, Lease, Snapshot, Watcher
 
 from .state import (
@@ -227,7 +228,7 @@ class RendezvousStateHolder:
             elif key.startswith(self._joining_prefix):
                 joining[key[len(self._joining_prefix) :]] = revision
             elif key.startswith(departing_prefix):
-                departing[key[len(departing_prefix) :]] = raw.decode(errors="replace")
+                departing[key[len(departing_prefix) :]] = decode_departure(raw)
         got = snap.values.get(self.keys.rdzv_state)
         if got is None:
             state, token = RendezvousState(run_id=self.settings.run_id), None

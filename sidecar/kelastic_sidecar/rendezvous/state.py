@@ -8,32 +8,31 @@ closing, and :func:`~kelastic_sidecar.rendezvous.steps.evaluate_round`, are
 :mod:`kelastic_sidecar.rendezvous.steps`; :mod:`kelastic_sidecar.rendezvous.handler` runs them
 against etcd.
 
-Over ~400 lines because it is one cohesive thing: the state, its bounded wire form and the
-transitions, side by side, so that the invariants :func:`decode_state` refuses to let in
-(ranks, lists that do not overlap, bounds) are visibly the ones every transition keeps.
+The bytes of the state in etcd are the one codec's (:mod:`kelastic.etcd_values.rendezvous`:
+its bounds, its version, shared with the operator's reader); :func:`encode_state` and
+:func:`decode_state` convert this module's :class:`RendezvousState` to and from its
+document, and the codec's errors to the rendezvous' own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any
 
-from kelastic._safejson import UnsafeJSONError, loads_bounded
+from kelastic import etcd_values
+from kelastic.etcd_values import StateDoc
 
 from ..vocabulary import CheckReason
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
 
-#: Version of the JSON state this module reads and writes.
-STATE_VERSION = 1
 #: Seconds after a join timeout during which a node still tries to remove itself (torch's value).
 ROLLBACK_PERIOD = 5.0
 #: Longest single wait, seconds: a safety net under the event-driven wake-ups.
@@ -43,18 +42,6 @@ MAX_WAIT = 30.0
 #: more than ``--max-txn-ops`` (default 128) compares or operations; the rest are applied
 #: by the next write.
 MAX_ADMITTED_PER_WRITE = 100
-
-# Bounds of a decoded state (:func:`decode_state`): anything beyond is corrupt or hostile.
-#: Largest state accepted, bytes (etcd's default request limit is 1.5 MiB).
-MAX_STATE_BYTES = 2 * 1024 * 1024
-#: Highest round number (2**53: exact as a float, so every JSON reader agrees on it).
-MAX_ROUND = 2**53
-#: Highest rank of a node.
-MAX_RANK = 2**20
-#: Longest node name, run id or departure reason, characters.
-MAX_NAME_LEN = 1024
-#: Latest deadline accepted, seconds since the epoch (year 5138).
-MAX_DEADLINE = 1e11
 
 
 HEALTHY = CheckReason.HEALTHY
@@ -242,77 +229,33 @@ class RendezvousState:
 
 
 def encode_state(state: RendezvousState) -> bytes:
-    """Serialize ``state`` to the JSON stored in etcd (deterministic)."""
-    doc = {
-        "version": STATE_VERSION,
+    """Serialize ``state`` to the JSON stored in etcd, deterministic, by the one codec of
+    the value (:func:`kelastic.etcd_values.encode_state`).
+
+    Raises:
+        kelastic.etcd_values.CorruptValueError: ``state`` is outside the codec's bounds
+            (a bug: every transition keeps them); nothing is written.
+    """
+    doc: StateDoc = {
         "run_id": state.run_id,
         "round": state.round,
         "complete": state.complete,
         "deadline": state.deadline,
         "closed": state.closed,
         "closed_reason": state.closed_reason,
-        "participants": dict(sorted(state.participants.items())),
-        "wait_list": sorted(state.wait_list),
-        "redundancy_list": sorted(state.redundancy_list),
-        "departed": dict(sorted(state.departed.items())),
-        "lost": sorted(state.lost),
+        "participants": state.participants,
+        "wait_list": list(state.wait_list),
+        "redundancy_list": list(state.redundancy_list),
+        "departed": state.departed,
+        "lost": list(state.lost),
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-
-
-_FIELDS = frozenset(
-    {
-        "version",
-        "run_id",
-        "round",
-        "complete",
-        "deadline",
-        "closed",
-        "closed_reason",
-        "participants",
-        "wait_list",
-        "redundancy_list",
-        "departed",
-        "lost",
-    }
-)
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_name(value: object) -> TypeGuard[str]:
-    return isinstance(value, str) and 0 < len(value) <= MAX_NAME_LEN
-
-
-def _names(doc: Mapping[str, Any], name: str, where: str) -> frozenset[str]:
-    value = doc[name]
-    if not isinstance(value, list) or not all(_is_name(n) for n in value):
-        raise CorruptStateError(f"{where}: '{name}' must be a list of node names")
-    if len(set(value)) != len(value):
-        raise CorruptStateError(f"{where}: '{name}' lists a node twice")
-    return frozenset(value)
-
-
-def _deadline(value: object, where: str) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise CorruptStateError(f"{where}: 'deadline' must be a number or null")
-    if not 0 <= value <= MAX_DEADLINE:  # loads_bounded already refused NaN and infinities
-        raise CorruptStateError(f"{where}: 'deadline' {value!r} is out of range")
-    return float(value)
+    return etcd_values.encode_state(doc)
 
 
 def decode_state(raw: bytes, *, run_id: str | None = None, where: str = "state") -> RendezvousState:
-    """Parse and strictly validate a state written by :func:`encode_state`.
-
-    Hostile input is bounded before it is parsed or used: at most
-    :data:`MAX_STATE_BYTES` bytes nested at most 32 deep, integers of at most 19 digits,
-    finite numbers only; ``round`` <= :data:`MAX_ROUND`, ranks <= :data:`MAX_RANK`,
-    ``deadline`` in ``0..MAX_DEADLINE`` seconds since the epoch, names and reasons of
-    1..:data:`MAX_NAME_LEN` characters.
+    """Parse and strictly validate a state written by :func:`encode_state`, by the one
+    codec of the value (:func:`kelastic.etcd_values.decode_state`: its bounds, its
+    version; hostile input bounded before it is parsed or used).
 
     Args:
         raw: the bytes read from etcd.
@@ -327,70 +270,23 @@ def decode_state(raw: bytes, *, run_id: str | None = None, where: str = "state")
             given). Never another exception, whatever ``raw`` holds.
     """
     try:
-        doc = loads_bounded(raw, max_bytes=MAX_STATE_BYTES)
-    except UnsafeJSONError as exc:
-        raise CorruptStateError(f"{where}: {exc}: {raw[:80]!r}") from None
-    if not isinstance(doc, dict):
-        raise CorruptStateError(f"{where}: not a JSON object: {raw[:80]!r}")
-    version = doc.get("version")
-    if not _is_int(version) or version < 1:
-        raise CorruptStateError(f"{where}: no state version: {raw[:80]!r}")
-    if version != STATE_VERSION:
-        raise RendezvousStateError(
-            f"{where}: state version {version}, this kelastic reads {STATE_VERSION}"
-        )
-    missing, unknown = _FIELDS - doc.keys(), doc.keys() - _FIELDS
-    if missing or unknown:
-        raise CorruptStateError(
-            f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)[:10]}"
-        )
-    if not _is_name(doc["run_id"]):
-        raise CorruptStateError(f"{where}: 'run_id' must be a non-empty string")
-    if run_id is not None and doc["run_id"] != run_id:
-        raise RendezvousStateError(
-            f"{where}: belongs to run {doc['run_id']!r}, not {run_id!r} (stale or shared key?)"
-        )
-    if not _is_int(doc["round"]) or not 0 <= doc["round"] <= MAX_ROUND:
-        raise CorruptStateError(f"{where}: 'round' must be an integer in 0..{MAX_ROUND}")
-    for name in ("complete", "closed"):
-        if not isinstance(doc[name], bool):
-            raise CorruptStateError(f"{where}: '{name}' must be true or false")
-    deadline = _deadline(doc["deadline"], where)
-    if doc["closed_reason"] is not None and not isinstance(doc["closed_reason"], dict):
-        raise CorruptStateError(f"{where}: 'closed_reason' must be an object or null")
-    participants = doc["participants"]
-    if not isinstance(participants, dict) or not all(
-        _is_name(n) and _is_int(r) and 0 <= r <= MAX_RANK for n, r in participants.items()
-    ):
-        raise CorruptStateError(
-            f"{where}: 'participants' must map node names to ranks in 0..{MAX_RANK}"
-        )
-    departed = doc["departed"]
-    if not isinstance(departed, dict) or not all(
-        _is_name(n) and isinstance(r, str) and len(r) <= MAX_NAME_LEN for n, r in departed.items()
-    ):
-        raise CorruptStateError(f"{where}: 'departed' must map node names to reasons")
-    wait_list = _names(doc, "wait_list", where)
-    redundancy = _names(doc, "redundancy_list", where)
-    lost = _names(doc, "lost", where)
-    members = set(participants)
-    if members & wait_list or members & redundancy or wait_list & redundancy:
-        raise CorruptStateError(f"{where}: a node is listed both as participant and waiting")
-    ranks = list(participants.values())
-    if doc["complete"] and len(set(ranks)) != len(ranks):
-        raise CorruptStateError(f"{where}: ranks of a complete round must be distinct")
+        doc = etcd_values.decode_state(raw, run_id=run_id, where=where)
+    except etcd_values.CorruptValueError as exc:
+        raise CorruptStateError(str(exc)) from None
+    except etcd_values.ForeignValueError as exc:
+        raise RendezvousStateError(str(exc)) from None
     return RendezvousState(
         run_id=doc["run_id"],
         round=doc["round"],
         complete=doc["complete"],
-        deadline=deadline,
+        deadline=doc["deadline"],
         closed=doc["closed"],
         closed_reason=doc["closed_reason"],
-        participants=dict(participants),
-        wait_list=wait_list,
-        redundancy_list=redundancy,
-        departed=dict(departed),
-        lost=lost,
+        participants=doc["participants"],
+        wait_list=frozenset(doc["wait_list"]),
+        redundancy_list=frozenset(doc["redundancy_list"]),
+        departed=doc["departed"],
+        lost=frozenset(doc["lost"]),
     )
 
 
