@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from kelastic import contract
+from kelastic._safejson import is_int
 
 from .inprocess_record import InProcessRecord
 from .labels import ANNOTATION_SPEC_HASH, pod_index
@@ -211,7 +212,7 @@ class Plan:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if is_int(value) else None
 
 
 def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodView | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from kelastic import contract
-from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, loads_bounded
+from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, is_int, loads_bounded
 
 __all__ = [
     "MAX_COUNTER",
@@ -198,7 +198,7 @@ def excerpt(line: bytes, limit: int = 200) -> str:
 
 def _int_field(obj: dict[str, Any], name: str, line: bytes, minimum: int | None = None) -> int:
     value = obj.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or abs(value) > MAX_COUNTER:
+    if not is_int(value, -MAX_COUNTER, MAX_COUNTER):
         raise ProtocolError(
             f"{obj.get('type')!r} message needs an integer {name!r}, got {value!r}: "
             + excerpt(line)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from kelastic import contract
-from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, loads_bounded
+from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, is_int, loads_bounded
 
 __all__ = [
     "CAUSES",
@@ -230,7 +230,7 @@ def _load(line: bytes) -> tuple[dict[str, Any], str]:
 
 def _int(obj: dict[str, Any], name: str, line: bytes, maximum: int = MAX_COUNTER) -> int:
     value = obj.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= maximum:
+    if not is_int(value, 0, maximum):
         raise ProtocolError(
             f"{obj.get('type')!r} message needs an integer {name!r} in 0..{maximum}, "
             f"got {value!r}: " + _excerpt(line)
