@@ -45,6 +45,19 @@ def test_admit_requests_joins_the_forming_round_in_name_order() -> None:
     assert new.redundancy_list == {"job-10"}  # the round was full when its turn came
 
 
+def test_admit_requests_skips_names_no_state_may_hold() -> None:
+    """A forged join request (an empty or 2000-character node name) is not applied: the
+    state's strict writer would refuse the state, and the join would fail."""
+    from kelastic_sidecar.rendezvous.state import decode_state, encode_state
+
+    s = settings(min_nodes=1, max_nodes=4)
+    new, admitted = admit_requests(
+        RendezvousState(RUN), ["", "x" * 2000, "b"], Clock(NOW), settings=s
+    )
+    assert admitted == ("b",) and set(new.participants) == {"b"}
+    assert decode_state(encode_state(new)) == new
+
+
 def test_admit_requests_starts_the_last_call_at_min_nodes() -> None:
     s = settings(min_nodes=2, max_nodes=4, last_call_timeout=30)
     new, admitted = admit_requests(RendezvousState(RUN), ["b", "a"], Clock(NOW), settings=s)

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kelastic.etcd_values import is_name
+
 from ..vocabulary import DEPARTURE_REJOIN, DEPARTURE_SUCCEEDED
 from .state import (
     CLOSED,
@@ -178,7 +180,9 @@ def admit_requests(
     redundancy list), or wait for the next round. A requester withdraws its request
     before it acts on its own timeout, so the requester's own clock is not needed.
     Nothing is applied to a closed rendezvous, and at most ``limit`` requests per call
-    (see :data:`MAX_ADMITTED_PER_WRITE`).
+    (see :data:`MAX_ADMITTED_PER_WRITE`). A request whose node name no state may hold
+    (empty, or over 1024 characters: :func:`kelastic.etcd_values.is_name`; forged) is
+    never applied: the state's strict writer would refuse the state.
 
     Returns:
         the new state and the requesters applied (in the order applied).
@@ -188,6 +192,8 @@ def admit_requests(
         if state.closed or len(admitted) >= limit:
             break
         if node in state.participants or node in state.wait_list or node in state.redundancy_list:
+            continue
+        if not is_name(node):
             continue
         step = join_step(state, Clock(now=clock.now), node=node, settings=settings)
         if step.action is Action.WRITE and step.state is not None:

@@ -27,7 +27,7 @@ key                            codec                           written by / read
 =============================  ==============================  ============================
 """
 
-from ._fields import MAX_NAME_LEN, MAX_TIME, CorruptValueError, ForeignValueError
+from ._fields import MAX_NAME_LEN, MAX_TIME, CorruptValueError, ForeignValueError, is_name
 from .rendezvous import (
     MAX_DEADLINE,
     MAX_RANK,
@@ -73,4 +73,5 @@ __all__ = [
     "encode_report",
     "encode_restarts",
     "encode_state",
+    "is_name",
 ]
