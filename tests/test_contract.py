@@ -235,6 +235,7 @@ def test_a_value_no_writer_produces_is_refused_by_every_reader_and_every_writer(
     from kelastic_sidecar.rendezvous.state import (
         CorruptStateError,
         RendezvousState,
+        RendezvousStateError,
         decode_state,
         encode_state,
     )
@@ -264,9 +265,10 @@ def test_a_value_no_writer_produces_is_refused_by_every_reader_and_every_writer(
     assert (view.round, view.world_size, view.restarts_spent, dict(view.failed_reports)) == (
         None, None, None, {},
     )  # fmt: skip
+    for state in (RendezvousState("u1", round=2**53 + 1), RendezvousState("u1", lost={""})):
+        with pytest.raises(RendezvousStateError, match="refusing to write"):
+            encode_state(state)
     for write in (
-        lambda: encode_state(RendezvousState("u1", round=2**53 + 1)),
-        lambda: encode_state(RendezvousState("u1", participants={"": 0})),
         lambda: encode_record(RestartRecord(count=-1)),
         lambda: node_report("failed", "", "x"),
         lambda: etcd_values.encode_master("", 29500),

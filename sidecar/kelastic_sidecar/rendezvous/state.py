@@ -233,23 +233,20 @@ def encode_state(state: RendezvousState) -> bytes:
     the value (:func:`kelastic.etcd_values.encode_state`).
 
     Raises:
-        kelastic.etcd_values.CorruptValueError: ``state`` is outside the codec's bounds
-            (a bug: every transition keeps them); nothing is written.
+        RendezvousStateError: ``state`` is outside the codec's bounds (a transition let in
+            what no reader accepts); nothing is written.
     """
     doc: StateDoc = {
-        "run_id": state.run_id,
-        "round": state.round,
-        "complete": state.complete,
-        "deadline": state.deadline,
-        "closed": state.closed,
-        "closed_reason": state.closed_reason,
-        "participants": state.participants,
-        "wait_list": list(state.wait_list),
-        "redundancy_list": list(state.redundancy_list),
-        "departed": state.departed,
+        "run_id": state.run_id, "round": state.round, "complete": state.complete,
+        "deadline": state.deadline, "closed": state.closed, "closed_reason": state.closed_reason,
+        "participants": state.participants, "departed": state.departed,
+        "wait_list": list(state.wait_list), "redundancy_list": list(state.redundancy_list),
         "lost": list(state.lost),
-    }
-    return etcd_values.encode_state(doc)
+    }  # fmt: skip
+    try:
+        return etcd_values.encode_state(doc)
+    except etcd_values.CorruptValueError as exc:
+        raise RendezvousStateError(f"refusing to write the state: {exc}") from None
 
 
 def decode_state(raw: bytes, *, run_id: str | None = None, where: str = "state") -> RendezvousState:
