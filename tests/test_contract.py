@@ -196,6 +196,18 @@ def test_the_operator_reads_the_restart_record_the_budget_writes() -> None:
     assert view.restarts_spent == 2 == budget.read().count
 
 
+def test_a_charge_the_codec_refuses_to_write_is_a_restart_record_error() -> None:
+    """A charge whose record would be over the codec's 2 MiB (a huge failure detail) is
+    refused before it is written, as the budget's own error (the supervisor logs it)."""
+    from kelastic_sidecar.restart_budget import RestartBudget, RestartRecordError
+
+    store = _Store()
+    budget = RestartBudget(store, KEYS, max_restarts=3)  # type: ignore[arg-type]
+    with pytest.raises(RestartRecordError, match="refusing to write"):
+        budget.charge(1, "worker_failure", "j-0", {"message": "x" * (3 << 20)})
+    assert store.values() == {} and budget.charge(1, "hang", "j-0", {}).count == 1
+
+
 def test_the_operator_reads_the_inprocess_record_the_sidecar_writes() -> None:
     from kelastic_operator.rendezvous_store import view_from_keys
     from kelastic_sidecar.inprocess.record import Advance, RestartCause, advance_iteration
@@ -242,6 +254,7 @@ def test_a_value_no_writer_produces_is_refused_by_every_reader_and_every_writer(
     from kelastic_sidecar.restart_budget import (
         CorruptRecordError,
         RestartRecord,
+        RestartRecordError,
         decode_record,
         encode_record,
     )
@@ -268,8 +281,9 @@ def test_a_value_no_writer_produces_is_refused_by_every_reader_and_every_writer(
     for state in (RendezvousState("u1", round=2**53 + 1), RendezvousState("u1", lost={""})):
         with pytest.raises(RendezvousStateError, match="refusing to write"):
             encode_state(state)
+    with pytest.raises(RestartRecordError, match="refusing to write"):
+        encode_record(RestartRecord(count=-1))
     for write in (
-        lambda: encode_record(RestartRecord(count=-1)),
         lambda: node_report("failed", "", "x"),
         lambda: etcd_values.encode_master("", 29500),
         lambda: etcd_values.encode_master("10.0.0.1", 0),

@@ -83,12 +83,17 @@ def encode_record(record: RestartRecord) -> bytes:
     (:func:`kelastic.etcd_values.encode_restarts`).
 
     Raises:
-        kelastic.etcd_values.CorruptValueError: ``record`` is outside the codec's bounds
-            (strict: nothing written is refused when read back).
+        RestartRecordError: ``record`` is outside the codec's bounds (strict: nothing
+            written is refused when read back), e.g. over 2 MiB with its history; the
+            caller's write fails as when etcd refuses it.
     """
-    return etcd_values.encode_restarts(
-        {"count": record.count, "last_round": record.last_round, "history": list(record.history)}
-    )
+    doc: etcd_values.RestartsDoc = {
+        "count": record.count, "last_round": record.last_round, "history": list(record.history)
+    }  # fmt: skip
+    try:
+        return etcd_values.encode_restarts(doc)
+    except etcd_values.CorruptValueError as exc:
+        raise RestartRecordError(f"refusing to write the restart record: {exc}") from None
 
 
 def decode_record(raw: bytes, where: str = "restart record") -> RestartRecord:
@@ -179,7 +184,8 @@ class RestartBudget:
 
         Raises:
             ValueError: ``round_ < 0`` or ``detail`` is not JSON-serializable.
-            RestartRecordError: the record is of another version (never overwritten).
+            RestartRecordError: the record is of another version (never overwritten), or
+                the charged record is outside the codec's bounds (:func:`encode_record`).
             EtcdError: etcd did not answer, or refused the request.
         """
         if round_ < 0:
