@@ -276,12 +276,12 @@ class AttemptMonitor:
         )
 
     def on_reaped(self, ev: ReapEvent) -> None:
-        """The timer server killed a hung worker."""
+        """A hung worker was killed: by the timer server, or by the in-process hard
+        timeout (queued just before its kill). Every hang of the attempt is held here."""
         self.reaped[ev.pid] = ev
-        log.warning(
-            "worker pid %d hung: timer %r expired %.3fs ago; killed with %s",
-            ev.pid, ev.scope_id, ev.reaped_at - ev.expiration_time, signal_name(ev.signal),
-        )  # fmt: skip
+        late = f" {ev.reaped_at - ev.expiration_time:.3f}s after expiry" if ev.scope_id else ""
+        log.warning("worker pid %d hung: %s%s; killed with %s", ev.pid, ev.why, late,
+                    signal_name(ev.signal))  # fmt: skip
 
     def _on_control(
         self,

@@ -4,7 +4,8 @@ Its parts put them there from their own threads (:func:`kelastic_sidecar.wiring.
 connects the callbacks): the timer server a reap (:class:`WorkerReaped`), the control
 server a launcher message (:class:`FromLauncher`), the rendezvous watch a possible change
 (:class:`RendezvousChanged`), the in-process coordinator a dead rank to start again
-(:class:`RespawnDue`) or a spare that took its place (:class:`SparePromoted`). Plain
+(:class:`RespawnDue`), a spare that took its place (:class:`SparePromoted`) or its hard
+timeout's kill of a hung worker (a :class:`WorkerReaped`, as the timer server's). Plain
 data: this module builds and starts nothing.
 """
 
@@ -29,7 +30,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class WorkerReaped:
-    """The timer server signalled a hung worker."""
+    """A hung worker was killed: by the timer server, or by the in-process hard timeout
+    (queued before its kill; ``reap.by`` says which)."""
 
     reap: ReapEvent
 

@@ -107,7 +107,8 @@ class RoundOf:
 
 
 class ReapLike(Protocol):
-    """What classification reads of a reap (``kelastic_sidecar.timer.server.ReapEvent``)."""
+    """What classification reads of a reap (``kelastic_sidecar.timer.ReapEvent``: the timer
+    server's, or the in-process hard timeout's kill; ``why`` says which)."""
 
     @property
     def scope_id(self) -> str: ...
@@ -115,6 +116,8 @@ class ReapLike(Protocol):
     def signal(self) -> int: ...
     @property
     def state(self) -> str: ...
+    @property
+    def why(self) -> str: ...
 
 
 class CheckLike(Protocol):
@@ -213,8 +216,7 @@ def stopped_failure(
                 rank=round_.rank(local_rank),
                 local_rank=local_rank,
                 signal=reap.signal,
-                message=f"timer {reap.scope_id!r} expired; reaped by the timer server "
-                "(it was stopped, not waiting on a peer)",
+                message=f"{reap.why} (it was stopped, not waiting on a peer)",
                 stopped=True,
             )
     return None
@@ -225,8 +227,9 @@ def classify_exit(
 ) -> Failure:
     """The failure a non-zero exit of a worker of this attempt stands for.
 
-    - the worker was reaped by the timer server: ``CAUSE_HANG``, unless a stopped worker
-      of this node was reaped too (:func:`stopped_failure`): that one is the cause;
+    - the worker was reaped (by the timer server, or killed at the in-process hard
+      timeout): ``CAUSE_HANG``, unless a stopped worker of this node was reaped too
+      (:func:`stopped_failure`): that one is the cause;
     - it could not be started (no pid, or an exit code of
       :data:`~kelastic_sidecar.failure.NOT_STARTED_EXIT_CODES`): ``CAUSE_START_FAILURE``;
     - else ``CAUSE_WORKER_FAILURE``, with its error file's message and its last lines.
@@ -247,7 +250,7 @@ def classify_exit(
         culprit = stopped_failure(round_, pids, reaped)
         if culprit is not None:
             return culprit
-        message = f"timer {reap.scope_id!r} expired; reaped by the timer server"
+        message = reap.why
     cause = CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE
     if reap is None and (pid is None or msg.exitcode in NOT_STARTED_EXIT_CODES):
         cause = CAUSE_START_FAILURE  # exec failed, or the command is not there

@@ -25,7 +25,7 @@ from .http import SidecarHttpServer
 from .inprocess import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .restart_budget import RestartBudget
-from .timer import TimerServer
+from .timer import TimerServer, hard_timeout_reap
 
 __all__ = ["EtcdHealth", "Hooks", "Parts", "build_parts"]
 
@@ -124,5 +124,7 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         on_promote=lambda round_, slot, local_rank, pid: events.put(
             SparePromoted(round_, local_rank, slot, pid)
         ),
+        # the hard timeout's kill is a reap on the same queue as the timer server's
+        on_kill=lambda pid, why: events.put(WorkerReaped(hard_timeout_reap(pid, why))),
     )  # fmt: skip
     return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess)

@@ -275,3 +275,92 @@ def test_a_hung_ddp_rank_alone_is_killed_its_blocked_peers_restart_in_process(
     assert "process restart" not in out.replace("in-process restart", ""), out
     assert run.restarts_charged() == 0, out
     assert run.strays() == []
+
+
+#: Where rank 1 stops itself (``wrapped_ddp.py``'s ``STEPS_HANG_*``), and who kills it then:
+#: inside its step timer, the timer server after the grace; between steps (no timer),
+#: the in-process hard timeout.
+HUNG = {
+    "in-step": ("in step", "timer 'step' expired; reaped by the timer server"),
+    "between-steps": ("between steps", "no termination barrier of iteration 1 within the "
+                      "hard timeout (14 s); killed by the sidecar"),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", list(HUNG))
+def test_a_hung_rank_alone_is_killed_its_peers_abort_in_process_one_record_of_the_hang(
+    tmp_path: Path, where: str
+) -> None:
+    """Rank 1 of a 2 x 2 DDP job stops itself (SIGSTOP) at its 5th step: inside its step's
+    ``expires(3)`` (holding its timer), or between steps (holding none). Its peers block
+    on it in DDP's all-reduce, so their step timers expire; they leave in process (their
+    wrappers' soft timeout), the grace (hard - soft timeout: 4 s) spares them, and only
+    rank 1 is killed: by the timer server after the grace, or by the in-process hard
+    timeout (14 s after the abort). The hybrid rung starts it alone again. The hang is
+    recorded in one place, the supervisor's monitor, whoever killed it (the hard
+    timeout's kill is a reap on its queue): the monitor's log, the record's ``died`` and
+    ``kelastic run`` say who killed rank 1 and that it alone started again."""
+    said, why = HUNG[where]
+    env = {"STEPS_TIMER_AFTER": "3", "STEPS_HANG_RANK": "1", "STEPS_HANG_STEP": "5",
+           "STEPS_HANG_BETWEEN": "1" if where == "between-steps" else "0"}  # fmt: skip
+    job, stop = _job(tmp_path, budget=10, worker="wrapped_ddp.py", timeouts=(10, 14), env=env)
+    runs = tmp_path / "runs"
+    # warm start: rank 1's new process is forked from the zygote; a cold one imports torch
+    # after the go, which took 10.2 s on a loaded 2-core host, past the peers' soft
+    # timeout (10 s) while they wait for it in init_process_group: a second restart
+    run = KelasticRun(job, "--in-process", "--warm-start", workdir=runs)
+    try:
+
+        def stepped(iteration: int) -> Callable[[], bool]:
+            return lambda: {int(r) for r, _, it in STEPPED.findall(run.output)
+                            if int(it) == iteration} >= {0, 1, 2, 3}  # fmt: skip
+
+        _wait(run, runs, stepped(1), "every rank stepping in iteration 1")
+        told = re.compile(r"\(started again as a process\); (every rank )?stepping again after")
+        _wait(run, runs, lambda: bool(told.search(run.output)), "kelastic run naming rank 1")
+        stop.touch()
+        assert run.wait() == 0, run.output
+    finally:
+        run.interrupt()
+    out, logs = run.output, _sidecar_logs(runs)
+    hung = re.search(rf"^\[1\]:? ?pid (\d+) hangs {said} 5$", out, re.M)
+    assert hung is not None, out
+    starts = _starts(out)
+    assert [len(starts.get(r, [])) for r in range(4)] == [1, 2, 1, 1], (starts, out)
+    for rank in (0, 2, 3):  # the blocked peers: the same process in iterations 0 and 1
+        pid = starts[rank][0][0]
+        assert {(int(p), int(i)) for r, p, i in ENTER.findall(out) if int(r) == rank} == {
+            (pid, 0), (pid, 1),
+        }, (rank, out)  # fmt: skip
+    (old, it0), (new, it1) = starts[1]
+    assert (it0, it1) == (0, 1) and old != new and str(old) == hung[1], starts
+    # rank 1 alone was killed, by the one its hang calls for
+    reaps = set(re.findall(r"timer server: reaped pid (\d+)", logs))
+    killed = "did not pass the termination barrier" in logs
+    if where == "in-step":
+        assert reaps == {str(old)} and "after the grace of 4 s" in logs and not killed, logs
+    else:
+        assert not reaps and killed, logs
+    # one record of the hang: the supervisor's monitor holds it (the hard timeout's kill
+    # too), and the rung's cause and words come from its classification
+    assert re.search(rf"worker pid {old} hung: {re.escape(why)}", logs), logs
+    died = rf"local rank 1 \(pid {old}\) killed by SIGKILL: {re.escape(why)}"
+    assert re.search(died, logs), logs
+    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    # what kelastic run says: one restart (a peer's expired timer), the hung rank's kill
+    # and its start (on that line when every rank stepped again before it was said, else
+    # on a follow-up), and the time to every rank stepping
+    assert re.search(r"in-process restart 1/10 \(iteration 1\): rank [023] soft_timeout: "
+                     r"timer 'step' expired", out), out  # fmt: skip
+    line = (rf"in-process restart (1/10 )?\(iteration 1\): .*local rank 1 \(pid {old}\) killed "
+            rf"by SIGKILL: {re.escape(why[:20])}.*\(started again as a process\); "
+            r"(every rank )?stepping again after \d+\.\d+s")  # fmt: skip
+    assert re.search(line, out), out
+    assert "it alone starts again" not in out, out  # a peer's fault made the restart
+    took = re.findall(r"stepping again after (\d+\.\d+)s", out)
+    print(f"\nrank 1 hung {said} (DDP) -> every rank stepping again: {took} s")
+    assert "process restart" not in out.replace("in-process restart", ""), out
+    assert not re.search(r"restart \d+/3:", out), out
+    assert run.restarts_charged() == 0, out
+    assert run.strays() == []

@@ -113,6 +113,9 @@ class Node:
     ctx: RoundContext | None = None
     ranks: list[Rank] = field(default_factory=list)
     killed: list[tuple[int, int]] = field(default_factory=list)
+    #: what the coordinator's ``on_kill`` and ``kill`` saw, in order: ``("reap", pid,
+    #: why)`` (the supervisor's reap of the hard timeout), ``("kill", pid, signal)``
+    told: list[tuple[str, int, object]] = field(default_factory=list)
 
     @property
     def socket_path(self) -> Path:
@@ -208,13 +211,15 @@ def make_node(
 
     def kill(pid: int, sig: int) -> None:
         node.killed.append((pid, sig))
+        node.told.append(("kill", pid, sig))
         import os
 
         os.kill(pid, sig)
 
     node.coordinator = InProcessCoordinator(
-        cfg or settings(), store, contract.Keys(prefix), name, metrics, run_dir, pod_ip, kill=kill
-    )
+        cfg or settings(), store, contract.Keys(prefix), name, metrics, run_dir, pod_ip,
+        kill=kill, on_kill=lambda pid, why: node.told.append(("reap", pid, why)),
+    )  # fmt: skip
     node.coordinator.start()
     try:
         yield node

@@ -213,6 +213,11 @@ def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdClient, job_prefix
             n.ranks[0].ready(1)
             assert hung.wait(timeout=20) == -9  # SIGKILL, by pid, after the hard timeout
             assert n.killed == [(hung.pid, 9)]
+            # told to the supervisor as a reap before the kill (its monitor holds every
+            # hang; the worker's exit, which follows the kill, finds it there)
+            why = "no termination barrier of iteration 1 within the hard timeout (0.5 s)"
+            assert n.told == [("reap", hung.pid, f"{why}; killed by the sidecar"),
+                              ("kill", hung.pid, 9)]  # fmt: skip
             assert sample(n.metrics, "kelastic_inprocess_workers_killed_total") == 1
         finally:
             if hung.poll() is None:

@@ -197,6 +197,7 @@ class _Reap:
     scope_id: str
     signal: int
     state: str
+    why: str = "timer 's' expired; reaped by the timer server"
 
 
 def test_inputs_are_structural() -> None:

@@ -6,12 +6,17 @@ iteration leaves a live reducer with pending bucket all-reduces behind. Each ste
 Prints ``pid P start iteration I`` when the process starts, ``pid P enter iteration I``
 each time the function is entered and ``pid P stepped iteration I`` after its first DDP
 step; returns once ``STEPS_STOP_FILE`` exists. ``STEPS_TIMER_AFTER``: the step timer's
-seconds (default 30).
+seconds (default 30). ``STEPS_HANG_RANK`` / ``STEPS_HANG_STEP``: that global rank stops
+itself (SIGSTOP) inside its step timer at that step of iteration 0 (a hang held under
+``expires()``: it holds its timer, its peers block on it in DDP's all-reduce);
+``STEPS_HANG_BETWEEN=1``: after that step instead, holding no timer (only the in-process
+hard timeout kills it).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,17 @@ torch.set_num_threads(1)
 MODEL = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 OPT = torch.optim.SGD(MODEL.parameters(), lr=0.01)
 AFTER = float(os.environ.get("STEPS_TIMER_AFTER") or 30.0)
+HANG_RANK = int(os.environ.get("STEPS_HANG_RANK") or -1)
+HANG_STEP = int(os.environ.get("STEPS_HANG_STEP") or 20)
+HANG_BETWEEN = os.environ.get("STEPS_HANG_BETWEEN") == "1"
+
+
+def _hang_here(iteration: int, step: int, between: bool) -> None:
+    """Stop this process (SIGSTOP) where ``STEPS_HANG_*`` say."""
+    if (iteration, step, dist.get_rank(), between) == (0, HANG_STEP, HANG_RANK, HANG_BETWEEN):
+        where = "between steps" if between else "in step"
+        print(f"pid {os.getpid()} hangs {where} {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @Wrapper()
@@ -39,10 +55,12 @@ def train(call_wrapper: Any = None) -> None:
     step = 0
     while not (stop and Path(stop).exists()):
         with expires(after=AFTER, scope="step"):  # a timed step: kelastic run's fault clock
+            _hang_here(iteration, step, between=False)  # stopped holding its timer
             loss = model(torch.randn(16, 64)).square().mean()
             OPT.zero_grad()
             loss.backward()
             OPT.step()
+        _hang_here(iteration, step, between=True)  # stopped holding no timer
         if step == 0:
             print(f"pid {os.getpid()} stepped iteration {iteration}", flush=True)
         step += 1

@@ -75,7 +75,7 @@ from .barrier import TerminationBarrier
 from .carry import CarryRung, carry_request, with_master
 from .hybrid import RespawnRung
 from .machine import RestartMachine
-from .parts import OnPromote, OnRespawn, no_promote, no_respawn
+from .parts import OnKill, OnPromote, OnRespawn, no_kill, no_promote, no_respawn
 from .record import (
     Advance,
     AdvanceOutcome,
@@ -137,6 +137,9 @@ class InProcessCoordinator:
         on_promote: ``(round, spare_slot, local_rank)``: a waiting spare took that dead
             local rank's place (called on the loop thread; it must not block; the
             supervisor queues a ``promote`` for the launcher).
+        on_kill: ``(pid, why)``: the hard timeout is about to SIGKILL that worker (called
+            on the loop thread before the kill; it must not block; the supervisor queues
+            it as a reap, so its monitor holds every hang).
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class InProcessCoordinator:
         clock: Callable[[], float] = time.monotonic,
         on_respawn: OnRespawn | None = None,
         on_promote: OnPromote | None = None,
+        on_kill: OnKill | None = None,
     ) -> None:
         self.settings = settings
         self.enabled = settings.enabled
@@ -177,7 +181,8 @@ class InProcessCoordinator:
             settings, store, keys, node, metrics, self.server.drop,
             respawn=RespawnRung(spares), spares=spares, carry=carry,
             barrier=TerminationBarrier(carry), on_respawn=on_respawn or no_respawn,
-            on_promote=on_promote or no_promote, kill=kill, clock=clock,
+            on_promote=on_promote or no_promote, kill=kill, on_kill=on_kill or no_kill,
+            clock=clock,
         )  # fmt: skip
         self._status: dict[str, Any] | None = self.machine.status_doc() if self.enabled else None
         #: The watch thread's copy of the record and barrier keys: key -> (value, revision).

@@ -2,6 +2,10 @@
 within ``hard_timeout`` seconds is SIGKILLed by its pid, and its exit is the process
 path's (NVIDIA's in-process restart kills it the same way). A part of the
 :class:`~.machine.RestartMachine`.
+
+The kill is reported (``on_kill``) before the signal is sent: the supervisor's monitor
+records it as a reap, as it does the timer server's, so one place holds every hang and
+the worker's exit, which can only follow the kill, always finds it there.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only
     from ..metrics import SidecarMetrics
+    from .parts import OnKill
     from .server import Session
 
 __all__ = ["HardTimeouts", "victim_pid"]
@@ -39,6 +44,8 @@ class HardTimeouts:
         clock: monotonic seconds.
         kill: how a pid is killed (``os.kill``).
         metrics: the sidecar's metrics (``kelastic_inprocess_workers_killed_total``).
+        on_kill: told ``(pid, why)`` just before a pid is killed (the supervisor queues it
+            as a reap of the hard timeout).
     """
 
     def __init__(
@@ -47,8 +54,10 @@ class HardTimeouts:
         clock: Callable[[], float],
         kill: Callable[[int, int], None],
         metrics: SidecarMetrics,
+        on_kill: OnKill,
     ) -> None:
         self._hard_timeout = hard_timeout
+        self._on_kill = on_kill
         self._clock = clock
         self._kill = kill
         self._metrics = metrics
@@ -96,6 +105,9 @@ class HardTimeouts:
             "local rank %d (pid %d) did not pass the termination barrier of iteration %d "
             "within %.1fs; killing it", local_rank, pid, iteration, self._hard_timeout,
         )  # fmt: skip
+        why = (f"no termination barrier of iteration {iteration} within the hard timeout "
+               f"({self._hard_timeout:g} s); killed by the sidecar")  # fmt: skip
+        self._on_kill(pid, why)  # first: the worker's exit, which follows, finds its reap
         try:
             self._kill(pid, signal.SIGKILL)
             self._metrics.inprocess_killed.inc()

@@ -7,7 +7,8 @@ worker's non-zero exit (:meth:`InProcessCoordinator.absorb_exit
 <kelastic_sidecar.inprocess.coordinator.InProcessCoordinator.absorb_exit>`):
 
 1. ``running`` in iteration ``n``: compare-and-set the record ``n -> n + 1`` (cause
-   ``worker_died``, or ``hang`` for a reap or the hard-timeout kill; one in-process
+   ``worker_died``, or ``hang`` for a reap: the timer server's or the hard timeout's,
+   which the monitor holds and classifies, one place for every hang; one in-process
    restart spent, the job's process-restart budget untouched); every node aborts its
    ranks as for a raise. A lost race (another node, or a survivor's "connection reset"
    fault, moved the record first) is as good: the dead rank joins that restart.
@@ -28,7 +29,7 @@ worker's non-zero exit (:meth:`InProcessCoordinator.absorb_exit
 
 The machine calls it at named points: :meth:`RespawnRung.absorb` (a death),
 :meth:`~RespawnRung.aborted` (a newer abort), :meth:`~RespawnRung.went` (the ``go``),
-:meth:`~RespawnRung.hello`, :meth:`~RespawnRung.killing`, :meth:`~RespawnRung.expire`,
+:meth:`~RespawnRung.hello`, :meth:`~RespawnRung.expire`,
 :meth:`~RespawnRung.gave_up` and :meth:`~RespawnRung.ended`. Runs on the coordinator's
 loop thread only, like the machine.
 """
@@ -70,7 +71,6 @@ class RespawnRung:
         self.spares = spares
         self._pending: dict[int, int | None] = {}  # dead local rank -> its pid, until the go
         self._starting: dict[int, float] = {}  # local rank -> deadline of its hello
-        self._killed: set[int] = set()  # pids this node killed at their hard timeout
         self.respawns = 0
 
     def absorb(self, m: Node, local_rank: int, pid: int | None, failure: Failure) -> bool:
@@ -92,8 +92,7 @@ class RespawnRung:
             log.warning("local rank %d died: no in-process restart (%s)", local_rank,
                         verdict.reason)  # fmt: skip
             return False
-        killed = pid is not None and pid in self._killed
-        cause, message = death_cause(failure, killed), death_message(failure, pid, killed)
+        cause, message = death_cause(failure), death_message(failure, pid)
         m.forget(local_rank)
         if verdict.kind is Absorb.ADVANCE:
             note = self.spares.note(self._pending) or RESPAWN_NOTE
@@ -141,11 +140,6 @@ class RespawnRung:
             log.info("local rank %d started again: hello (iteration %d)", msg.local_rank,
                      msg.iteration)  # fmt: skip
 
-    def killing(self, pid: int) -> None:
-        """The machine kills ``pid`` at its hard timeout: its exit is a hang, absorbed
-        like a death."""
-        self._killed.add(pid)
-
     def dead(self) -> set[int]:
         """The dead local ranks waiting for the ``go`` (they count as connected)."""
         return set(self._pending)
@@ -171,4 +165,3 @@ class RespawnRung:
     def ended(self) -> None:
         """The round ended: forget its dead and restarting ranks."""
         self.gave_up()
-        self._killed.clear()

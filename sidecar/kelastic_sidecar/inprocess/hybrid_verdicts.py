@@ -117,21 +117,21 @@ def absorb_verdict(
     return AbsorbVerdict(Absorb.REFUSE, f"unknown phase {phase!r}")
 
 
-def death_cause(failure: Failure, killed_by_coordinator: bool) -> RestartCause:
-    """The iteration record's ``cause`` for a dead worker: ``hang`` when the timer server
-    reaped it (``failure.cause`` is :data:`~kelastic_sidecar.failure.CAUSE_HANG`) or the
-    coordinator killed it at its hard timeout; else :data:`CAUSE_WORKER_DIED`."""
-    hung = killed_by_coordinator or failure.cause == CAUSE_HANG
-    return RestartCause.HANG if hung else CAUSE_WORKER_DIED
+def death_cause(failure: Failure) -> RestartCause:
+    """The iteration record's ``cause`` for a dead worker: ``hang`` when it was reaped
+    (``failure.cause`` is :data:`~kelastic_sidecar.failure.CAUSE_HANG`: the supervisor's
+    monitor held a reap of its pid, by the timer server or by the coordinator's hard
+    timeout); else :data:`CAUSE_WORKER_DIED`."""
+    return RestartCause.HANG if failure.cause == CAUSE_HANG else CAUSE_WORKER_DIED
 
 
-def death_message(failure: Failure, pid: int | None, killed_by_coordinator: bool) -> str:
+def death_message(failure: Failure, pid: int | None) -> str:
     """One line naming the dead worker and how it died, e.g. ``local rank 1 (pid 4242)
-    killed by SIGKILL`` or ``local rank 0 (pid 77) exited with code 1: ValueError: x``."""
+    killed by SIGKILL``, ``local rank 0 (pid 77) exited with code 1: ValueError: x`` or,
+    reaped, ``local rank 1 (pid 9) killed by SIGKILL: timer 'step' expired; reaped by the
+    timer server`` (the reap's words, from the failure's message)."""
     who = f"local rank {failure.local_rank} (pid {pid if pid is not None else '?'})"
-    if killed_by_coordinator:
-        how = "killed by the sidecar: no termination barrier within the hard timeout"
-    elif failure.signal is not None:
+    if failure.signal is not None:
         how = f"killed by {signal_name(failure.signal)}"
     else:
         how = f"exited with code {failure.exitcode}"

@@ -81,7 +81,7 @@ if TYPE_CHECKING:  # annotations only: the machine imports none of its collabora
     from .barrier import TerminationBarrier
     from .carry import CarryRequest, CarryRung
     from .hybrid import RespawnRung
-    from .parts import OnPromote, OnRespawn
+    from .parts import OnKill, OnPromote, OnRespawn
     from .server import Session
     from .spares import SpareRung
 
@@ -147,7 +147,8 @@ class RestartMachine:
         barrier: the termination barrier.
         on_respawn, on_promote: how the supervisor is told to start a dead rank again, or
             that a spare took its place (called on the loop thread; they must not block).
-        kill: how a rank is killed (``os.kill``).
+        kill: how a rank is killed (``os.kill``); ``on_kill`` is told first (the
+            supervisor records the kill as a reap: see :mod:`.hard_timeout`).
         clock: monotonic seconds.
 
     Its state is :class:`~.parts.Node`'s attributes (documented there: what the rungs
@@ -171,6 +172,7 @@ class RestartMachine:
         barrier: TerminationBarrier,
         on_respawn: OnRespawn,
         on_promote: OnPromote,
+        on_kill: OnKill,
         kill: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -184,7 +186,7 @@ class RestartMachine:
         self.sessions: dict[int, Session] = {}
         self.offset: dict[int, int] = {}
         self.ready: set[int] = set()
-        self._hard = HardTimeouts(settings.hard_timeout, clock, kill, metrics)
+        self._hard = HardTimeouts(settings.hard_timeout, clock, kill, metrics, on_kill)
         self.barrier_until: float | None = None
         self.known: tuple[bytes | None, int] | None = None
         self.corrupt = CorruptRecords(metrics)
@@ -503,9 +505,7 @@ class RestartMachine:
         for local_rank in self._hard.due(now):
             session = self.sessions.get(local_rank)
             if session is not None and session.hello is not None:
-                pid = self._hard.kill(session, self.iteration)
-                if pid is not None:
-                    self.respawn.killing(pid)  # its exit is a hang, absorbed like a death
+                self._hard.kill(session, self.iteration)  # its exit: a reap (a hang)
         if self.barrier_until is not None and self.barrier_until <= now:
             self.give_up_all(
                 f"termination barrier of iteration {self.iteration} not passed within "

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # annotations only
     from .round import Phase, RoundContext
     from .server import Session
 
-__all__ = ["Node", "OnPromote", "OnRespawn", "no_promote", "no_respawn"]
+__all__ = ["Node", "OnKill", "OnPromote", "OnRespawn", "no_kill", "no_promote", "no_respawn"]
 
 log = logging.getLogger("kelastic_sidecar.inprocess")
 
@@ -34,10 +34,18 @@ OnRespawn = Callable[[int, int, dict[str, str]], None]
 #: supervisor sends the launcher a ``promote``).
 OnPromote = Callable[[int, int, int, int], None]
 
+#: ``(pid, why)``: the hard timeout is about to SIGKILL that worker (the supervisor
+#: queues it as a reap: its monitor holds every hang, the timer server's and these).
+OnKill = Callable[[int, str], None]
+
 
 def no_respawn(round_: int, local_rank: int, env: dict[str, str]) -> None:
     """The :data:`OnRespawn` of a machine nobody listens to: logged."""
     log.error("no one to start local rank %d again (round %d)", local_rank, round_)
+
+
+def no_kill(pid: int, why: str) -> None:
+    """The :data:`OnKill` of a machine nobody listens to: the kill is logged anyway."""
 
 
 def no_promote(round_: int, slot: int, local_rank: int, pid: int) -> None:

@@ -1,5 +1,7 @@
 """What the timer server reports: its reaps (:class:`ReapEvent`, with the victim's process
-state) and its counters (:class:`TimerStats`).
+state) and its counters (:class:`TimerStats`). The in-process hard timeout's kill of a
+hung worker is a reap too (:func:`hard_timeout_reap`, :attr:`Reaper.HARD_TIMEOUT`): the
+supervisor's monitor holds every hang, whoever killed it.
 
 Plain data, importable without the server's machinery (FIFO, thread, kills): the
 supervisor's round-end classification and the metrics read these.
@@ -7,9 +9,23 @@ supervisor's round-end classification and the metrics read these.
 
 from __future__ import annotations
 
+import enum
+import signal
+import time
 from dataclasses import dataclass
 
-__all__ = ["ReapEvent", "TimerStats", "process_state"]
+__all__ = ["ReapEvent", "Reaper", "TimerStats", "hard_timeout_reap", "process_state"]
+
+
+class Reaper(enum.Enum):
+    """Who killed a hung worker."""
+
+    #: The timer server: an ``expires()`` timer of the worker expired (after the grace
+    #: with in-process restart on).
+    TIMER_SERVER = "the timer server"
+    #: The in-process coordinator: the worker did not pass the termination barrier
+    #: within the hard timeout after its ``abort``.
+    HARD_TIMEOUT = "the in-process hard timeout"
 
 
 @dataclass(frozen=True)
@@ -28,6 +44,9 @@ class ReapEvent:
             empty when unknown. A stopped worker is the one that held its peers up.
         grace: seconds the reap waited past the deadline by the server's grace (0: reaped
             at expiry; see :mod:`~kelastic_sidecar.timer.table`).
+        by: who killed it.
+        note: for :attr:`Reaper.HARD_TIMEOUT`, what the coordinator says of the kill
+            (its :attr:`why`).
     """
 
     pid: int
@@ -37,6 +56,24 @@ class ReapEvent:
     reaped_at: float
     state: str = ""
     grace: float = 0.0
+    by: Reaper = Reaper.TIMER_SERVER
+    note: str = ""
+
+    @property
+    def why(self) -> str:
+        """Why and by whom it was killed, e.g. ``timer 'step' expired; reaped by the timer
+        server``."""
+        if self.by is Reaper.HARD_TIMEOUT:
+            return self.note or "no termination barrier in the hard timeout; killed by the sidecar"
+        return f"timer {self.scope_id!r} expired; reaped by the timer server"
+
+
+def hard_timeout_reap(pid: int, why: str) -> ReapEvent:
+    """The reap the in-process coordinator's hard-timeout kill of ``pid`` stands for
+    (``why``: its words), made just before the SIGKILL (its process state included)."""
+    now = time.time()
+    state = process_state(pid)
+    return ReapEvent(pid, "", signal.SIGKILL, now, now, state, by=Reaper.HARD_TIMEOUT, note=why)
 
 
 def process_state(pid: int) -> str:

@@ -15,7 +15,8 @@ from kelastic import contract
 from kelastic_operator.cli import with_run_options
 from kelastic_operator.local import progress
 from kelastic_operator.local.faults import Fault
-from kelastic_operator.local.progress import ProgressReporter, inprocess_line
+from kelastic_operator.local.inprocess_lines import inprocess_line
+from kelastic_operator.local.progress import ProgressReporter
 from kelastic_operator.local.replicas import node_progress, restarting_in_process
 from kelastic_operator.model import load_manifest, trainer_container
 from tests.localrun import KelasticRun, run_cli, write_job
@@ -132,6 +133,30 @@ def test_inprocess_line_waits_for_every_node_to_step_again() -> None:
         "injected (SIGUSR1); stepping again after 0.35s"
     )
     assert inprocess_line(docs, 2, waited_out=False) is None
+
+
+def test_a_restart_said_complete_names_the_workers_it_started_again() -> None:
+    """A peer's fault made the restart, and a hung rank killed meanwhile joined it (the
+    hybrid rung started it again): said complete at once (every rank stepping), the line
+    names that rank too, or nobody would learn a process was replaced. A death that made
+    the restart (its record's message) is not named twice; a rank a spare replaced is
+    not said to have started again as a process."""
+    hung = "local rank 1 (pid 77) killed by SIGKILL: timer 'step' expired; reaped by the timer"
+    docs = [_inproc(1, 1, 0.3, rank=3), _inproc(1, 1, 4.14, rank=3)]
+    docs[1]["last"]["died"] = [hung]
+    assert inprocess_line(docs, 1, waited_out=False) == (
+        "in-process restart 1/10 (iteration 1): rank 3 exception: InjectedFault: fault "
+        f"injected (SIGUSR1); {hung} (started again as a process); stepping again after 4.14s"
+    )
+    docs[1]["last"]["message"] = f"{hung}; it alone starts again as a process"
+    line = inprocess_line(docs, 1, waited_out=False)
+    assert line is not None and line.count(hung) == 1, line
+    docs[1]["last"]["message"] = "InjectedFault: x"
+    docs[1]["last"]["promoted"] = ["local rank 1 replaced by the spare of slot 2 (pid 80, no "
+                                   "process start)"]  # fmt: skip
+    line = inprocess_line(docs, 1, waited_out=False)
+    assert line is not None and "started again as a process" not in line, line
+    assert f"{hung}; local rank 1 replaced by the spare of slot 2" in line, line
 
 
 def _reporter(enabled: bool) -> tuple[ProgressReporter, list[str]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kelastic_operator.cli import with_run_options
-from kelastic_operator.local.progress import inprocess_line
+from kelastic_operator.local.inprocess_lines import inprocess_line
 from kelastic_operator.model import load_manifest
 from tests.localrun import run_cli, write_job
 
