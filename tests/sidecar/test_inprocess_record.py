@@ -177,3 +177,42 @@ def test_the_barrier_counts_only_this_rounds_participants() -> None:
     # participants unknown: the group ranks the keys state count
     anon = barrier_verdict({prefix + "x": val(0), prefix + "y": val(1)}, prefix, _ctx(3, ()))
     assert anon.master is not None
+
+
+def test_the_earliest_fault_names_a_restart_another_node_recorded_first(
+    store: EtcdClient, job_prefix: str
+) -> None:
+    """Two nodes report faults of one iteration while etcd is stalled; when it answers,
+    the node with the later fault (a peer's "Connection closed by peer", a consequence of
+    the first) may win the compare-and-set. The loser's fault came first: it names the
+    restart (cause, node, rank, message, time), in one more compare-and-set that keeps the
+    iteration and the restarts spent; a later fault never renames it."""
+    key = contract.Keys(job_prefix).inprocess_iteration
+
+    def fault(node: str, rank: int, message: str, now: float, faulted: int = 0) -> AdvanceOutcome:
+        return advance_iteration(
+            store, key, faulted, 10, round_=0, cause=RestartCause.EXCEPTION, node=node, rank=rank,
+            message=message, now=now,
+        )  # fmt: skip
+
+    first = fault("steps-1", 2, "RuntimeError: Connection closed by peer", 1000.3)
+    assert first.kind is Advance.ADVANCED
+    renamed = fault("steps-0", 1, "ValueError: boom", 1000.2)  # raised 0.1 s before
+    assert renamed.kind is Advance.SUPERSEDED and renamed.record is not None
+    got = store.get(key)
+    assert got is not None
+    stored = decode_iteration_record(got[0])
+    assert stored == renamed.record and got[1] == renamed.revision
+    assert (stored.iteration, stored.restarts) == (1, 1)  # one restart, spent once
+    assert (stored.node, stored.rank, stored.message, stored.time) == (
+        "steps-0", 1, "ValueError: boom", 1000.2,
+    )  # fmt: skip
+    # a later fault of the same iteration changes nothing
+    later = fault("steps-1", 3, "RuntimeError: Connection reset by peer", 1000.4)
+    assert later.kind is Advance.SUPERSEDED and store.get(key) == got
+    # nor, once the record moved on to the next iteration, a stale report of an earlier
+    # iteration's fault, however early
+    assert fault("steps-1", 2, "OSError: next", 1010.0, faulted=1).kind is Advance.ADVANCED
+    moved = store.get(key)
+    assert fault("steps-0", 0, "early", 999.0).kind is Advance.SUPERSEDED
+    assert store.get(key) == moved

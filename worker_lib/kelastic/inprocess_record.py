@@ -1,7 +1,7 @@
 """The in-process restart record: the one codec of every writer and reader of it.
 
 The sidecars keep one record per job at :attr:`kelastic.contract.Keys.inprocess_iteration`
-(written by compare-and-set, ``kelastic_sidecar.inprocess_record``); the operator reads it
+(written by compare-and-set, ``kelastic_sidecar.inprocess.record``); the operator reads it
 into the job's status; ``kelastic run`` reads its fields from the sidecars' ``/status``::
 
     {"iteration": 3, "round": 2, "restarts": 3, "cause": "exception", "node": "job-1",

@@ -9,6 +9,7 @@ polls and says them.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -66,6 +67,12 @@ def restart_records(docs: list[dict[str, Any]], iteration: int) -> list[dict[str
     return found
 
 
+def _fault_time(last: dict[str, Any]) -> float:
+    """A restart record's fault time (seconds; ``inf`` when a sidecar did not say)."""
+    t = last.get("time")
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else math.inf
+
+
 def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool) -> str | None:
     """The line for the in-process restart into ``iteration``, or None to wait for more.
 
@@ -94,7 +101,8 @@ def inprocess_line(docs: list[dict[str, Any]], iteration: int, waited_out: bool)
     done = not behind and all(isinstance(r, (int, float)) for r in resumed)
     if not done and not waited_out:
         return None
-    last = lasts[0]
+    # the earliest fault names it: a node's view may be a later one, renamed since
+    last = min(lasts, key=_fault_time)
     restarts = max((int(d.get("restarts") or 0) for d in docs), default=0)
     top = max(int(d.get("max_restarts") or 0) for d in docs)
     message = str(last.get("message") or "").strip().splitlines()

@@ -39,8 +39,20 @@ class RestartHistory:
         self._last = {
             "iteration": record.iteration, "restarts": record.restarts, "cause": record.cause,
             "rank": record.rank,
-            "node": record.node, "message": record.message, "resumed_s": None,
+            "node": record.node, "message": record.message, "time": record.time,
+            "resumed_s": None,
         }  # fmt: skip
+
+    def revised(self, record: IterationRecord) -> None:
+        """The record of the latest restart now names an earlier fault of it (a node whose
+        fault came first lost the compare-and-set, then renamed it: see
+        :func:`.record.advance_iteration`): take the fault's fields from ``record``. A
+        record of another iteration, or not earlier, changes nothing."""
+        last = self._last
+        if last is None or last["iteration"] != record.iteration or not record.time < last["time"]:
+            return
+        last.update(cause=record.cause, rank=record.rank, node=record.node,
+                    message=record.message, time=record.time)  # fmt: skip
 
     def note(self, name: str, line: str) -> None:
         """Add ``line`` to the latest restart's list ``name`` (``died``, ``promoted``)."""

@@ -322,6 +322,8 @@ class RestartMachine:
         """The record says ``record.iteration``: abort into it when it is new."""
         self.restarts = max(self.restarts, record.restarts)
         if record.iteration <= self.iteration:
+            if record.iteration == self.iteration:  # renamed to an earlier fault of it?
+                self.history.revised(record)
             return
         self.iteration = record.iteration
         ctx = self.ctx

@@ -269,6 +269,10 @@ def advance_iteration(
                     and record.cause == RestartCause.MEMBERSHIP:  # fmt: skip
                 return _take_over(store, key, record, revision, max_restarts, cause=cause,
                                   node=node, message=message)  # fmt: skip
+            if charge and not corrupt and record.iteration == faulted + 1 \
+                    and record.cause != RestartCause.MEMBERSHIP and now < record.time:  # fmt: skip
+                return _earlier_fault(store, key, record, revision, cause=cause, node=node,
+                                      rank=rank, message=message, now=now)  # fmt: skip
             return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
         if charge and record.restarts >= max_restarts:
             return AdvanceOutcome(Advance.EXHAUSTED, record, revision)
@@ -288,6 +292,39 @@ def advance_iteration(
                                   revision if corrupt else 0)  # fmt: skip
         got = None if current is None else (current, new_revision)
     raise RuntimeError(f"could not update {key} after {_MAX_CAS} tries")
+
+
+def _earlier_fault(
+    store: RecordStore,
+    key: str,
+    record: IterationRecord,
+    revision: int,
+    *,
+    cause: RestartCause,
+    node: str,
+    rank: int,
+    message: str,
+    now: float,
+) -> AdvanceOutcome:
+    """:func:`advance_iteration`'s lost race to a restart into our iteration whose fault
+    came after ours (``now`` < ``record.time``, by the reporting sidecars' clocks): ours
+    names it. Faults of one iteration follow each other: a rank's exception aborts its
+    process group, and its peers' collectives then fail with "Connection closed by peer"
+    on other nodes, whose sidecars may win the compare-and-set when etcd was slow to
+    answer both. One compare-and-set at ``revision`` rewrites the fault's fields
+    (cause, node, rank, message, time), keeping the iteration and the restarts spent: no
+    node aborts again, nothing more is charged. Returns :attr:`Advance.SUPERSEDED` with
+    the record as stored now (renamed, or ``record`` when the write lost or failed: the
+    name then stays the later fault's)."""
+    renamed = replace(record, cause=cause, node=node, rank=rank, message=message[:MAX_TEXT],
+                      time=now)  # fmt: skip
+    try:
+        ok, _, new_revision = store.cas(key, encode_iteration_record(renamed), revision)
+    except (ConnectionError, ValueError):  # etcd failing, or a value the codec refuses
+        return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
+    if not ok:
+        return AdvanceOutcome(Advance.SUPERSEDED, record, revision)
+    return AdvanceOutcome(Advance.SUPERSEDED, renamed, new_revision)
 
 
 def _take_over(
