@@ -40,6 +40,7 @@ namespace), the cgroups it made, the uplink (gone with the namespace), the Node 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -214,6 +215,27 @@ class NodeCgroups:
         return [str(f) for f in self._made if f.exists()]
 
 
+def claim_index(lowest: int) -> tuple[int, int]:
+    """The lowest node index from ``lowest`` (to 63) that no other node of any test run on
+    this machine holds, and the descriptor of the lock that holds it for this one (an
+    exclusive ``flock`` of ``/tmp/kelastic-node-<index>.lock``: the kernel drops it when
+    the process dies, so a killed run frees its index). An index picks the uplink's host
+    addresses, the only ones the nodes share with this machine's network namespace.
+
+    Raises:
+        ClusterUnavailable: all 63 are held.
+    """
+    for index in range(lowest, 64):
+        fd = os.open(f"/tmp/kelastic-node-{index}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return index, fd
+    raise ClusterUnavailable(f"no free node index in {lowest}..63 (/tmp/kelastic-node-*.lock)")
+
+
 class RealNode:
     """One real node of the test cluster; see the module docstring.
 
@@ -221,7 +243,9 @@ class RealNode:
         cluster: the control plane the kubelet registers with.
         workdir: configs, logs, containerd's root, the kubelet's root and the Pods' volumes.
         images: image archives (:func:`tests.k8s.images.build_images`) to import.
-        name: the Node's name; ``index`` (1-63) picks its addresses.
+        name: the Node's name; ``index`` (1-63) picks its addresses: the lowest index from
+            it that no other node on this machine holds (:func:`claim_index`), so that test
+            runs side by side never share the uplink's addresses.
         labels, taints: the Node's labels and registration taints.
         capacity_memory: what the Node says it has (allocatable memory).
     """
@@ -239,6 +263,7 @@ class RealNode:
     ) -> None:
         if not 1 <= index <= 63:
             raise ValueError(f"node index {index} not in 1..63")
+        index, self._index_lock = claim_index(index)
         self.cluster = cluster
         self.workdir = Path(workdir)
         self.images = dict(images or {})
@@ -335,6 +360,9 @@ class RealNode:
             subprocess.run(["ip", "link", "del", self.host_link], check=False)
         with contextlib.suppress(Exception):
             self.cluster.request("DELETE", f"/api/v1/nodes/{self.name}")
+        if self._index_lock >= 0:  # the addresses are free for another node now
+            os.close(self._index_lock)
+            self._index_lock = -1
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.holder = None
         self.init_pid = 0
