@@ -12,6 +12,10 @@ in an ``InProcessRestart`` Event, ``kelastic_restarts_total{level="inprocess"}``
 sidecars' ``/metrics`` and ``kelastic_operator_restarts_total{level="inprocess"}`` on the
 operator's, equal parameter hashes on every rank in the new iteration, and the job
 succeeding with its accuracy.
+
+A worker SIGKILLed, or stopped (SIGSTOP: a hang its peers block on), takes the hybrid rung:
+only it starts again as a process, its peers keep theirs, no Pod is replaced and no
+process restart is spent. A Pod deleted takes the node-change rung.
 """
 
 from __future__ import annotations
@@ -208,6 +212,69 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
     final = _status(api)
     assert (final.get("restartsSpent") or 0) == 0, final  # no process restart
     assert final["inProcessRestarts"] == 1, final  # the lost node; the join spent none
+    logs = _logs(node, ns)
+    accuracies = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)", logs)]
+    assert accuracies and accuracies[-1] >= 0.90, logs[-2000:]
+
+
+#: A fault of the worker of rank 1 (not rank 0's Pod's store host): the signal sent from
+#: the node, and the restart's cause in the job status (``hang``: its peers' expired step
+#: timers, a soft timeout, may name the restart first; the stopped rank then joins it).
+WORKER_FAULTS = {
+    "kill": (signal.SIGKILL, {"worker_died"}),
+    "hang": (signal.SIGSTOP, {"soft_timeout", "hang"}),
+}
+
+
+@pytest.mark.parametrize("fault", list(WORKER_FAULTS))
+def test_a_killed_or_hung_worker_alone_starts_again_on_kubernetes(
+    k8s: Client, digits_operator: OperatorContext, node: RealNode, fault: str
+) -> None:
+    """The hybrid rung on the operator's path: rank 1's worker SIGKILLed, or stopped
+    (SIGSTOP) so that its peers block on it in DDP's all-reduce until their step timers
+    (5 s) expire and they leave in process, and it is killed (reaped by the timer server
+    after the grace, hard - soft timeout = 10 s, or at the 40 s hard timeout). Only rank 1
+    starts again as a process; ranks 0, 2 and 3 keep their processes, every rank goes on
+    from one state, no Pod is replaced and no process restart is spent."""
+    api, ns = k8s, k8s.namespace
+    sig, causes = WORKER_FAULTS[fault]
+    doc = yaml.safe_load(_manifest())
+    # soft timeout over a cold respawn's start (its peers wait for it in the next
+    # iteration's rendezvous), grace 10 s
+    doc["spec"]["inProcess"].update({"softTimeoutSeconds": 30, "hardTimeoutSeconds": 40})
+    api.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
+    wait_until(lambda: "epoch 2/" in _logs(node, ns), T, what="training")
+    uids = {n: p["metadata"]["uid"] for n, p in pods_by_name(api).items()}
+    workers = wait_until(lambda: _all(_workers(node, ns)), T, what="4 workers")
+
+    faulted_at = time.monotonic()
+    os.kill(workers[RAISING_RANK], sig)
+    try:
+        new = wait_until(lambda: _all(_hashes(_logs(node, ns), 1)), 2 * T, interval=0.1,
+                         what="every rank in iteration 1")  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {_status(api)}\n{node.logs(ns, SIDECAR_CONTAINER)}") from None
+    stepping_s = time.monotonic() - faulted_at
+    assert len(set(new.values())) == 1, new  # every rank goes on from one state
+    now = wait_until(lambda: _all(_workers(node, ns)), T, what="4 workers again")
+    assert {r: now[r] for r in (0, 2, 3)} == {r: workers[r] for r in (0, 2, 3)}, (now, workers)
+    assert now[RAISING_RANK] != workers[RAISING_RANK], now  # rank 1 alone is a new process
+    status = wait_until(lambda: _restarted(_status(api)), T, what="the restart in the status")
+    last = status["lastInProcessRestart"]
+    assert last["iteration"] == 1 and last["cause"] in causes, last
+    sidecar = node.logs(ns, SIDECAR_CONTAINER)
+    assert "local rank 1 starts again as a process in iteration 1" in sidecar, sidecar
+    if fault == "hang":  # one record of the hang, whoever killed it
+        assert re.search(r"worker pid \d+ hung: .*(reaped by the timer server|killed by the "
+                         r"sidecar)", sidecar), sidecar  # fmt: skip
+    print(f"\n{fault} of rank 1 -> every rank in iteration 1: {stepping_s:.2f}s (log poll)")
+
+    wait_until(lambda: _status(api).get("phase") == "Succeeded", 3 * T, what="Succeeded")
+    final = _status(api)
+    assert (final.get("restartsSpent") or 0) == 0 and not final.get("replacements"), final
+    assert final["inProcessRestarts"] == 1, final
+    assert {n: p["metadata"]["uid"] for n, p in pods_by_name(api).items()} == uids
     logs = _logs(node, ns)
     accuracies = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)", logs)]
     assert accuracies and accuracies[-1] >= 0.90, logs[-2000:]
