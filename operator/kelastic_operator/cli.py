@@ -248,9 +248,29 @@ def main(argv: list[str] | None = None) -> int:
         from kelastic._extras import missing_extra
 
         return missing_extra("kelastic", "local", exc)
+    except Exception as exc:
+        if not (_start_up_sigint.fired and _caused_by_interrupt(exc)):
+            raise
+        # Python wrapped the interrupt (raised in a class body's __set_name__, pydantic's
+        # import runs thousands: RuntimeError "Error calling __set_name__", caused by it)
+        print("kelastic: interrupted", file=sys.stderr)
+        return 130
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc``'s chain of causes and contexts (50 links at most) holds a
+    :class:`KeyboardInterrupt`."""
+    link: BaseException | None = exc
+    for _ in range(50):
+        if link is None:
+            return False
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
 
 
 def _main(argv: list[str] | None) -> int:
