@@ -312,6 +312,28 @@ class JobReconciler:
             plan.events.append(Event("Warning", "FailedCreate", refused))
         for event in plan.events:
             self._post(event, uid, now)
+        if plan.delete_job:
+            self._delete_job(uid)
+
+    def _delete_job(self, uid: str) -> None:
+        """Delete the job (``ttlSecondsAfterFinished`` passed), only the one of ``uid``: a
+        job re-created under the same name meanwhile is not touched (a precondition the API
+        server checks). Its finalizer then stops its Pods and deletes its etcd keys.
+
+        Raises:
+            ApiException: the delete failed other than with 404 (gone) or 409 (another
+                job of that name now).
+        """
+        log.info("%s/%s: ttlSecondsAfterFinished passed: deleting the job",
+                 self.namespace, self.name)  # fmt: skip
+        try:
+            self.custom.delete_namespaced_custom_object(
+                API_GROUP, API_VERSION, self.namespace, PLURAL, self.name,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
 
     def _create(self, pods: list[dict[str, Any]]) -> str | None:
         """Create ``pods`` in slow-start batches (1, 2, 4, ... up to

@@ -36,6 +36,8 @@ TRAINER_CONTAINER = "trainer"
 #: label values holding them stay within 63 characters.
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 52
+#: Upper bound of ``spec.ttlSecondsAfterFinished``: an int32, as batch/v1 Job's field.
+MAX_TTL_SECONDS = 2**31 - 1
 
 
 class ManifestError(ValueError):
@@ -310,7 +312,23 @@ class ElasticJobSpec(_Model):
     cleanup_policy: Literal["None", "Running", "All"] = Field(
         default="Running",
         alias="cleanupPolicy",
-        description="Pods deleted when the job finishes: none, those still running, or all",
+        description="Pods deleted when the job finishes: None (keep them), Running (those "
+        "still Pending or Running), All; with ttlSecondsAfterFinished the job and all its "
+        "Pods are deleted later in any case",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TTL_SECONDS,
+        strict=True,  # an integer, as the CRD says: "60" or true is a mistake, not 60 s
+        alias="ttlSecondsAfterFinished",
+        description=(
+            "seconds after the job finished (Succeeded or Failed: status.completionTime) "
+            "before the operator deletes it, as batch/v1 Job's field: its Pods go first, "
+            "then its etcd keys, then the job (the deletion a kubectl delete makes); 0 "
+            "deletes it as soon as it finishes; unset keeps it until deleted. Until then "
+            "cleanupPolicy says which of its Pods are deleted when it finishes"
+        ),
     )
     pod_replacement: PodReplacementSpec = Field(
         default_factory=PodReplacementSpec,

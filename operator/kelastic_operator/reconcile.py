@@ -42,6 +42,8 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
 8. Nodes leave rendezvous (their alive keys are deleted) the moment their Pod is seen
    failed (and on every pass until it is gone: deleting a key is idempotent), being
    deleted, gone, or deleted on scale-down.
+9. A finished job is deleted ``ttlSecondsAfterFinished`` after its ``completionTime``
+   (``Plan.delete_job``; :mod:`~kelastic_operator.ttl`), and woken up then.
 
 What it reads and returns (the views of the job, its Pods and the rendezvous; the plan) is
 :mod:`kelastic_operator.reconcile_views`, re-exported here.
@@ -85,6 +87,7 @@ from .reconcile_views import (
     parse_time,
     pod_view,
 )
+from .ttl import apply_ttl
 
 __all__ = [
     "ACTIVE_PHASES",
@@ -227,7 +230,7 @@ def reconcile(
         The :class:`Plan`; its ``status`` is the complete new status, ``status_changed``
         says whether it differs from ``job.status``.
     """
-    plan = _decide(job, pods, now, rendezvous or RendezvousView())
+    plan = apply_ttl(job.spec, _decide(job, pods, now, rendezvous or RendezvousView()), now)
     gone = {d.name for d in plan.delete}
     staying = [p for p in pods if not p.deleting and p.name not in gone]
     plan.status.replicas = len(staying) + len(plan.create)

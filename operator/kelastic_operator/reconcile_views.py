@@ -206,6 +206,9 @@ class Plan:
     depart_nodes: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
+    #: Delete the job itself (``ttlSecondsAfterFinished`` passed, :mod:`~kelastic_operator.ttl`):
+    #: its finalizer then stops its Pods and deletes its etcd keys, as a ``kubectl delete``.
+    delete_job: bool = False
 
 
 # ------------------------------------------------------------------------ observation

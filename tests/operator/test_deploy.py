@@ -42,7 +42,8 @@ def test_the_operator_is_least_privileged() -> None:
     verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"]
              for g in rule["apiGroups"] for r in rule["resources"]}  # fmt: skip
     assert verbs[("", "pods")] == {"get", "list", "watch", "create", "delete"}
-    assert "delete" not in verbs[("kelastic.dev", "elasticjobs")]
+    # delete: only a finished job whose ttlSecondsAfterFinished passed; never create one
+    assert verbs[("kelastic.dev", "elasticjobs")] == {"get", "list", "watch", "patch", "delete"}
     assert all("*" not in v for v in verbs.values())
     assert not any(r == "secrets" for _, r in verbs)
 

@@ -538,7 +538,9 @@ def test_helm_install_upgrade_and_uninstall_on_a_real_cluster(
             assert can("create", "pods", "-n", "default") == "yes"  # a ClusterRole
             assert can("patch", "elasticjobs", "--subresource=status", "-n", "default") == "yes"
             assert can("update", "elasticjobs", "--subresource=finalizers") == "yes"
-            assert can("delete", "elasticjobs") == "no"
+            assert can("delete", "elasticjobs") == "yes"  # ttlSecondsAfterFinished
+            assert can("create", "elasticjobs") == "no"
+            assert can("deletecollection", "elasticjobs") == "no"
             assert can("update", "leases", "-n", ns) == "yes"  # the leader-election Role
             assert can("create", "leases", "-n", "default") == "no"
             assert can("get", "secrets") == "no"
