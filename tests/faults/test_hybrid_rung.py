@@ -168,11 +168,61 @@ def test_a_restarted_worker_dying_before_its_hello_takes_the_process_path(
     assert run.strays() == []
 
 
-def test_a_hung_worker_reaped_by_its_timer_alone_starts_again(tmp_path: Path) -> None:
-    """SIGSTOP of a worker whose peers do not wait on it (no collective): the timer
-    server reaps it when its step's timer (5 s) expired and the grace (hard - soft
-    timeout: 2 s) is over; the reap is a death like any other: the hybrid rung, cause
-    ``hang``."""
+#: Where rank 2 of the no-collective job stops itself (``wrapped_steps.py``'s
+#: ``STEPS_HANG_*``), and how kelastic knows: inside its step timer, the timer server
+#: reaps it after the grace; between steps it holds no timer and its peers do not wait on
+#: it: its sidecar sees its beats stop for the soft timeout, faults it on its behalf, and
+#: the hard timeout kills it, which cannot answer the abort.
+STOPPED = {
+    "in-step": (r"rank 2 hang: local rank 0 \(pid {pid}\) killed by SIGKILL: timer 'step' "
+                r"expired", r"reaped pid {pid} .*\(after the grace of 2 s\)"),
+    "between-steps": (r"rank 2 soft_timeout: local rank 0 \(pid {pid}\) silent for 1\d\.\d s "
+                      r"\(soft timeout 15 s\): its process is stopped or its interpreter does "
+                      r"not run", r"local rank 0 \(pid {pid}\): no termination barrier of "
+                      r"iteration 1 within the hard timeout \(17 s\); killing it"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", list(STOPPED))
+def test_a_stopped_worker_nobody_waits_on_is_killed_alone_and_starts_again(
+    tmp_path: Path, where: str
+) -> None:
+    """SIGSTOP of a worker whose peers do not wait on it (no collective), at its 20th
+    step: inside its step's timer (5 s), the timer server reaps it once the grace (hard -
+    soft timeout: 2 s) is over; between steps, holding no timer, its sidecar sees its
+    beats stop for the soft timeout (10 s) and faults it (a stopped process cannot report
+    its own soft timeout; before, nothing ended this hang). Either way the hybrid rung:
+    it alone starts again, its peers keep their pids, nothing charged."""
+    env = {"STEPS_HANG_RANK": "2", "STEPS_HANG_STEP": "20",
+           "STEPS_HANG_BETWEEN": "1" if where == "between-steps" else "0"}  # fmt: skip
+    job, stop = _job(tmp_path, budget=10, timeouts=(15, 17), env=env)
+    run = KelasticRun(job, "--in-process", workdir=tmp_path / "runs")
+    try:
+        _wait(run, tmp_path / "runs", lambda: _entered(run, 1), "every rank in iteration 1")
+        run.finish(stop, rank=2, more=10)
+    finally:
+        run.interrupt()
+    out, logs = run.output, _sidecar_logs(tmp_path / "runs")
+    said = "between steps" if where == "between-steps" else "in step"
+    hung = re.search(rf"^\[2\]:? ?pid (\d+) hangs {said} 20$", out, re.M)
+    assert hung is not None, out
+    cause, killed = (x.format(pid=hung[1]) for x in STOPPED[where])
+    assert re.search(r"in-process restart 1/10 \(iteration 1\): " + cause, logs), logs
+    assert re.search(killed, logs), logs
+    starts = _starts(out)
+    assert [len(starts[r]) for r in range(4)] == [1, 1, 2, 1], starts
+    assert str(starts[2][0][0]) == hung[1] and starts[2][1][1] == 1, starts
+    assert run.restarts_charged() == 0, out
+    assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_kelastic_run_fault_hang_of_a_worker_nobody_waits_on_restarts_it_alone(
+    tmp_path: Path,
+) -> None:
+    """``kelastic run --fault hang`` (SIGSTOP from outside, at whatever moment: inside the
+    step's timer or between steps) of a worker nobody waits on: it is named and alone
+    starts again (reaped by its timer, or faulted for its silence; see above)."""
     job, stop = _job(tmp_path, budget=10, timeouts=(10, 12))
     run = KelasticRun(job, "--in-process", "--fault", "hang:rank=2,after=1",
                       workdir=tmp_path / "runs")  # fmt: skip
@@ -183,11 +233,9 @@ def test_a_hung_worker_reaped_by_its_timer_alone_starts_again(tmp_path: Path) ->
         run.interrupt()
     out, logs = run.output, _sidecar_logs(tmp_path / "runs")
     assert "fault: SIGSTOP rank 2" in out, out
-    reaped = r"rank 2 hang: local rank 0 \(pid \d+\) killed by SIGKILL: timer 'step' expired"
-    assert re.search(r"in-process restart 1/10 \(iteration 1\): " + reaped, logs), logs
-    assert re.search(r"reaped pid \d+ .*\(after the grace of 2 s\)", logs), logs
-    starts = _starts(out)
-    assert [len(starts[r]) for r in range(4)] == [1, 1, 2, 1], starts
+    named = r"in-process restart 1/10 \(iteration 1\): rank 2 (hang|soft_timeout): local rank 0"
+    assert re.search(named, logs), logs
+    assert [len(_starts(out)[r]) for r in range(4)] == [1, 1, 2, 1], out
     assert run.restarts_charged() == 0, out
     assert "job succeeded" in out
     assert run.strays() == []
@@ -218,7 +266,7 @@ def test_ddp_survivors_of_killed_workers_leave_their_iteration_at_once(tmp_path:
     finally:
         run.interrupt()
     logs = _sidecar_logs(tmp_path / "runs")
-    assert "did not pass the termination barrier" not in logs, logs
+    assert "within the hard timeout" not in logs, logs
     assert run.has("in-process restart 6/10 (iteration 6)"), run.output
     assert "process restart" not in run.output.replace("in-process restart", ""), run.output
 
@@ -337,7 +385,7 @@ def test_a_hung_rank_alone_is_killed_its_peers_abort_in_process_one_record_of_th
     assert (it0, it1) == (0, 1) and old != new and str(old) == hung[1], starts
     # rank 1 alone was killed, by the one its hang calls for
     reaps = set(re.findall(r"timer server: reaped pid (\d+)", logs))
-    killed = "did not pass the termination barrier" in logs
+    killed = "within the hard timeout" in logs
     if where == "in-step":
         assert reaps == {str(old)} and "after the grace of 4 s" in logs and not killed, logs
     else:

@@ -11,11 +11,16 @@ each time the function is entered, then ``step S`` lines. Env (all optional):
   STEPS_SPARE_ONCE    a spare (KELASTIC_INPROCESS_SPARE=1) exits 3 before its hello when
                       it is not the first of its node (``<path>.<GROUP_RANK>`` exists;
                       the first creates it): the node's spares run out after one
+  STEPS_HANG_RANK     that global rank stops itself (SIGSTOP) at step STEPS_HANG_STEP
+  STEPS_HANG_STEP     (default 20) of iteration 0: inside its step's timer (it holds it),
+  STEPS_HANG_BETWEEN  or, when this is 1, after the step (holding no timer: only its
+                      silence tells)
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,14 @@ def main() -> None:
             os._exit(3)
         mine.touch()
     stop = os.environ.get("STEPS_STOP_FILE")
+    hang = (int(os.environ.get("STEPS_HANG_RANK") or -1), int(os.environ.get("STEPS_HANG_STEP")
+            or 20), os.environ.get("STEPS_HANG_BETWEEN") == "1")  # fmt: skip
+
+    def hang_here(iteration: int, step: int, between: bool) -> None:
+        if (rank, step, between) == hang and iteration == 0:
+            print(f"pid {os.getpid()} hangs {'between steps' if between else 'in step'} {step}",
+                  flush=True)  # fmt: skip
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     @Wrapper()
     def train(call_wrapper: Any = None) -> None:
@@ -51,8 +64,10 @@ def main() -> None:
         while not (stop and Path(stop).exists()):
             with expires(after=5.0, scope="step"):
                 time.sleep(0.05)
+                hang_here(iteration, step + 1, between=False)
             step += 1
             print(f"step {step}", flush=True)
+            hang_here(iteration, step, between=True)
 
     train()
 

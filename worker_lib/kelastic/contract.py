@@ -53,6 +53,13 @@ DEFAULT_CHECKPOINT_DIR: Final = "/var/run/kelastic-checkpoints"
 CHECKPOINT_VOLUME_NAME: Final = "kelastic-checkpoints"
 #: Env var overriding the checkpoint folder (local mode, tests, a plain ``/dev/shm``).
 ENV_CHECKPOINT_DIR: Final = "KELASTIC_CHECKPOINT_DIR"
+#: Set by the sidecar in each worker's env: the step the job agreed to restore (the
+#: highest step every rank of the round committed on its own node, checksums verified),
+#: or :data:`CHECKPOINT_STEP_NONE`; ``kelastic.checkpoint.load()`` loads that one.
+#: Unset (no sidecar): ``load()`` takes the rank's own newest step.
+ENV_CHECKPOINT_STEP: Final = "KELASTIC_CHECKPOINT_STEP"
+#: :data:`ENV_CHECKPOINT_STEP`'s value when no step is restorable by every rank.
+CHECKPOINT_STEP_NONE: Final = "none"
 
 
 def checkpoint_dir() -> Path:
@@ -286,6 +293,16 @@ class Keys:
         return f"{self.prefix}rounds/{round_}/master"
 
     @property
+    def checkpoints_prefix(self) -> str:
+        """Prefix of the per-node checkpoint records."""
+        return self.prefix + "checkpoints/"
+
+    def checkpoint(self, node: str) -> str:
+        """``node``'s committed checkpoint steps per global rank, written by its sidecar
+        before it joins a round (codec: :mod:`kelastic.etcd_values.checkpoints`)."""
+        return self.checkpoints_prefix + node
+
+    @property
     def restarts(self) -> str:
         """The job's global restart budget record (JSON; codec:
         :mod:`kelastic.etcd_values.restarts`)."""
@@ -343,6 +360,7 @@ IP_FAULT: Final = "fault"  # {"type", "iteration", "local_rank", "cause", "messa
 IP_READY: Final = "ready"  # {"type", "iteration", "local_rank"}: aborted, healthy
 IP_PROGRESS: Final = "progress"  # {"type", "iteration", "local_rank"}: stepping (first ping)
 IP_DONE: Final = "done"  # {"type", "iteration", "local_rank"}: the function returned
+IP_BEAT: Final = "beat"  # {"type", "local_rank"}: the worker's monitor thread runs
 # sidecar coordinator -> wrapped worker:
 IP_ABORT: Final = "abort"  # {"type", "iteration", "reason"}: leave, next is iteration
 IP_GO: Final = "go"  # {"type", "iteration", "env"}: enter iteration with this env

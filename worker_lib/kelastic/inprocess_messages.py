@@ -13,7 +13,7 @@ coordinators agree on iteration ``n + 1`` (the fencing token); every rank *abort
 (``ready``), and re-enters the function on ``go`` with that iteration's env.
 
 - Upward (worker -> sidecar): :class:`Hello`, :class:`Fault`, :class:`Progress`,
-  :class:`Ready`, :class:`Done`; decoded by :func:`parse_worker_message`.
+  :class:`Ready`, :class:`Done`, :class:`Beat`; decoded by :func:`parse_worker_message`.
 - Downward (sidecar -> worker): :class:`Abort`, :class:`Go`, :class:`GiveUp`; decoded by
   :func:`parse_coordinator_message`.
 
@@ -35,6 +35,7 @@ __all__ = [
     "CAUSES",
     "MAX_LINE",
     "Abort",
+    "Beat",
     "CoordinatorMessage",
     "Done",
     "Fault",
@@ -46,6 +47,7 @@ __all__ = [
     "Ready",
     "Unknown",
     "WorkerMessage",
+    "beat_interval",
     "encode",
     "parse_coordinator_message",
     "parse_worker_message",
@@ -148,6 +150,26 @@ class Done:
     type: ClassVar[str] = contract.IP_DONE
 
 
+@dataclass(frozen=True)
+class Beat:
+    """The worker's monitor thread is running (sent every :func:`beat_interval` seconds,
+    in every phase, from ``hello`` to the end of the connection): the sidecar's proof
+    that the process is not stopped and its interpreter runs. A worker whose beats stop
+    for the soft timeout is hung where it cannot say so itself (SIGSTOP, a C call holding
+    the GIL): its sidecar faults it on its behalf (NVIDIA's monitor process reads a
+    shared progress timestamp for the same reason). Older workers send none: the
+    sidecar watches only a session that has beaten once."""
+
+    local_rank: int
+    type: ClassVar[str] = contract.IP_BEAT
+
+
+def beat_interval(soft_timeout: float) -> float:
+    """Seconds between a worker's beats for a soft timeout of ``soft_timeout`` seconds:
+    a quarter of it, at most 1 s, at least 10 ms (four beats lost before a silence)."""
+    return max(0.01, min(1.0, soft_timeout / 4))
+
+
 # ----------------------------------------------------------------------- downward
 
 
@@ -192,7 +214,7 @@ class Unknown:
     type: str
 
 
-WorkerMessage = Hello | Fault | Progress | Ready | Done | Unknown
+WorkerMessage = Hello | Fault | Progress | Ready | Done | Beat | Unknown
 CoordinatorMessage = Abort | Go | GiveUp | Unknown
 
 
@@ -258,7 +280,7 @@ def parse_worker_message(line: bytes) -> WorkerMessage:
 
     Returns:
         :class:`Hello`, :class:`Fault`, :class:`Progress`, :class:`Ready`, :class:`Done`,
-        or :class:`Unknown`.
+        :class:`Beat`, or :class:`Unknown`.
 
     Raises:
         ProtocolError: not UTF-8 JSON within the bounds, not an object, no string
@@ -285,6 +307,8 @@ def parse_worker_message(line: bytes) -> WorkerMessage:
             iteration=_int(obj, "iteration", line), local_rank=_local_rank(obj, line),
             cause=cause, message=_text(obj, "message", line),
         )  # fmt: skip
+    if kind == contract.IP_BEAT:
+        return Beat(local_rank=_local_rank(obj, line))
     simple: dict[str, type[Progress] | type[Ready] | type[Done]] = {
         contract.IP_PROGRESS: Progress, contract.IP_READY: Ready, contract.IP_DONE: Done,
     }  # fmt: skip

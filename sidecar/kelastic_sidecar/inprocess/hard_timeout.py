@@ -92,22 +92,21 @@ class HardTimeouts:
             del self._at[local_rank]
         return late
 
-    def kill(self, session: Session, iteration: int) -> int | None:
+    def kill(self, session: Session, iteration: int, why: str | None = None) -> int | None:
         """SIGKILL ``session``'s rank, which did not pass the termination barrier of
-        ``iteration`` in time; return its pid (None: none to kill, logged)."""
+        ``iteration`` in time (or ``why``, another reason: a silent rank whose restart
+        could not be recorded); return its pid (None: none to kill, logged)."""
         assert session.hello is not None
         local_rank = session.hello.local_rank
         pid = victim_pid(session)
         if pid is None:
-            log.error("local rank %d missed the hard timeout, but has no pid to kill", local_rank)
+            log.error("local rank %d is to be killed, but has no pid to kill", local_rank)
             return None
-        log.error(
-            "local rank %d (pid %d) did not pass the termination barrier of iteration %d "
-            "within %.1fs; killing it", local_rank, pid, iteration, self._hard_timeout,
-        )  # fmt: skip
-        why = (f"no termination barrier of iteration {iteration} within the hard timeout "
-               f"({self._hard_timeout:g} s); killed by the sidecar")  # fmt: skip
-        self._on_kill(pid, why)  # first: the worker's exit, which follows, finds its reap
+        if why is None:
+            why = (f"no termination barrier of iteration {iteration} within the hard timeout "
+                   f"({self._hard_timeout:g} s)")  # fmt: skip
+        log.error("local rank %d (pid %d): %s; killing it", local_rank, pid, why)
+        self._on_kill(pid, f"{why}; killed by the sidecar")  # first: its exit finds its reap
         try:
             self._kill(pid, signal.SIGKILL)
             self._metrics.inprocess_killed.inc()

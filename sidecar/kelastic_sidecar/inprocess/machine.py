@@ -71,6 +71,7 @@ from .round import (
     go_env,
     restart_log_line,
 )
+from .silence import SilenceWatch
 
 if TYPE_CHECKING:  # annotations only: the machine imports none of its collaborators
     from kelastic_etcd import EtcdClient
@@ -187,6 +188,7 @@ class RestartMachine:
         self.offset: dict[int, int] = {}
         self.ready: set[int] = set()
         self._hard = HardTimeouts(settings.hard_timeout, clock, kill, metrics, on_kill)
+        self._silence = SilenceWatch(settings.soft_timeout, clock)
         self.barrier_until: float | None = None
         self.known: tuple[bytes | None, int] | None = None
         self.corrupt = CorruptRecords(metrics)
@@ -199,11 +201,11 @@ class RestartMachine:
         return local_rank in self.sessions
 
     def next_deadline(self) -> float | None:
-        """The earliest hard-timeout, barrier or rung deadline (monotonic seconds)."""
-        deadlines = [*self._hard.deadlines(), *self.respawn.deadlines()]
+        """The earliest hard-timeout, silence, barrier or rung deadline (monotonic s)."""
+        found = [*self._hard.deadlines(), *self.respawn.deadlines(), *self._silence.deadlines(self)]
         if self.barrier_until is not None:
-            deadlines.append(self.barrier_until)
-        return min(deadlines, default=None)
+            found.append(self.barrier_until)
+        return min(found, default=None)
 
     # ------------------------------------------------------------------ loop: round
 
@@ -459,6 +461,7 @@ class RestartMachine:
 
     def _done(self, session: Session, iteration: int, msg: Done) -> None:
         log.info("local rank %d finished in iteration %d", msg.local_rank, iteration)
+        self._silence.finished(session)
 
     # ------------------------------------------------------------------ loop: etcd
 
@@ -501,9 +504,10 @@ class RestartMachine:
     # ------------------------------------------------------------------ loop: timeouts
 
     def expire(self) -> None:
-        """Kill the ranks past their hard timeout; give up a barrier past its timeout;
-        the rungs' deadlines."""
+        """Kill the ranks past their hard timeout; fault a silent rank (:mod:`.silence`);
+        give up a barrier past its timeout; the rungs' deadlines."""
         now = self.clock()
+        self._silence.check(self, self._hard.kill)
         for local_rank in self._hard.due(now):
             session = self.sessions.get(local_rank)
             if session is not None and session.hello is not None:

@@ -17,13 +17,24 @@ if TYPE_CHECKING:  # annotations only
     from ..ipc import DropReason
     from ..metrics import SidecarMetrics
     from .history import RestartHistory
+    from .phase import Phase
     from .record import IterationRecord, ReadyRecord, RestartCause
-    from .round import Phase, RoundContext
+    from .round import RoundContext
     from .server import Session
 
-__all__ = ["Node", "OnKill", "OnPromote", "OnRespawn", "no_kill", "no_promote", "no_respawn"]
+__all__ = [
+    "Node",
+    "OnKill",
+    "OnPromote",
+    "OnRespawn",
+    "Phase",
+    "no_kill",
+    "no_promote",
+    "no_respawn",
+]
 
 log = logging.getLogger("kelastic_sidecar.inprocess")
+
 
 #: ``(round, local_rank, env)``: start that dead local rank of the round again with
 #: ``env`` on top of its attempt's (the supervisor sends the launcher a ``respawn``).

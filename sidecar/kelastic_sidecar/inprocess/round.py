@@ -9,7 +9,6 @@ store) and :func:`go_env` builds the env a rank re-enters the function with.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -18,6 +17,7 @@ from kelastic import contract
 from kelastic.inprocess_messages import CAUSE_SOFT_TIMEOUT
 
 from ..failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_WORKER_FAILURE
+from .phase import Phase
 from .record import (
     IterationRecord,
     IterationRecordError,
@@ -37,21 +37,6 @@ __all__ = [
 
 #: Most corrupt ready keys described in a :class:`BarrierVerdict`.
 _MAX_ERRORS: Final = 16
-
-
-class Phase(enum.StrEnum):
-    """Where a node's ranks are in the current iteration (``/status``'s ``phase``)."""
-
-    #: No round runs in process.
-    IDLE = "idle"
-    #: The ranks run the wrapped function.
-    RUNNING = "running"
-    #: An abort was sent; the ranks leave the iteration.
-    ABORTING = "aborting"
-    #: Every local rank is ready; the node waits at the termination barrier.
-    BARRIER = "barrier"
-    #: In-process restart gave up for this round (the process path takes over).
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ At most :data:`MAX_SESSIONS` connections are served at once (``too_many``). The 
 is created with the access rule of the control socket
 (:func:`~kelastic_sidecar.ipc.ipc_access`). The kernel's credentials of the peer
 (``SO_PEERCRED``) give the worker's pid independently of what its ``hello`` claims.
+A ``beat`` only stamps its session (:attr:`Session.heard`) in the reader thread: beats
+never reach the coordinator's queue, so a worker beating fast costs no memory.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
 from kelastic.inprocess_messages import (
     MAX_LINE,
+    Beat,
     CoordinatorMessage,
     Hello,
     ProtocolError,
@@ -79,6 +83,10 @@ class Session:
         peer_known: whether the kernel answered ``SO_PEERCRED`` (then :attr:`peer_pid`
             is the only pid that may be killed for this session).
         hello: the worker's ``hello`` (None until it arrives).
+        heard: when a line last came from the worker (monotonic seconds; stamped by the
+            reader thread, so a busy coordinator never makes a worker look silent).
+        beating: whether the worker sent a :class:`~kelastic.inprocess_messages.Beat`
+            (a worker that does is watched for silence: :mod:`.silence`).
     """
 
     def __init__(self, server: InProcessServer, conn: socket.socket, session_id: int) -> None:
@@ -91,6 +99,8 @@ class Session:
         self.closed = threading.Event()
         self.peer_known, self.peer_pid = _peer_pid(conn)
         self.hello: Hello | None = None
+        self.heard = time.monotonic()
+        self.beating = False
 
     def __repr__(self) -> str:
         rank = self.hello.local_rank if self.hello else "?"
@@ -274,6 +284,7 @@ class InProcessServer:
 
     def _dispatch(self, session: Session, line: bytes) -> bool:
         """Decode and hand over one line; False when the session was dropped."""
+        session.heard = time.monotonic()
         if not line.strip():
             return True
         try:
@@ -295,6 +306,9 @@ class InProcessServer:
             if session.peer_known and session.peer_pid != msg.pid:
                 log.warning("%r says it is pid %d; the kernel's pid is the one killed if "
                             "need be", session, msg.pid)  # fmt: skip
+        if isinstance(msg, Beat):  # stamped above; the coordinator is not bothered
+            session.beating = True
+            return True
         if not session._queued():
             log.error("%r: over %d messages pending (a flood); dropping it", session, MAX_PENDING)
             self.drop(session, DropReason.FLOOD)

@@ -9,6 +9,10 @@ made no progress for ``soft_timeout`` seconds, or at once when an
 collective on a hung rank hold expired timers too: they leave in process, while the
 timer server's grace keeps it from reaping them). Progress is a ``CallWrapper.ping()`` or
 a :func:`kelastic.timer.expires` acquire; the clock starts when the iteration is entered.
+The thread also sends a :class:`~kelastic.inprocess_messages.Beat` every
+:func:`~kelastic.inprocess_messages.beat_interval` seconds: a process stopped as a whole
+(SIGSTOP) or whose interpreter does not run cannot report its own soft timeout, and the
+sidecar faults a rank whose beats stopped for the soft timeout on its behalf.
 The *hard timeout* is the sidecar's: it kills a rank that did not reach the termination
 barrier within ``hard_timeout`` seconds of the abort; before that, a rank that has not
 left an aborted iteration after a few seconds writes its threads' stacks to stderr
@@ -30,10 +34,12 @@ from kelastic.inprocess.stuck import LeaveWatch
 from kelastic.inprocess_messages import (
     CAUSE_SOFT_TIMEOUT,
     Abort,
+    Beat,
     CoordinatorMessage,
     Fault,
     GiveUp,
     Go,
+    beat_interval,
 )
 from kelastic.timer import expired_timer
 
@@ -173,6 +179,8 @@ class Monitor:
 
     def _run(self) -> None:
         slow = min(TICK, max(0.01, self._soft_timeout / 10))
+        every = beat_interval(self._soft_timeout)
+        next_beat = time.monotonic()
 
         def tick() -> float:
             return 0.01 if self._guard.delivering else slow
@@ -183,6 +191,9 @@ class Monitor:
                     self._handle(item)
                     if isinstance(item, Closed):
                         return
+                if (now := time.monotonic()) >= next_beat:  # the sidecar's proof of life
+                    self._conn.send(Beat(local_rank=self._local_rank))
+                    next_beat = now + every
                 self._guard.poll()
                 self._check_progress()
                 self.leave_watch.check()

@@ -1,0 +1,136 @@
+"""The silence watch: a rank whose worker stopped beating is faulted on its behalf. A part
+of the :class:`~.machine.RestartMachine`.
+
+A wrapped worker reports its own soft timeout (no progress, an expired ``expires()``
+timer) from its monitor thread. A process stopped as a whole (SIGSTOP, a debugger, a
+frozen cgroup) or whose interpreter does not run (a C call holding the GIL) cannot, and
+when its peers do not wait on it in a collective, nobody else notices: between two
+``expires()`` blocks it holds no timer for the timer server to reap. Its monitor
+thread's :class:`~kelastic.inprocess_messages.Beat` lines stop, though. A rank of a
+running iteration silent for the soft timeout is faulted here with cause
+``soft_timeout``, naming it; the abort that follows reaches every rank, the silent one
+cannot answer it, and the hard timeout kills it (its exit: the hybrid rung). NVIDIA's
+in-process restart does the same from its monitor process, which reads the rank's
+progress timestamp from outside the worker (soft timeout: restart; hard timeout: kill).
+
+Only a session that has sent one ``beat`` is watched (older workers send none), and only
+while the iteration runs (an abort in flight has the hard timeout). A watch that was not
+looking cannot tell silence from its own absence: when its checks were more than half the
+soft timeout apart (the sidecar itself stopped, or its loop starved), every clock starts
+again from that moment, so a sidecar resumed after a SIGSTOP faults nobody.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kelastic.inprocess_record import RestartCause
+
+from .phase import Phase
+
+if TYPE_CHECKING:  # annotations only
+    from .parts import Node
+    from .server import Session
+
+__all__ = ["SilenceWatch", "Silent"]
+
+log = logging.getLogger("kelastic_sidecar.inprocess")
+
+
+@dataclass(frozen=True)
+class Silent:
+    """A watched rank heard from last ``seconds`` ago (more than the soft timeout)."""
+
+    local_rank: int
+    session: Session
+    seconds: float
+
+
+class SilenceWatch:
+    """When each watched session was last heard from, against the soft timeout.
+
+    Args:
+        soft_timeout: seconds of silence that make a rank hung (the job's
+            ``softTimeoutSeconds``; a worker beats at least four times in it).
+        clock: monotonic seconds; the same clock as
+            :attr:`~.server.Session.heard` (``time.monotonic``).
+    """
+
+    def __init__(self, soft_timeout: float, clock: Callable[[], float]) -> None:
+        self._soft = soft_timeout
+        self._clock = clock
+        self._looked = clock()  # the last check
+        self._since = self._looked  # silence counts from here at the earliest
+        #: sessions no longer watched: their function returned, or their silence was
+        #: acted on (faulted, or killed)
+        self._excused: set[int] = set()
+
+    def _start(self, session: Session) -> float:
+        return max(session.heard, self._since)
+
+    def _watched(self, session: Session) -> bool:
+        return session.beating and session.id not in self._excused
+
+    def deadlines(self, m: Node) -> list[float]:
+        """When :meth:`check` must run next (monotonic seconds), while ``m``'s iteration
+        runs: the first watched session's silence limit, and at least every quarter of
+        the soft timeout (so a gap in the checks is seen as one); none when no session
+        is watched."""
+        starts = [self._start(s) for s in m.sessions.values() if self._watched(s)]
+        if not starts or m.phase is not Phase.RUNNING:
+            return []
+        return [min(min(starts) + self._soft, self._looked + self._soft / 4)]
+
+    def silent(self, sessions: Mapping[int, Session]) -> list[Silent]:
+        """The watched sessions (local rank -> session), but the finished ones,
+        silent for more than the soft timeout now, oldest silence first. A check more than
+        half the soft timeout after the previous one restarts every clock instead and
+        returns nothing."""
+        now = self._clock()
+        self._excused &= {s.id for s in sessions.values()}  # the ended ones forgotten
+        gap, self._looked = now - self._looked, now
+        if gap > self._soft / 2:
+            self._since = now
+            return []
+        found = [
+            Silent(local_rank, session, now - self._start(session))
+            for local_rank, session in sessions.items()
+            if self._watched(session)
+            and now - self._start(session) > self._soft
+        ]  # fmt: skip
+        return sorted(found, key=lambda s: -s.seconds)
+
+    def finished(self, session: Session) -> None:
+        """``session``'s function returned (``done``): its silence is its exit's."""
+        self._excused.add(session.id)
+
+    def check(self, m: Node, kill: Callable[[Session, int, str], object]) -> None:
+        """Fault the longest-silent rank of ``m``'s running iteration, if any, on its
+        behalf (cause ``soft_timeout``, its global rank, how long it was silent; one
+        fault is enough: its abort reaches every rank). When its restart cannot be
+        recorded (the budget spent, etcd failing), ``kill(session, iteration, why)`` it
+        (:meth:`.hard_timeout.HardTimeouts.kill`): its exit takes the process path, where
+        a hang nobody ends would stay. Raises nothing."""
+        if m.phase is not Phase.RUNNING or m.ctx is None:
+            return
+        found = self.silent(m.sessions)
+        if not found or found[0].session.hello is None:
+            return
+        first = found[0]
+        self._excused.add(first.session.id)  # acted on once
+        hello = first.session.hello
+        assert hello is not None
+        message = (f"local rank {first.local_rank} (pid {first.session.peer_pid or hello.pid}) "
+                   f"silent for {first.seconds:.1f} s (soft timeout {self._soft:g} s): its "
+                   "process is stopped or its interpreter does not run")  # fmt: skip
+        log.warning("%s; faulting it in iteration %d", message, m.iteration)
+        record, reason = m.advance(
+            RestartCause.SOFT_TIMEOUT, rank=hello.rank, message=message, now=time.time(),
+            why=f"local rank {first.local_rank}'s silence",
+        )  # fmt: skip
+        if record is None:
+            kill(first.session, m.iteration, f"{message}; {reason}")
