@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from kelastic import contract
+from kelastic import contract, failure_policy
 
 API_GROUP = "kelastic.dev"
 API_VERSION = "v1alpha1"
@@ -213,6 +213,131 @@ class PodReplacementSpec(_Model):
     )
 
 
+#: CEL rules of one failure rule (``spec.failurePolicy.rules[i]``): what
+#: :func:`kelastic.failure_policy.parse_rules` checks beyond the schema, worded alike.
+FAILURE_RULE_CEL_RULES: list[JsonValue] = [
+    {
+        "rule": "(has(self.onExitCodes) ? 1 : 0) + (has(self.onSignals) ? 1 : 0) + "
+        "(has(self.onCauses) ? 1 : 0) == 1",
+        "message": "a rule must have exactly one of onExitCodes, onSignals, onCauses",
+    }
+]
+EXIT_CODES_CEL_RULES: list[JsonValue] = [
+    {
+        "rule": "self.operator == 'NotIn' || !self.values.exists(v, v == 0)",
+        "message": "exit code 0 is no failure; In may not list it",
+    }
+]
+#: The causes a rule may name: :data:`kelastic.failure_policy.RULE_CAUSES` (a test
+#: checks they agree).
+RuleCause = Literal["worker_failure", "hang", "node_lost", "start_failure"]
+_SET: dict[str, JsonValue] = {"x-kubernetes-list-type": "set"}
+
+
+class ExitCodesMatch(_Model):
+    """``onExitCodes`` of a failure rule: the failed worker's exit code."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={"x-kubernetes-validations": EXIT_CODES_CEL_RULES},
+    )
+    operator: Literal["In", "NotIn"] = Field(
+        description="In: the exit code is one of values; NotIn: the worker exited with a "
+        "code that is not (a worker killed by a signal has none)"
+    )
+    values: list[Annotated[int, Field(ge=0, le=255, strict=True)]] = Field(
+        min_length=1,
+        max_length=failure_policy.MAX_VALUES,
+        description="exit codes, 0..255 (0 only with NotIn), each once",
+        json_schema_extra=_SET,
+    )
+
+
+class SignalsMatch(_Model):
+    """``onSignals`` of a failure rule: the signal that killed the failed worker."""
+
+    operator: Literal["In", "NotIn"] = Field(
+        description="In: the signal is one of values; NotIn: the worker was killed by a "
+        "signal that is not (a hung worker reaped by the timer server is a SIGKILL)"
+    )
+    values: list[Annotated[int, Field(ge=1, le=64, strict=True)]] = Field(
+        min_length=1,
+        max_length=failure_policy.MAX_VALUES,
+        description="signal numbers, 1..64 (e.g. 9 for SIGKILL), each once",
+        json_schema_extra=_SET,
+    )
+
+
+class CausesMatch(_Model):
+    """``onCauses`` of a failure rule: kelastic's cause of the failure."""
+
+    operator: Literal["In", "NotIn"] = Field(
+        description="In: the failure's cause is one of values; NotIn: it is not"
+    )
+    values: list[RuleCause] = Field(
+        min_length=1,
+        max_length=len(failure_policy.RULE_CAUSES),
+        description="causes: worker_failure (a worker exited non-zero or was killed), hang "
+        "(reaped by the timer server), node_lost (a peer's lease expired), start_failure "
+        "(a worker could not be started: exit 126/127, exec failed)",
+        json_schema_extra=_SET,
+    )
+
+
+class FailureRuleSpec(_Model):
+    """One failure rule: the action for the failures it matches (exactly one of
+    onExitCodes, onSignals, onCauses)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={"x-kubernetes-validations": FAILURE_RULE_CEL_RULES},
+    )
+    action: Literal["FailJob", "Ignore", "Count", "RestartPod"] = Field(
+        description="FailJob: fail the job at once; Ignore: restart without charging "
+        "maxRestarts; Count: charge maxRestarts (the behaviour without rules); "
+        "RestartPod: the failing node's Pod fails and is replaced (podReplacement's budget)"
+    )
+    on_exit_codes: ExitCodesMatch | None = Field(
+        default=None, alias="onExitCodes", description="match the failed worker's exit code"
+    )
+    on_signals: SignalsMatch | None = Field(
+        default=None, alias="onSignals", description="match the signal that killed the worker"
+    )
+    on_causes: CausesMatch | None = Field(
+        default=None, alias="onCauses", description="match kelastic's cause of the failure"
+    )
+
+
+class FailurePolicySpec(_Model):
+    """``spec.failurePolicy``: rules, in the style of batch/v1 Job's ``podFailurePolicy``,
+    applied by the sidecar of the node where a failure happens; the first rule that
+    matches decides (:mod:`kelastic.failure_policy`). No rule matching: a start failure
+    fails the job, any other failure is counted against ``maxRestarts``."""
+
+    rules: list[FailureRuleSpec] = Field(
+        min_length=1,
+        max_length=failure_policy.MAX_RULES,
+        description="the rules, first match wins; the job's Failed condition and the root "
+        "cause name the rule that failed it, e.g. rule 0 (FailJob: exit code 42)",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> FailurePolicySpec:
+        self.to_rules()  # raises FailurePolicyError (a ValueError) with the codec's words
+        return self
+
+    def to_rules(self) -> tuple[failure_policy.FailureRule, ...]:
+        """The rules as the sidecar reads them (:func:`kelastic.failure_policy.parse_rules`).
+
+        Raises:
+            FailurePolicyError: a rule the codec refuses.
+        """
+        docs = [r.model_dump(by_alias=True, exclude_none=True) for r in self.rules]
+        return failure_policy.parse_rules(docs)
+
+
 #: CEL rules of ``spec`` in the CRD: the API server rejects what :meth:`ElasticJobSpec._check`
 #: rejects before the operator ever sees it. Plain messages: a real API server refuses a
 #: ``messageExpression`` here (its estimated cost, with ``template`` of unbounded size in
@@ -329,6 +454,12 @@ class ElasticJobSpec(_Model):
             "deletes it as soon as it finishes; unset keeps it until deleted. Until then "
             "cleanupPolicy says which of its Pods are deleted when it finishes"
         ),
+    )
+    failure_policy: FailurePolicySpec | None = Field(
+        default=None,
+        alias="failurePolicy",
+        description="rules by exit code, signal or cause: fail the job, restart without "
+        "charging maxRestarts, charge it, or replace the node's Pod",
     )
     pod_replacement: PodReplacementSpec = Field(
         default_factory=PodReplacementSpec,

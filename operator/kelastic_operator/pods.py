@@ -38,7 +38,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kelastic import __version__, contract
+from kelastic import __version__, contract, failure_policy
 
 from .labels import (
     ANNOTATION_SPEC_HASH,
@@ -147,6 +147,9 @@ def sidecar_env(
         {"name": contract.ENV_RUN_DIR, "value": contract.DEFAULT_RUN_DIR},
         *inprocess_env(spec.in_process),
     ]
+    if spec.failure_policy is not None:  # the codec the sidecar reads them with
+        rules = failure_policy.encode_rules(spec.failure_policy.to_rules())
+        env.append({"name": failure_policy.ENV_FAILURE_POLICY, "value": rules})
     if rdzv.tls_secret:
         env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
     if rdzv.auth_secret:  # etcd user and password, from a kubernetes.io/basic-auth Secret
@@ -442,6 +445,7 @@ _NOT_IN_POD = frozenset(
         "pending_timeout_seconds",
         "start_timeout_seconds",
         "cleanup_policy",
+        "ttl_seconds_after_finished",
         "pod_replacement",
     }
 )
@@ -450,7 +454,7 @@ _NOT_IN_POD = frozenset(
 def pod_spec_hash(spec: ElasticJobSpec) -> str:
     """A digest of what in ``spec`` shapes the job's Pods (template, workers per node,
     min/max nodes, restart budget, rendezvous settings, warm start, in-process restart
-    when enabled): 16 hex characters.
+    when enabled, failure rules when set): 16 hex characters.
 
     Stored on each Pod (:data:`~kelastic_operator.labels.ANNOTATION_SPEC_HASH`); the
     operator replaces the Pods whose digest differs from the job's (see
@@ -458,6 +462,8 @@ def pod_spec_hash(spec: ElasticJobSpec) -> str:
     operator's policies do not change it.
     """
     left_out = set(_NOT_IN_POD) | (set() if spec.in_process.enabled else {"in_process"})
+    if spec.failure_policy is None:  # absent, it leaves the digest of older jobs alone
+        left_out.add("failure_policy")
     shaping = spec.model_dump(mode="json", by_alias=True, exclude=left_out)
     text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

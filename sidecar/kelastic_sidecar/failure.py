@@ -4,35 +4,30 @@ A :class:`Failure` is built from the launcher's ``exited`` message (plus the tim
 server's reap, which turns a signal death into a hang), or from a lost peer node. It is
 charged to the restart budget, stored as a node's report in etcd, shown by local mode, and
 its :meth:`Failure.summary` is the root cause written to the trainer's termination message.
+:class:`FailureCause` is :mod:`kelastic.failure_policy`'s (the failure rules name it).
 """
 
 from __future__ import annotations
 
-import enum
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
+from kelastic.failure_policy import FailureCause
 
-class FailureCause(enum.StrEnum):
-    """Why a round failed or restarted, as recorded in the restart history, the node's
-    report and the ``cause`` label of ``kelastic_restarts_total``."""
-
-    #: A worker exited non-zero or was killed.
-    WORKER_FAILURE = "worker_failure"
-    #: The timer server reaped a worker whose timer expired.
-    HANG = "hang"
-    #: A peer's lease expired (its sidecar or machine died).
-    NODE_LOST = "node_lost"
-    #: A worker that never ran the program (exec failed, or exit 126/127: not
-    #: executable, not found): a restart cannot help, so the job fails at once without
-    #: spending the budget.
-    START_FAILURE = "start_failure"
-    #: Nodes joined or left; never charged to the budget.
-    SCALE = "scale"
-    #: Another node restarted the group; never charged.
-    PEER = "peer_restart"
+__all__ = [
+    "CAUSE_HANG",
+    "CAUSE_NODE_LOST",
+    "CAUSE_PEER",
+    "CAUSE_SCALE",
+    "CAUSE_START_FAILURE",
+    "CAUSE_WORKER_FAILURE",
+    "NOT_STARTED_EXIT_CODES",
+    "Failure",
+    "FailureCause",
+    "signal_name",
+]
 
 
 CAUSE_WORKER_FAILURE: Final = FailureCause.WORKER_FAILURE

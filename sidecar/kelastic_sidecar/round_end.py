@@ -311,8 +311,10 @@ def closed_outcome(reason: dict[str, Any] | None, max_restarts: int) -> tuple[Fa
 
     Args:
         reason: the rendezvous' closed reason: a :meth:`Failure.as_dict` plus
-            ``not_retried`` (a worker could not be started) or ``max_restarts`` (the
-            budget was spent), or anything else a closer wrote (None when unknown).
+            ``failure_rule`` (a FailJob rule of ``spec.failurePolicy``, named as
+            ``rule 0 (FailJob: exit code 42)``), ``not_retried`` (a worker could not be
+            started) or ``max_restarts`` (the budget was spent), or anything else a
+            closer wrote (None when unknown).
         max_restarts: the job's budget.
 
     Returns:
@@ -323,7 +325,12 @@ def closed_outcome(reason: dict[str, Any] | None, max_restarts: int) -> tuple[Fa
     if reason:
         with contextlib.suppress(KeyError, TypeError, ValueError):
             failure = Failure.from_dict(reason)
-    if failure is not None and reason and reason.get("not_retried"):
+    if failure is not None and reason and isinstance(reason.get("failure_rule"), str):
+        text = (
+            f"{contract.JOB_FAILED_PREFIX}: spec.failurePolicy {reason['failure_rule']} "
+            f"applies; root cause: {failure.details()}"
+        )
+    elif failure is not None and reason and reason.get("not_retried"):
         text = (
             f"{contract.JOB_FAILED_PREFIX}: a worker could not be started (not retried); "
             f"root cause: {failure.details()}"
