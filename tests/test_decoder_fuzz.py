@@ -379,6 +379,30 @@ def _master_codec(raw: bytes) -> None:
     assert decode_master(etcd_values.encode_master(addr, port), "key") == (addr, port)
 
 
+def _checkpoints_codec(raw: bytes) -> None:
+    from kelastic.etcd_values.checkpoints import (
+        MAX_STEP,
+        decode_checkpoints,
+        encode_checkpoints,
+        restorable_step,
+    )
+
+    try:
+        doc = decode_checkpoints(raw, "key")
+    except (etcd_values.CorruptValueError, etcd_values.ForeignValueError):
+        return
+    for rank, steps in doc.ranks.items():
+        assert rank >= 0 and len(steps) <= 2 and all(0 <= s <= MAX_STEP for s in steps)
+        assert list(steps) == sorted(set(steps), reverse=True)
+    assert decode_checkpoints(encode_checkpoints(doc), "key") == doc  # written alike
+    nodes = ("a",)
+    step = restorable_step({"a": doc}, nodes, max(1, len(doc.ranks)), doc.job)
+    assert step is None or all(step in doc.ranks.get(r, ()) for r in range(len(doc.ranks)))
+
+
+CHECKPOINTS = {"version": 1, "job": "uid", "ranks": {"0": [12, 11], "1": [12]}, "time": 1.5}
+
+
 # ------------------------------------------------------------------ the registry
 
 
@@ -419,6 +443,7 @@ DECODERS: dict[str, Decoder] = {
     "report_codec": Decoder(_report_codec, REPORT, ({**REPORT, "outcome": "succeeded"},)),
     "master_codec": Decoder(_master_codec, {"addr": "10.0.0.1", "port": 29500}),
     "departure": Decoder(_departure, {"reason": "scale_down"}),
+    "checkpoints_codec": Decoder(_checkpoints_codec, CHECKPOINTS),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}
 

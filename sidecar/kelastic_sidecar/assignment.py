@@ -27,6 +27,7 @@ def build_assign(
     restart_count: int,
     max_restarts: int,
     tokens: Mapping[int, str],
+    extra_env: Mapping[str, str] | None = None,
 ) -> Assign:
     """The ``assign`` for ``nproc`` local workers of this node.
 
@@ -41,6 +42,8 @@ def build_assign(
         restart_count: restarts spent so far (``TORCHELASTIC_RESTART_COUNT``).
         max_restarts: the budget (``TORCHELASTIC_MAX_RESTARTS``).
         tokens: local rank -> the worker's timer token.
+        extra_env: more variables for every worker (e.g. the agreed checkpoint step,
+            ``KELASTIC_CHECKPOINT_STEP``).
     """
     world = group_world_size * nproc
     workers = []
@@ -65,6 +68,7 @@ def build_assign(
             contract.KELASTIC_TIMER_TOKEN: tokens[local_rank],
             # The c10d store is created by rank 0 from MASTER_ADDR/PORT, not by us.
             "TORCHELASTIC_USE_AGENT_STORE": "False",
+            **(extra_env or {}),
         }
         workers.append(WorkerAssignment(local_rank, {k: str(v) for k, v in env.items()}))
     return Assign(attempt=attempt, round=round_, workers=tuple(workers))

@@ -58,6 +58,7 @@ from kelastic.etcd_values import (
 from kelastic.sockaddr import free_port
 from kelastic_etcd import EtcdClient, EtcdError, EtcdRefused
 
+from . import checkpoints as ckpt
 from .assignment import build_assign
 from .attempt_monitor import AttemptMonitor
 from .config import SidecarConfig
@@ -301,6 +302,7 @@ class Supervisor:
                 self._nproc, self.cfg.nproc_per_node,
             )  # fmt: skip
         while True:
+            ckpt.publish(self.store, self.keys, self.cfg, stopped=not self._carried)
             try:
                 info = self._rendezvous()
             except RendezvousClosedError as exc:
@@ -401,6 +403,7 @@ class Supervisor:
             restart_count=spent,
             max_restarts=self.cfg.max_restarts,
             tokens=tokens,
+            extra_env=ckpt.worker_env(self.store, self.keys, self.cfg, info, self._nproc, carried),
         )
         assign = self.inprocess.begin_round(assign, info, self.handler)
         if carried:

@@ -26,10 +26,11 @@ the memory-backed folder :func:`kelastic.contract.checkpoint_dir` (a volume of i
 with job, round, rank, step, commit sequence and the chunks' crc32, a bounded JSON
 manifest, raw tensor bytes, no pickle); the save (stage, then commit on a thread: the
 commit word written last, so a crash never tears the last committed step); the load of
-this rank's newest committed step that passes its checksums. What the sidecar will add:
-holding the slots (allocated at its start), the commit records in etcd and the job-wide
-step (``load(step=...)`` takes the agreed one), replication to a peer, persistence in
-torch DCP's format.
+this rank's newest committed step that passes its checksums; under the sidecar, the
+job-wide step (the sidecars record each node's verified committed steps in etcd before
+a round and agree on the highest every rank holds: ``$KELASTIC_CHECKPOINT_STEP``, which
+:func:`load` takes). What the sidecar will add: holding the slots (allocated at its
+start), replication to a peer, persistence in torch DCP's format.
 
 The semantics come from DLRover's flash checkpoint (a rank's tensors copied as raw bytes
 into shared memory, the save returning once they are staged), NVRx's local checkpointing
@@ -43,6 +44,7 @@ Stdlib only at import; torch is imported when a state holds tensors.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -65,12 +67,15 @@ __all__ = [
     "SlotFormatError",
     "SlotInfo",
     "TreeError",
+    "agreed_step",
     "default_store",
     "load",
     "open_store",
     "save",
     "slot_bytes",
 ]
+
+log = logging.getLogger(__name__)
 
 _default: CheckpointStore | None = None
 _default_lock = threading.Lock()
@@ -130,8 +135,49 @@ def save(step: int, state_dict: Any, *, blocking: bool = False) -> SaveHandle:
     return store.save(step, state_dict, blocking=blocking)
 
 
+def agreed_step() -> int | bool | None:
+    """The step the job agreed to restore, from ``$KELASTIC_CHECKPOINT_STEP`` (set by the
+    sidecar at each start of the workers): an int, None when the job agreed on none
+    (``"none"``), False when the variable is unset (no sidecar: each rank its newest).
+
+    Raises:
+        CheckpointError: the variable holds something else.
+    """
+    value = os.environ.get(contract.ENV_CHECKPOINT_STEP)
+    if value is None:
+        return False
+    if value == contract.CHECKPOINT_STEP_NONE:
+        return None
+    if not (value.isascii() and value.isdigit() and len(value) <= 16):
+        raise CheckpointError(f"${contract.ENV_CHECKPOINT_STEP}={value!r:.40} is not a step")
+    return int(value)
+
+
 def load(step: int | None = None) -> tuple[int, Any] | None:
-    """``(step, state_dict)`` of this rank's newest committed step that passes its
-    checksums (or of ``step``: the job-wide agreed one, once the sidecar agrees on it),
-    else None. See :meth:`CheckpointStore.load`."""
-    return default_store().load(step)
+    """``(step, state_dict)`` of the step the job agreed on, else None.
+
+    Under kelastic's sidecar the step is the agreed one (:func:`agreed_step`: the highest
+    step every rank of the round committed on its node, each slot's checksums verified
+    by the sidecar before the workers started), so every rank loads the same step or
+    every rank gets None (the user's own fallback: start or read from disk). A slot that
+    no longer holds that step or fails its checksums now (changed after the sidecar's
+    check) gives None too, logged with the reason. Without the sidecar (the variable
+    unset), this rank's newest committed step that passes its checksums. ``step``
+    overrides both. See :meth:`CheckpointStore.load`.
+
+    Raises:
+        CheckpointError: ``$KELASTIC_CHECKPOINT_STEP`` is malformed; the pending
+            commit failed.
+    """
+    if step is None:
+        agreed = agreed_step()
+        if agreed is None:
+            return None
+        if agreed is not False:
+            step = agreed
+    store = default_store()
+    out = store.load(step)
+    if out is None and step is not None:
+        log.warning("checkpoint: rank %d cannot load the agreed step %d: %s", store.rank,
+                    step, "; ".join(f"slot {s}: {why}" for s, why in store.skipped))  # fmt: skip
+    return out

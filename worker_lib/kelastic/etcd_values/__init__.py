@@ -24,6 +24,7 @@ key                            codec                           written by / read
                                                                operator, ``kelastic run``
 ``inprocess/ready/<m>/<node>`` ``kelastic_sidecar.inprocess.    sidecars / sidecars
                                record`` (sidecars only)
+``checkpoints/<node>``         :mod:`.checkpoints`             a sidecar / sidecars
 =============================  ==============================  ============================
 """
 

@@ -1,0 +1,54 @@
+"""A worker killed in a job that checkpoints every step in memory (``kelastic.checkpoint``)
+restarts from the node's own slots: every rank loads the same step (the one the sidecars
+agreed on through etcd), no older than the last step every rank had committed.
+
+Real ``kelastic run``: embedded etcd, two sidecars, launchers and
+``tests/workers/memory_checkpoint.py`` workers (2 x 2 gloo ranks in lockstep, each step
+saved with ``blocking=True`` so that ``saved N`` means committed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from tests.localrun import KelasticRun, write_job
+
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "memory_checkpoint.py"
+
+
+def test_a_killed_worker_restarts_every_rank_from_one_agreed_step(tmp_path: Path) -> None:
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2, command=["python", str(WORKER)],
+                    env={"STEPS_MAX": "40"})  # fmt: skip
+    run = KelasticRun(job, "--fault", "kill:rank=1,after=1", workdir=tmp_path / "runs",
+                      env={**os.environ, "KELASTIC_CHECKPOINT_DIR": str(slots)})  # fmt: skip
+    assert run.wait() == 0, run.output
+    out = run.lines
+    assert "fault: SIGKILL rank 1 after 1s" in run.output
+    assert "job succeeded" in run.output
+    restored = [(int(m.group(1)), m.group(2), i) for i, line in enumerate(out)
+                if (m := re.match(r"^\[(\d+)\]: restored (\S+) in", line))]  # fmt: skip
+    assert sorted(r for r, _, _ in restored[:4]) == [0, 1, 2, 3], run.output
+    assert {step for _, step, _ in restored[:4]} == {"none"}  # a fresh start: nothing saved
+    after = restored[4:]
+    groups = [after[i : i + 4] for i in range(0, len(after), 4)]  # one per restart
+    assert groups and all(sorted(r for r, _, _ in g) == [0, 1, 2, 3] for g in groups), after
+    for group in groups:  # one step on every rank, each time
+        assert len({step for _, step, _ in group}) == 1, group
+    step = int(groups[0][0][1])
+    assert all(int(g[0][1]) >= step for g in groups[1:]), groups  # never older
+    first_restored = min(i for _, _, i in after)
+    saved: dict[int, int] = {}  # rank -> its last "saved N" before the restart
+    for line in out[:first_restored]:
+        if m := re.match(r"^\[(\d+)\]: saved (\d+)$", line):
+            saved[int(m.group(1))] = int(m.group(2))
+    assert sorted(saved) == [0, 1, 2, 3], run.output
+    # saved N printed: N committed on that rank; in lockstep every rank committed at
+    # least the lowest of them, so the agreed step is never older
+    assert min(saved.values()) <= step <= max(saved.values()) + 1, (step, saved)
+    assert step > 0
+    print(f"\nMEMORY-CHECKPOINT kill: restored step {step} on 4 ranks, last saved {saved}")
+    assert run.strays() == []

@@ -1,0 +1,205 @@
+"""The job-wide checkpoint step: each node's record of its verified committed steps (the
+codec of ``checkpoints/<node>``), the restorable step every rank can load, the scan of a
+slot folder with real torch slots (a corrupt slot drops its step), and ``load()`` taking
+the agreed step from ``$KELASTIC_CHECKPOINT_STEP``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kelastic import checkpoint, contract
+from kelastic.checkpoint import CheckpointError, CheckpointStore
+from kelastic.checkpoint.scan import verified_steps
+from kelastic.checkpoint.slot_format import HEADER_SIZE, decode_header
+from kelastic.checkpoint.store import slot_path
+from kelastic.etcd_values import CorruptValueError, ForeignValueError
+from kelastic.etcd_values.checkpoints import (
+    MAX_LOCAL_RANKS,
+    CheckpointsDoc,
+    decode_checkpoints,
+    encode_checkpoints,
+    restorable_step,
+)
+
+# ------------------------------------------------------------------ the codec
+
+
+def test_a_record_round_trips() -> None:
+    doc = CheckpointsDoc("uid-1", {0: (12, 11), 3: (7,), 1: ()}, 1764190000.5)
+    raw = encode_checkpoints(doc)
+    assert raw.startswith(b'{"version":1,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]}')
+    assert decode_checkpoints(raw, "k") == doc
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"", "corrupt checkpoint record at k"),
+        (b"[]", "corrupt checkpoint record at k"),
+        (b'{"version":1,"job":"j","ranks":{},"time":1,"x":2}', "fields"),
+        (b'{"version":1,"job":"","ranks":{},"time":1}', "bad job"),
+        (b'{"version":1,"job":"j","ranks":{},"time":-1}', "bad time"),
+        (b'{"version":1,"job":"j","ranks":[],"time":1}', "ranks is not an object"),
+        (b'{"version":1,"job":"j","ranks":{"01":[1]},"time":1}', "out of range"),
+        (b'{"version":1,"job":"j","ranks":{"-1":[1]},"time":1}', "not a decimal rank"),
+        (b'{"version":1,"job":"j","ranks":{"9999999999":[1]},"time":1}', "out of range"),
+        (b'{"version":1,"job":"j","ranks":{"0":[3,2,1]},"time":1}', "at most two"),
+        (b'{"version":1,"job":"j","ranks":{"0":[1,2]},"time":1}', "newest first"),
+        (b'{"version":1,"job":"j","ranks":{"0":[2,2]},"time":1}', "newest first"),
+        (b'{"version":1,"job":"j","ranks":{"0":[true]},"time":1}', "a step outside"),
+        (b'{"version":1,"job":"j","ranks":{"0":[1.5]},"time":1}', "a step outside"),
+        (b'{"version":1,"job":"j","ranks":{"0":[9007199254740993]},"time":1}', "a step outside"),
+        (b'{"version":true,"job":"j","ranks":{},"time":1}', "bad version"),
+    ],
+)
+def test_a_corrupt_record_is_refused_with_its_key(raw: bytes, message: str) -> None:
+    with pytest.raises(CorruptValueError, match=message) as info:
+        decode_checkpoints(raw, "k")
+    assert " at k" in str(info.value)
+
+
+def test_another_version_is_foreign_and_bad_docs_are_not_written() -> None:
+    with pytest.raises(ForeignValueError, match="version 2"):
+        decode_checkpoints(b'{"version":2,"job":"j","ranks":{},"time":1}', "k")
+    for doc in (
+        CheckpointsDoc("", {}, 1.0),
+        CheckpointsDoc("j", {0: (1, 2)}, 1.0),
+        CheckpointsDoc("j", {-1: (1,)}, 1.0),
+        CheckpointsDoc("j", {r: (1,) for r in range(MAX_LOCAL_RANKS + 1)}, 1.0),
+        CheckpointsDoc("j", {0: (1,)}, float("nan")),
+    ):
+        with pytest.raises(CorruptValueError):
+            encode_checkpoints(doc)
+
+
+# ------------------------------------------------------------------ the agreed step
+
+
+def _doc(ranks: dict[int, tuple[int, ...]], job: str = "j") -> CheckpointsDoc:
+    return CheckpointsDoc(job, ranks, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        ({"a": _doc({0: (8, 7), 1: (8, 7)}), "b": _doc({2: (8, 7), 3: (8, 7)})}, 8),
+        # rank 3 was killed before it committed 8: the step all four hold is 7
+        ({"a": _doc({0: (8, 7), 1: (8, 7)}), "b": _doc({2: (8, 7), 3: (7, 6)})}, 7),
+        # two steps apart: nothing in common, every rank gets None (never a mixed step)
+        ({"a": _doc({0: (9, 8), 1: (9, 8)}), "b": _doc({2: (9, 8), 3: (7, 6)})}, None),
+        # a corrupt slot left rank 1 with its older step only
+        ({"a": _doc({0: (8, 7), 1: (7,)}), "b": _doc({2: (8, 7), 3: (8, 7)})}, 7),
+        # node b's record is missing or corrupt (None), or of another run, or lacks a rank
+        ({"a": _doc({0: (8, 7), 1: (8, 7)}), "b": None}, None),
+        ({"a": _doc({0: (8, 7), 1: (8, 7)})}, None),
+        ({"a": _doc({0: (8, 7), 1: (8, 7)}), "b": _doc({2: (8, 7), 3: (8, 7)}, "old")}, None),
+        ({"a": _doc({0: (8, 7), 1: (8, 7)}), "b": _doc({2: (8, 7)})}, None),
+        # the ranks of a node count only from the node that runs them now: b's slots of
+        # ranks 0, 1 do not help a, whose own are gone (a Pod replaced)
+        ({"a": _doc({}), "b": _doc({0: (8, 7), 1: (8, 7), 2: (8, 7), 3: (8, 7)})}, None),
+        ({"a": _doc({0: (0,), 1: (0,)}), "b": _doc({2: (0,), 3: (0,)})}, 0),
+    ],
+)
+def test_the_restorable_step_is_the_highest_every_rank_holds(
+    records: dict[str, CheckpointsDoc | None], expected: int | None
+) -> None:
+    assert restorable_step(records, ("a", "b"), 2, "j") == expected
+
+
+def test_the_restorable_step_follows_the_group_ranks_of_the_round() -> None:
+    records = {"a": _doc({0: (5, 4)}), "b": _doc({1: (4, 3)})}
+    assert restorable_step(records, ("a", "b"), 1, "j") == 4
+    assert restorable_step(records, ("b", "a"), 1, "j") is None  # swapped group ranks
+    assert restorable_step(records, (), 1, "j") is None
+    with pytest.raises(ValueError, match="nproc"):
+        restorable_step(records, ("a",), 0, "j")
+
+
+# ------------------------------------------------------------------ the scan
+
+
+def _save(directory: Path, rank: int, steps: range, job: str = "j") -> None:
+    with CheckpointStore(directory, rank=rank, job=job) as ckpt:
+        for step in steps:
+            ckpt.save(step, {"w": torch.full((300_000,), float(step)), "s": step}, blocking=True)
+
+
+def _flip_payload(path: Path) -> None:
+    raw = path.read_bytes()
+    offset = decode_header(raw[:HEADER_SIZE], file_size=len(raw)).layout.payload_offset + 4096
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes([raw[offset] ^ 0x01]))
+
+
+def _slot_of(directory: Path, rank: int, step: int) -> Path:
+    for slot in (0, 1):
+        raw = slot_path(directory, rank, slot).read_bytes()
+        if decode_header(raw[:HEADER_SIZE], file_size=len(raw)).step == step:
+            return slot_path(directory, rank, slot)
+    raise AssertionError(f"no slot of rank {rank} holds step {step}")
+
+
+def test_the_scan_counts_committed_slots_that_pass_their_checksums(tmp_path: Path) -> None:
+    _save(tmp_path, 0, range(1, 4))  # slots hold 3 (newest) and 2
+    _save(tmp_path, 1, range(1, 4))
+    _save(tmp_path, 2, range(1, 2))  # one slot committed, the other never written
+    _save(tmp_path, 7, range(1, 3), job="another")
+    (tmp_path / "rank-x.slot0").write_bytes(b"junk")
+    (tmp_path / "rank-5.slot0").write_bytes(b"too short for a header")
+    assert verified_steps(tmp_path, "j") == {0: (3, 2), 1: (3, 2), 2: (1,)}
+    _flip_payload(_slot_of(tmp_path, 1, 3))  # one bit of rank 1's step 3
+    assert verified_steps(tmp_path, "j") == {0: (3, 2), 1: (2,), 2: (1,)}
+    assert verified_steps(tmp_path / "missing", "j") == {}
+    assert verified_steps(tmp_path, "another") == {7: (2, 1)}
+
+
+# ------------------------------------------------------------------ load() under the sidecar
+
+
+@pytest.fixture
+def rank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(tmp_path))
+    monkeypatch.setenv(contract.RANK, "0")
+    monkeypatch.setenv(contract.TORCHELASTIC_RUN_ID, "j")
+    monkeypatch.setattr(checkpoint, "_default", None)
+    monkeypatch.setattr(checkpoint, "_sized", False)
+    _save(tmp_path, 0, range(1, 4))
+    return tmp_path
+
+
+def test_load_takes_the_agreed_step(rank_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        loaded = checkpoint.load()  # no sidecar: the rank's own newest
+        assert loaded is not None and loaded[0] == 3
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "2")  # a peer lacks step 3
+        loaded = checkpoint.load()
+        assert loaded is not None and loaded[0] == 2 and loaded[1]["s"] == 2
+        assert bool((loaded[1]["w"] == 2.0).all())
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, contract.CHECKPOINT_STEP_NONE)
+        assert checkpoint.load() is None  # the job agreed on none: every rank starts over
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "1")  # overwritten since the agreement
+        assert checkpoint.load() is None  # never another step
+        loaded = checkpoint.load(step=3)  # an explicit step wins
+        assert loaded is not None and loaded[0] == 3
+        for bad in ("", "-1", "2.0", "x", "1" * 17):
+            monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, bad)
+            with pytest.raises(CheckpointError, match="KELASTIC_CHECKPOINT_STEP"):
+                checkpoint.load()
+    finally:
+        checkpoint.default_store().close()
+
+
+def test_a_slot_corrupted_after_the_agreement_loads_nothing(
+    rank_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _flip_payload(_slot_of(rank_env, 0, 3))
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "3")
+    try:
+        assert checkpoint.load() is None  # not step 2, which another rank may not load
+        assert any("crc32" in why for _, why in checkpoint.default_store().skipped)
+    finally:
+        checkpoint.default_store().close()
