@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from kelastic import contract
+from kelastic import contract, failure_policy
 
 if TYPE_CHECKING:
     from kelastic_etcd import EtcdClient
@@ -111,6 +111,8 @@ class SidecarConfig:
         etcd_user, etcd_password: etcd's user and password when etcd has auth enabled
             (``None``: no auth), beside or without TLS.
         inprocess: in-process restarts (:class:`InProcessSettings`).
+        failure_rules: ``spec.failurePolicy.rules`` (``$KELASTIC_FAILURE_POLICY``,
+            :mod:`kelastic.failure_policy`'s codec); empty: none.
     """
 
     job_name: str
@@ -135,6 +137,7 @@ class SidecarConfig:
     etcd_user: str | None = None
     etcd_password: str = field(default="", repr=False)
     inprocess: InProcessSettings = field(default_factory=InProcessSettings)
+    failure_rules: tuple[failure_policy.FailureRule, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -169,6 +172,11 @@ class SidecarConfig:
         endpoints = tuple(
             e.strip() for e in text(contract.ENV_ETCD_ENDPOINTS).split(",") if e.strip()
         )
+        try:
+            rules = failure_policy.decode_rules(env.get(failure_policy.ENV_FAILURE_POLICY, ""))
+        except failure_policy.FailurePolicyError as exc:
+            problems.append(f"{failure_policy.ENV_FAILURE_POLICY}: {exc}")
+            rules = ()
         tls = env.get(contract.ENV_ETCD_TLS_DIR)
         ip_max, ip_soft, ip_hard = (
             contract.ENV_INPROCESS_MAX_RESTARTS,
@@ -206,6 +214,7 @@ class SidecarConfig:
                 hard_timeout=num(ip_hard, float, contract.DEFAULT_INPROCESS_HARD_TIMEOUT),
                 spare_ranks=num(contract.ENV_INPROCESS_SPARES, int, 0),
             ),
+            failure_rules=rules,
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")

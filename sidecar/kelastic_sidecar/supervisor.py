@@ -55,17 +55,18 @@ from kelastic.etcd_values import (
     encode_master,
     encode_report,
 )
+from kelastic.failure_policy import FailureAction
 from kelastic.sockaddr import free_port
 from kelastic_etcd import EtcdClient, EtcdError, EtcdRefused
 
 from . import checkpoints as ckpt
+from . import failure_rules
 from .assignment import build_assign
 from .attempt_monitor import AttemptMonitor
 from .config import SidecarConfig
 from .failure import (
     CAUSE_PEER,
     CAUSE_SCALE,
-    CAUSE_START_FAILURE,
     Failure,
     FailureCause,
     signal_name,
@@ -347,10 +348,9 @@ class Supervisor:
                 assert end.failure is not None
                 self._last_failure = end.failure
                 self._down_cause = end.failure.cause
-                if end.failure.cause == CAUSE_START_FAILURE:
-                    return self._finish_not_started(end.failure)
-                if self._charge(end.failure):
-                    return self._finish_exhausted(end.failure)
+                verdict = failure_rules.verdict(self.cfg.failure_rules, end.failure)
+                if verdict.ends(verdict.charged and self._charge(end.failure)):
+                    return self._finish_failed(verdict, end.failure)
             else:
                 self._down_cause = FailureCause(end.reason or CAUSE_PEER)
                 self.metrics.restarts.labels(level="process", cause=self._down_cause).inc()
@@ -489,17 +489,17 @@ class Supervisor:
         self._shutdown_launcher(code, summary)
         return code
 
-    def _finish_exhausted(self, failure: Failure) -> int:
+    def _finish_failed(self, verdict: failure_rules.Verdict, failure: Failure) -> int:
+        """Stop as ``verdict`` says: this node's Pod fails (RestartPod: the operator
+        replaces it, its peers re-form without a charge), or the job does."""
         self._phase = Phase.FAILED
-        log.error("restart budget of %d spent; failing the job: %s", self.cfg.max_restarts,
-                  failure.summary())  # fmt: skip
-        return self._close_job(failure, "max_restarts", self.cfg.max_restarts)
-
-    def _finish_not_started(self, failure: Failure) -> int:
-        """A worker could not be started: fail the job and close the rendezvous at once."""
-        self._phase = Phase.FAILED
-        log.error("a worker could not be started; failing the job: %s", failure.summary())
-        return self._close_job(failure, "not_retried", True)
+        if verdict.action is FailureAction.RESTART_POD:
+            self._leave(failure_rules.POD_RESTART_DEPARTURE)
+            self._report(ReportOutcome.FAILED, verdict.pod_summary(failure), failure)
+            self._shutdown_launcher(EXIT_FAILED, verdict.pod_summary(failure))
+            return EXIT_FAILED
+        log.error("%s; failing the job: %s", verdict.why(self.cfg.max_restarts), failure.summary())
+        return self._close_job(failure, *verdict.close_reason(self.cfg.max_restarts))
 
     def _close_job(self, failure: Failure, key: str, value: object) -> int:
         """Close the rendezvous with ``failure`` (plus ``key: value``) as the reason."""
