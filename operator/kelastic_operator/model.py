@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from kelastic import contract, failure_policy
+from kelastic.checkpoint.volume import QUANTITY_PATTERN, parse_quantity
 
 API_GROUP = "kelastic.dev"
 API_VERSION = "v1alpha1"
@@ -106,6 +107,32 @@ class WarmStartSpec(_Model):
         description="modules the zygote imports before forking workers",
         json_schema_extra={"default": list(contract.DEFAULT_PRELOAD)},
     )
+
+
+class CheckpointSpec(_Model):
+    """In-memory checkpoints (``spec.checkpoint``; ``kelastic.checkpoint`` in the trainer).
+
+    With ``memory`` set every Pod gets a memory-backed volume of that size
+    (``emptyDir`` with ``medium: Memory`` and ``sizeLimit``) at
+    ``/var/run/kelastic-checkpoints`` in the trainer and the sidecar; the sidecar
+    allocates it in full at its start (a volume too small fails then, naming the size
+    needed) and agrees with its peers on the step to restore. Its pages count against
+    the memory of the container that writes them (the trainer's slots): give the
+    trainer's memory limit room for it. Two slots per rank: about twice a rank's state
+    times the ranks per node.
+    """
+
+    memory: Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)] | None = Field(
+        default=None,
+        description="size of each Pod's checkpoint volume (emptyDir medium Memory "
+        "sizeLimit), e.g. 512Mi: a positive integer with an optional suffix Ki, Mi, Gi, Ti, k, M, "
+        "G or T",
+    )
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """``memory`` in bytes (None when unset)."""
+        return parse_quantity(self.memory) if self.memory is not None else None
 
 
 #: CEL rule of ``spec.inProcess``: :meth:`InProcessSpec._check`, worded alike (the API
@@ -476,6 +503,11 @@ class ElasticJobSpec(_Model):
         default_factory=WarmStartSpec,
         alias="warmStart",
         description="fork restarted workers from a process that already imported torch",
+        json_schema_extra={"default": {}},
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec,
+        description="in-memory checkpoints: the Pods' checkpoint volume",
         json_schema_extra={"default": {}},
     )
     in_process: InProcessSpec = Field(

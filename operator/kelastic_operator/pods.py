@@ -13,6 +13,9 @@ selectors, tolerations, volumes, env, init containers — are kept):
   and ``shareProcessNamespace: true`` (the sidecar's timer server signals hung workers:
   it runs as the trainer's user, or as root with only CAP_KILL when that is unknown, see
   :func:`sidecar_security_context`);
+- with ``spec.checkpoint.memory``, the memory-backed ``emptyDir`` ``kelastic-checkpoints``
+  of that ``sizeLimit`` at ``/var/run/kelastic-checkpoints`` in both containers, and
+  ``KELASTIC_CHECKPOINT_MEMORY`` for the sidecar (it allocates the volume at its start);
 - the trainer's command wrapped by the launcher:
   ``python -m kelastic.launch --nproc-per-node N -- <command> <args>`` (args folded in),
   with ``--warm-start --preload <modules>`` when ``spec.warmStart.enabled``;
@@ -150,6 +153,10 @@ def sidecar_env(
     if spec.failure_policy is not None:  # the codec the sidecar reads them with
         rules = failure_policy.encode_rules(spec.failure_policy.to_rules())
         env.append({"name": failure_policy.ENV_FAILURE_POLICY, "value": rules})
+    memory = spec.checkpoint.memory_bytes
+    if memory is not None:  # the volume is allocated in full at the sidecar's start
+        env.append({"name": contract.ENV_CHECKPOINT_DIR, "value": contract.DEFAULT_CHECKPOINT_DIR})
+        env.append({"name": contract.ENV_CHECKPOINT_MEMORY, "value": str(memory)})
     if rdzv.tls_secret:
         env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
     if rdzv.auth_secret:  # etcd user and password, from a kubernetes.io/basic-auth Secret
@@ -193,6 +200,23 @@ def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
 
 def _run_mount() -> dict[str, Any]:
     return {"name": contract.RUN_VOLUME_NAME, "mountPath": contract.DEFAULT_RUN_DIR}
+
+
+def _checkpoint_mount() -> dict[str, Any]:
+    return {"name": contract.CHECKPOINT_VOLUME_NAME, "mountPath": contract.DEFAULT_CHECKPOINT_DIR}
+
+
+def checkpoint_volume(spec: ElasticJobSpec) -> dict[str, Any] | None:
+    """The Pod's checkpoint volume (``spec.checkpoint.memory`` set): an ``emptyDir`` with
+    ``medium: Memory`` and that ``sizeLimit``, mounted in both containers at
+    :data:`kelastic.contract.DEFAULT_CHECKPOINT_DIR`; None without it."""
+    memory = spec.checkpoint.memory
+    if memory is None:
+        return None
+    return {
+        "name": contract.CHECKPOINT_VOLUME_NAME,
+        "emptyDir": {"medium": "Memory", "sizeLimit": memory},
+    }
 
 
 def sidecar_security_context(pod_spec: dict[str, Any], trainer: dict[str, Any]) -> dict[str, Any]:
@@ -259,6 +283,8 @@ def sidecar_container(
         PodBuildError: no etcd endpoint.
     """
     mounts = [_run_mount()]
+    if spec.checkpoint.memory is not None:
+        mounts.append(_checkpoint_mount())
     if spec.rendezvous.tls_secret:
         mounts.append({"name": ETCD_TLS_VOLUME, "mountPath": ETCD_TLS_MOUNT, "readOnly": True})
     probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}}
@@ -372,19 +398,27 @@ def build_pod(
     for var, value in (
         (contract.ENV_RUN_DIR, contract.DEFAULT_RUN_DIR),
         (contract.ENV_STOP_GRACE, _num(settings.stop_grace)),
+        (contract.ENV_CHECKPOINT_DIR, contract.DEFAULT_CHECKPOINT_DIR),
     ):
+        if var == contract.ENV_CHECKPOINT_DIR and spec.checkpoint.memory is None:
+            continue
         if var not in have:
             env.append({"name": var, "value": value})
     trainer["env"] = env + inprocess
     mounts = list(trainer.get("volumeMounts") or [])
-    if not any(m.get("name") == contract.RUN_VOLUME_NAME for m in mounts):
-        mounts.append(_run_mount())
+    wanted = [_run_mount()] + ([_checkpoint_mount()] if spec.checkpoint.memory else [])
+    for mount in wanted:
+        if not any(m.get("name") == mount["name"] for m in mounts):
+            mounts.append(mount)
     trainer["volumeMounts"] = mounts
     trainer["terminationMessagePath"] = contract.DEFAULT_TERMINATION_LOG
     trainer["terminationMessagePolicy"] = "FallbackToLogsOnError"
 
-    volumes = [v for v in pspec.get("volumes") or [] if v.get("name") != contract.RUN_VOLUME_NAME]
+    ours = {contract.RUN_VOLUME_NAME, contract.CHECKPOINT_VOLUME_NAME}
+    volumes = [v for v in pspec.get("volumes") or [] if v.get("name") not in ours]
     volumes.append({"name": contract.RUN_VOLUME_NAME, "emptyDir": {}})
+    if (ckpt := checkpoint_volume(spec)) is not None:
+        volumes.append(ckpt)
     if spec.rendezvous.tls_secret:
         volumes.append(
             {
@@ -454,7 +488,7 @@ _NOT_IN_POD = frozenset(
 def pod_spec_hash(spec: ElasticJobSpec) -> str:
     """A digest of what in ``spec`` shapes the job's Pods (template, workers per node,
     min/max nodes, restart budget, rendezvous settings, warm start, in-process restart
-    when enabled, failure rules when set): 16 hex characters.
+    when enabled, failure rules and the checkpoint volume when set): 16 hex characters.
 
     Stored on each Pod (:data:`~kelastic_operator.labels.ANNOTATION_SPEC_HASH`); the
     operator replaces the Pods whose digest differs from the job's (see
@@ -464,6 +498,8 @@ def pod_spec_hash(spec: ElasticJobSpec) -> str:
     left_out = set(_NOT_IN_POD) | (set() if spec.in_process.enabled else {"in_process"})
     if spec.failure_policy is None:  # absent, it leaves the digest of older jobs alone
         left_out.add("failure_policy")
+    if spec.checkpoint.memory is None:  # likewise
+        left_out.add("checkpoint")
     shaping = spec.model_dump(mode="json", by_alias=True, exclude=left_out)
     text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

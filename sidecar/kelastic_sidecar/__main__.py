@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kelastic import contract
@@ -28,6 +29,7 @@ environment (set by the operator or by `kelastic run`):
   {contract.ENV_JOIN_TIMEOUT}, {contract.ENV_LAST_CALL_TIMEOUT}, {contract.ENV_LEASE_TTL}  seconds
   {contract.ENV_HTTP_PORT}                  /metrics /healthz /readyz /status (default {_PORT})
   {contract.ENV_RUN_DIR}                    shared volume (default {contract.DEFAULT_RUN_DIR})
+  {contract.ENV_CHECKPOINT_DIR}, {contract.ENV_CHECKPOINT_MEMORY}  checkpoint volume, bytes
 """
 
 
@@ -51,12 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:  # grpc, pyetcd, prometheus_client: the 'sidecar' extra
+        from .checkpoints import prepare_volume
         from .supervisor import Supervisor
     except ModuleNotFoundError as exc:
         return missing_extra("kelastic-sidecar", "sidecar", exc)
     try:
         config = SidecarConfig.from_env()
-    except ConfigError as exc:
+        prepare_volume(os.environ)  # a checkpoint volume too small fails now
+    except (ConfigError, ValueError) as exc:
         print(f"kelastic-sidecar: {exc}", file=sys.stderr)
         return 2
     return Supervisor(config).run()

@@ -2,30 +2,42 @@
 restarts from the node's own slots: every rank loads the same step (the one the sidecars
 agreed on through etcd), no older than the last step every rank had committed.
 
-Real ``kelastic run``: embedded etcd, two sidecars, launchers and
+Real ``kelastic run`` with ``spec.checkpoint.memory`` (each Pod's memory-backed volume, a
+folder in ``/dev/shm`` locally, allocated in full by its sidecar at start): embedded etcd,
+two sidecars, launchers and
 ``tests/workers/memory_checkpoint.py`` workers (2 x 2 gloo ranks in lockstep, each step
 saved with ``blocking=True`` so that ``saved N`` means committed).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
+
+import yaml
 
 from tests.localrun import KelasticRun, write_job
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "memory_checkpoint.py"
 
 
-def test_a_killed_worker_restarts_every_rank_from_one_agreed_step(tmp_path: Path) -> None:
-    slots = tmp_path / "slots"
-    slots.mkdir()
-    job = write_job(tmp_path / "job.yaml", replicas=2, nproc=2, command=["python", str(WORKER)],
+def _job(path: Path, memory: str) -> Path:
+    job = write_job(path, name="memckpt", replicas=2, nproc=2, command=["python", str(WORKER)],
                     env={"STEPS_MAX": "40"})  # fmt: skip
-    run = KelasticRun(job, "--fault", "kill:rank=1,after=1", workdir=tmp_path / "runs",
-                      env={**os.environ, "KELASTIC_CHECKPOINT_DIR": str(slots)})  # fmt: skip
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["checkpoint"] = {"memory": memory}
+    job.write_text(yaml.safe_dump(doc))
+    return job
+
+
+def test_a_killed_worker_restarts_every_rank_from_one_agreed_step(tmp_path: Path) -> None:
+    job = _job(tmp_path / "job.yaml", "64Mi")  # each Pod's volume: a folder in /dev/shm
+    run = KelasticRun(job, "--fault", "kill:rank=1,after=1", workdir=tmp_path / "runs")
     assert run.wait() == 0, run.output
+    sidecar_logs = "".join(p.read_text() for p in (tmp_path / "runs").glob(
+        "memckpt-*/pods/memckpt-*/kelastic-sidecar.log"))  # fmt: skip
+    assert sidecar_logs.count(f"{64 << 20} bytes allocated and written") == 2, sidecar_logs
+    assert not list(Path("/dev/shm").glob("kelastic-memckpt-*"))  # removed with the Pods
     out = run.lines
     assert "fault: SIGKILL rank 1 after 1s" in run.output
     assert "job succeeded" in run.output

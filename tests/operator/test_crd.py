@@ -156,6 +156,8 @@ def doc_with(**spec: object) -> str:
         # the server's defaults come first: soft 120 > the default hard 90
         ({"inProcess": {"enabled": True, "softTimeoutSeconds": 120}},
          "hardTimeoutSeconds must be greater than softTimeoutSeconds"),
+        ({"checkpoint": {"memory": "1.5Gi"}}, "spec.checkpoint.memory"),
+        ({"checkpoint": {"memory": "0"}}, "spec.checkpoint.memory"),
         ({"bogus": 1}, "bogus"),
     ],
 )  # fmt: skip

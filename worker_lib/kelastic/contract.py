@@ -60,6 +60,10 @@ ENV_CHECKPOINT_DIR: Final = "KELASTIC_CHECKPOINT_DIR"
 ENV_CHECKPOINT_STEP: Final = "KELASTIC_CHECKPOINT_STEP"
 #: :data:`ENV_CHECKPOINT_STEP`'s value when no step is restorable by every rank.
 CHECKPOINT_STEP_NONE: Final = "none"
+#: Set on the sidecar when the job has a checkpoint volume (``spec.checkpoint.memory``):
+#: its size in bytes, allocated and written in full at the sidecar's start
+#: (``kelastic.checkpoint.volume.touch_volume``), so a volume too small fails then.
+ENV_CHECKPOINT_MEMORY: Final = "KELASTIC_CHECKPOINT_MEMORY"
 
 
 def checkpoint_dir() -> Path:

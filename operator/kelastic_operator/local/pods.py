@@ -3,7 +3,9 @@
 Native sidecars (init containers with ``restartPolicy: Always``) start first, then the
 main containers, each through :mod:`kelastic_operator.local.containers`. Volumes become
 folders: ``emptyDir`` (and anything else) one per Pod, a ``persistentVolumeClaim`` one per
-claim under ``shared_dir`` (so replicas share it like a ReadWriteMany volume). Every Pod
+claim under ``shared_dir`` (so replicas share it like a ReadWriteMany volume), and an
+``emptyDir`` with ``medium: Memory`` a folder of the Pod's in ``/dev/shm`` (memory, as
+on a node; removed when the Pod stops; its ``sizeLimit`` is not enforced). Every Pod
 shares this machine's network: pod IP 127.0.0.1, and the kelastic sidecar gets a free
 ``KELASTIC_HTTP_PORT`` of its own. Stopping follows Kubernetes' order: main containers
 first, then sidecars.
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +32,9 @@ from kelastic import contract
 from kelastic.sockaddr import free_port
 
 from .containers import base_env, container_env, local_argv, mount_map, start_process
+
+#: Where local mode puts memory-backed volumes.
+_SHM = Path("/dev/shm")
 
 Obj = dict[str, Any]
 
@@ -99,6 +106,8 @@ class LocalPod:
     warn: Callable[[str], None] = lambda line: None
     containers: list[LocalContainer] = field(default_factory=list)
     die_with_parent: bool = False
+    #: the folders of its memory-backed volumes, removed when it stops
+    memory_dirs: list[Path] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -127,6 +136,9 @@ class LocalPod:
         for vol in spec.get("volumes") or []:
             claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
             folder = self.shared_dir / claim if claim else self.pod_dir / "volumes" / vol["name"]
+            if (vol.get("emptyDir") or {}).get("medium") == "Memory" and _SHM.is_dir():
+                folder = Path(tempfile.mkdtemp(prefix=f"kelastic-{meta['name']}-", dir=_SHM))
+                self.memory_dirs.append(folder)
             folder.mkdir(parents=True, exist_ok=True)
             volumes[vol["name"]] = folder
         fields = {
@@ -180,6 +192,11 @@ class LocalPod:
         """Stop the native sidecars (SIGTERM, SIGKILL after ``grace`` seconds): what the
         kubelet does once every main container has exited."""
         _terminate(self.sidecars, grace)
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        for folder in self.memory_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def stop(self, grace: float) -> None:
         """Stop everything: main containers, then sidecars (SIGTERM, SIGKILL after
@@ -189,6 +206,7 @@ class LocalPod:
         for c in self.containers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(c.proc.pid, signal.SIGKILL)
+        self._release_memory()
 
 
 def _terminate(containers: list[LocalContainer], grace: float) -> None:

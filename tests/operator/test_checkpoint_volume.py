@@ -1,0 +1,89 @@
+"""spec.checkpoint.memory: the model's bounds, the Pod's memory-backed volume in both
+containers, the sidecar's env, the spec digest, and the sidecar's check at its start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate as kv
+import pytest
+from pydantic import ValidationError
+
+from kelastic import contract
+from kelastic_operator.model import CheckpointSpec, ElasticJobSpec, load_manifest
+from kelastic_operator.pods import PodSettings, build_pod, pod_spec_hash
+from kelastic_sidecar.checkpoints import prepare_volume
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = PodSettings(sidecar_image="kelastic:test", etcd_endpoints=("etcd.kelastic:2379",))
+UID = "0b7c6a3e-0000-4000-8000-000000000001"
+
+
+def _spec(memory: str | None) -> ElasticJobSpec:
+    spec = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
+    return spec.model_copy(update={"checkpoint": CheckpointSpec(memory=memory)})
+
+
+def _containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]}
+
+
+@pytest.mark.parametrize(("memory", "size"), [("512Mi", 512 << 20), ("2G", 2 * 10**9),
+                                              ("1Ti", 1 << 40), ("4096", 4096)])  # fmt: skip
+def test_the_memory_quantity_is_read_in_bytes(memory: str, size: int) -> None:
+    assert CheckpointSpec(memory=memory).memory_bytes == size
+
+
+@pytest.mark.parametrize("memory", ["0", "0Mi", "1.5Gi", "512MB", "1e9", "-1Gi", "", "Mi"])
+def test_a_bad_memory_quantity_is_refused_with_the_pattern(memory: str) -> None:
+    with pytest.raises(ValidationError, match="pattern"):
+        CheckpointSpec.model_validate({"memory": memory})
+
+
+def test_the_volume_is_memory_backed_and_mounted_in_both_containers() -> None:
+    pod = build_pod("digits", "ml", UID, _spec("256Mi"), 0, SETTINGS)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes[contract.CHECKPOINT_VOLUME_NAME] == {
+        "name": contract.CHECKPOINT_VOLUME_NAME,
+        "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"},
+    }
+    for name, c in _containers(pod).items():
+        if name not in ("trainer", "kelastic-sidecar"):
+            continue
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts[contract.CHECKPOINT_VOLUME_NAME] == contract.DEFAULT_CHECKPOINT_DIR, name
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env[contract.ENV_CHECKPOINT_DIR] == contract.DEFAULT_CHECKPOINT_DIR, name
+    sidecar_env = {e["name"]: e.get("value") for e in _containers(pod)["kelastic-sidecar"]["env"]}
+    assert sidecar_env[contract.ENV_CHECKPOINT_MEMORY] == str(256 << 20)
+    kv.validate(pod, "1.33.0", strict=True)
+
+
+def test_without_memory_the_pod_has_no_volume_and_its_digest_is_unchanged() -> None:
+    pod = build_pod("digits", "ml", UID, _spec(None), 0, SETTINGS)
+    assert contract.CHECKPOINT_VOLUME_NAME not in {v["name"] for v in pod["spec"]["volumes"]}
+    for c in _containers(pod).values():
+        names = {e["name"] for e in c.get("env") or []}
+        assert not names & {contract.ENV_CHECKPOINT_MEMORY, contract.ENV_CHECKPOINT_DIR}
+    plain = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
+    assert pod_spec_hash(_spec(None)) == pod_spec_hash(plain)  # running Pods are kept
+    assert pod_spec_hash(_spec("1Gi")) != pod_spec_hash(plain)
+    assert pod_spec_hash(_spec("1Gi")) != pod_spec_hash(_spec("2Gi"))
+
+
+def test_the_sidecar_allocates_the_volume_at_start_or_names_the_size(tmp_path: Path) -> None:
+    env = {contract.ENV_CHECKPOINT_DIR: str(tmp_path)}
+    assert prepare_volume(env) == 0  # no volume: nothing to do
+    assert prepare_volume({**env, contract.ENV_CHECKPOINT_MEMORY: str(3 << 20)}) == 3 << 20
+    assert list(tmp_path.iterdir()) == []  # the check's file is gone
+    huge = 1 << 50  # 1 PiB
+    with pytest.raises(ValueError, match=rf"\({huge} bytes, spec.checkpoint.memory\).*"
+                                         rf"{huge} more bytes"):  # fmt: skip
+        prepare_volume({**env, contract.ENV_CHECKPOINT_MEMORY: str(huge)})
+    with pytest.raises(ValueError, match="does not exist"):
+        prepare_volume({contract.ENV_CHECKPOINT_DIR: str(tmp_path / "x"),
+                        contract.ENV_CHECKPOINT_MEMORY: "4096"})  # fmt: skip
+    for bad in ("-1", "1Gi", "0", "x"):
+        with pytest.raises(ValueError, match="is not a size in bytes"):
+            prepare_volume({**env, contract.ENV_CHECKPOINT_MEMORY: bad})
