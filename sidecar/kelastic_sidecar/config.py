@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kelastic import contract, failure_policy
 
+from .hang_evidence import DEFAULT_BUDGET, ENV_BUDGET
+
 if TYPE_CHECKING:
     from kelastic_etcd import EtcdClient
 
@@ -113,6 +115,9 @@ class SidecarConfig:
         inprocess: in-process restarts (:class:`InProcessSettings`).
         failure_rules: ``spec.failurePolicy.rules`` (``$KELASTIC_FAILURE_POLICY``,
             :mod:`kelastic.failure_policy`'s codec); empty: none.
+        hang_evidence_budget: seconds the sidecar may spend reading a hung worker's
+            stacks before killing it (``$KELASTIC_HANG_EVIDENCE_BUDGET``, default 2; 0:
+            none read; :mod:`~kelastic_sidecar.hang_evidence`).
     """
 
     job_name: str
@@ -138,6 +143,7 @@ class SidecarConfig:
     etcd_password: str = field(default="", repr=False)
     inprocess: InProcessSettings = field(default_factory=InProcessSettings)
     failure_rules: tuple[failure_policy.FailureRule, ...] = ()
+    hang_evidence_budget: float = DEFAULT_BUDGET
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -215,6 +221,7 @@ class SidecarConfig:
                 spare_ranks=num(contract.ENV_INPROCESS_SPARES, int, 0),
             ),
             failure_rules=rules,
+            hang_evidence_budget=num(ENV_BUDGET, float, DEFAULT_BUDGET),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")
@@ -237,6 +244,8 @@ class SidecarConfig:
                 out.append(f"{name} must be > 0 seconds")
         if self.lease_ttl < 1:
             out.append(f"lease_ttl must be >= 1 second, got {self.lease_ttl}")
+        if not 0 <= self.hang_evidence_budget < math.inf:
+            out.append(f"{ENV_BUDGET} must be >= 0 seconds, got {self.hang_evidence_budget}")
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
         return out + self.inprocess.problems()

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 import kelastic
 
 from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_PEER, CAUSE_SCALE, CAUSE_WORKER_FAILURE
+from .hang_evidence import Outcome
 from .ipc import DROP_REASONS
 
 #: The ``cause`` label values of the restart and downtime counters.
@@ -198,6 +199,23 @@ def _spare_metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge]:
     return promoted, waiting
 
 
+def _hang_evidence_metric(registry: CollectorRegistry) -> Counter:
+    """``kelastic_hang_evidence_total{outcome}``: hung workers whose stacks the sidecar
+    tried to read before killing them (:mod:`~kelastic_sidecar.hang_evidence`), every
+    outcome's series present from the start."""
+    counter = Counter(
+        "kelastic_hang_evidence_total",
+        "Hung workers whose stacks were read (py-spy) before the sidecar killed them, "
+        "by outcome (collected; unavailable: py-spy missing, failed or over its "
+        "budget, the process gone)",
+        ["outcome"],
+        registry=registry,
+    )
+    for outcome in Outcome:
+        counter.labels(outcome=outcome.value)
+    return counter
+
+
 class SidecarMetrics:
     """All metrics of one sidecar, registered in :attr:`registry`.
 
@@ -268,6 +286,7 @@ class SidecarMetrics:
             "in-process hard timeout",
             registry=r,
         )
+        self.hang_evidence = _hang_evidence_metric(r)
         self.inprocess_spares_promoted, self.inprocess_spares_waiting = _spare_metrics(r)
         self.budget_spent = Gauge(
             "kelastic_restart_budget_spent", "Global restarts spent by the job", registry=r

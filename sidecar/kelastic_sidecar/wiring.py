@@ -13,21 +13,27 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import kelastic
 from kelastic import contract
 from kelastic_etcd import EtcdClient, EtcdError
 
 from .config import SidecarConfig
 from .control import ControlServer
 from .events import Event, FromLauncher, RespawnDue, SparePromoted, WorkerReaped
+from .hang_evidence import Collect, StackCollector
 from .http import SidecarHttpServer
 from .inprocess import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .restart_budget import RestartBudget
 from .timer import TimerServer, hard_timeout_reap
 
-__all__ = ["EtcdHealth", "Hooks", "Parts", "build_parts"]
+__all__ = ["EVIDENCE_DIR", "EtcdHealth", "Hooks", "Parts", "build_parts", "kill_reporter"]
+
+#: The folder of the run dir (the run's volume) holding hung workers' stack files.
+EVIDENCE_DIR = "hang-evidence"
 
 
 class EtcdHealth:
@@ -78,6 +84,18 @@ class Parts:
     inprocess: InProcessCoordinator
 
 
+def kill_reporter(collect: Collect, put: Callable[[Event], None]) -> Callable[[int, str], None]:
+    """The in-process hard timeout's ``on_kill(pid, why)``, called just before it SIGKILLs
+    ``pid``: the worker's stacks are read (``collect``, within its budget), then its reap
+    (:func:`~kelastic_sidecar.timer.hard_timeout_reap`, carrying them) is ``put`` on the
+    supervisor's queue, where the timer server's reaps go."""
+
+    def on_kill(pid: int, why: str) -> None:
+        put(WorkerReaped(hard_timeout_reap(pid, why, collect(pid))))
+
+    return on_kill
+
+
 def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -> Parts:
     """Construct the supervisor's parts; nothing is started (``Supervisor.run`` does).
 
@@ -90,10 +108,18 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
     keys = contract.Keys(config.prefix)
     store = store or config.etcd_client()  # endpoints, TLS, user and password
     events: queue.Queue[Event] = queue.Queue()
+    # A hung worker's stacks, read before the timer server or the hard timeout kills it.
+    collect = StackCollector(
+        config.run_dir / EVIDENCE_DIR,
+        budget=config.hang_evidence_budget,
+        library_dirs=(str(Path(kelastic.__file__).parent),),  # kelastic's frames: not the user's
+        on_outcome=lambda outcome: metrics.hang_evidence.labels(outcome=outcome.value).inc(),
+    )
     timer = TimerServer(
         contract.timer_fifo_path(config.run_dir),
         on_reap=lambda ev: events.put(WorkerReaped(ev)),
         grace=config.inprocess.timer_grace,
+        collect=collect,
     )
     metrics = SidecarMetrics(timer.stats)
     # Every failed etcd call counts, the lease keep-alive's and the watches' included.
@@ -125,6 +151,6 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
             SparePromoted(round_, local_rank, slot, pid)
         ),
         # the hard timeout's kill is a reap on the same queue as the timer server's
-        on_kill=lambda pid, why: events.put(WorkerReaped(hard_timeout_reap(pid, why))),
+        on_kill=kill_reporter(collect, events.put),
     )  # fmt: skip
     return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess)

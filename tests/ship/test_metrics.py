@@ -53,6 +53,7 @@ def test_the_sidecar_exports_every_listed_metric() -> None:
         "kelastic_inprocess_restart_seconds_count",
         "kelastic_inprocess_sessions_dropped_total",
         "kelastic_inprocess_workers_killed_total",
+        "kelastic_hang_evidence_total",
     ):
         assert name in names, name
 

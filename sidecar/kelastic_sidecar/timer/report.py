@@ -13,6 +13,10 @@ import enum
 import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from ..hang_evidence import Evidence
 
 __all__ = ["ReapEvent", "Reaper", "TimerStats", "hard_timeout_reap", "process_state"]
 
@@ -47,6 +51,8 @@ class ReapEvent:
         by: who killed it.
         note: for :attr:`Reaper.HARD_TIMEOUT`, what the coordinator says of the kill
             (its :attr:`why`).
+        evidence: the worker's stacks, read just before the signal (where its main
+            thread was; :mod:`~kelastic_sidecar.hang_evidence`); None when not collected.
     """
 
     pid: int
@@ -58,22 +64,30 @@ class ReapEvent:
     grace: float = 0.0
     by: Reaper = Reaper.TIMER_SERVER
     note: str = ""
+    evidence: Evidence | None = None
 
     @property
     def why(self) -> str:
-        """Why and by whom it was killed, e.g. ``timer 'step' expired; reaped by the timer
-        server``."""
+        """Why and by whom it was killed, and where it was when its stacks were read, e.g.
+        ``timer 'step' expired; reaped by the timer server; main thread at
+        /w/train.py:42 in step (stacks in /run/hang-evidence/rank-1-pid-812.txt)``."""
         if self.by is Reaper.HARD_TIMEOUT:
-            return self.note or "no termination barrier in the hard timeout; killed by the sidecar"
-        return f"timer {self.scope_id!r} expired; reaped by the timer server"
+            why = self.note or "no termination barrier in the hard timeout; killed by the sidecar"
+        else:
+            why = f"timer {self.scope_id!r} expired; reaped by the timer server"
+        return why if self.evidence is None else f"{why}; {self.evidence.line()}"
 
 
-def hard_timeout_reap(pid: int, why: str) -> ReapEvent:
+def hard_timeout_reap(pid: int, why: str, evidence: Evidence | None = None) -> ReapEvent:
     """The reap the in-process coordinator's hard-timeout kill of ``pid`` stands for
-    (``why``: its words), made just before the SIGKILL (its process state included)."""
+    (``why``: its words; ``evidence``: its stacks, read before), made just before the
+    SIGKILL (its process state included)."""
     now = time.time()
     state = process_state(pid)
-    return ReapEvent(pid, "", signal.SIGKILL, now, now, state, by=Reaper.HARD_TIMEOUT, note=why)
+    return ReapEvent(
+        pid, "", signal.SIGKILL, now, now, state, by=Reaper.HARD_TIMEOUT, note=why,
+        evidence=evidence,
+    )  # fmt: skip
 
 
 def process_state(pid: int) -> str:

@@ -19,6 +19,10 @@ Differences from torch, each for a reason:
   :meth:`TimerServer.stop`: watch/forget never make a deadline earlier, so they need
   no wakeup (a forgotten timer's heap entry is skipped when reached).
 - The server never kills itself after a reap and keeps serving.
+- Hang evidence: with ``collect``, the pids due for a reap have their stacks read first
+  (``py-spy``: :mod:`~kelastic_sidecar.hang_evidence`), in parallel and outside the lock,
+  within the collector's budget; then the kill, its :class:`ReapEvent` naming where the
+  main thread was. A pid forgotten or spared meanwhile is not reaped.
 - With in-process restart on, a watched pid is reaped a *grace* after its timer expired
   (``hard_timeout - soft_timeout``), unless it releases or acquires the timer again
   meanwhile: the ranks blocked on a hung peer leave in process first (see
@@ -91,6 +95,7 @@ from pathlib import Path
 from signal import SIGKILL
 from typing import Final
 
+from ..hang_evidence import Collect, collect_all
 from ..ipc import fifo_mode, ipc_access
 from .memory_release import release_memory
 from .reader import FifoReader
@@ -135,6 +140,9 @@ class TimerServer:
         grace: seconds a watched pid's expired timer waits before the pid is reaped
             (a release or new acquire meanwhile spares it; see
             :mod:`~kelastic_sidecar.timer.table`); 0: reaped at expiry, as torch.
+        collect: reads a pid's stacks just before it is reaped (bounded in time, never
+            raises: :class:`~kelastic_sidecar.hang_evidence.StackCollector`); None: no
+            evidence.
 
     Attributes:
         last_acquire_time: ``time.time()`` of the last stored acquire, or None; a
@@ -156,6 +164,7 @@ class TimerServer:
         release: bool = True,
         access: str | None = None,
         grace: float = 0.0,
+        collect: Collect | None = None,
     ) -> None:
         if max_timers < 1 or max_timers_per_pid < 1:
             raise ValueError(
@@ -165,6 +174,7 @@ class TimerServer:
         self.fifo_path: Final = Path(fifo_path)
         self._on_reap = on_reap
         self._release = release
+        self._collect = collect
         self._mode = fifo_mode(access or ipc_access())
         self._table = TimerTable(max_timers, max_timers_per_pid, kill, grace)
         # Lifecycle, guarded by _lifecycle.
@@ -334,7 +344,10 @@ class TimerServer:
             self._sleep_to_deadline()  # when a deadline is under FINE_SLEEP away
 
     def _reap_due(self) -> None:
-        events = self._table.expire(time.time())
+        now = time.time()
+        due = self._table.due_reaps(now) if self._collect else []
+        evidence = collect_all(self._collect, due) if self._collect and due else None
+        events = self._table.expire(now, evidence)
         for event in events:  # first, so the reaps are known before the exits arrive
             if self._on_reap is None:
                 continue

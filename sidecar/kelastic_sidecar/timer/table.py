@@ -24,6 +24,10 @@ One lock (:attr:`TimerTable.lock`) guards it all. :meth:`TimerTable.watch`,
 :meth:`~TimerTable.active`, :meth:`~TimerTable.next_deadline` and
 :meth:`~TimerTable.expire` take it; the others expect it held. Kills happen under it, so
 once :meth:`~TimerTable.forget` returns that pid is never signalled.
+
+Over ~400 lines as one cohesive thing: every operation here reads or changes the same
+state under the one lock (timers, their heap entries, the watched pids and the budgets),
+and splitting it would spread those invariants over modules that each hold half of them.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from .admission import LOG_EVERY, Budgets, Watch, same_token
 from .report import ReapEvent, TimerStats, process_state
 from .wire import MAX_LINE, _BadRequest, _parse, _Request, _salvage
+
+if TYPE_CHECKING:  # annotations only
+    from ..hang_evidence import Evidence
 
 __all__ = ["TimerTable"]
 
@@ -308,9 +315,36 @@ class TimerTable:
 
     # ------------------------------------------------------------------- reaping
 
-    def expire(self, now: float) -> list[ReapEvent]:
+    def due_reaps(self, now: float) -> list[int]:
+        """The pids :meth:`expire` at ``now`` would signal, were nothing to change
+        meanwhile (watched, a live timer with a signal > 0 past its deadline and its
+        grace, if any: overdue, or expired longer ago than the grace); nothing is
+        changed. Visits only the heap entries due at ``now`` (a subtree of the heap
+        past ``now`` is skipped). The server reads these pids' stacks before
+        :meth:`expire`."""
+        pids: list[int] = []
+        with self.lock:
+            todo = [0]
+            while todo:
+                i = todo.pop()
+                if i >= len(self.heap) or self.heap[i][0] > now:
+                    continue
+                todo += (2 * i + 1, 2 * i + 2)
+                entry = self.heap[i]
+                pid = entry[2]
+                if not self._is_live(entry) or pid in pids or pid not in self._watched:
+                    continue
+                timer = self.timers[(pid, entry[3])]
+                # deferred by the grace unless overdue, or past deadline + grace already
+                late = timer.overdue or timer.expiration_time + self.grace <= now
+                if timer.signal > 0 and late:
+                    pids.append(pid)
+        return pids
+
+    def expire(self, now: float, evidence: dict[int, Evidence] | None = None) -> list[ReapEvent]:
         """Pop expired timers; signal watched pids (under the lock, so that a pid is
-        never signalled after :meth:`forget` returned). Returns the reaps."""
+        never signalled after :meth:`forget` returned). Returns the reaps, each with
+        its pid's ``evidence`` (collected beforehand, outside the lock) when given."""
         events: list[ReapEvent] = []
         with self.lock:
             expired: dict[int, list[tuple[str, _Timer]]] = {}
@@ -326,7 +360,7 @@ class TimerTable:
                     self._drop(key)
                     expired.setdefault(key[0], []).append((key[1], timer))
             for pid, timers in expired.items():  # each list is in deadline order
-                event = self._reap(pid, timers)
+                event = self._reap(pid, timers, (evidence or {}).get(pid))
                 if event is not None:
                     events.append(event)
         return events
@@ -348,7 +382,9 @@ class TimerTable:
         )
         return True
 
-    def _reap(self, pid: int, timers: list[tuple[str, _Timer]]) -> ReapEvent | None:
+    def _reap(
+        self, pid: int, timers: list[tuple[str, _Timer]], evidence: Evidence | None
+    ) -> ReapEvent | None:
         scopes = [scope for scope, _ in timers]
         if pid not in self._watched:
             self.stats.unknown_pid += len(timers)
@@ -392,7 +428,8 @@ class TimerTable:
                 f" (after the grace of {grace:g} s)" if grace else "",
             )
             event = ReapEvent(
-                pid, scope_id, timer.signal, timer.expiration_time, time.time(), state, grace
-            )
+                pid, scope_id, timer.signal, timer.expiration_time, time.time(), state, grace,
+                evidence=evidence,
+            )  # fmt: skip
         self._clear_pid(pid)
         return event
