@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
@@ -33,6 +34,8 @@ __all__ = ["verified_step", "verified_steps"]
 
 log = logging.getLogger(__name__)
 
+#: Most threads checking slots at once (``zlib.crc32`` releases the GIL per call).
+_MAX_THREADS: Final = 8
 _SLOT_NAME: Final = re.compile(r"rank-(0|[1-9][0-9]{0,9})\.slot([01])")
 
 
@@ -78,9 +81,10 @@ def verified_step(path: Path, rank: int, job: str) -> tuple[int, int] | None:
 
 
 def verified_steps(directory: str | os.PathLike[str], job: str) -> dict[int, tuple[int, ...]]:
-    """Global rank -> its verified committed steps, newest commit first (at most two,
+    """Global rank -> its verified committed steps, highest first (at most two,
     distinct), for every rank with a slot file of ``job`` in ``directory``; a rank with
-    none is left out. A missing folder holds nothing.
+    none is left out. A missing folder holds nothing. The slots are checked on up to
+    :data:`_MAX_THREADS` threads (one per CPU).
 
     Raises:
         OSError: a slot file cannot be read (other than missing).
@@ -90,9 +94,14 @@ def verified_steps(directory: str | os.PathLike[str], job: str) -> dict[int, tup
         return {}
     ranks = sorted({int(m.group(1)) for name in os.listdir(folder)
                     if (m := _SLOT_NAME.fullmatch(name))})  # fmt: skip
+    pairs = [(rank, slot) for rank in ranks for slot in (0, 1)]
+    workers = max(1, min(len(pairs), os.cpu_count() or 1, _MAX_THREADS))
+    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-scan") as pool:  # crc32 frees the GIL
+        checked = list(pool.map(lambda p: verified_step(folder / f"rank-{p[0]}.slot{p[1]}",
+                                                        p[0], job), pairs))  # fmt: skip
     out: dict[int, tuple[int, ...]] = {}
-    for rank in ranks:
-        found = [verified_step(folder / f"rank-{rank}.slot{slot}", rank, job) for slot in (0, 1)]
+    for index, rank in enumerate(ranks):
+        found = checked[2 * index : 2 * index + 2]
         steps: list[int] = []
         for _seq, step in sorted((x for x in found if x is not None), reverse=True):
             if step not in steps:
