@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_volume(os.environ)  # a checkpoint volume too small fails now
     except (ConfigError, ValueError) as exc:
         print(f"kelastic-sidecar: {exc}", file=sys.stderr)
-        return 2
+        return contract.SIDECAR_EXIT_CONFIG
     return Supervisor(config).run()
 
 

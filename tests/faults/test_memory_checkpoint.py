@@ -64,3 +64,20 @@ def test_a_killed_worker_restarts_every_rank_from_one_agreed_step(tmp_path: Path
     assert step > 0
     print(f"\nMEMORY-CHECKPOINT kill: restored step {step} on 4 ranks, last saved {saved}")
     assert run.strays() == []
+
+
+def test_a_volume_the_node_cannot_back_fails_the_job_at_once_naming_the_size(
+    tmp_path: Path,
+) -> None:
+    job = _job(tmp_path / "job.yaml", "999Ti")
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    assert run.wait(120) == 1, run.output
+    needed = 999 << 40
+    assert "its kelastic sidecar exited with code 2" in run.output, run.output
+    assert f"the checkpoint volume ({needed} bytes, spec.checkpoint.memory) is unusable" in (
+        run.output
+    )
+    assert f"{needed} more bytes" in run.output
+    assert not any("restored" in line for line in run.lines)  # no worker ever ran
+    assert not list(Path("/dev/shm").glob("kelastic-memckpt-*"))
+    assert run.strays() == []

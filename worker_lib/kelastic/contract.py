@@ -219,6 +219,10 @@ ENV_HTTP_HOST: Final = "KELASTIC_HTTP_HOST"
 #: user may be unknown to the operator), "owner" elsewhere (local mode).
 ENV_IPC_ACCESS: Final = "KELASTIC_IPC_ACCESS"
 
+#: The sidecar's exit code for a configuration it cannot run with (its env, or a
+#: checkpoint volume too small): starting it again cannot help.
+SIDECAR_EXIT_CONFIG: Final = 2
+
 DEFAULT_HTTP_PORT: Final = 9400
 DEFAULT_JOIN_TIMEOUT: Final = 600.0
 DEFAULT_LAST_CALL_TIMEOUT: Final = 30.0

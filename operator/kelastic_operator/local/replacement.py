@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from kelastic import contract
 
@@ -99,6 +100,13 @@ class ReplacementPolicy:
         sidecar = pod.sidecar.proc.poll() if pod.sidecar is not None else None
         trainer = pod.launcher.poll()
         why = ""
+        if sidecar == contract.SIDECAR_EXIT_CONFIG and trainer is None and pod.sidecar is not None:
+            # it cannot run with its configuration (its env, a checkpoint volume too
+            # small): a new Pod would fail alike, and its launcher waits for it for ever
+            self.job_failure = f"{pod.name}: its kelastic sidecar {exit_text(sidecar)}: " + (
+                _last_line(pod.sidecar.log) or f"see {pod.sidecar.log}"
+            )
+            return
         if sidecar is not None and sidecar < 0 and trainer != 0:
             why = f"its kelastic sidecar {exit_text(sidecar)}: node lost"
         elif trainer not in (None, 0) and not pod.job_failed():
@@ -149,6 +157,15 @@ class ReplacementPolicy:
         """Close the rendezvous connection (if one was opened)."""
         if self._rdzv is not None:
             self._rdzv.close()
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a log (at most 1000 characters), or ``""``."""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, 2) - 8192))
+        lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+        return lines[-1][:1000] if lines else ""
+    return ""
 
 
 def exit_text(code: int) -> str:
