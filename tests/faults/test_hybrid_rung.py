@@ -183,6 +183,25 @@ STOPPED = {
 }  # fmt: skip
 
 
+def _rank_2_alone_again(tmp_path: Path, job: Path, stop: Path, *args: str) -> tuple[str, str]:
+    """Run ``job`` (``kelastic run --in-process`` and ``args``) until every rank is in
+    iteration 1, finish it, and assert the hybrid rung took rank 2 alone: its process
+    started again, its peers' not, nothing charged, success, no stray; return the
+    output and the sidecars' logs."""
+    run = KelasticRun(job, "--in-process", *args, workdir=tmp_path / "runs")
+    try:
+        _wait(run, tmp_path / "runs", lambda: _entered(run, 1), "every rank in iteration 1")
+        run.finish(stop, rank=2, more=10)
+    finally:
+        run.interrupt()
+    out = run.output
+    assert [len(_starts(out).get(r, [])) for r in range(4)] == [1, 1, 2, 1], out
+    assert run.restarts_charged() == 0, out
+    assert "job succeeded" in out
+    assert run.strays() == []
+    return out, _sidecar_logs(tmp_path / "runs")
+
+
 @pytest.mark.parametrize("where", list(STOPPED))
 def test_a_stopped_worker_nobody_waits_on_is_killed_alone_and_starts_again(
     tmp_path: Path, where: str
@@ -190,19 +209,13 @@ def test_a_stopped_worker_nobody_waits_on_is_killed_alone_and_starts_again(
     """SIGSTOP of a worker whose peers do not wait on it (no collective), at its 20th
     step: inside its step's timer (5 s), the timer server reaps it once the grace (hard -
     soft timeout: 2 s) is over; between steps, holding no timer, its sidecar sees its
-    beats stop for the soft timeout (10 s) and faults it (a stopped process cannot report
+    beats stop for the soft timeout (15 s) and faults it (a stopped process cannot report
     its own soft timeout; before, nothing ended this hang). Either way the hybrid rung:
     it alone starts again, its peers keep their pids, nothing charged."""
     env = {"STEPS_HANG_RANK": "2", "STEPS_HANG_STEP": "20",
            "STEPS_HANG_BETWEEN": "1" if where == "between-steps" else "0"}  # fmt: skip
     job, stop = _job(tmp_path, budget=10, timeouts=(15, 17), env=env)
-    run = KelasticRun(job, "--in-process", workdir=tmp_path / "runs")
-    try:
-        _wait(run, tmp_path / "runs", lambda: _entered(run, 1), "every rank in iteration 1")
-        run.finish(stop, rank=2, more=10)
-    finally:
-        run.interrupt()
-    out, logs = run.output, _sidecar_logs(tmp_path / "runs")
+    out, logs = _rank_2_alone_again(tmp_path, job, stop)
     said = "between steps" if where == "between-steps" else "in step"
     hung = re.search(rf"^\[2\]:? ?pid (\d+) hangs {said} 20$", out, re.M)
     assert hung is not None, out
@@ -210,11 +223,7 @@ def test_a_stopped_worker_nobody_waits_on_is_killed_alone_and_starts_again(
     assert re.search(r"in-process restart 1/10 \(iteration 1\): " + cause, logs), logs
     assert re.search(killed, logs), logs
     starts = _starts(out)
-    assert [len(starts[r]) for r in range(4)] == [1, 1, 2, 1], starts
     assert str(starts[2][0][0]) == hung[1] and starts[2][1][1] == 1, starts
-    assert run.restarts_charged() == 0, out
-    assert "job succeeded" in out
-    assert run.strays() == []
 
 
 def test_kelastic_run_fault_hang_of_a_worker_nobody_waits_on_restarts_it_alone(
@@ -224,21 +233,10 @@ def test_kelastic_run_fault_hang_of_a_worker_nobody_waits_on_restarts_it_alone(
     step's timer or between steps) of a worker nobody waits on: it is named and alone
     starts again (reaped by its timer, or faulted for its silence; see above)."""
     job, stop = _job(tmp_path, budget=10, timeouts=(10, 12))
-    run = KelasticRun(job, "--in-process", "--fault", "hang:rank=2,after=1",
-                      workdir=tmp_path / "runs")  # fmt: skip
-    try:
-        _wait(run, tmp_path / "runs", lambda: _entered(run, 1), "every rank in iteration 1")
-        run.finish(stop, rank=2, more=10)
-    finally:
-        run.interrupt()
-    out, logs = run.output, _sidecar_logs(tmp_path / "runs")
+    out, logs = _rank_2_alone_again(tmp_path, job, stop, "--fault", "hang:rank=2,after=1")
     assert "fault: SIGSTOP rank 2" in out, out
     named = r"in-process restart 1/10 \(iteration 1\): rank 2 (hang|soft_timeout): local rank 0"
     assert re.search(named, logs), logs
-    assert [len(_starts(out)[r]) for r in range(4)] == [1, 1, 2, 1], out
-    assert run.restarts_charged() == 0, out
-    assert "job succeeded" in out
-    assert run.strays() == []
 
 
 STEPPED = re.compile(r"^\[(\d)\]:? ?pid (\d+) stepped iteration (\d+)$", re.M)

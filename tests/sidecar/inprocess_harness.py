@@ -177,8 +177,10 @@ class Node:
         self.coordinator._call(lambda: None)
 
 
-#: A rank (``python -c NEVER_READY SOCKET``) that says hello as local rank 1 and then
-#: never answers: hung where no abort reaches it (a collective, a store's connect retry).
+#: A rank (``python -c NEVER_READY SOCKET [beat]``) that says hello as local rank 1 and
+#: then never answers: hung where no abort reaches it (a collective, a store's connect
+#: retry). With ``beat``, its monitor thread runs: a ``beat`` every 50 ms (until stopped),
+#: from when a line arrives on its stdin.
 NEVER_READY = """
 import json, os, socket, sys, time
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -186,8 +188,13 @@ s.connect(sys.argv[1])
 hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
 s.sendall(json.dumps(hello).encode() + b"\\n")
 print("connected", flush=True)
+beat = sys.argv[2:] == ["beat"]
+if beat:
+    sys.stdin.readline()
 while True:
-    time.sleep(60)
+    if beat:
+        s.sendall(b'{"type":"beat","local_rank":1}\\n')
+    time.sleep(0.05 if beat else 60)
 """
 
 

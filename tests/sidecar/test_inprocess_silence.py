@@ -25,7 +25,7 @@ from kelastic_etcd import EtcdClient
 from kelastic_sidecar.inprocess.phase import Phase
 from kelastic_sidecar.inprocess.silence import SilenceWatch
 from tests.conftest import wait_for
-from tests.sidecar.inprocess_harness import make_node, sample, settings
+from tests.sidecar.inprocess_harness import NEVER_READY, make_node, sample, settings
 
 
 @dataclass
@@ -107,7 +107,10 @@ def test_no_fault_for_a_worker_that_never_beat_a_finished_one_or_outside_running
     watch.finished(done)  # type: ignore[arg-type]
     _watch_ticking(clock, watch, node, 1100.0)
     assert node.advanced == []
-    assert watch.deadlines(node) == []  # nothing watched: no wake-up (no busy loop)
+    # nothing watched: a poll a quarter of the soft timeout on (a session may start
+    # beating without waking the loop), never a deadline in the past (a busy loop)
+    assert watch.deadlines(node) == [clock.now + 2.5]
+    assert watch.deadlines(FakeNode({})) == []
     aborting = FakeNode({2: _session(2, heard=clock.now)}, phase=Phase.ABORTING)
     assert watch.deadlines(aborting) == []
     _watch_ticking(clock, watch, aborting, clock.now + 100)
@@ -145,7 +148,7 @@ def test_a_silent_rank_whose_restart_cannot_be_recorded_is_killed() -> None:
     session, iteration, why = killed[0]
     assert session is node.sessions[0] and iteration == 3
     assert why.endswith("its interpreter does not run; budget spent"), why
-    assert watch.deadlines(node) == []  # acted on once: no wake-up until its exit
+    assert watch.deadlines(node) == [clock.now + 2.5]  # acted on once: only the poll
     _watch_ticking(clock, watch, node, clock.now + 100)
     assert len(killed) == 1 and len(node.advanced) == 1
 
@@ -164,21 +167,6 @@ def test_the_beat_message_round_trips_and_bad_ones_are_refused() -> None:
     assert beat_interval(0.0001) == 0.01  # never a busy loop
 
 
-#: A wrapped worker's stand-in: hello as local rank 1, then a beat every 50 ms (as the
-#: monitor thread does) until it is stopped.
-BEATING = """
-import json, os, socket, sys, time
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(sys.argv[1])
-hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
-s.sendall(json.dumps(hello).encode() + b"\\n")
-print("connected", flush=True)
-while True:
-    s.sendall(b'{"type":"beat","local_rank":1}\\n')
-    time.sleep(0.05)
-"""
-
-
 def test_a_sigstopped_worker_is_faulted_for_its_silence_and_killed_at_the_hard_timeout(
     store: EtcdClient, job_prefix: str
 ) -> None:
@@ -187,15 +175,21 @@ def test_a_sigstopped_worker_is_faulted_for_its_silence_and_killed_at_the_hard_t
     first). Before the watch, nothing happened: it held no timer and nobody waited on it."""
     with make_node("solo", store, job_prefix, cfg=settings(soft=0.5, hard=1.0)) as n:
         n.begin(1, 0, ("solo",), connect=False)
-        worker = subprocess.Popen([sys.executable, "-c", BEATING, str(n.socket_path)],
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        n.ranks = [n.connect(0)]  # the peer first: a client that never beats (never watched)
+        # then the worker, beating only once its hello was handled: its hello is the
+        # coordinator's last event, and beats wake nothing (before: the loop then slept
+        # with no deadline and never looked again; a real worker's first beat races its
+        # hello)
+        script = [sys.executable, "-c", NEVER_READY, str(n.socket_path), "beat"]
+        worker = subprocess.Popen(script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert worker.stdout is not None and worker.stdout.readline().strip() == "connected"
             coord = n.coordinator
             wait_for(lambda: coord._call(lambda: coord.machine.has_session(1)), 10, what="hello")
-            n.ranks = [n.connect(0)]  # the peer: a client that never beats (never watched)
-            wait_for(lambda: coord._call(lambda: coord.machine.sessions[1].beating), 10,
-                     what="the worker beating")  # fmt: skip
+            assert worker.stdin is not None
+            worker.stdin.write("beat\n")
+            worker.stdin.flush()
+            wait_for(lambda: coord.server.sessions()[-1].beating, 10, what="the worker beating")
             worker.send_signal(signal.SIGSTOP)
             abort = n.ranks[0].expect(Abort)
             assert abort.iteration == 1  # type: ignore[attr-defined]

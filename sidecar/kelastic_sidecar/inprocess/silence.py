@@ -77,13 +77,13 @@ class SilenceWatch:
 
     def deadlines(self, m: Node) -> list[float]:
         """When :meth:`check` must run next (monotonic seconds), while ``m``'s iteration
-        runs: the first watched session's silence limit, and at least every quarter of
-        the soft timeout (so a gap in the checks is seen as one); none when no session
-        is watched."""
-        starts = [self._start(s) for s in m.sessions.values() if self._watched(s)]
-        if not starts or m.phase is not Phase.RUNNING:
+        runs with a session connected: the first watched session's silence limit, and at
+        least every quarter of the soft timeout (a session starts beating without waking
+        the loop, and a gap in the checks must be seen as one); none otherwise."""
+        if m.phase is not Phase.RUNNING or not m.sessions:
             return []
-        return [min(min(starts) + self._soft, self._looked + self._soft / 4)]
+        starts = [self._start(s) + self._soft for s in m.sessions.values() if self._watched(s)]
+        return [min([*starts, self._looked + self._soft / 4])]
 
     def silent(self, sessions: Mapping[int, Session]) -> list[Silent]:
         """The watched sessions (local rank -> session), but the finished ones,
