@@ -5,6 +5,7 @@ the agreed step from ``$KELASTIC_CHECKPOINT_STEP``."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from kelastic.etcd_values.checkpoints import (
     encode_checkpoints,
     restorable_step,
 )
+from tests.conftest import strict_umask
 
 # ------------------------------------------------------------------ the codec
 
@@ -155,6 +157,31 @@ def test_the_scan_counts_committed_slots_that_pass_their_checksums(tmp_path: Pat
     assert verified_steps(tmp_path, "j") == {0: (3, 2), 1: (2,), 2: (1,)}
     assert verified_steps(tmp_path / "missing", "j") == {}
     assert verified_steps(tmp_path, "another") == {7: (2, 1)}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user")
+def test_another_user_can_check_the_slots_whatever_the_umask(pod_run_dir: Path) -> None:
+    """The sidecar may run as another user than the trainer (as root with only CAP_KILL
+    when the operator does not know the trainer's user): the slots are readable."""
+    with strict_umask():
+        _save(pod_run_dir, 0, range(1, 3))
+    assert {slot_path(pod_run_dir, 0, s).stat().st_mode & 0o777 for s in (0, 1)} == {0o644}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nobody, no capabilities
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            out = repr(verified_steps(pod_run_dir, "j"))
+        except BaseException as exc:
+            out = repr(exc)
+        os.write(write, out.encode())
+        os._exit(0)
+    os.close(write)
+    got = os.read(read, 4096).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert got == "{0: (2, 1)}"
 
 
 # ------------------------------------------------------------------ load() under the sidecar

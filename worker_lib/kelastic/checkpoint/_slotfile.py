@@ -30,6 +30,12 @@ _TOUCH_BLOCK: Final = 1 << 20
 _SPACE_ERRNOS: Final = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM}
 
 
+#: A slot file's mode: its writer's, and readable by the sidecar, which checks the slots
+#: and may run as another user (as root with only CAP_KILL when the operator does not
+#: know the trainer's user). Only the Pod's containers mount the folder.
+SLOT_MODE: Final = 0o644
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, or a store could not be opened."""
 
@@ -78,7 +84,7 @@ class SlotFile:
     visible to other processes and kept when this one dies.
 
     Args:
-        path: the file; created (mode 0600) when ``writable`` and missing.
+        path: the file; created (mode :data:`SLOT_MODE`) when ``writable`` and missing.
         writable: map it for writing (the rank's writer) or read only (a reader).
     """
 
@@ -86,7 +92,10 @@ class SlotFile:
         self.path = path
         self.writable = writable
         flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
-        self.fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(path, flags | os.O_CLOEXEC, SLOT_MODE)
+        if writable:  # whatever the umask: the sidecar reads them, maybe as another user
+            with contextlib.suppress(OSError):  # a file of another owner keeps its mode
+                os.fchmod(self.fd, SLOT_MODE)
         self.size = os.fstat(self.fd).st_size
         self.map: mmap.mmap | None = None
         self._map()
