@@ -341,13 +341,13 @@ def _run(args: argparse.Namespace) -> int:
     from kelastic_etcd.call import parse_endpoint
 
     from .local.faults import Fault
-    from .local.runner import LocalOptions, LocalRunner
+    from .local.runner import LocalOptions, LocalRunner, refuse_unsupported
     from .model import ManifestError, load_manifest
 
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
-        job = load_manifest(args.manifest)
+        job = refuse_unsupported(load_manifest(args.manifest), args.manifest)
         faults = [Fault.parse(f) for f in args.fault]
         job = with_run_options(job, args, faults)
     except (ManifestError, ValueError) as exc:

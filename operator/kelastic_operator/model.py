@@ -482,6 +482,17 @@ class ElasticJobSpec(_Model):
             "cleanupPolicy says which of its Pods are deleted when it finishes"
         ),
     )
+    suspend: bool = Field(
+        default=False,
+        strict=True,  # a boolean, as the CRD says: "true" is a mistake
+        description=(
+            "as batch/v1 Job's field: true stops the job's Pods (each gets its grace period; "
+            "their nodes leave the rendezvous with a departure notice, so no restart is "
+            "spent) and creates none while it stays true (status.phase Suspended, condition "
+            "Suspended); false again creates them and training continues from the newest "
+            "checkpoint. A job created suspended creates no Pod. No effect on a finished job"
+        ),
+    )
     failure_policy: FailurePolicySpec | None = Field(
         default=None,
         alias="failurePolicy",
@@ -599,15 +610,19 @@ class ElasticJob(_Model):
 # ------------------------------------------------------------------------------ status
 
 #: ``status.phase`` values, in the order a job usually passes through them.
-PHASES: tuple[str, ...] = ("Pending", "Running", "Restarting", "Succeeded", "Failed")
-Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed"]
+#: ``Suspended``: ``spec.suspend`` is true (:mod:`kelastic_operator.suspend`).
+PHASES: tuple[str, ...] = (
+    "Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
+)  # fmt: skip
+Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 #: Terminal phases: once reached, the operator creates no more Pods for the job.
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 #: Condition types the operator maintains, each saying one thing, as Job and JobSet do:
 #: ``RendezvousReady`` (always present: the workers train in a complete round), ``Complete``
-#: and ``Failed`` (present once the job succeeded / failed; terminal). ``status.phase`` is
-#: the one-word summary.
-CONDITION_TYPES: tuple[str, ...] = ("RendezvousReady", "Complete", "Failed")
+#: and ``Failed`` (present once the job succeeded / failed; terminal), ``Suspended``
+#: (present once the job was suspended: True while ``spec.suspend`` holds, False after it
+#: was resumed). ``status.phase`` is the one-word summary.
+CONDITION_TYPES: tuple[str, ...] = ("RendezvousReady", "Complete", "Failed", "Suspended")
 
 _TIME: dict[str, JsonValue] = {"format": "date-time"}
 

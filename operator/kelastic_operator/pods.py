@@ -480,6 +480,7 @@ _NOT_IN_POD = frozenset(
         "start_timeout_seconds",
         "cleanup_policy",
         "ttl_seconds_after_finished",
+        "suspend",
         "pod_replacement",
     }
 )

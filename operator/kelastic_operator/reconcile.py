@@ -11,6 +11,9 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    the Pod replacement budget (``podReplacement.maxReplacements``) is spent. The root cause
    (the termination message) goes into ``status.lastFailure`` and the Failed condition.
 3. **Succeeded** when some Pod succeeded and none is still running.
+   **Suspended** otherwise while ``spec.suspend`` is true: every Pod that has not
+   succeeded is deleted with a departure notice (no restart spent) and none is created;
+   the rules below wait until the job is resumed (:mod:`~kelastic_operator.suspend`).
 4. The operator keeps ``target`` Pods named ``<job>-<index>``; ``target`` is ``replicas``
    or fewer while shrunk (below). Missing ones are created at the lowest free indices (a
    deleted Pod is replaced at once, without spending the replacement budget, once it is
@@ -35,7 +38,8 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    running Pods; else Pending. Conditions say independent things (``metav1.Condition``:
    reason, message, ``observedGeneration``; ``lastTransitionTime`` moves only when the
    status does): ``RendezvousReady`` (Running with a complete round's world size),
-   ``Complete`` and ``Failed`` (added when the job succeeds / fails). An Event marks each
+   ``Complete`` and ``Failed`` (added when the job succeeds / fails), ``Suspended``
+   (added when the job is suspended; False once resumed). An Event marks each
    phase transition, each failed Pod, each replacement, resize and worker-group restart;
    ``status.inProcessRestarts`` and an ``InProcessRestart`` Event mirror the sidecars'
    in-process restart record (:mod:`~kelastic_operator.inprocess_status`).
@@ -87,6 +91,7 @@ from .reconcile_views import (
     parse_time,
     pod_view,
 )
+from .suspend import SUSPENDED_PHASE, SUSPENDED_REASON, stop_pods, suspended_condition
 from .ttl import apply_ttl
 
 __all__ = [
@@ -208,6 +213,9 @@ def _set_conditions(
         out.append(condition("Complete", True, reason, message or "the job succeeded"))
     if phase == "Failed":
         out.append(condition("Failed", True, reason, message or "the job failed"))
+    suspended = suspended_condition(old, phase == SUSPENDED_PHASE, message, generation, now)
+    if suspended is not None:
+        out.append(suspended)
     status.conditions = out
 
 
@@ -392,6 +400,17 @@ def _job_succeeded(p: _Pass) -> _Outcome | None:
     return "Succeeded", "AllPodsSucceeded", f"{len(p.succeeded)} pod(s) succeeded"
 
 
+def _suspend(p: _Pass) -> _Outcome:
+    """Rule 3 (suspended): stop every Pod that has not succeeded, with departure notices;
+    ``startTime`` is cleared (set again when the resumed job runs, as batch/v1 resets it on
+    resume) and so is the replacement backoff (the failed Pods go too, uncounted)."""
+    message = stop_pods(p.pods, p.plan)
+    p.st.start_time = None
+    p.st.next_replacement_time = None
+    p.st.counted_failures = None
+    return SUSPENDED_PHASE, SUSPENDED_REASON, message
+
+
 def _resize(p: _Pass) -> None:
     """Rule 6: stuck Pending Pods shrink ``target`` towards ``minReplicas``; one timeout
     after the last resize it grows back; a new generation resets it."""
@@ -571,6 +590,8 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
         outcome = ending(p)
         if outcome is not None:
             return p.finish(*outcome)
+    if p.spec.suspend:
+        return p.finish(*_suspend(p))
     _resize(p)
     _scale_down(p)
     outcome = _replace_failed(p)

@@ -51,7 +51,27 @@ from .replacement import ReplacementPolicy
 from .replicas import ENV_LOCAL_RUN, Replica, Replicas
 from .rundirs import ETCD_DATA_DIR, clean_stale, mark_ended, write_owner
 
-__all__ = ["ENV_LOCAL_RUN", "LocalOptions", "LocalRunner", "root_cause"]
+__all__ = ["ENV_LOCAL_RUN", "LocalOptions", "LocalRunner", "refuse_unsupported", "root_cause"]
+
+
+def refuse_unsupported(job: ElasticJob, source: object) -> ElasticJob:
+    """``job`` if local mode can run it, else :class:`ValueError` naming the field.
+
+    ``spec.suspend`` true is refused: a suspended job runs no Pods until it is resumed,
+    and ``kelastic run`` has no later to resume it in (no API object to patch).
+
+    Args:
+        job: the validated manifest; source: where it was read from (named in the error).
+
+    Raises:
+        ValueError: ``spec.suspend`` is true.
+    """
+    if job.spec.suspend:
+        raise ValueError(
+            f"{source}: spec.suspend is true: kelastic run cannot suspend or resume a job "
+            "(remove the field, or apply the job to a cluster)"
+        )
+    return job
 
 
 @dataclass

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from tests.conftest import wait_for
 from tests.localrun import KelasticRun, write_job
@@ -18,7 +20,12 @@ from tests.localrun import KelasticRun, write_job
 
 def test_bad_input_exits_2_with_a_clear_message(tmp_path: Path) -> None:
     job = write_job(tmp_path / "job.yaml", replicas=2)
+    suspended = tmp_path / "suspended.yaml"
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["suspend"] = True
+    suspended.write_text(yaml.safe_dump(doc))
     cases = [
+        ([str(suspended)], "spec.suspend is true: kelastic run cannot suspend or resume a job"),
         ([str(tmp_path / "nope.yaml")], "cannot read"),
         ([str(job), "--fault", "explode:rank=1"], "expected kill:rank=R,after=S"),
         ([str(job), "--replicas", "5"], "--replicas 5 is outside [minReplicas, maxReplicas]"),
