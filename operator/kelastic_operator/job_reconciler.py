@@ -288,6 +288,11 @@ class JobReconciler:
                 self.ctx.metrics.nodes_removed.inc(len(plan.remove_nodes))
             except RendezvousStoreError as exc:
                 log.warning("%s/%s: removing nodes failed: %s", self.namespace, self.name, exc)
+        if plan.clear_departures and store is not None:
+            try:
+                store.clear_departing(prefix, plan.clear_departures)
+            except RendezvousStoreError as exc:  # the Pods still come: only accounting
+                log.warning("%s/%s: clearing departures failed: %s", self.namespace, self.name, exc)
         for delete in plan.delete:
             log.info("%s/%s: deleting pod %s (%s)", self.namespace, self.name, delete.name,
                      delete.reason)  # fmt: skip

@@ -45,7 +45,8 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    in-process restart record (:mod:`~kelastic_operator.inprocess_status`).
 8. Nodes leave rendezvous (their alive keys are deleted) the moment their Pod is seen
    failed (and on every pass until it is gone: deleting a key is idempotent), being
-   deleted, gone, or deleted on scale-down.
+   deleted, gone, or deleted on scale-down. A Pod created under the name of one that
+   departed on purpose (scale-down, spec change, suspend) has that notice deleted first.
 9. A finished job is deleted ``ttlSecondsAfterFinished`` after its ``completionTime``
    (``Plan.delete_job``; :mod:`~kelastic_operator.ttl`), and woken up then.
 
@@ -552,6 +553,8 @@ def _create_missing(p: _Pass) -> None:
         p.plan.create.append(CreatePod(name, index))
         if p.st.start_time is not None and name not in p.plan.remove_nodes:
             p.plan.remove_nodes.append(name)  # a stale node of a deleted Pod
+        if name in p.rdzv.departing:  # the earlier Pod's notice must not cover this one
+            p.plan.clear_departures.append(name)
     if missing:
         names = ", ".join(f"{p.job.name}-{i}" for i in missing)
         p.plan.events.append(Event("Normal", "CreatingPods", f"creating {names}"))

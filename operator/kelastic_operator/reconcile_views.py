@@ -135,6 +135,8 @@ class RendezvousView:
         failed_reports: node -> summary of sidecars that reported the job failed.
         succeeded_nodes: nodes whose sidecars reported success.
         inprocess: the in-process restart record (None: none, or unreadable).
+        departing: nodes that have a departure notice (the operator's, posted before it
+            removed them on purpose).
     """
 
     round: int | None = None
@@ -143,6 +145,7 @@ class RendezvousView:
     failed_reports: Mapping[str, str] = field(default_factory=dict)
     succeeded_nodes: frozenset[str] = frozenset()
     inprocess: InProcessRecord | None = None
+    departing: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,10 @@ class Plan:
     #: Nodes removed on purpose (scale-down): their departure notice is posted first, so
     #: their peers re-rendezvous without spending the restart budget.
     depart_nodes: list[str] = field(default_factory=list)
+    #: Departure notices to delete before the Pods of these names are created again: a
+    #: notice left from the earlier Pod of the name would make the new Pod's loss look
+    #: planned (no restart charged).
+    clear_departures: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     #: Delete the job itself (``ttlSecondsAfterFinished`` passed, :mod:`~kelastic_operator.ttl`):

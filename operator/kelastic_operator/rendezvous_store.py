@@ -74,6 +74,14 @@ class RendezvousStore(Protocol):
         """
         ...
 
+    def clear_departing(self, prefix: str, nodes: Sequence[str]) -> None:
+        """Delete the departure notices of ``nodes`` (those absent are no error).
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+        """
+        ...
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under ``prefix``.
 
@@ -171,6 +179,8 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) ->
     restarts = _read(_restarts, kv.get(keys.restarts)) or {}
     failed: dict[str, str] = {}
     succeeded: set[str] = set()
+    departing = frozenset(k[len(keys.departing_prefix) :] for k in kv
+                          if k.startswith(keys.departing_prefix))  # fmt: skip
     for key, raw in kv.items():
         if not key.startswith(keys.reports_prefix):
             continue
@@ -191,6 +201,7 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) ->
         failed_reports=failed,
         succeeded_nodes=frozenset(succeeded),
         inprocess=decode_record(kv.get(keys.inprocess_iteration)),
+        departing=departing,
     )
 
 
@@ -285,6 +296,17 @@ class EtcdRendezvousStore:
 
         if keys:
             self._call(f"put {', '.join(keys)}", put)
+
+    def clear_departing(self, prefix: str, nodes: Sequence[str]) -> None:
+        """See :meth:`RendezvousStore.clear_departing`."""
+        keys = [contract.Keys(prefix).departing(node) for node in nodes]
+
+        def delete() -> None:
+            for key in keys:
+                self._client.delete(key)
+
+        if keys:
+            self._call(f"delete {', '.join(keys)}", delete)
 
     def delete_prefix(self, prefix: str) -> None:
         """See :meth:`RendezvousStore.delete_prefix`."""

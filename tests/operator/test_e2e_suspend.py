@@ -83,6 +83,11 @@ def test_a_job_created_suspended_resumed_and_suspended_again(
         notices = {k.rsplit("/", 1)[1]: etcd_values.decode_departure(v)
                    for k, (v, _) in store.get_prefix(keys.departing_prefix).items()}  # fmt: skip
     assert notices == {name: contract.DEPARTURE_SCALE_DOWN for name in PODS}
+    # resumed again: the Pods come back without those notices (a later loss is charged)
+    patch_suspend(k8s, False)
+    wait_until(lambda: job_pods(k8s) == PODS, T, what="pods created on the second resume")
+    with EtcdClient([etcd_server.endpoint]) as store:
+        assert store.get_prefix(keys.departing_prefix) == {}
     reasons = [e["reason"] for e in k8s.objects("events")
                if e["involvedObject"]["name"] == "paused"]  # fmt: skip
     assert "Suspending" in reasons and "Suspended" in reasons

@@ -41,11 +41,13 @@ def test_view_from_keys_reads_round_world_restarts_and_reports() -> None:
         KEYS.report("j-2"): b"not json",
         KEYS.report("j-3"): enc({"outcome": "failed", "summary": "rendezvous failed: timeout"}),
         KEYS.alive("j-0"): b"x",
+        KEYS.departing("j-4"): contract.DEPARTURE_SCALE_DOWN.encode(),
     }
     view = view_from_keys(PREFIX, kv, nproc_per_node=4)
     assert (view.round, view.world_size, view.restarts_spent) == (3, 12, 2)
     assert dict(view.failed_reports) == {"j-0": "job failed: boom"}
     assert view.succeeded_nodes == frozenset({"j-1"})
+    assert view.departing == frozenset({"j-4"})
 
 
 @pytest.mark.parametrize(
@@ -102,6 +104,10 @@ def test_the_real_store_reads_removes_and_deletes(etcd_server: EmbeddedEtcd) -> 
         store.remove_nodes(prefix, ["j-1"])
         left = {m.key.decode() for _, m in raw.get_prefix(prefix)}
         assert left == {keys.alive("j-0"), keys.rdzv_state}
+        store.mark_departing(prefix, ["j-0", "j-1"], contract.DEPARTURE_SCALE_DOWN)
+        assert store.read(prefix, 2).departing == frozenset({"j-0", "j-1"})
+        store.clear_departing(prefix, ["j-1", "j-9"])  # an absent notice is no error
+        assert store.read(prefix, 2).departing == frozenset({"j-0"})
         store.delete_prefix(prefix)
         assert not list(raw.get_prefix(prefix))
         assert list(raw.get_prefix(other))  # another run's keys are untouched

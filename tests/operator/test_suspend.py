@@ -23,7 +23,7 @@ from kelastic_operator.suspend import (
     SUSPENDED_REASON,
 )
 
-from .test_reconcile import T0, cond, job, pod, spec
+from .test_reconcile import T0, cond, job, names, pod, spec
 
 LATER = T0 + timedelta(minutes=5)
 
@@ -95,6 +95,18 @@ def test_resuming_creates_the_pods_again_and_the_condition_goes_false() -> None:
     assert plan.status.phase == "Running"
     assert plan.status.start_time == "2026-01-01T12:05:30Z"
     assert cond(plan.status, SUSPENDED_CONDITION)[:2] == ("False", RESUMED_REASON)
+
+
+def test_resuming_clears_the_departure_notices_of_the_pods_it_creates() -> None:
+    # left by the suspension: a resumed Pod's later loss must not look planned (uncharged)
+    suspended = reconcile(job(spec(replicas=3, suspend=True)), [], T0).status.as_patch()
+    rdzv = RendezvousView(departing=frozenset({"j-0", "j-1", "j-7"}))
+    plan = reconcile(job(spec(replicas=3), generation=2, **suspended), [], LATER, rdzv)
+    assert names(plan.create) == ["j-0", "j-1", "j-2"]
+    assert plan.clear_departures == ["j-0", "j-1"]  # only notices of Pods created now
+    # a suspended pass clears none (its own notices are what spares the restart)
+    plan = reconcile(job(spec(suspend=True), phase="Running"), [pod(0), pod(1)], T0, rdzv)
+    assert plan.clear_departures == []
 
 
 def test_resuming_waits_for_the_stopped_pods_to_be_gone() -> None:
