@@ -51,6 +51,7 @@ from .round_end import (
     lost_peer,
     stopped_failure,
 )
+from .steptime import StepTimes
 
 if TYPE_CHECKING:  # annotations only
     from .inprocess import InProcessCoordinator
@@ -77,6 +78,8 @@ class AttemptMonitor:
             more for its confirmation).
         inprocess: the in-process coordinator (offered a worker's non-zero exit first);
             None: every such exit ends the round.
+        steps: step times per local rank (told which pid is which local rank); None: a
+            private one that nobody reads.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class AttemptMonitor:
         metrics: SidecarMetrics,
         stop_grace: float,
         inprocess: InProcessCoordinator | None = None,
+        steps: StepTimes | None = None,
     ) -> None:
         self.node = node
         self.nproc = nproc
@@ -98,6 +102,7 @@ class AttemptMonitor:
         self._metrics = metrics
         self._stop_grace = stop_grace
         self._inprocess = inprocess
+        self.steps = steps or StepTimes()
         self.attempt = 0
         self.pids: dict[int, int] = {}  # local rank -> pid
         # local rank -> its timer token this attempt (see kelastic_sidecar.timer.server)
@@ -121,6 +126,7 @@ class AttemptMonitor:
         self.respawned.clear()
         self.promoted.clear()
         self._timer.forget_all()
+        self.steps.clear()  # a new world: its step times start afresh
         self.tokens = {r: secrets.token_hex(16) for r in range(self.nproc)}
         return self.tokens
 
@@ -317,6 +323,7 @@ class AttemptMonitor:
             self._metrics.worker_starts.labels(start="cold").inc(len(pids) - warm)
         for local_rank, pid in pids.items():
             self.pids[local_rank] = pid
+            self.steps.bind(pid, local_rank)
             try:
                 self._timer.watch_pid(pid, self.tokens.get(local_rank))
             except ValueError as exc:  # pid <= 1 or our own: never reapable
@@ -325,6 +332,7 @@ class AttemptMonitor:
     def _on_exited(self, msg: Exited, info: RendezvousInfo, succeeded: set[int]) -> RoundEnd | None:
         if msg.pid is not None:
             self._timer.forget_pid(msg.pid)
+            self.steps.unbind(msg.pid)
         code_label = signal_name(msg.signal) if msg.signal is not None else str(msg.exitcode)
         self._metrics.worker_exits.labels(code=code_label).inc()
         if msg.exitcode == 0:

@@ -16,6 +16,13 @@ from typing import TYPE_CHECKING, TypeVar
 from kelastic import contract, failure_policy
 
 from .hang_evidence import DEFAULT_BUDGET, ENV_BUDGET
+from .steptime import (
+    DEFAULT_FACTOR,
+    DEFAULT_MIN_STEPS,
+    ENV_STRAGGLER_FACTOR,
+    ENV_STRAGGLER_MIN_STEPS,
+    StragglerSettings,
+)
 
 if TYPE_CHECKING:
     from kelastic_etcd import EtcdClient
@@ -118,6 +125,9 @@ class SidecarConfig:
         hang_evidence_budget: seconds the sidecar may spend reading a hung worker's
             stacks before killing it (``$KELASTIC_HANG_EVIDENCE_BUDGET``, default 2; 0:
             none read; :mod:`~kelastic_sidecar.hang_evidence`).
+        stragglers: the step-time straggler verdict's factor and minimum steps
+            (``$KELASTIC_STRAGGLER_FACTOR``, default 1.5; ``$KELASTIC_STRAGGLER_MIN_STEPS``,
+            default 20; :mod:`~kelastic_sidecar.steptime`).
     """
 
     job_name: str
@@ -144,6 +154,7 @@ class SidecarConfig:
     inprocess: InProcessSettings = field(default_factory=InProcessSettings)
     failure_rules: tuple[failure_policy.FailureRule, ...] = ()
     hang_evidence_budget: float = DEFAULT_BUDGET
+    stragglers: StragglerSettings = field(default_factory=StragglerSettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -222,6 +233,10 @@ class SidecarConfig:
             ),
             failure_rules=rules,
             hang_evidence_budget=num(ENV_BUDGET, float, DEFAULT_BUDGET),
+            stragglers=StragglerSettings(
+                factor=num(ENV_STRAGGLER_FACTOR, float, DEFAULT_FACTOR),
+                min_steps=num(ENV_STRAGGLER_MIN_STEPS, int, DEFAULT_MIN_STEPS),
+            ),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")
@@ -248,7 +263,7 @@ class SidecarConfig:
             out.append(f"{ENV_BUDGET} must be >= 0 seconds, got {self.hang_evidence_budget}")
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
-        return out + self.inprocess.problems()
+        return out + self.inprocess.problems() + self.stragglers.problems()
 
     def etcd_client(self, timeout: float = 5.0) -> EtcdClient:
         """A client for the configured etcd (endpoints, TLS, user and password)."""

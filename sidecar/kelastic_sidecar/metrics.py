@@ -5,6 +5,10 @@ Names follow Prometheus conventions: ``kelastic_`` prefix, base units in the nam
 Prometheus' own target label): the scrape config adds the Pod's ``namespace``, ``pod`` and
 ``elasticjob`` (the chart's PodMonitor). ``kelastic_build_info`` is 1, labelled with the
 kelastic ``version`` and the ``python_version``.
+
+Over ~400 lines because it is the sidecar's whole metric vocabulary in one place: every
+family's name, help and labels (the chart README's table is checked against them), and
+the collectors that read the servers' counters at scrape time.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 import kelastic
@@ -221,9 +230,13 @@ class SidecarMetrics:
 
     Args:
         timer_stats: source of the timer server's counters (see :class:`TimerCollector`).
+        step_times: source of the node's step-time histogram (see :class:`StepCollector`);
+            None: exported empty.
     """
 
-    def __init__(self, timer_stats: Callable[[], TimerCounts]) -> None:
+    def __init__(
+        self, timer_stats: Callable[[], TimerCounts], step_times: StepRead | None = None
+    ) -> None:
         r = self.registry = CollectorRegistry()
         self.build_info = Info(
             "kelastic_build",
@@ -287,6 +300,7 @@ class SidecarMetrics:
             registry=r,
         )
         self.hang_evidence = _hang_evidence_metric(r)
+        self.stragglers = _step_metrics(r, step_times)
         self.inprocess_spares_promoted, self.inprocess_spares_waiting = _spare_metrics(r)
         self.budget_spent = Gauge(
             "kelastic_restart_budget_spent", "Global restarts spent by the job", registry=r
@@ -339,3 +353,65 @@ class SidecarMetrics:
             for level in LEVELS:
                 self.restarts.labels(level=level, cause=cause)
             self.downtime.labels(cause=cause)
+
+
+def _step_metrics(r: CollectorRegistry, step_times: StepRead | None) -> Counter:
+    """Register ``kelastic_step_seconds`` (:class:`StepCollector`) and return
+    ``kelastic_stragglers_total`` (straggler episodes begun; see
+    :mod:`~kelastic_sidecar.steptime`)."""
+    r.register(StepCollector(step_times))
+    return Counter(
+        "kelastic_stragglers_total",
+        "Straggler episodes begun on this node: a local rank whose median step time "
+        "exceeds the other ranks' median by the set factor",
+        registry=r,
+    )
+
+
+class StepCounts(Protocol):
+    """What :class:`StepCollector` reads of the node's step times (the sidecar's
+    :class:`~kelastic_sidecar.steptime.StepHistogram` has it)."""
+
+    @property
+    def buckets(self) -> tuple[float, ...]:
+        """Upper bounds, seconds."""
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Cumulative counts, one per bound, then the total."""
+
+    @property
+    def sum(self) -> float:
+        """Seconds of all steps."""
+
+
+#: Reads the node's step-time histogram now.
+StepRead = Callable[[], StepCounts]
+
+
+class StepCollector(Collector):
+    """Exports ``kelastic_step_seconds``, the node's workers' step times (every local rank
+    in one histogram: no rank label), counted by the step-time tracker and read at scrape
+    time.
+
+    Args:
+        read: the histogram now (:class:`StepCounts`); None: an empty one.
+    """
+
+    def __init__(self, read: StepRead | None) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the histogram family."""
+        family = HistogramMetricFamily(
+            "kelastic_step_seconds",
+            "Workers' step times on this node: from an expires() timer's acquire to its "
+            "release, as the sidecar received them",
+        )
+        if self._read is None:
+            family.add_metric([], [("+Inf", 0)], 0.0)
+        else:
+            h = self._read()
+            bounds = [str(float(b)) for b in h.buckets] + ["+Inf"]  # "0.005", "1.0"
+            family.add_metric([], list(zip(bounds, h.counts, strict=True)), h.sum)
+        yield family

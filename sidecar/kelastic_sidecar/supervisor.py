@@ -167,7 +167,7 @@ class Supervisor:
         #: The current attempt's workers and the events about them.
         self.workers = AttemptMonitor(
             config.node, config.nproc_per_node, parts.events, self.control, self.timer,
-            self.metrics, config.stop_grace, self.inprocess,
+            self.metrics, config.stop_grace, self.inprocess, parts.steps,
         )  # fmt: skip
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
@@ -215,6 +215,7 @@ class Supervisor:
             "last_charge": self._last_charge,
             "etcd_unreachable": self.etcd_health.outage(),
             "inprocess": self.inprocess.status(),
+            "step_times": self.workers.steps.status(),
         }
 
     def run(self) -> int:

@@ -2,7 +2,7 @@
 
 :func:`build_parts` constructs what one node's :class:`~kelastic_sidecar.supervisor.Supervisor`
 runs with (etcd store, timer server, control server, ``/metrics`` HTTP server,
-restart budget, metrics, in-process restart coordinator) and connects their callbacks
+restart budget, metrics, in-process restart coordinator, step times) and connects their callbacks
 to the supervisor's event queue as the typed events of :mod:`kelastic_sidecar.events`, so
 that the supervisor holds no construction code.
 """
@@ -28,6 +28,7 @@ from .http import SidecarHttpServer
 from .inprocess import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .restart_budget import RestartBudget
+from .steptime import StepTimes
 from .timer import TimerServer, hard_timeout_reap
 
 __all__ = ["EVIDENCE_DIR", "EtcdHealth", "Hooks", "Parts", "build_parts", "kill_reporter"]
@@ -82,6 +83,7 @@ class Parts:
     budget: RestartBudget
     etcd_health: EtcdHealth
     inprocess: InProcessCoordinator
+    steps: StepTimes
 
 
 def kill_reporter(collect: Collect, put: Callable[[Event], None]) -> Callable[[int, str], None]:
@@ -115,13 +117,16 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         library_dirs=(str(Path(kelastic.__file__).parent),),  # kelastic's frames: not the user's
         on_outcome=lambda outcome: metrics.hang_evidence.labels(outcome=outcome.value).inc(),
     )
+    # Step times from the timer requests: the node's histogram, straggler episodes.
+    steps = StepTimes(config.stragglers, on_straggler=lambda _s: metrics.stragglers.inc())
     timer = TimerServer(
         contract.timer_fifo_path(config.run_dir),
         on_reap=lambda ev: events.put(WorkerReaped(ev)),
         grace=config.inprocess.timer_grace,
         collect=collect,
+        observe=steps.observe,
     )
-    metrics = SidecarMetrics(timer.stats)
+    metrics = SidecarMetrics(timer.stats, steps.histogram)
     # Every failed etcd call counts, the lease keep-alive's and the watches' included.
     etcd_health = EtcdHealth(store, metrics)
     store.on_error = etcd_health.on_error
@@ -153,4 +158,6 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         # the hard timeout's kill is a reap on the same queue as the timer server's
         on_kill=kill_reporter(collect, events.put),
     )  # fmt: skip
-    return Parts(store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess)
+    return Parts(
+        store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess, steps
+    )

@@ -8,6 +8,8 @@ Prints ``rank=R world=W round=N restart=K`` once, then ``step S`` lines, each st
   STEPS_FAIL_AT     step at which to fail (default 3)
   STEPS_IGNORE_TERM ignore SIGTERM (to exercise SIGKILL after the grace period)
   STEPS_TIMEOUT     seconds each step's timer allows (default 5)
+  STEPS_SLOW_RANK   this global rank's steps take STEPS_SLOW_SECONDS (a straggler)
+  STEPS_SLOW_SECONDS  seconds a slow rank's step takes (default 0.2; others' take 0.05)
   STEPS_CHECKPOINT  a file: every worker starts at the step it holds (printing
                     ``from_step=N``), and rank 0 writes each step it finishes there
                     (write and rename), so STEPS_MAX counts steps of the whole job
@@ -41,9 +43,11 @@ def main() -> None:
     fail_rank = int(os.environ.get("STEPS_FAIL_RANK", "-1"))
     fail_at = int(os.environ.get("STEPS_FAIL_AT", "3"))
     timeout = float(os.environ.get("STEPS_TIMEOUT", "5"))
+    slow = rank == int(os.environ.get("STEPS_SLOW_RANK", "-1"))
+    step_seconds = float(os.environ.get("STEPS_SLOW_SECONDS", "0.2")) if slow else 0.05
     while True:
         with expires(after=timeout, scope="step"):
-            time.sleep(0.05)
+            time.sleep(step_seconds)
         step += 1
         if ckpt is not None and rank == 0:
             tmp = ckpt.with_name(ckpt.name + ".tmp")

@@ -143,6 +143,8 @@ class TimerServer:
         collect: reads a pid's stacks just before it is reaped (bounded in time, never
             raises: :class:`~kelastic_sidecar.hang_evidence.StackCollector`); None: no
             evidence.
+        observe: ``(pid, scope, release)`` of each admitted request of a watched pid, on
+            the server thread (step times); None: nothing observed.
 
     Attributes:
         last_acquire_time: ``time.time()`` of the last stored acquire, or None; a
@@ -165,6 +167,7 @@ class TimerServer:
         access: str | None = None,
         grace: float = 0.0,
         collect: Collect | None = None,
+        observe: Callable[[int, str, bool], None] | None = None,
     ) -> None:
         if max_timers < 1 or max_timers_per_pid < 1:
             raise ValueError(
@@ -176,7 +179,7 @@ class TimerServer:
         self._release = release
         self._collect = collect
         self._mode = fifo_mode(access or ipc_access())
-        self._table = TimerTable(max_timers, max_timers_per_pid, kill, grace)
+        self._table = TimerTable(max_timers, max_timers_per_pid, kill, grace, observe)
         # Lifecycle, guarded by _lifecycle.
         self._lifecycle = threading.Lock()
         self._thread: threading.Thread | None = None

@@ -74,6 +74,9 @@ class TimerTable:
         kill: sends a signal to a pid (``os.kill``; injectable for tests).
         grace: seconds (>= 0, finite) a watched pid's expired timer waits before its pid is
             reaped (see the module doc).
+        observe: called with ``(pid, scope, release)`` for each admitted request of a
+            watched pid, under the lock (step times: :mod:`kelastic_sidecar.steptime`);
+            keep it quick.
 
     Raises:
         ValueError: ``grace`` is negative or not finite.
@@ -90,11 +93,13 @@ class TimerTable:
         max_timers_per_pid: int,
         kill: Callable[[int, int], None] = os.kill,
         grace: float = 0.0,
+        observe: Callable[[int, str, bool], None] | None = None,
     ) -> None:
         if not 0.0 <= grace < math.inf:
             raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace}")
         self.kill = kill
         self.grace: Final = float(grace)
+        self.observe = observe
         self.lock = threading.Lock()
         self.stats = TimerStats()
         self.last_acquire_time: float | None = None
@@ -249,6 +254,8 @@ class TimerTable:
                     self.stats.forged,
                 )
             return
+        if watch is not None and self.observe is not None:
+            self.observe(request.pid, request.scope_id, request.expiration_time < 0)
         old = self.timers.get(key)
         if old is not None and old.overdue:
             self._spare(request.pid, request.scope_id, old, request.expiration_time < 0)
