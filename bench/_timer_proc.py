@@ -6,8 +6,11 @@
 It prints ``ready`` once requests can be written, then answers stdin commands:
 ``watch PID`` -> ``ok`` (kelastic only signals watched pids; torch ignores it),
 ``stats`` -> a JSON object with the number of requests read, ``quit``.
-With ``$BENCH_REAP_LOG`` set, each kill is appended there as ``pid time.time()`` taken
-just before the server's ``os.kill`` (the server-side view of the reap latency).
+kelastic's server observes its watched workers' requests for step times, as the sidecar
+wires it (:mod:`kelastic_sidecar.steptime`); ``$BENCH_STEP_TIMES=0`` leaves that out (to
+measure its cost). With ``$BENCH_REAP_LOG`` set, each kill is appended there as
+``pid time.time()`` taken just before the server's ``os.kill`` (the server-side view of
+the reap latency).
 
 torch's server kills its own process with the reap signal after every reap (it expects
 torchrun's agent to restart it); that self-kill is disabled here so that one server
@@ -63,7 +66,10 @@ def main() -> int:
         def watch(pid: int) -> None:
             pass
     else:
+        from kelastic_sidecar.steptime import StepTimes
         from kelastic_sidecar.timer import TimerServer
+
+        steps = StepTimes() if os.environ.get("BENCH_STEP_TIMES", "1") != "0" else None
 
         logging.getLogger("kelastic_sidecar").setLevel(logging.ERROR)
 
@@ -71,7 +77,12 @@ def main() -> int:
             record(pid)
             os.kill(pid, sig)
 
-        ours = TimerServer(fifo, kill=kill, release=impl != "kelastic-norelease")
+        ours = TimerServer(
+            fifo,
+            kill=kill,
+            release=impl != "kelastic-norelease",
+            observe=steps.observe if steps is not None else None,
+        )
         ours.start()
         server = ours
 
@@ -80,6 +91,8 @@ def main() -> int:
 
         def watch(pid: int) -> None:
             ours.watch_pid(pid)
+            if steps is not None:
+                steps.bind(pid, pid % 64)  # any local rank: the bench has no ranks
 
     print("ready", flush=True)
     try:

@@ -489,6 +489,7 @@ def _throughput_once(
             pid = _fork_client(server.fifo, go_r, out_w, duration)
             os.close(out_w)
             outs.append((pid, out_r))
+            server.command(f"watch {pid}")  # a worker: its requests count for step times
         time.sleep(0.2)  # let the children settle
         proc = psutil.Process(server.proc.pid)
         before = server.stats()["requests"]
