@@ -50,6 +50,7 @@ class FakeNode:
 
     sessions: dict[int, Any]
     phase: Phase = Phase.RUNNING
+    ready: set[int] = field(default_factory=set)
     ctx: object = object()
     iteration: int = 3
     advance_result: tuple[object | None, str] = (object(), "")
@@ -109,12 +110,12 @@ def test_no_fault_for_a_worker_that_never_beat_a_finished_one_or_outside_running
     assert node.advanced == []
     # nothing watched: a poll a quarter of the soft timeout on (a session may start
     # beating without waking the loop), never a deadline in the past (a busy loop)
-    assert watch.deadlines(node) == [clock.now + 2.5]
+    assert watch.deadlines(node) == [clock.now + 1.0]  # a beat interval on
     assert watch.deadlines(FakeNode({})) == []
-    aborting = FakeNode({2: _session(2, heard=clock.now)}, phase=Phase.ABORTING)
-    assert watch.deadlines(aborting) == []
-    _watch_ticking(clock, watch, aborting, clock.now + 100)
-    assert aborting.advanced == []  # an abort in flight: the hard timeout's business
+    idle = FakeNode({2: _session(2, heard=clock.now)}, phase=Phase.IDLE)
+    assert watch.deadlines(idle) == []
+    _watch_ticking(clock, watch, idle, clock.now + 100)
+    assert idle.advanced == []  # no round: nothing watched
 
 
 def test_a_watch_that_was_not_looking_restarts_every_clock() -> None:
@@ -148,9 +149,34 @@ def test_a_silent_rank_whose_restart_cannot_be_recorded_is_killed() -> None:
     session, iteration, why = killed[0]
     assert session is node.sessions[0] and iteration == 3
     assert why.endswith("its interpreter does not run; budget spent"), why
-    assert watch.deadlines(node) == [clock.now + 2.5]  # acted on once: only the poll
+    assert watch.deadlines(node) == [clock.now + 1.0]  # acted on once: only the poll
     _watch_ticking(clock, watch, node, clock.now + 100)
     assert len(killed) == 1 and len(node.advanced) == 1
+
+
+def test_a_restart_in_flight_is_renamed_after_the_rank_silent_since_before_it() -> None:
+    """Ranks blocked on a stopped peer time out and name the restart after themselves;
+    the stopped rank, silent for 3 beats without answering its abort, renames it with
+    the time of its last beat (the earliest fault names a restart; nothing more charged:
+    ``faulted`` is the iteration before). Ranks that answered (ready) are never named;
+    each silence is acted on once."""
+    import time
+
+    clock = Clock()
+    watch = SilenceWatch(10.0, clock)  # beats every 1 s: 3 missed beats = 3 s
+    stopped, answered = _session(0, heard=clock.now), _session(1, heard=clock.now)
+    node = FakeNode({0: stopped, 1: answered}, phase=Phase.ABORTING, ready={1})
+    _watch_ticking(clock, watch, node, clock.now + 3.0)
+    assert node.advanced == []  # 3 s: not yet more than 3 beats
+    before = time.time()
+    _watch_ticking(clock, watch, node, clock.now + 1.0)
+    assert len(node.advanced) == 1, node.advanced
+    renamed = node.advanced[0]
+    assert renamed["faulted"] == 2 and renamed["rank"] == 10  # into iteration 3, rank 0's
+    assert before - 4.5 < renamed["now"] < before - 3.5  # its last beat, 4 s ago
+    assert "silent since 4.0 s" in renamed["message"]
+    _watch_ticking(clock, watch, node, clock.now + 20.0)
+    assert len(node.advanced) == 1  # once; rank 1 answered: never named
 
 
 def test_the_beat_message_round_trips_and_bad_ones_are_refused() -> None:

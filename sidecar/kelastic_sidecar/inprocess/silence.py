@@ -13,8 +13,14 @@ cannot answer it, and the hard timeout kills it (its exit: the hybrid rung). NVI
 in-process restart does the same from its monitor process, which reads the rank's
 progress timestamp from outside the worker (soft timeout: restart; hard timeout: kill).
 
-Only a session that has sent one ``beat`` is watched (older workers send none), and only
-while the iteration runs (an abort in flight has the hard timeout). A watch that was not
+With a restart in flight the hard timeout ends a rank that does not answer its abort,
+but the restart may be named after the wrong rank: the ranks blocked on a stopped peer
+in a collective time out first and report it. A rank that has missed
+:data:`CULPRIT_BEATS` beats without answering the abort is the stopped one, and its
+silence began before their timeouts: it renames the restart after itself (the earliest
+fault names a restart), charging nothing more.
+
+Only a session that has sent one ``beat`` is watched (older workers send none). A watch that was not
 looking cannot tell silence from its own absence: when its checks were more than half the
 soft timeout apart (the sidecar itself stopped, or its loop starved), every clock starts
 again from that moment, so a sidecar resumed after a SIGSTOP faults nobody.
@@ -28,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kelastic.inprocess_messages import beat_interval
 from kelastic.inprocess_record import RestartCause
 
 from .phase import Phase
@@ -39,6 +46,13 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["SilenceWatch", "Silent"]
 
 log = logging.getLogger("kelastic_sidecar.inprocess")
+
+#: Beats missed by a rank that has not answered the abort of a restart in flight before
+#: it is taken for the stopped culprit (a live rank's monitor thread beats on while it
+#: leaves the iteration).
+CULPRIT_BEATS = 3
+#: What a silence means, in every message that names one.
+STOPPED = "its process is stopped or its interpreter does not run"
 
 
 @dataclass(frozen=True)
@@ -76,20 +90,30 @@ class SilenceWatch:
         return session.beating and session.id not in self._excused
 
     def deadlines(self, m: Node) -> list[float]:
-        """When :meth:`check` must run next (monotonic seconds), while ``m``'s iteration
-        runs with a session connected: the first watched session's silence limit, and at
-        least every quarter of the soft timeout (a session starts beating without waking
-        the loop, and a gap in the checks must be seen as one); none otherwise."""
-        if m.phase is not Phase.RUNNING or not m.sessions:
+        """When :meth:`check` must run next (monotonic seconds), while ``m`` has a session
+        connected in a running iteration or a restart in flight: the first watched
+        session's silence limit, and at least every beat interval (a session starts
+        beating without waking the loop, and a gap in the checks must be seen as one);
+        none otherwise."""
+        limit = self._limit(m.phase)
+        if limit is None or not m.sessions:
             return []
-        starts = [self._start(s) + self._soft for s in m.sessions.values() if self._watched(s)]
-        return [min([*starts, self._looked + self._soft / 4])]
+        starts = [self._start(s) + limit for s in m.sessions.values() if self._watched(s)]
+        return [min([*starts, self._looked + beat_interval(self._soft)])]
 
-    def silent(self, sessions: Mapping[int, Session]) -> list[Silent]:
-        """The watched sessions (local rank -> session), but the finished ones,
-        silent for more than the soft timeout now, oldest silence first. A check more than
-        half the soft timeout after the previous one restarts every clock instead and
-        returns nothing."""
+    def _limit(self, phase: Phase) -> float | None:
+        """Seconds of silence that count in ``phase`` (None: none is watched)."""
+        if phase is Phase.RUNNING:
+            return self._soft
+        if phase in (Phase.ABORTING, Phase.BARRIER):
+            return CULPRIT_BEATS * beat_interval(self._soft)
+        return None
+
+    def silent(self, sessions: Mapping[int, Session], limit: float) -> list[Silent]:
+        """The watched sessions (local rank -> session), but the finished ones, silent
+        for more than ``limit`` seconds now, oldest silence first. A check more than half
+        the soft timeout after the previous one restarts every clock instead and returns
+        nothing."""
         now = self._clock()
         self._excused &= {s.id for s in sessions.values()}  # the ended ones forgotten
         gap, self._looked = now - self._looked, now
@@ -99,9 +123,8 @@ class SilenceWatch:
         found = [
             Silent(local_rank, session, now - self._start(session))
             for local_rank, session in sessions.items()
-            if self._watched(session)
-            and now - self._start(session) > self._soft
-        ]  # fmt: skip
+            if self._watched(session) and now - self._start(session) > limit
+        ]
         return sorted(found, key=lambda s: -s.seconds)
 
     def finished(self, session: Session) -> None:
@@ -109,28 +132,59 @@ class SilenceWatch:
         self._excused.add(session.id)
 
     def check(self, m: Node, kill: Callable[[Session, int, str], object]) -> None:
-        """Fault the longest-silent rank of ``m``'s running iteration, if any, on its
-        behalf (cause ``soft_timeout``, its global rank, how long it was silent; one
-        fault is enough: its abort reaches every rank). When its restart cannot be
-        recorded (the budget spent, etcd failing), ``kill(session, iteration, why)`` it
+        """In a running iteration, fault the longest-silent rank of ``m`` on its behalf
+        (cause ``soft_timeout``, its global rank, how long it was silent; one fault is
+        enough: its abort reaches every rank); when its restart cannot be recorded (the
+        budget spent, etcd failing), ``kill(session, iteration, why)`` it
         (:meth:`.hard_timeout.HardTimeouts.kill`): its exit takes the process path, where
-        a hang nobody ends would stay. Raises nothing."""
-        if m.phase is not Phase.RUNNING or m.ctx is None:
+        a hang nobody ends would stay. With a restart in flight, name the culprit
+        (:meth:`_name_culprit`). Raises nothing."""
+        limit = self._limit(m.phase)
+        if limit is None or m.ctx is None:
             return
-        found = self.silent(m.sessions)
+        found = [f for f in self.silent(m.sessions, limit) if f.local_rank not in m.ready]
         if not found or found[0].session.hello is None:
             return
         first = found[0]
         self._excused.add(first.session.id)  # acted on once
-        hello = first.session.hello
-        assert hello is not None
-        message = (f"local rank {first.local_rank} (pid {first.session.peer_pid or hello.pid}) "
-                   f"silent for {first.seconds:.1f} s (soft timeout {self._soft:g} s): its "
-                   "process is stopped or its interpreter does not run")  # fmt: skip
+        if m.phase is not Phase.RUNNING:
+            self._name_culprit(m, first)
+            return
+        message = (f"{_who(first)} silent for {first.seconds:.1f} s (soft timeout "
+                   f"{self._soft:g} s): {STOPPED}")  # fmt: skip
         log.warning("%s; faulting it in iteration %d", message, m.iteration)
         record, reason = m.advance(
-            RestartCause.SOFT_TIMEOUT, rank=hello.rank, message=message, now=time.time(),
+            RestartCause.SOFT_TIMEOUT, rank=_rank(first), message=message, now=time.time(),
             why=f"local rank {first.local_rank}'s silence",
         )  # fmt: skip
         if record is None:
             kill(first.session, m.iteration, f"{message}; {reason}")
+
+    def _name_culprit(self, m: Node, found: Silent) -> None:
+        """A restart is in flight and ``found`` has been silent for
+        :data:`CULPRIT_BEATS` beats without answering its abort: it stopped (or its
+        interpreter did), and its peers probably timed out waiting on it in a
+        collective, so the restart was named after one of them. Its silence began at
+        its last beat, before their timers expired: a fault at that time renames the
+        restart after it (the earliest fault names a restart:
+        :func:`.record.advance_iteration`), nothing more charged, nobody aborted again.
+        A restart whose fault came before the silence keeps its name."""
+        began = time.time() - found.seconds
+        message = (f"{_who(found)} silent since {found.seconds:.1f} s before this check, "
+                   f"when the restart came: {STOPPED}")  # fmt: skip
+        log.warning("%s; naming it the culprit of the restart into iteration %d, unless a "
+                    "fault came first", message, m.iteration)  # fmt: skip
+        m.advance(
+            RestartCause.SOFT_TIMEOUT, rank=_rank(found), message=message, now=began,
+            why=f"local rank {found.local_rank}'s silence", faulted=m.iteration - 1,
+        )  # fmt: skip
+
+
+def _who(found: Silent) -> str:
+    hello = found.session.hello
+    pid = found.session.peer_pid or (hello.pid if hello else "?")
+    return f"local rank {found.local_rank} (pid {pid})"
+
+
+def _rank(found: Silent) -> int:
+    return found.session.hello.rank if found.session.hello else -1
