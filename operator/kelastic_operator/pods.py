@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kelastic import __version__, contract, failure_policy
+from kelastic.checkpoint.volume import parse_quantity
 
 from .labels import (
     ANNOTATION_SPEC_HASH,
@@ -264,6 +265,29 @@ def sidecar_security_context(pod_spec: dict[str, Any], trainer: dict[str, Any]) 
     return context
 
 
+def sidecar_resources(resources: dict[str, Any], spec: ElasticJobSpec) -> dict[str, Any]:
+    """The sidecar's ``resources`` (a copy of ``resources``): with
+    ``spec.checkpoint.memory``, its memory limit grows by the volume's bytes. At its start
+    the sidecar writes the whole memory-backed volume once (a volume that cannot hold it
+    fails then, not with SIGBUS at a save) and frees it at once; tmpfs pages are charged
+    to the cgroup of the process that writes them, so under its own limit (256Mi by
+    default) a larger volume would get the sidecar OOM-killed at every start. The request
+    is unchanged (nothing is held after the check). A limit in another form than
+    :func:`kelastic.checkpoint.volume.parse_quantity` reads is left as it is."""
+    out = copy.deepcopy(resources)
+    extra = spec.checkpoint.memory_bytes
+    limits = out.get("limits")
+    limit = limits.get("memory") if isinstance(limits, dict) else None
+    if extra is None or not isinstance(limits, dict) or not isinstance(limit, str):
+        return out
+    try:
+        total = parse_quantity(limit) + extra
+    except ValueError:
+        return out
+    limits["memory"] = f"{total >> 20}Mi" if total % (1 << 20) == 0 else str(total)
+    return out
+
+
 def sidecar_container(
     name: str,
     uid: str,
@@ -302,7 +326,7 @@ def sidecar_container(
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
         "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 1},
         "volumeMounts": mounts,
-        "resources": copy.deepcopy(settings.sidecar_resources),
+        "resources": sidecar_resources(settings.sidecar_resources, spec),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         **({"securityContext": security_context} if security_context is not None else {}),
     }

@@ -60,6 +60,30 @@ def test_the_volume_is_memory_backed_and_mounted_in_both_containers() -> None:
     kv.validate(pod, "1.33.0", strict=True)
 
 
+@pytest.mark.parametrize(
+    ("limits", "memory", "want"),
+    [({"memory": "256Mi"}, "512Mi", {"memory": "768Mi"}),  # the volume's bytes on top
+     ({"memory": "256Mi"}, "2G", {"memory": str((256 << 20) + 2 * 10**9)}),
+     ({"memory": "256Mi"}, None, {"memory": "256Mi"}),  # no volume: as configured
+     ({"cpu": "1"}, "512Mi", {"cpu": "1"}),  # no memory limit: none added
+     ({"memory": "0.5Gi"}, "512Mi", {"memory": "0.5Gi"})],  # a form we do not read: kept
+)  # fmt: skip
+def test_the_sidecars_memory_limit_grows_by_the_volume_it_writes_at_start(
+    limits: dict[str, str], memory: str | None, want: dict[str, str]
+) -> None:
+    """tmpfs pages are charged to the process that writes them: the sidecar writes the
+    whole volume once at its start (and frees it), which under its own 256Mi limit got it
+    OOM-killed at every start for a 512Mi volume. Its request stays as it is."""
+    resources = {"requests": {"memory": "64Mi"}, "limits": limits}
+    settings = PodSettings(sidecar_image="kelastic:test", etcd_endpoints=("etcd:2379",),
+                           sidecar_resources=resources)  # fmt: skip
+    pod = build_pod("digits", "ml", UID, _spec(memory), 0, settings)
+    got = _containers(pod)["kelastic-sidecar"]["resources"]
+    assert got == {"requests": {"memory": "64Mi"}, "limits": want}
+    assert settings.sidecar_resources["limits"] == limits  # the settings untouched
+    kv.validate(pod, "1.33.0", strict=True)
+
+
 def test_without_memory_the_pod_has_no_volume_and_its_digest_is_unchanged() -> None:
     pod = build_pod("digits", "ml", UID, _spec(None), 0, SETTINGS)
     assert contract.CHECKPOINT_VOLUME_NAME not in {v["name"] for v in pod["spec"]["volumes"]}
