@@ -179,6 +179,31 @@ def test_a_restart_in_flight_is_renamed_after_the_rank_silent_since_before_it() 
     assert len(node.advanced) == 1  # once; rank 1 answered: never named
 
 
+def test_a_rank_that_recovered_is_watched_again_and_a_ready_one_wakes_nobody() -> None:
+    """A silence is acted on once, but a rank heard from after that (SIGCONT, a
+    GIL-holding call that returned) is watched again: stopped again in a later iteration,
+    it is faulted again (before: never again, a hang nobody ended). A rank that answered
+    the abort in flight is not watched then, and its silence sets no deadline in the past
+    (before: the coordinator's loop spun until the go)."""
+    clock = Clock()
+    watch = SilenceWatch(10.0, clock)
+    rank = _session(0, heard=clock.now)
+    node = FakeNode({0: rank})
+    _watch_ticking(clock, watch, node, clock.now + 12.0)
+    assert len(node.advanced) == 1  # faulted for its silence
+    _watch_ticking(clock, watch, node, clock.now + 30.0)
+    assert len(node.advanced) == 1  # still silent: once
+    rank.heard = clock.now  # it recovered; iteration 4 runs
+    node.iteration = 4
+    _watch_ticking(clock, watch, node, clock.now + 12.0)
+    assert len(node.advanced) == 2 and node.advanced[1]["rank"] == 10  # stopped again
+    ready = _session(1, heard=clock.now)
+    aborting = FakeNode({1: ready}, phase=Phase.ABORTING, ready={1})
+    _watch_ticking(clock, watch, aborting, clock.now + 20.0)
+    assert aborting.advanced == []
+    assert watch.deadlines(aborting)[0] > clock.now  # the poll only, in the future
+
+
 def test_the_beat_message_round_trips_and_bad_ones_are_refused() -> None:
     assert parse_worker_message(encode(Beat(local_rank=7))[:-1]) == Beat(local_rank=7)
     for bad in (b'{"type":"beat"}', b'{"type":"beat","local_rank":-1}',

@@ -79,15 +79,26 @@ class SilenceWatch:
         self._clock = clock
         self._looked = clock()  # the last check
         self._since = self._looked  # silence counts from here at the earliest
-        #: sessions no longer watched: their function returned, or their silence was
-        #: acted on (faulted, or killed)
-        self._excused: set[int] = set()
+        self._finished: set[int] = set()  # sessions whose function returned
+        #: session -> its ``heard`` when its silence was acted on (faulted, killed or
+        #: named): not watched again until it is heard from after that (it recovered:
+        #: a SIGCONT, a GIL-holding call that returned)
+        self._acted: dict[int, float] = {}
 
     def _start(self, session: Session) -> float:
         return max(session.heard, self._since)
 
     def _watched(self, session: Session) -> bool:
-        return session.beating and session.id not in self._excused
+        acted = self._acted.get(session.id)
+        return (session.beating and session.id not in self._finished
+                and (acted is None or session.heard > acted))  # fmt: skip
+
+    def _candidates(self, m: Node) -> dict[int, Session]:
+        """The sessions of ``m`` watched now: with a restart in flight, those that have
+        not answered it (a ready rank's silence is its business)."""
+        running = m.phase is Phase.RUNNING
+        return {lr: s for lr, s in m.sessions.items()
+                if self._watched(s) and (running or lr not in m.ready)}  # fmt: skip
 
     def deadlines(self, m: Node) -> list[float]:
         """When :meth:`check` must run next (monotonic seconds), while ``m`` has a session
@@ -98,7 +109,7 @@ class SilenceWatch:
         limit = self._limit(m.phase)
         if limit is None or not m.sessions:
             return []
-        starts = [self._start(s) + limit for s in m.sessions.values() if self._watched(s)]
+        starts = [self._start(s) + limit for s in self._candidates(m).values()]
         return [min([*starts, self._looked + beat_interval(self._soft)])]
 
     def _limit(self, phase: Phase) -> float | None:
@@ -110,12 +121,11 @@ class SilenceWatch:
         return None
 
     def silent(self, sessions: Mapping[int, Session], limit: float) -> list[Silent]:
-        """The watched sessions (local rank -> session), but the finished ones, silent
-        for more than ``limit`` seconds now, oldest silence first. A check more than half
+        """The ``sessions`` (local rank -> session) silent for more than ``limit`` seconds
+        now, oldest silence first. A check more than half
         the soft timeout after the previous one restarts every clock instead and returns
         nothing."""
         now = self._clock()
-        self._excused &= {s.id for s in sessions.values()}  # the ended ones forgotten
         gap, self._looked = now - self._looked, now
         if gap > self._soft / 2:
             self._since = now
@@ -129,7 +139,7 @@ class SilenceWatch:
 
     def finished(self, session: Session) -> None:
         """``session``'s function returned (``done``): its silence is its exit's."""
-        self._excused.add(session.id)
+        self._finished.add(session.id)
 
     def check(self, m: Node, kill: Callable[[Session, int, str], object]) -> None:
         """In a running iteration, fault the longest-silent rank of ``m`` on its behalf
@@ -142,11 +152,14 @@ class SilenceWatch:
         limit = self._limit(m.phase)
         if limit is None or m.ctx is None:
             return
-        found = [f for f in self.silent(m.sessions, limit) if f.local_rank not in m.ready]
+        ids = {s.id for s in m.sessions.values()}  # the ended sessions forgotten
+        self._finished &= ids
+        self._acted = {i: h for i, h in self._acted.items() if i in ids}
+        found = self.silent(self._candidates(m), limit)
         if not found or found[0].session.hello is None:
             return
         first = found[0]
-        self._excused.add(first.session.id)  # acted on once
+        self._acted[first.session.id] = first.session.heard  # once, unless it recovers
         if m.phase is not Phase.RUNNING:
             self._name_culprit(m, first)
             return
