@@ -23,10 +23,11 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kelastic.control_messages import Exited, Hello, Promote, Respawn, Started, Stop, Stopped
+from kelastic.failure_policy import FailureRule
 from kelastic_etcd import EtcdError
 
 from .control import ControlServer, Disconnected, Message
@@ -39,6 +40,7 @@ from .events import (
     WorkerReaped,
 )
 from .failure import CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
+from .failure_rules import in_process_allowed
 from .inprocess import respawn_failure
 from .rendezvous import RendezvousError
 from .round_end import (
@@ -80,6 +82,9 @@ class AttemptMonitor:
             None: every such exit ends the round.
         steps: step times per local rank (told which pid is which local rank); None: a
             private one that nobody reads.
+        rules: ``spec.failurePolicy.rules``: an exit whose rule says ``FailJob`` or
+            ``RestartPod`` is not offered to ``inprocess``
+            (:func:`~.failure_rules.in_process_allowed`).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class AttemptMonitor:
         stop_grace: float,
         inprocess: InProcessCoordinator | None = None,
         steps: StepTimes | None = None,
+        rules: Sequence[FailureRule] = (),
     ) -> None:
         self.node = node
         self.nproc = nproc
@@ -103,6 +109,7 @@ class AttemptMonitor:
         self._stop_grace = stop_grace
         self._inprocess = inprocess
         self.steps = steps or StepTimes()
+        self._rules = tuple(rules)
         self.attempt = 0
         self.pids: dict[int, int] = {}  # local rank -> pid
         # local rank -> its timer token this attempt (see kelastic_sidecar.timer.server)
@@ -344,6 +351,8 @@ class AttemptMonitor:
         if msg.local_rank in self.respawned:
             failure = respawn_failure(failure)
         coordinator = self._inprocess if failure.cause != CAUSE_START_FAILURE else None
+        if not in_process_allowed(self._rules, failure):  # its rule ends the attempt
+            coordinator = None
         if coordinator is not None and coordinator.absorb_exit(msg.local_rank, msg.pid, failure):
             log.warning("round %d: %s; its peers restart in process, it starts again",
                         info.round, failure.summary())  # fmt: skip

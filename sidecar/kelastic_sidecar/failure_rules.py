@@ -85,15 +85,32 @@ class Verdict:
         return f"pod restart asked by spec.failurePolicy {self.rule}: {failure.summary()}"
 
 
-def verdict(rules: Sequence[FailureRule], failure: Failure) -> Verdict:
+def verdict(rules: Sequence[FailureRule], failure: Failure, node: str | None = None) -> Verdict:
     """The first rule of ``rules`` matching ``failure`` (its cause, exit code, signal),
-    or the default; a matching rule is logged with the failure it decided."""
+    or the default; a matching rule is logged with the failure it decided. Judged on
+    ``node``: a ``RestartPod`` rule matching another node's failure (a lost node, judged by
+    every survivor) is counted instead, so the survivors' Pods are not all replaced."""
     found = first_match(rules, failure.cause, failure.exitcode, failure.signal)
     if found is None:
         default = FailureAction.FAIL_JOB if failure.cause == CAUSE_START_FAILURE else None
         return Verdict(default or FailureAction.COUNT)
     index, rule = found
     decided = Verdict(rule.action, describe(index, rule))
+    if rule.action is FailureAction.RESTART_POD and node is not None and failure.node != node:
+        log.warning("round %d: spec.failurePolicy %s matches %s, another node's failure: "
+                    "counted here (a RestartPod restarts its own node's Pod)", failure.round,
+                    decided.rule, failure.summary())  # fmt: skip
+        return Verdict(FailureAction.COUNT, decided.rule)
     log.warning("round %d: spec.failurePolicy %s applies to %s", failure.round, decided.rule,
                 failure.summary())  # fmt: skip
     return decided
+
+
+def in_process_allowed(rules: Sequence[FailureRule], failure: Failure) -> bool:
+    """Whether an in-process rung (the hybrid rung: a worker's death) may take
+    ``failure``: no rule matches it, or the matching rule restarts (``Count``,
+    ``Ignore``). ``FailJob`` ("restarting cannot fix this") and ``RestartPod`` ("not on
+    this host") go to the process path, where the rule applies, instead of a respawn on
+    the same host."""
+    found = first_match(rules, failure.cause, failure.exitcode, failure.signal)
+    return found is None or found[1].action in (FailureAction.COUNT, FailureAction.IGNORE)

@@ -167,7 +167,7 @@ class Supervisor:
         #: The current attempt's workers and the events about them.
         self.workers = AttemptMonitor(
             config.node, config.nproc_per_node, parts.events, self.control, self.timer,
-            self.metrics, config.stop_grace, self.inprocess, parts.steps,
+            self.metrics, config.stop_grace, self.inprocess, parts.steps, config.failure_rules,
         )  # fmt: skip
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
@@ -349,7 +349,7 @@ class Supervisor:
                 assert end.failure is not None
                 self._last_failure = end.failure
                 self._down_cause = end.failure.cause
-                verdict = failure_rules.verdict(self.cfg.failure_rules, end.failure)
+                verdict = failure_rules.verdict(self.cfg.failure_rules, end.failure, self.cfg.node)
                 if verdict.ends(verdict.charged and self._charge(end.failure)):
                     return self._finish_failed(verdict, end.failure)
             else:

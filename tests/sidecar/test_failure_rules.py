@@ -10,7 +10,12 @@ from kelastic import contract
 from kelastic.failure_policy import ENV_FAILURE_POLICY, FailureAction, parse_rules
 from kelastic_sidecar.config import ConfigError, SidecarConfig
 from kelastic_sidecar.failure import Failure
-from kelastic_sidecar.failure_rules import POD_RESTART_DEPARTURE, Verdict, verdict
+from kelastic_sidecar.failure_rules import (
+    POD_RESTART_DEPARTURE,
+    Verdict,
+    in_process_allowed,
+    verdict,
+)
 from kelastic_sidecar.round_end import PLANNED_DEPARTURES, closed_outcome
 
 from .test_sidecar_config import GOOD
@@ -52,6 +57,31 @@ def test_the_first_matching_rule_or_the_default_decides(
     assert (v.action, v.rule) == (action, rule)
     assert v.charged == (action is FailureAction.COUNT)
     assert (v.ends(True), v.ends(False)) == (ends_when_exhausted, ends_otherwise)
+
+
+def test_restart_pod_of_another_nodes_failure_is_counted_on_this_node() -> None:
+    """A lost node is judged by every survivor: a RestartPod rule matching it replaced
+    every surviving Pod (and spent podReplacement once per survivor). Only the failing
+    node's own Pod restarts; on the others the failure is counted."""
+    lost = parse_rules([{"action": "RestartPod",
+                         "onCauses": {"operator": "In", "values": ["node_lost"]}}])  # fmt: skip
+    theirs = verdict(lost, failure("node_lost"), node="j-1")
+    assert theirs.action is FailureAction.COUNT and theirs.charged
+    assert theirs.rule == "rule 0 (RestartPod: cause node_lost)"
+    assert verdict(lost, failure("node_lost"), node="j-0").action is FailureAction.RESTART_POD
+    assert verdict(lost, failure("node_lost")).action is FailureAction.RESTART_POD  # no node
+
+
+@pytest.mark.parametrize(
+    ("fault", "allowed"),
+    [(failure(code=42), False), (failure(sig=9), False),  # FailJob, RestartPod: no respawn
+     (failure("node_lost"), True), (failure(code=1), True), (failure("hang", sig=9), False)],
+)  # fmt: skip
+def test_only_a_restarting_rule_lets_the_hybrid_rung_respawn_a_worker(
+    fault: Failure, allowed: bool
+) -> None:
+    assert in_process_allowed(RULES, fault) is allowed
+    assert in_process_allowed((), fault)  # no rules: every death may be taken in process
 
 
 def test_without_rules_a_start_failure_still_fails_the_job_at_once() -> None:

@@ -8,6 +8,8 @@ Prints ``rank=R round=N restart=K`` once, then ``step S`` lines (~0.05 s each). 
   EXIT_ONCE_FILE   created just before it fails: while it exists no rank fails (so the
                    job can go on after the rule's action)
   STEPS_STOP_FILE  exit 0 once this file exists
+  EXIT_WRAPPED     1: the steps run inside kelastic.inprocess.Wrapper (in-process
+                   restart's worker; its exit is a death the hybrid rung could take)
 """
 
 from __future__ import annotations
@@ -25,16 +27,25 @@ def main() -> None:
     once = Path(os.environ["EXIT_ONCE_FILE"])
     stop = Path(os.environ["STEPS_STOP_FILE"])
     fails = rank == int(os.environ.get("EXIT_RANK", "1")) and not once.exists()
-    step = 0
-    while not stop.exists():
-        time.sleep(0.05)
-        step += 1
-        print(f"step {step}", flush=True)
-        if fails and step == 2:
-            once.touch()
-            if os.environ.get("EXIT_SIGNAL"):
-                os.kill(os.getpid(), int(os.environ["EXIT_SIGNAL"]))
-            sys.exit(int(os.environ["EXIT_CODE"]))
+
+    def steps(call_wrapper: object = None) -> None:
+        step = 0
+        while not stop.exists():
+            time.sleep(0.05)
+            step += 1
+            print(f"step {step}", flush=True)
+            if fails and step == 2:
+                once.touch()
+                if os.environ.get("EXIT_SIGNAL"):
+                    os.kill(os.getpid(), int(os.environ["EXIT_SIGNAL"]))
+                sys.exit(int(os.environ["EXIT_CODE"]))
+
+    if os.environ.get("EXIT_WRAPPED") == "1":
+        from kelastic.inprocess import Wrapper
+
+        Wrapper()(steps)()
+    else:
+        steps()
 
 
 if __name__ == "__main__":

@@ -58,6 +58,29 @@ def test_fail_job_fails_the_job_at_once_naming_the_rule(tmp_path: Path) -> None:
     assert run.strays() == []
 
 
+def test_fail_job_is_not_respawned_in_process_first(tmp_path: Path) -> None:
+    """With in-process restart on, a worker's death was offered to the hybrid rung
+    before any rule was asked: a FailJob exit code ('restarting cannot fix this') was
+    respawned in process on the same host until that budget was spent. The rule is asked
+    first now: FailJob fails the job at once."""
+    path = job_with_rules(tmp_path, [exit_42("FailJob")], max_restarts=3)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["inProcess"] = {"enabled": True, "maxRestarts": 10}
+    doc["spec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "EXIT_WRAPPED", "value": "1"})  # fmt: skip
+    path.write_text(yaml.safe_dump(doc))
+    run = KelasticRun(path, "--in-process", workdir=tmp_path / "runs")
+    assert run.wait() == 1, run.output
+    out = run.output
+    assert "spec.failurePolicy rule 0 (FailJob: exit code 42) applies" in out, out
+    assert "in-process restart" not in out.replace("in-process restart: a fault", ""), out
+    assert "starts again as a process" not in "\n".join(
+        p.read_text() for p in (tmp_path / "runs").glob("*/pods/*/kelastic-sidecar.log")
+    )
+    assert run.restarts_charged() == 0
+    assert run.strays() == []
+
+
 def test_ignore_restarts_without_charging_the_budget(tmp_path: Path) -> None:
     # maxRestarts 0: a charged failure would fail the job
     run = KelasticRun(job_with_rules(tmp_path, [exit_42("Ignore")], max_restarts=0),
