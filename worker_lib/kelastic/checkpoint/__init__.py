@@ -158,10 +158,11 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
 
     Under kelastic's sidecar the step is the agreed one (:func:`agreed_step`: the highest
     step every rank of the round committed on its node, each slot's checksums verified
-    by the sidecar before the workers started), so every rank loads the same step or
-    every rank gets None (the user's own fallback: start or read from disk). A slot that
-    no longer holds that step or fails its checksums now (changed after the sidecar's
-    check) gives None too, logged with the reason. Without the sidecar (the variable
+    by the sidecar before the workers started), so the ranks load the same step or get
+    None (the user's own fallback: start or read from disk). A slot that no longer holds
+    that step or fails its checksums now (changed after the sidecar's check) gives this
+    rank None, logged with the reason, while its peers may load the step: the ranks do
+    not confirm their loads to each other yet (see docs/architecture.md). Without the sidecar (the variable
     unset), this rank's newest committed step that passes its checksums. ``step``
     overrides both. See :meth:`CheckpointStore.load`.
 
