@@ -225,8 +225,13 @@ def test_several_pids_are_collected_in_parallel(tmp_path: Path) -> None:
         """,
     )
     collect = StackCollector(tmp_path / "ev", exe=str(fake), budget=60)
-    me = os.getpid()
-    found = collect_all(collect, [me, os.getppid(), 1])
+    targets = [subprocess.Popen(["sleep", "600"]) for _ in range(3)]  # three live pids
+    try:
+        found = collect_all(collect, [p.pid for p in targets])
+    finally:
+        for p in targets:
+            p.kill()
+            p.wait()
     assert [e.outcome for e in found.values()] == [Outcome.COLLECTED] * 3
 
 
