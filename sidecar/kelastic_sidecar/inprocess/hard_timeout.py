@@ -5,7 +5,10 @@ path's (NVIDIA's in-process restart kills it the same way). A part of the
 
 The kill is reported (``on_kill``) before the signal is sent: the supervisor's monitor
 records it as a reap, as it does the timer server's, so one place holds every hang and
-the worker's exit, which can only follow the kill, always finds it there.
+the worker's exit, which can only follow the kill, always finds it there. Report and
+kill run on a thread of their own per rank (``on_kill`` reads the worker's stacks within
+a budget of seconds): ranks killed together are read together, and the coordinator's
+loop never waits on them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -93,9 +97,10 @@ class HardTimeouts:
         return late
 
     def kill(self, session: Session, iteration: int, why: str | None = None) -> int | None:
-        """SIGKILL ``session``'s rank, which did not pass the termination barrier of
-        ``iteration`` in time (or ``why``, another reason: a silent rank whose restart
-        could not be recorded); return its pid (None: none to kill, logged)."""
+        """Start the SIGKILL of ``session``'s rank, which did not pass the termination
+        barrier of ``iteration`` in time (or ``why``, another reason: a silent rank whose
+        restart could not be recorded): ``on_kill``, then the signal, on a thread of its
+        own; return its pid (None: none to kill, logged). Raises nothing."""
         assert session.hello is not None
         local_rank = session.hello.local_rank
         pid = victim_pid(session)
@@ -106,10 +111,20 @@ class HardTimeouts:
             why = (f"no termination barrier of iteration {iteration} within the hard timeout "
                    f"({self._hard_timeout:g} s)")  # fmt: skip
         log.error("local rank %d (pid %d): %s; killing it", local_rank, pid, why)
-        self._on_kill(pid, f"{why}; killed by the sidecar")  # first: its exit finds its reap
+        threading.Thread(target=self._kill_now, args=(pid, why), name="inprocess-kill",
+                         daemon=True).start()  # fmt: skip
+        return pid
+
+    def _kill_now(self, pid: int, why: str) -> None:
+        """Report, then SIGKILL (its own thread: ``on_kill`` reads the worker's stacks
+        within a budget of seconds, and several ranks past their hard timeout are read
+        at once, never one after another on the coordinator's loop)."""
+        try:
+            self._on_kill(pid, f"{why}; killed by the sidecar")  # first: its exit finds it
+        except Exception:
+            log.exception("reporting the kill of pid %d failed; killing it anyway", pid)
         try:
             self._kill(pid, signal.SIGKILL)
             self._metrics.inprocess_killed.inc()
         except OSError as exc:
             log.error("killing pid %d failed: %s", pid, exc)
-        return pid
