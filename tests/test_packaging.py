@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 EXTRAS = ("sidecar", "operator", "local")
 # Declared though not imported by name: pyetcd's generated etcdrpc modules import
-# google.protobuf, and etcd-sdk-python does not declare it.
-INDIRECT = {"protobuf"}
+# google.protobuf, and etcd-sdk-python does not declare it; py-spy is a program the
+# sidecar runs (hang evidence: ``py-spy dump``), not a module.
+INDIRECT = {"protobuf", "py-spy"}
 # Installed by the user next to kelastic, never by an extra.
 USERS = {"torch"}
 HEAVY = ("grpc", "pyetcd", "prometheus_client", "kopf", "kubernetes", "pydantic", "yaml",
