@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -111,6 +112,10 @@ def container_env(
     return env
 
 
+#: util-linux's ``setpriv`` (sets the parent-death signal, then execs), if installed.
+_SETPRIV = shutil.which("setpriv")
+
+
 def start_process(
     argv: list[str],
     env: Mapping[str, str],
@@ -127,12 +132,21 @@ def start_process(
         die_with_parent: the process gets ``PR_SET_PDEATHSIG=SIGKILL`` (Linux): it is
             killed when the *thread* that started it ends (the kernel's notion of the
             parent), so start it from a thread that lives as long as the process
-            should: ``kelastic run`` starts everything from its main loop.
+            should: ``kelastic run`` starts everything from its main loop. Set by
+            util-linux's ``setpriv --pdeathsig`` before it execs the program, where
+            installed: no Python runs between fork and exec (a ``preexec_fn`` forks a
+            process whose other threads (gRPC's, the output pumps') may hold locks the
+            child then waits on for ever, before exec: CPython warns of it; seen once as
+            a replacement Pod whose trainer never started); else by ``preexec_fn``.
 
     Raises:
         OSError: the program cannot be started.
     """
-    preexec = functools.partial(child_preexec, os.getpid()) if die_with_parent else None
+    preexec = None
+    if die_with_parent and _SETPRIV is not None:
+        argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
+    elif die_with_parent:
+        preexec = functools.partial(child_preexec, os.getpid())
     return subprocess.Popen(
         argv,
         cwd=cwd,

@@ -162,9 +162,9 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
     None (the user's own fallback: start or read from disk). A slot that no longer holds
     that step or fails its checksums now (changed after the sidecar's check) gives this
     rank None, logged with the reason, while its peers may load the step: the ranks do
-    not confirm their loads to each other yet (see docs/architecture.md). Without the sidecar (the variable
-    unset), this rank's newest committed step that passes its checksums. ``step``
-    overrides both. See :meth:`CheckpointStore.load`.
+    not confirm their loads to each other yet (see docs/architecture.md). Without the
+    sidecar (the variable unset), this rank's newest committed step that passes its
+    checksums. ``step`` overrides both. See :meth:`CheckpointStore.load`.
 
     Raises:
         CheckpointError: ``$KELASTIC_CHECKPOINT_STEP`` is malformed; the pending
