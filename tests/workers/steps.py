@@ -46,14 +46,17 @@ def main() -> None:
     slow = rank == int(os.environ.get("STEPS_SLOW_RANK", "-1"))
     step_seconds = float(os.environ.get("STEPS_SLOW_SECONDS", "0.2")) if slow else 0.05
     while True:
+        # The whole step under its timer (the checkpoint and the print too): a worker
+        # stopped between two timers holds none, and without in-process restart nothing
+        # reaps it (torch's timers alike), which made a SIGSTOP test flaky under load.
         with expires(after=timeout, scope="step"):
             time.sleep(step_seconds)
-        step += 1
-        if ckpt is not None and rank == 0:
-            tmp = ckpt.with_name(ckpt.name + ".tmp")
-            tmp.write_text(str(step))
-            tmp.replace(ckpt)
-        print(f"step {step}", flush=True)
+            step += 1
+            if ckpt is not None and rank == 0:
+                tmp = ckpt.with_name(ckpt.name + ".tmp")
+                tmp.write_text(str(step))
+                tmp.replace(ckpt)
+            print(f"step {step}", flush=True)
         if rank == fail_rank and step == fail_at:
             raise ValueError(f"bad batch at step {step}")
         if (stop and Path(stop).exists()) or (limit and step >= limit):
