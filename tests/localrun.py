@@ -77,6 +77,27 @@ def write_job(
     return path
 
 
+#: Every run started, until :func:`stop_leftovers` (a test that timed out or failed
+#: before its own cleanup leaves its run to it).
+_STARTED: list[KelasticRun] = []
+
+
+def stop_leftovers() -> list[str]:
+    """Interrupt (Ctrl-C, then wait) every run started since the last call that still
+    runs; return their manifests. ``tests/conftest.py`` calls it after each test: a run a
+    test left behind (pytest-timeout interrupted the test in ``wait``) otherwise trains
+    on, restarting workers, for the rest of the session, loading the machine under the
+    tests that follow."""
+    left = [r for r in _STARTED if r.proc.poll() is None]
+    _STARTED.clear()
+    for run in left:
+        run.interrupt(timeout=30)
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+    return [str(r.manifest) for r in left]
+
+
 class KelasticRun:
     """``kelastic run`` as a subprocess whose output is collected line by line.
 
@@ -108,6 +129,8 @@ class KelasticRun:
             )  # fmt: skip
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        self.manifest = manifest
+        _STARTED.append(self)
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() each line was read
         self._reader = threading.Thread(target=self._read, daemon=True)
