@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kelastic.contract import ENV_STRAGGLER_FACTOR, ENV_STRAGGLER_MIN_STEPS
+
 __all__ = [
     "BUCKETS",
     "DEFAULT_FACTOR",
@@ -65,10 +67,6 @@ __all__ = [
 
 log = logging.getLogger("kelastic_sidecar.steptime")
 
-#: Env: a rank is a straggler when its median step exceeds the others' by this factor.
-ENV_STRAGGLER_FACTOR: Final = "KELASTIC_STRAGGLER_FACTOR"
-#: Env: steps a rank needs in its window before it is judged (or judged against).
-ENV_STRAGGLER_MIN_STEPS: Final = "KELASTIC_STRAGGLER_MIN_STEPS"
 DEFAULT_FACTOR: Final = 1.5
 DEFAULT_MIN_STEPS: Final = 20
 #: The largest factor accepted (above it the verdict could never fire in practice).

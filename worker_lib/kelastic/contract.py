@@ -218,6 +218,10 @@ ENV_HTTP_HOST: Final = "KELASTIC_HTTP_HOST"
 #: which only the Pod's containers mount). Default: "pod" on Kubernetes (the trainer's
 #: user may be unknown to the operator), "owner" elsewhere (local mode).
 ENV_IPC_ACCESS: Final = "KELASTIC_IPC_ACCESS"
+#: A rank is a straggler when its median step exceeds the other ranks' by this factor.
+ENV_STRAGGLER_FACTOR: Final = "KELASTIC_STRAGGLER_FACTOR"
+#: Steps a rank needs in its window before it is judged (or judged against).
+ENV_STRAGGLER_MIN_STEPS: Final = "KELASTIC_STRAGGLER_MIN_STEPS"
 
 #: The sidecar's exit code for a configuration it cannot run with (its env, or a
 #: checkpoint volume too small): starting it again cannot help.
