@@ -87,6 +87,7 @@ EXITED = {
     "signal": None,
     "error": {"message": "boom"},
     "tail": ["line"],
+    "oom": False,
 }
 ASSIGN = {
     "type": "assign",
@@ -557,6 +558,13 @@ def test_valid_documents_still_decode() -> None:
     assert decode_master(b'{"addr": "10.0.0.1", "port": 29500}', "k") == ("10.0.0.1", 29500)
     assert parse_launcher_message(json.dumps(STARTED).encode()).as_dict() == STARTED
     assert parse_launcher_message(json.dumps(EXITED).encode()).as_dict() == EXITED
+    oom = {**EXITED, "signal": 9, "exitcode": None, "oom": True}
+    assert parse_launcher_message(json.dumps(oom).encode()).as_dict() == oom
+    # an older launcher sends no "oom": not OOM-killed
+    older = {k: v for k, v in EXITED.items() if k != "oom"}
+    assert parse_launcher_message(json.dumps(older).encode()) == parse_launcher_message(
+        json.dumps(EXITED).encode()
+    )
     assert _parse(json.dumps(FIFO_LINE).encode()).pid == 4242
 
 
@@ -620,6 +628,14 @@ def test_fuzz_a_workers_error_file_never_stops_its_exit_report(data: Any, timest
         message = {**EXITED, "error": error, "tail": ["a", "b"]}
         exited = parse_launcher_message(encode_message(message).rstrip(b"\n"))
         assert isinstance(exited, Exited) and exited.error == error
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", None, [], {}, 2.5])
+def test_an_exited_oom_that_is_not_a_boolean_is_refused(value: object) -> None:
+    """(Crafted numbers never reach the field: the bounded JSON decoder refuses them.)"""
+    line = json.dumps({**EXITED, "oom": value}).encode()
+    with pytest.raises(ControlProtocolError, match="'oom' must be true or false"):
+        parse_launcher_message(line)
 
 
 def test_inprocess_valid_documents_decode_and_crafted_counters_do_not() -> None:

@@ -257,7 +257,7 @@ EXIT_CODES_CEL_RULES: list[JsonValue] = [
 ]
 #: The causes a rule may name: :data:`kelastic.failure_policy.RULE_CAUSES` (a test
 #: checks they agree).
-RuleCause = Literal["worker_failure", "hang", "node_lost", "start_failure"]
+RuleCause = Literal["worker_failure", "hang", "node_lost", "start_failure", "oom"]
 _SET: dict[str, JsonValue] = {"x-kubernetes-list-type": "set"}
 
 
@@ -307,7 +307,8 @@ class CausesMatch(_Model):
         max_length=len(failure_policy.RULE_CAUSES),
         description="causes: worker_failure (a worker exited non-zero or was killed), hang "
         "(reaped by the timer server), node_lost (a peer's lease expired), start_failure "
-        "(a worker could not be started: exit 126/127, exec failed)",
+        "(a worker could not be started: exit 126/127, exec failed), oom (the kernel's OOM "
+        "killer took a worker)",
         json_schema_extra=_SET,
     )
 

@@ -23,7 +23,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kelastic.control_messages import Exited, Hello, Promote, Respawn, Started, Stop, Stopped
@@ -44,6 +44,8 @@ from .failure_rules import in_process_allowed
 from .inprocess import respawn_failure
 from .rendezvous import RendezvousError
 from .round_end import (
+    STOPPED_STATE,
+    LiveStates,
     RoundEnd,
     RoundEndKind,
     RoundOf,
@@ -54,6 +56,7 @@ from .round_end import (
     stopped_failure,
 )
 from .steptime import StepTimes
+from .timer import process_state
 
 if TYPE_CHECKING:  # annotations only
     from .inprocess import InProcessCoordinator
@@ -278,15 +281,27 @@ class AttemptMonitor:
         log.warning("round %d: %s; it explains %s", info.round, lost.summary(), failure.summary())
         return blame_lost_peer(failure, lost)
 
-    def stopped_failure(
-        self, info: RendezvousInfo, pids: dict[int, int] | None = None
-    ) -> Failure | None:
-        """The hang of a worker of this attempt reaped while stopped (see
-        :func:`~.round_end.stopped_failure`); ``pids`` default to the current ones (a
-        peer's restart can stop ours before their exits are reported)."""
-        return stopped_failure(
-            self.round_of(info), self.pids if pids is None else pids, self.reaped
+    def stopped_failure(self, info: RendezvousInfo) -> Failure | None:
+        """The hang of a worker of this attempt reaped while stopped, or stopped now (see
+        :func:`~.round_end.stopped_failure`; its stacks read), logged. For a round a peer
+        restarted, whose workers may have waited on ours: call it before the workers are
+        stopped (the stop ends a stopped worker, and its state with it)."""
+        stopped = stopped_failure(
+            self.round_of(info), self.pids, self.reaped, self.observe(self.pids)
         )
+        if stopped is not None:
+            log.error("round %d: %s", info.round, stopped.summary())
+        return stopped
+
+    def observe(self, pids: Mapping[int, int]) -> LiveStates:
+        """The live process states of ``pids`` (local rank -> pid; ``""`` once gone), and
+        the stacks of those stopped and not reaped (read by the timer server's collector,
+        within its budget): a worker stopped between two timers holds none, and is named
+        by its state alone."""
+        states = {pid: process_state(pid) for pid in pids.values()}
+        stopped = [p for p, s in states.items() if s == STOPPED_STATE and p not in self.reaped]
+        found = self._timer.evidence(stopped) if stopped else {}
+        return LiveStates(states, {pid: ev.line() for pid, ev in found.items()})
 
     def on_reaped(self, ev: ReapEvent) -> None:
         """A hung worker was killed: by the timer server, or by the in-process hard
@@ -347,7 +362,9 @@ class AttemptMonitor:
             if len(succeeded) >= self.nproc:
                 return RoundEnd(RoundEndKind.SUCCEEDED)
             return None
-        failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped)
+        hung = msg.pid is not None and msg.pid in self.reaped  # then a stopped peer is named
+        live = self.observe(self.pids) if hung else None
+        failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped, live)
         if msg.local_rank in self.respawned:
             failure = respawn_failure(failure)
         coordinator = self._inprocess if failure.cause != CAUSE_START_FAILURE else None

@@ -19,6 +19,7 @@ from kelastic.failure_policy import FailureCause
 __all__ = [
     "CAUSE_HANG",
     "CAUSE_NODE_LOST",
+    "CAUSE_OOM",
     "CAUSE_PEER",
     "CAUSE_SCALE",
     "CAUSE_START_FAILURE",
@@ -34,6 +35,7 @@ CAUSE_WORKER_FAILURE: Final = FailureCause.WORKER_FAILURE
 CAUSE_HANG: Final = FailureCause.HANG
 CAUSE_NODE_LOST: Final = FailureCause.NODE_LOST
 CAUSE_START_FAILURE: Final = FailureCause.START_FAILURE
+CAUSE_OOM: Final = FailureCause.OOM
 CAUSE_SCALE: Final = FailureCause.SCALE
 CAUSE_PEER: Final = FailureCause.PEER
 #: Worker exit codes that mean "the program could not be run" (POSIX shells, execvp).

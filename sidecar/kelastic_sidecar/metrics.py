@@ -29,12 +29,19 @@ from prometheus_client.registry import Collector
 
 import kelastic
 
-from .failure import CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_PEER, CAUSE_SCALE, CAUSE_WORKER_FAILURE
+from .failure import (
+    CAUSE_HANG,
+    CAUSE_NODE_LOST,
+    CAUSE_OOM,
+    CAUSE_PEER,
+    CAUSE_SCALE,
+    CAUSE_WORKER_FAILURE,
+)
 from .hang_evidence import Outcome
 from .ipc import DROP_REASONS
 
 #: The ``cause`` label values of the restart and downtime counters.
-CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_PEER)
+CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_OOM, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_PEER)
 #: The ``level`` label values of ``kelastic_restarts_total``: ``process`` (the worker
 #: group's processes restarted), ``inprocess`` (the ranks re-entered the wrapped function
 #: in the same processes: :mod:`~kelastic_sidecar.inprocess.coordinator`).

@@ -22,7 +22,7 @@ import contextlib
 import enum
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kelastic import contract
@@ -31,6 +31,7 @@ from kelastic.control_messages import Exited
 from .failure import (
     CAUSE_HANG,
     CAUSE_NODE_LOST,
+    CAUSE_OOM,
     CAUSE_PEER,
     CAUSE_SCALE,
     CAUSE_START_FAILURE,
@@ -41,7 +42,9 @@ from .failure import (
 from .vocabulary import DEPARTURE_REJOIN, CheckReason
 
 __all__ = [
+    "STOPPED_STATE",
     "CheckLike",
+    "LiveStates",
     "ReapLike",
     "RoundEnd",
     "RoundEndKind",
@@ -193,45 +196,96 @@ def classify_check(check: CheckLike, node: str, round_: int) -> RoundEnd | None:
     return RoundEnd(RoundEndKind.RESTART, reason=reason)
 
 
-def stopped_failure(
-    round_: RoundOf, pids: Mapping[int, int], reaped: Mapping[int, ReapLike]
-) -> Failure | None:
-    """The hang of a worker that was reaped while stopped (``T``/``t``), if any.
+#: The process state of a worker stopped by job control (``SIGSTOP``, ``SIGTSTP``). A
+#: tracer's stop (``t``: py-spy reading stacks, a debugger) is named only when the worker
+#: was reaped in it: live, it may be the evidence collection itself.
+STOPPED_STATE = "T"
 
-    Its peers' timers expire too while they wait for it in a collective, so it is the
-    root cause of the round's hangs, whichever exit is reported first.
+
+@dataclass(frozen=True)
+class LiveStates:
+    """What the caller read of the attempt's workers before any was stopped (the stop ends
+    a stopped worker, and its state with it).
+
+    Attributes:
+        states: pid -> process state letter (``/proc/<pid>/stat``); missing: not read.
+        evidence: pid -> the stacks' line (``Evidence.line()``: ``main thread at
+            <file>:<line> in <function> (stacks in <path>)``) of a worker found stopped.
+    """
+
+    states: Mapping[int, str] = field(default_factory=dict)
+    evidence: Mapping[int, str] = field(default_factory=dict)
+
+
+def stopped_failure(
+    round_: RoundOf,
+    pids: Mapping[int, int],
+    reaped: Mapping[int, ReapLike],
+    live: LiveStates | None = None,
+    peers_reap: ReapLike | None = None,
+) -> Failure | None:
+    """The hang of a stopped worker of this node, if any: the root cause of the round's
+    hangs, whichever exit is reported first (its peers' timers expire too while they wait
+    for it in a collective).
+
+    First a worker the timer server reaped while stopped (``T``/``t``: it has its timer's
+    words). Else a worker whose live state is :data:`STOPPED_STATE`: stopped between two
+    timers it holds none, so nothing reaps it, and only its state names it.
 
     Args:
         round_: the round.
         pids: local rank -> pid of the attempt's workers.
         reaped: pid -> reap of the attempt.
+        live: the workers' live states and a stopped one's stacks; None: not read.
+        peers_reap: the reap of a peer that ended the round (named in the message).
     """
     for local_rank, pid in sorted(pids.items()):
         reap = reaped.get(pid)
         if reap is not None and reap.state in ("T", "t"):
-            return Failure(
-                cause=CAUSE_HANG,
-                node=round_.node,
-                round=round_.round,
-                rank=round_.rank(local_rank),
-                local_rank=local_rank,
-                signal=reap.signal,
-                message=f"{reap.why} (it was stopped, not waiting on a peer)",
-                stopped=True,
-            )
+            return _stopped(round_, local_rank, reap.signal, reap.why)
+    live = live or LiveStates()
+    for local_rank, pid in sorted(pids.items()):
+        if pid not in reaped and live.states.get(pid) == STOPPED_STATE:
+            why = f"stopped (process state {STOPPED_STATE}) outside any timer"
+            if pid in live.evidence:
+                why += f"; {live.evidence[pid]}"
+            if peers_reap is None:
+                why += "; the round ended"
+            else:
+                why += f"; its peers' timers expired waiting on it: {peers_reap.why}"
+            return _stopped(round_, local_rank, None, why)
     return None
 
 
+def _stopped(round_: RoundOf, local_rank: int, signal: int | None, why: str) -> Failure:
+    return Failure(
+        cause=CAUSE_HANG,
+        node=round_.node,
+        round=round_.round,
+        rank=round_.rank(local_rank),
+        local_rank=local_rank,
+        signal=signal,
+        message=f"{why} (it was stopped, not waiting on a peer)",
+        stopped=True,
+    )
+
+
 def classify_exit(
-    round_: RoundOf, msg: Exited, pids: Mapping[int, int], reaped: Mapping[int, ReapLike]
+    round_: RoundOf,
+    msg: Exited,
+    pids: Mapping[int, int],
+    reaped: Mapping[int, ReapLike],
+    live: LiveStates | None = None,
 ) -> Failure:
     """The failure a non-zero exit of a worker of this attempt stands for.
 
     - the worker was reaped (by the timer server, or killed at the in-process hard
-      timeout): ``CAUSE_HANG``, unless a stopped worker of this node was reaped too
-      (:func:`stopped_failure`): that one is the cause;
+      timeout): ``CAUSE_HANG``, unless a worker of this node was stopped (reaped so, or
+      stopped now, holding no timer: :func:`stopped_failure`): that one is the cause;
     - it could not be started (no pid, or an exit code of
       :data:`~kelastic_sidecar.failure.NOT_STARTED_EXIT_CODES`): ``CAUSE_START_FAILURE``;
+    - the kernel's OOM killer took it (the launcher's ``oom``): ``CAUSE_OOM``, with the
+      launcher's words (its container's memory limit);
     - else ``CAUSE_WORKER_FAILURE``, with its error file's message and its last lines.
 
     Args:
@@ -239,6 +293,7 @@ def classify_exit(
         msg: the launcher's ``exited`` message (its ``exitcode`` is not 0).
         pids: local rank -> pid of the attempt's workers (to find a stopped one).
         reaped: pid -> reap of the attempt.
+        live: the workers' live states (see :func:`stopped_failure`); None: not read.
     """
     pid = msg.pid  # None when the worker could not even be started
     reap = reaped.get(pid) if pid is not None else None
@@ -247,13 +302,15 @@ def classify_exit(
     if reap is not None:
         # Workers blocked in a collective on a stopped peer are reaped with it: name
         # the stopped one of this node, whichever exit was reported first.
-        culprit = stopped_failure(round_, pids, reaped)
+        culprit = stopped_failure(round_, pids, reaped, live, peers_reap=reap)
         if culprit is not None:
             return culprit
         message = reap.why
     cause = CAUSE_HANG if reap is not None else CAUSE_WORKER_FAILURE
     if reap is None and (pid is None or msg.exitcode in NOT_STARTED_EXIT_CODES):
         cause = CAUSE_START_FAILURE  # exec failed, or the command is not there
+    elif reap is None and msg.oom:
+        cause = CAUSE_OOM
     # Timed when its exception was raised (the error file's fault_time), when believable:
     # a fault re-raised after the sidecar gave up orders before what it caused in peers.
     raised = _believable(error.get("fault_time"))

@@ -32,7 +32,10 @@ with at least ``min_steps`` steps in their window, a rank whose median step time
 ``factor`` times the median of the *other* ranks' medians is a straggler (the others'
 median: with two ranks the node's median is their mean, which a 2x slower rank exceeds
 only by 1.33x). An episode begins when a rank becomes a straggler (logged once as a
-warning, counted by ``on_straggler``) and ends when it no longer is (logged once).
+warning, counted by ``on_straggler``) and ends when it no longer is (logged once). It is
+taken by :meth:`StepTimes.judge_if_due`, which the timer server calls after each loop turn
+(at most once a second, after a new step), outside its table's lock: :meth:`StepTimes.observe`
+runs under that lock, which the reaps wait on, so it only records.
 """
 
 from __future__ import annotations
@@ -168,8 +171,9 @@ class StepHistogram:
 
 class StepTimes:
     """Step times per local rank and the straggler episodes of one node (see the module
-    doc). Thread-safe: :meth:`observe` runs on the timer server's thread, :meth:`status`
-    on the HTTP server's.
+    doc). Thread-safe: :meth:`observe` (under the timer table's lock) and
+    :meth:`judge_if_due` run on the timer server's thread, :meth:`status` on the HTTP
+    server's.
 
     Args:
         settings: the verdict's knobs.
@@ -196,6 +200,7 @@ class StepTimes:
         self._windows: dict[tuple[int, str], deque[float]] = {}  # (rank, scope) -> steps
         self._episodes: dict[tuple[int, str], Straggler] = {}  # ongoing, by (rank, scope)
         self._last_verdict = -math.inf
+        self._stepped = False  # a step ended since the last verdict
         self._counts = [0] * (len(BUCKETS) + 1)  # per bucket (the last: above them all)
         self._sum = 0.0
         #: Steps dropped for a negative duration; scopes beyond :data:`MAX_SCOPES`.
@@ -253,9 +258,17 @@ class StepTimes:
             window.append(seconds)
             self._counts[bisect.bisect_left(BUCKETS, seconds)] += 1  # its bucket: <= bound
             self._sum += seconds
-            due = not 0.0 <= now - self._last_verdict < VERDICT_EVERY  # a clock step too
+            self._stepped = True
         if self._on_step is not None:
             self._on_step(seconds)
+
+    def judge_if_due(self) -> None:
+        """Take the verdict (:meth:`judge`) if a step ended since the last one and it was
+        at least :data:`VERDICT_EVERY` seconds ago (or the clock stepped back); else
+        nothing. Called by the timer server after each loop turn, outside its lock."""
+        with self._lock:
+            now = self._clock()
+            due = self._stepped and not 0.0 <= now - self._last_verdict < VERDICT_EVERY
         if due:
             self.judge()
 
@@ -292,7 +305,7 @@ class StepTimes:
         stragglers."""
         begun: list[Straggler] = []
         with self._lock:
-            self._last_verdict = self._clock()
+            self._last_verdict, self._stepped = self._clock(), False
             found = {
                 (s.local_rank, s.scope): s
                 for scope, medians in self._medians().items()

@@ -80,7 +80,6 @@ from .rendezvous import (
 )
 from .restart_budget import RestartRecordError
 from .round_end import (
-    RoundEnd,
     RoundEndKind,
     closed_outcome,
 )
@@ -341,25 +340,19 @@ class Supervisor:
                 self._report(ReportOutcome.FAILED, "trainer container (launcher) disconnected")
                 return EXIT_FAILED
             self._down_since = time.time()
-            pids = dict(self.workers.pids)  # stop forgets them; a stopped one is named below
+            if end.kind is not RoundEndKind.FAILED:  # a peer restarted first: was ours stopped?
+                self._last_failure = self.workers.stopped_failure(info) or self._last_failure
             self._stop_workers(end.reason or (end.failure.summary() if end.failure else ""))
             if end.kind is RoundEndKind.FAILED and end.failure is not None:
-                blamed = self.workers.blame_lost_peer(self.handler, info, end.failure)
-                end = RoundEnd(RoundEndKind.FAILED, blamed)
-                assert end.failure is not None
-                self._last_failure = end.failure
-                self._down_cause = end.failure.cause
-                verdict = failure_rules.verdict(self.cfg.failure_rules, end.failure, self.cfg.node)
-                if verdict.ends(verdict.charged and self._charge(end.failure)):
-                    return self._finish_failed(verdict, end.failure)
+                failure = self.workers.blame_lost_peer(self.handler, info, end.failure)
+                self._last_failure, self._down_cause = failure, failure.cause
+                verdict = failure_rules.verdict(self.cfg.failure_rules, failure, self.cfg.node)
+                if verdict.ends(verdict.charged and self._charge(failure)):
+                    return self._finish_failed(verdict, failure)
             else:
                 self._down_cause = FailureCause(end.reason or CAUSE_PEER)
                 self.metrics.restarts.labels(level="process", cause=self._down_cause).inc()
                 log.info("round %d: restarting the worker group (%s)", info.round, end.reason)
-                stopped = self.workers.stopped_failure(info, pids)
-                if stopped is not None:  # a peer restarted first, but it was waiting on ours
-                    self._last_failure = stopped
-                    log.error("round %d: %s", info.round, stopped.summary())
 
     def _rendezvous(self) -> RendezvousInfo:
         assert self.handler is not None

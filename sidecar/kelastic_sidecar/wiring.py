@@ -125,6 +125,7 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         grace=config.inprocess.timer_grace,
         collect=collect,
         observe=steps.observe,
+        after_turn=steps.judge_if_due,
     )
     metrics = SidecarMetrics(timer.stats, steps.histogram)
     # Every failed etcd call counts, the lease keep-alive's and the watches' included.

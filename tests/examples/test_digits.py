@@ -40,11 +40,14 @@ def test_digits_survives_a_kill_and_a_hang_and_reaches_90_percent(tmp_path: Path
     assert re.search(
         r"restart 1/3: worker_failure: rank 1 on digits-\d \(round \d+\) killed by SIGKILL", out
     )
-    # the stopped worker is named, not a peer whose timer expired while waiting for it
+    # the stopped worker is named, not a peer whose timer expired while waiting for it:
+    # reaped by its own timer when stopped inside a step, else (stopped between two steps,
+    # holding no timer) named by its process state
     assert re.search(
-        r"restart 2/3: hang: rank 2 on digits-1 \(round \d+\) killed by SIGKILL: timer "
+        r"restart 2/3: hang: rank 2 on digits-1 \(round \d+\)( killed by SIGKILL: timer "
         r"'train_step' expired; reaped by the timer server; (main thread at \S+train\.py:\d+ "
-        r"in \w+ \(stacks in \S+\)|stacks unavailable: [^(]+) \(it was stopped",
+        r"in \w+ \(stacks in \S+\)|stacks unavailable: [^(]+)|: stopped \(process state T\) "
+        r"outside any timer[;:]? .*?) \(it was stopped, not waiting on a peer\)",
         out,
     ), out
     assert out.count("resumed from checkpoint") >= 2, out

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.localrun import KelasticRun, write_job
 
 
@@ -55,6 +57,42 @@ def test_a_hung_worker_is_reaped_by_its_timer_and_the_group_restarts(tmp_path: P
     lost = run.time_lost(rank=0)
     print(f"\nFAULT worker-hang: time lost {lost:.2f}s (timer 1 s), 1 restart charged (hang)")
     assert lost < 30
+    assert "job succeeded" in out
+    assert run.strays() == []
+
+
+@pytest.mark.parametrize(
+    ("replicas", "nproc", "node", "ended"),
+    [
+        # its node-mate's timer expires: its own sidecar names it as it classifies the reap
+        pytest.param(1, 2, "steps-0", r"its peers' timers expired waiting on it: timer 'step' "
+                     r"expired; reaped by the timer server.*", id="peer-on-its-node"),
+        # the peer is on another node, whose restart ends the round: named before the stop
+        pytest.param(2, 1, "steps-1", r"the round ended", id="peer-on-another-node"),
+    ],
+)  # fmt: skip
+def test_a_worker_stopped_between_its_timers_is_named_not_the_peer_waiting_on_it(
+    tmp_path: Path, replicas: int, nproc: int, node: str, ended: str
+) -> None:
+    """Rank 1 stops itself between two steps: it holds no timer, so the timer server never
+    reaps it; rank 0 waits on it (a collective, here files) until its own timer expires.
+    The restart is named after the stopped rank, read from its process state, with where
+    it stopped (its stacks, read by py-spy: a dependency of the sidecar's extra)."""
+    job = write_job(
+        tmp_path / "job.yaml", replicas=replicas, nproc=nproc,
+        env={"STEPS_MAX": "8", "STEPS_TIMEOUT": "2", "STEPS_LOCKSTEP": str(tmp_path / "steps"),
+             "STEPS_STOP_RANK": "1", "STEPS_STOP_AT": "3"},
+    )  # fmt: skip
+    run = KelasticRun(job, workdir=tmp_path / "runs")
+    assert run.wait() == 0, run.output
+    out = run.output
+    assert re.search(
+        rf"restart 1/3: hang: rank 1 on {node} \(round 0\): stopped \(process state T\) "
+        rf"outside any timer; main thread at \S+steps\.py:\d+ in main \(stacks in \S+\); "
+        rf"{ended} \(it was stopped, not waiting on a peer\)",
+        out,
+    ), out
+    assert run.restarts_charged() == 1
     assert "job succeeded" in out
     assert run.strays() == []
 

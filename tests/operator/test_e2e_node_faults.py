@@ -160,11 +160,15 @@ def test_a_worker_oom_killed_under_the_containers_limit_is_named_in_the_root_cau
     k8s: Client, node_operator: OperatorContext, node: RealNode
 ) -> None:
     """The kernel's OOM killer takes a worker under the trainer container's memory limit
-    (cgroup v1 here): the job's root cause says it was the OOM killer, with the container's
-    limit and the rank, not a bare SIGKILL."""
+    (cgroup v1 here): the job's root cause says it was the OOM killer (cause ``oom``), with
+    the container's limit and the rank, not a bare SIGKILL; a FailJob rule on ``oom`` fails
+    the job at once, with its restart budget left."""
     k8s.claim("digits-checkpoints")
     doc = yaml.safe_load(job_manifest("oom", replicas=1, minReplicas=1, maxReplicas=1,
-                                      nprocPerNode=2, maxRestarts=0))  # fmt: skip
+                                      nprocPerNode=2, maxRestarts=3))  # fmt: skip
+    doc["spec"]["failurePolicy"] = {
+        "rules": [{"action": "FailJob", "onCauses": {"operator": "In", "values": ["oom"]}}]
+    }
     pod = doc["spec"]["template"]["spec"]
     pod.update(PLACEMENT)
     trainer = pod["containers"][0]
@@ -181,7 +185,9 @@ def test_a_worker_oom_killed_under_the_containers_limit_is_named_in_the_root_cau
     final = status()
     message = (final.get("lastFailure") or {}).get("message", "")
     assert "OOM killer" in message and "200 MiB" in message, final
-    assert "rank 1" in message, final
+    assert "oom: rank 1" in message, final
+    assert "rule 0 (FailJob: cause oom)" in message, final
+    assert final.get("restartsSpent") in (None, 0), final
 
 
 def test_kubectl_drain_evicts_the_pods_with_departure_notices_and_charges_nothing(

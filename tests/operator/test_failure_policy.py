@@ -104,8 +104,8 @@ BAD: list[tuple[Any, str, str]] = [
      "lists a value twice", "Duplicate value: 3"),
     ([{"action": "Ignore", "onSignals": {"operator": "In", "values": [65]}}],
      "less than or equal to 64", "spec.failurePolicy.rules[0].onSignals.values[0]"),
-    ([{"action": "Ignore", "onCauses": {"operator": "In", "values": ["oom"]}}],
-     "onCauses.values.0", 'Unsupported value: "oom"'),
+    ([{"action": "Ignore", "onCauses": {"operator": "In", "values": ["scale"]}}],
+     "onCauses.values.0", 'Unsupported value: "scale"'),
     ([{**FAIL_42, "onOOM": True}], "onOOM", "onOOM"),
 ]  # fmt: skip
 

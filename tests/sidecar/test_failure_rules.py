@@ -123,3 +123,17 @@ def test_the_config_reads_the_rules_and_refuses_malformed_ones() -> None:
         with pytest.raises(ConfigError) as err:
             SidecarConfig.from_env({**GOOD, ENV_FAILURE_POLICY: bad})
         assert f"{ENV_FAILURE_POLICY}: " in str(err.value) and words in str(err.value)
+
+
+def test_an_oom_rule_fails_the_job_before_a_signal_rule_sees_the_sigkill() -> None:
+    """An OOM kill is a SIGKILL too: an ``onCauses: [oom]`` FailJob rule put first keeps a
+    batch that does not fit from spending the budget, while other SIGKILLs go on to the
+    signal rule."""
+    rules = parse_rules([
+        {"action": "FailJob", "onCauses": {"operator": "In", "values": ["oom"]}},
+        {"action": "RestartPod", "onSignals": {"operator": "In", "values": [9]}},
+    ])  # fmt: skip
+    oom = verdict(rules, failure("oom", sig=9))
+    assert (oom.action, oom.rule) == (FailureAction.FAIL_JOB, "rule 0 (FailJob: cause oom)")
+    assert verdict(rules, failure(sig=9)).action is FailureAction.RESTART_POD
+    assert verdict((), failure("oom", sig=9)).action is FailureAction.COUNT  # no rule: counted

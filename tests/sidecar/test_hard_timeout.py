@@ -61,3 +61,29 @@ def test_a_failing_report_does_not_spare_the_rank() -> None:
                         SidecarMetrics(lambda: TimerStats()), on_kill)  # fmt: skip
     hard.kill(FakeSession(FakeHello(0, 90003), 90003), 1)  # type: ignore[arg-type]
     wait_for(lambda: killed == [90003], 10, what="the kill despite the failed report")
+
+
+def test_a_second_kill_of_a_pid_in_flight_starts_no_thread() -> None:
+    """A rank killed again while its first kill still reads its stacks (up to the
+    collector's budget) gets no second report or thread: kill threads never outnumber
+    the node's workers."""
+    reports: list[int] = []
+    killed: list[int] = []
+    release = threading.Event()
+
+    def on_kill(pid: int, why: str) -> None:
+        reports.append(pid)
+        assert release.wait(10)
+
+    metrics = SidecarMetrics(lambda: TimerStats())
+    hard = HardTimeouts(14.0, lambda: 0.0, lambda pid, sig: killed.append(pid), metrics, on_kill)
+    session = FakeSession(FakeHello(0, 90001), 90001)
+    threads = threading.active_count()
+    for _ in range(50):
+        assert hard.kill(session, 3) == 90001  # type: ignore[arg-type]
+    assert threading.active_count() <= threads + 1
+    release.set()
+    wait_for(lambda: threading.active_count() <= threads, 10, what="the kill thread ended")
+    assert killed == [90001] and reports == [90001]
+    hard.kill(session, 4)  # type: ignore[arg-type]  # done: a later kill goes ahead
+    wait_for(lambda: killed == [90001, 90001], 10, what=f"the second kill: {killed}")

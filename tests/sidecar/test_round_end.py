@@ -13,6 +13,7 @@ from kelastic_sidecar.assignment import build_assign
 from kelastic_sidecar.failure import (
     CAUSE_HANG,
     CAUSE_NODE_LOST,
+    CAUSE_OOM,
     CAUSE_PEER,
     CAUSE_SCALE,
     CAUSE_START_FAILURE,
@@ -21,6 +22,7 @@ from kelastic_sidecar.failure import (
 )
 from kelastic_sidecar.rendezvous.state import RoundCheck
 from kelastic_sidecar.round_end import (
+    LiveStates,
     RoundEnd,
     RoundEndKind,
     RoundOf,
@@ -130,6 +132,12 @@ EXITS = [
      {100: _reap(100), 101: _reap(101, "T", "fwd")}, CAUSE_HANG, 3,
      "timer 'fwd' expired; reaped by the timer server (it was stopped, not waiting on a peer)",
      True),
+    ("oom-killed", Exited(1, 1, 101, None, 9, {"message": "killed by the OOM killer: its "
+     "container's memory limit is 200 MiB"}, (), True), {},
+     CAUSE_OOM, 3, "killed by the OOM killer: its container's memory limit is 200 MiB", False),
+    ("a-reap-is-a-hang-even-if-oom-counted", Exited(1, 0, 100, None, 9, None, (), True),
+     {100: _reap(100)}, CAUSE_HANG, 2, "timer 'step' expired; reaped by the timer server",
+     False),
     ("stopped-peer-ignored-without-own-reap", Exited(1, 0, 100, 1, None, None, ()),
      {101: _reap(101, "t")}, CAUSE_WORKER_FAILURE, 2, "", False),
 ]  # fmt: skip
@@ -154,6 +162,43 @@ def test_classify_exit(
     assert failure.node == NODE and failure.round == 7
     if not stopped:
         assert failure.exitcode == msg.exitcode and failure.tail == msg.tail
+
+
+def test_a_hang_blames_a_stopped_peer_that_held_no_timer() -> None:
+    """A worker SIGSTOPped between two timers holds none, so the timer server never reaps
+    it; its peers' timers expire while they wait for it in a collective. Its live process
+    state (``T``, read by the caller before the workers are stopped) names it."""
+    msg = Exited(1, 0, 100, None, 9, None, ())
+    live = LiveStates({100: "S", 101: "T"}, {101: "main thread at /w/t.py:9 in f"})
+    got = classify_exit(ROUND, msg, PIDS, {100: _reap(100)}, live)
+    assert got.stopped and got.cause == CAUSE_HANG and (got.rank, got.local_rank) == (3, 1)
+    assert got.signal is None and got.exitcode is None  # not killed (yet): stopped
+    assert got.message == (
+        "stopped (process state T) outside any timer; main thread at /w/t.py:9 in f; its "
+        "peers' timers expired waiting on it: timer 'step' expired; reaped by the timer "
+        "server (it was stopped, not waiting on a peer)"
+    )
+    # a worker stopped by a tracer (py-spy reading stacks, a debugger) is not named live
+    assert not classify_exit(ROUND, msg, PIDS, {100: _reap(100)}, LiveStates({101: "t"})).stopped
+    # a plain failure (no reap) never looks for stopped peers
+    crash = Exited(1, 0, 100, 1, None, None, ())
+    assert not classify_exit(ROUND, crash, PIDS, {}, LiveStates({101: "T"})).stopped
+    # a peer reaped while stopped still comes first (it has its timer's words)
+    reaped = {100: _reap(100), 101: _reap(101, "T", "fwd")}
+    got = classify_exit(ROUND, msg, PIDS, reaped, LiveStates({100: "T"}))
+    assert got.local_rank == 1 and got.signal == 9 and "timer 'fwd' expired" in got.message
+
+
+def test_stopped_failure_names_a_live_stopped_worker_without_any_reap() -> None:
+    """A peer node restarted the round first: a worker of ours stopped then is named."""
+    got = stopped_failure(ROUND, PIDS, {}, LiveStates({100: "R", 101: "T"}))
+    assert got is not None and got.stopped and got.local_rank == 1 and got.signal is None
+    assert got.message == (
+        "stopped (process state T) outside any timer; the round ended "
+        "(it was stopped, not waiting on a peer)"
+    )
+    assert stopped_failure(ROUND, PIDS, {}, LiveStates({100: "S", 101: "D"})) is None
+    assert stopped_failure(ROUND, PIDS, {}) is None
 
 
 def test_stopped_failure_takes_the_lowest_stopped_local_rank() -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -18,13 +21,14 @@ from kelastic_sidecar.steptime import (
     ENV_STRAGGLER_FACTOR,
     ENV_STRAGGLER_MIN_STEPS,
     MAX_SCOPES,
+    VERDICT_EVERY,
     WINDOW,
     StepTimes,
     Straggler,
     StragglerSettings,
     stragglers,
 )
-from kelastic_sidecar.timer import TimerStats
+from kelastic_sidecar.timer import TimerServer, TimerStats
 from kelastic_sidecar.timer.table import TimerTable
 from tests.sidecar.test_sidecar_config import GOOD
 
@@ -139,9 +143,10 @@ def test_a_clock_going_backwards_drops_the_step_and_keeps_the_verdict_going() ->
     times.observe(100, "step", release=True)
     assert seen == [] and times.status()["steps_dropped_backwards"] == 1  # status judged
     clock.now -= 50.0  # back again, behind the last verdict
-    # the verdicts taken on the observing thread go on (no wait for the clock to catch up)
+    # the verdicts go on (no wait for the clock to catch up)
     steps_of(times, clock, 100, 0.125)
     steps_of(times, clock, 101, 2.0)
+    times.judge_if_due()
     assert seen == [0.125, 2.0]
     assert [(s.local_rank, s.ratio) for s in episodes] == [(1, 16.0)]
 
@@ -253,3 +258,62 @@ def test_the_timer_table_feeds_only_admitted_requests_of_watched_pids() -> None:
     send(4242, "step", 1e12, "forged")  # refused: not observed
     send(5555, "step", 1e12)  # unwatched: not observed
     assert seen == [(4242, "step", False), (4242, "step", True)]
+
+
+def test_the_verdict_is_taken_apart_from_observe_at_most_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``observe`` runs under the timer table's lock, which every reap waits on: it only
+    records. The verdict is ``judge_if_due``'s, which the timer server calls outside it:
+    after a new step, and at most once per ``VERDICT_EVERY`` seconds."""
+    times, clock, _, episodes = node(StragglerSettings(min_steps=1))
+    verdicts: list[float] = []
+    judge = times.judge
+    monkeypatch.setattr(times, "judge", lambda: verdicts.append(clock.now) or judge())
+    steps_of(times, clock, 100, 0.001)
+    steps_of(times, clock, 101, 0.01)
+    assert episodes == [] and verdicts == []  # observe never judges
+    times.judge_if_due()
+    assert [s.local_rank for s in episodes] == [1] and len(verdicts) == 1
+    steps_of(times, clock, 101, 0.001, n=WINDOW)  # it catches up, within the second
+    times.judge_if_due()
+    assert len(verdicts) == 1  # not due yet
+    clock.now += VERDICT_EVERY
+    times.judge_if_due()
+    assert len(verdicts) == 2 and times.status()["stragglers"] == []
+    clock.now += VERDICT_EVERY
+    times.judge_if_due()
+    assert len(verdicts) == 3  # status took one (the 3rd); no step since: none now
+    clock.now -= 10 * VERDICT_EVERY  # the clock stepped back: a verdict after a step
+    steps_of(times, clock, 100, 0.001)
+    times.judge_if_due()
+    assert len(verdicts) == 4
+
+
+def test_the_timer_server_calls_after_turn_outside_its_tables_lock(tmp_path: Path) -> None:
+    """The straggler verdict (``after_turn``) runs on the server's thread, in every loop
+    turn, but never under the table's lock, which the reaps and the supervisor's
+    watch/forget wait on."""
+    free: list[bool] = []
+
+    def after_turn() -> None:
+        lock = server._table.lock  # the lock under test
+        got = lock.acquire(blocking=False)
+        if got:
+            lock.release()
+        free.append(got)
+
+    server = TimerServer(tmp_path / "timer.fifo", after_turn=after_turn, access="owner")
+    server.start()
+    try:
+        fd = os.open(tmp_path / "timer.fifo", os.O_WRONLY | os.O_NONBLOCK)
+        deadline = time.monotonic() + 10
+        while len(free) < 3 and time.monotonic() < deadline:  # each line wakes a turn
+            line = {"version": 1, "pid": 4242, "scope_id": "step",
+                    "expiration_time": time.time() + 60, "signal": 9}  # fmt: skip
+            os.write(fd, json.dumps(line).encode() + b"\n")
+            time.sleep(0.01)  # pacing the writes, not waiting for a result
+        os.close(fd)
+    finally:
+        server.stop()
+    assert len(free) >= 3 and all(free), free

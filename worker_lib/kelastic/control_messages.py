@@ -414,8 +414,10 @@ class Started:
 @dataclass(frozen=True)
 class Exited:
     """``{"type": "exited", "attempt", "local_rank", "pid", "exitcode", "signal", "error",
-    "tail"}``: one worker ended. ``pid`` is None when it could not even be started;
-    ``error`` is its error file (:data:`kelastic.errors.ErrorInfo`) or None."""
+    "tail", "oom"}``: one worker ended. ``pid`` is None when it could not even be started;
+    ``error`` is its error file (:data:`kelastic.errors.ErrorInfo`) or None; ``oom``: the
+    kernel's OOM killer took it (its ``SIGKILL`` while the container's memory cgroup counted
+    an OOM kill; absent from an older launcher: false)."""
 
     type: ClassVar[str] = contract.MSG_EXITED
     attempt: int
@@ -425,6 +427,7 @@ class Exited:
     signal: int | None = None
     error: dict[str, Any] | None = None
     tail: tuple[str, ...] = ()
+    oom: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The wire form."""
@@ -437,6 +440,7 @@ class Exited:
             "signal": self.signal,
             "error": self.error,
             "tail": list(self.tail),
+            "oom": self.oom,
         }
 
 
@@ -502,6 +506,9 @@ def _parse_exited(msg: dict[str, Any]) -> Exited:
         raise ProtocolError("'exited' message: 'error' must be an object or null")
     if tail is not None and not (isinstance(tail, list) and all(isinstance(t, str) for t in tail)):
         raise ProtocolError("'exited' message: 'tail' must be a list of strings or null")
+    oom = msg.get("oom", False)
+    if type(oom) is not bool:
+        raise ProtocolError(f"'exited' message: 'oom' must be true or false, got {oom!r:.40}")
     return Exited(
         attempt=attempt,
         local_rank=local_rank,
@@ -510,6 +517,7 @@ def _parse_exited(msg: dict[str, Any]) -> Exited:
         signal=sig,
         error=error,
         tail=tuple(tail or ()),
+        oom=oom,
     )
 
 
@@ -521,7 +529,7 @@ def parse_launcher_message(line: bytes) -> LauncherMessage:
     of at most 19 digits, finite numbers). Known types are checked: ``hello`` (``pid``,
     ``nproc`` in 1..:data:`MAX_NPROC`), ``started`` (``attempt``, ``pids`` mapping
     local ranks to pids, ``warm``), ``exited`` (``attempt``, ``local_rank``, ``pid``,
-    ``exitcode``, ``signal`` in 1..64, ``error`` object, ``tail`` strings),
+    ``exitcode``, ``signal`` in 1..64, ``error`` object, ``tail`` strings, ``oom`` bool),
     ``stopped`` (``attempt``). Other types decode as :class:`Unknown` (a string
     ``type`` of 1..64 characters).
 

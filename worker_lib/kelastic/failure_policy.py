@@ -11,8 +11,10 @@ matches one thing, with an operator (``In`` / ``NotIn``) and values:
   server is a ``SIGKILL`` too: put a ``onCauses`` rule for ``hang`` first to tell them
   apart);
 - ``onCauses``: kelastic's :class:`FailureCause` of the failure (:data:`RULE_CAUSES`:
-  ``worker_failure``, ``hang``, ``node_lost``, ``start_failure``; scale events and peers'
-  restarts are never failures).
+  ``worker_failure``, ``hang``, ``node_lost``, ``start_failure``, ``oom``; scale events and
+  peers' restarts are never failures). An OOM kill is a ``SIGKILL`` too: a ``FailJob``
+  rule for ``oom`` stops a job whose batch does not fit from spending its budget on
+  restarts that meet the same limit.
 
 ``NotIn`` matches a failure that has the thing matched (an exit code, a signal) and whose
 value is not listed. No rule matching leaves today's behaviour: a ``start_failure`` fails
@@ -71,7 +73,7 @@ class FailurePolicyError(ValueError):
 class FailureCause(enum.StrEnum):
     """Why a round failed or restarted, as recorded in the restart history, a node's
     report and the ``cause`` label of ``kelastic_restarts_total``; the failure rules name
-    the first four (:data:`RULE_CAUSES`)."""
+    the failures (:data:`RULE_CAUSES`)."""
 
     #: A worker exited non-zero or was killed.
     WORKER_FAILURE = "worker_failure"
@@ -83,6 +85,9 @@ class FailureCause(enum.StrEnum):
     #: executable, not found): a restart cannot help, so, unless a rule says otherwise,
     #: the job fails at once without spending the budget.
     START_FAILURE = "start_failure"
+    #: A worker the kernel's OOM killer took (its container's memory cgroup counted the
+    #: kill as it died of ``SIGKILL``: the launcher's ``oom`` in its ``exited`` message).
+    OOM = "oom"
     #: Nodes joined or left; never charged to the budget.
     SCALE = "scale"
     #: Another node restarted the group; never charged.
@@ -95,6 +100,7 @@ RULE_CAUSES: Final = (
     FailureCause.HANG,
     FailureCause.NODE_LOST,
     FailureCause.START_FAILURE,
+    FailureCause.OOM,
 )
 
 

@@ -558,7 +558,8 @@ class Launcher:
                 }
             else:
                 error = _cap_error(read_error_file(worker.spec.error_file))
-            error = error or self._oom.error_for(worker.signal)
+            oom = self._oom.error_for(worker.signal) if error is None else None
+            error = error or oom
             spec = worker.spec
             failed = worker.returncode != 0
             logger.log(
@@ -582,6 +583,7 @@ class Launcher:
                 signal=worker.signal,
                 error=dict(error) if error is not None else None,
                 tail=tuple(worker.tail),
+                oom=oom is not None,
             )
             worker.reported = True
             self._send(message)

@@ -8,7 +8,8 @@ records it as a reap, as it does the timer server's, so one place holds every ha
 the worker's exit, which can only follow the kill, always finds it there. Report and
 kill run on a thread of their own per rank (``on_kill`` reads the worker's stacks within
 a budget of seconds): ranks killed together are read together, and the coordinator's
-loop never waits on them.
+loop never waits on them. At most one kill of a pid is in flight (a second kill of it
+meanwhile is dropped), so there are never more kill threads than the node's workers.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class HardTimeouts:
         self._kill = kill
         self._metrics = metrics
         self._at: dict[int, float] = {}  # local rank -> when it is SIGKILLed
+        self._lock = threading.Lock()  # guards _killing (the kill threads end under it)
+        self._killing: set[int] = set()  # pids whose kill is in flight
 
     def arm(self, local_rank: int) -> None:
         """``local_rank`` was sent an ``abort``: its deadline, unless one runs already."""
@@ -100,7 +103,8 @@ class HardTimeouts:
         """Start the SIGKILL of ``session``'s rank, which did not pass the termination
         barrier of ``iteration`` in time (or ``why``, another reason: a silent rank whose
         restart could not be recorded): ``on_kill``, then the signal, on a thread of its
-        own; return its pid (None: none to kill, logged). Raises nothing."""
+        own; return its pid (None: none to kill, logged; its pid, doing nothing, while
+        a kill of it is in flight). Raises nothing."""
         assert session.hello is not None
         local_rank = session.hello.local_rank
         pid = victim_pid(session)
@@ -110,6 +114,11 @@ class HardTimeouts:
         if why is None:
             why = (f"no termination barrier of iteration {iteration} within the hard timeout "
                    f"({self._hard_timeout:g} s)")  # fmt: skip
+        with self._lock:
+            if pid in self._killing:
+                log.info("local rank %d (pid %d): its kill is already under way", local_rank, pid)
+                return pid
+            self._killing.add(pid)
         log.error("local rank %d (pid %d): %s; killing it", local_rank, pid, why)
         threading.Thread(target=self._kill_now, args=(pid, why), name="inprocess-kill",
                          daemon=True).start()  # fmt: skip
@@ -128,3 +137,6 @@ class HardTimeouts:
             self._metrics.inprocess_killed.inc()
         except OSError as exc:
             log.error("killing pid %d failed: %s", pid, exc)
+        finally:
+            with self._lock:
+                self._killing.discard(pid)
