@@ -23,11 +23,12 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kelastic.control_messages import Exited, Hello, Promote, Respawn, Started, Stop, Stopped
 from kelastic.failure_policy import FailureRule
+from kelastic.hang_where import HangWhere
 from kelastic_etcd import EtcdError
 
 from .control import ControlServer, Disconnected, Message
@@ -39,13 +40,11 @@ from .events import (
     SparePromoted,
     WorkerReaped,
 )
-from .failure import CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
+from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
 from .failure_rules import in_process_allowed
 from .inprocess import respawn_failure
 from .rendezvous import RendezvousError
 from .round_end import (
-    STOPPED_STATE,
-    LiveStates,
     RoundEnd,
     RoundEndKind,
     RoundOf,
@@ -56,7 +55,7 @@ from .round_end import (
     stopped_failure,
 )
 from .steptime import StepTimes
-from .timer import process_state
+from .witness import observe, where_ranks_were
 
 if TYPE_CHECKING:  # annotations only
     from .inprocess import InProcessCoordinator
@@ -121,6 +120,9 @@ class AttemptMonitor:
         self.reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
         self.respawned: set[int] = set()  # local ranks started again this attempt
         self.promoted: set[int] = set()  # local ranks a spare took over, until its started
+        #: Where each worker was when the latest hung round ended (:meth:`before_stop`);
+        #: None before any hang.
+        self.where: HangWhere | None = None
         self.watch_stop = threading.Event()
         self._rdzv_queued = threading.Event()  # a RendezvousChanged waits in the queue
 
@@ -281,27 +283,33 @@ class AttemptMonitor:
         log.warning("round %d: %s; it explains %s", info.round, lost.summary(), failure.summary())
         return blame_lost_peer(failure, lost)
 
-    def stopped_failure(self, info: RendezvousInfo) -> Failure | None:
-        """The hang of a worker of this attempt reaped while stopped, or stopped now (see
-        :func:`~.round_end.stopped_failure`; its stacks read), logged. For a round a peer
-        restarted, whose workers may have waited on ours: call it before the workers are
-        stopped (the stop ends a stopped worker, and its state with it)."""
-        stopped = stopped_failure(
-            self.round_of(info), self.pids, self.reaped, self.observe(self.pids)
-        )
-        if stopped is not None:
-            log.error("round %d: %s", info.round, stopped.summary())
-        return stopped
+    def before_stop(
+        self, info: RendezvousInfo, end: RoundEnd, peers_cause: Callable[[int], str | None]
+    ) -> Failure | None:
+        """What is read of the workers as the round ends, before they are stopped (the
+        stop ends a stopped worker, and what it was doing with it; :mod:`.witness`).
 
-    def observe(self, pids: Mapping[int, int]) -> LiveStates:
-        """The live process states of ``pids`` (local rank -> pid; ``""`` once gone), and
-        the stacks of those stopped and not reaped (read by the timer server's collector,
-        within its budget): a worker stopped between two timers holds none, and is named
-        by its state alone."""
-        states = {pid: process_state(pid) for pid in pids.values()}
-        stopped = [p for p, s in states.items() if s == STOPPED_STATE and p not in self.reaped]
-        found = self._timer.evidence(stopped) if stopped else {}
-        return LiveStates(states, {pid: ev.line() for pid, ev in found.items()})
+        For a round a peer restarted, whose workers may have waited on ours: the hang of
+        a worker of ours reaped while stopped or stopped now
+        (:func:`~.round_end.stopped_failure`), logged and returned. For a hung round,
+        ours (``end``'s failure) or a peer's (``peers_cause(round)``: the restart
+        record's cause of the round, asked only then): where each of our workers was,
+        into :attr:`where` and the log."""
+        failed = end.kind is RoundEndKind.FAILED
+        round_ = self.round_of(info)
+        stopped = None
+        if not failed:
+            live = observe(self._timer, self.pids, self.reaped)
+            stopped = stopped_failure(round_, self.pids, self.reaped, live)
+            if stopped is not None:
+                log.error("round %d: %s", info.round, stopped.summary())
+        failure = end.failure if failed else stopped
+        if (failure is not None and failure.cause == CAUSE_HANG) or (
+            not failed and peers_cause(info.round) == CAUSE_HANG
+        ):
+            self.where = where_ranks_were(self._timer, round_, self.pids, self.reaped)
+            log.warning("round %d hung; where each worker was: %s", info.round, self.where.line())
+        return stopped
 
     def on_reaped(self, ev: ReapEvent) -> None:
         """A hung worker was killed: by the timer server, or by the in-process hard
@@ -363,7 +371,7 @@ class AttemptMonitor:
                 return RoundEnd(RoundEndKind.SUCCEEDED)
             return None
         hung = msg.pid is not None and msg.pid in self.reaped  # then a stopped peer is named
-        live = self.observe(self.pids) if hung else None
+        live = observe(self._timer, self.pids, self.reaped) if hung else None
         failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped, live)
         if msg.local_rank in self.respawned:
             failure = respawn_failure(failure)

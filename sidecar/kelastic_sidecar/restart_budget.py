@@ -30,7 +30,7 @@ from typing import Any
 
 from kelastic import etcd_values
 from kelastic.contract import Keys
-from kelastic_etcd import EtcdClient
+from kelastic_etcd import EtcdClient, EtcdError
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
@@ -170,6 +170,18 @@ class RestartBudget:
         record = RestartRecord() if got is None else decode_record(got[0], self._key)
         self._known = max(self._known, record.count)
         return record
+
+    def last_cause(self, round_: int) -> str | None:
+        """The cause charged for ``round_`` when it is the record's last charge (e.g. a
+        peer's ``hang``, read as that peer restarts the round); None when not, or when
+        the record cannot be read (logged)."""
+        try:
+            history = self.read().history
+        except (EtcdError, RestartRecordError) as exc:
+            log.warning("cannot read the restart record: %s", exc)
+            return None
+        last = history[-1] if history else {}
+        return str(last.get("cause")) if last.get("round") == round_ else None
 
     def charge(self, round_: int, cause: str, node: str, detail: dict[str, Any]) -> BudgetCharge:
         """Spend one restart for a failure of ``round_``, unless that round was charged.

@@ -14,6 +14,11 @@ time, or takes its fault's when that is believable): no etcd, no processes, no l
 like ``reconcile``, with tables of inputs (``tests/sidecar/test_round_end.py``). The inputs
 it reads are described structurally (:class:`ReapLike`, :class:`CheckLike`), so it
 needs neither the timer server nor the rendezvous handler.
+
+Over ~400 lines because every way a round ends is decided here side by side (a check, an
+exit, a stopped culprit, a lost peer, a closed rendezvous), on the same input types and
+tested as one table: split, each cause's precedence over the others would be spread
+over modules.
 """
 
 from __future__ import annotations

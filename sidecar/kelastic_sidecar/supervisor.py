@@ -215,6 +215,7 @@ class Supervisor:
             "etcd_unreachable": self.etcd_health.outage(),
             "inprocess": self.inprocess.status(),
             "step_times": self.workers.steps.status(),
+            "hang_evidence": self.workers.where.as_dict() if self.workers.where else None,
         }
 
     def run(self) -> int:
@@ -340,8 +341,8 @@ class Supervisor:
                 self._report(ReportOutcome.FAILED, "trainer container (launcher) disconnected")
                 return EXIT_FAILED
             self._down_since = time.time()
-            if end.kind is not RoundEndKind.FAILED:  # a peer restarted first: was ours stopped?
-                self._last_failure = self.workers.stopped_failure(info) or self._last_failure
+            stopped = self.workers.before_stop(info, end, self.budget.last_cause)
+            self._last_failure = stopped or self._last_failure  # a peer restarted: ours stopped
             self._stop_workers(end.reason or (end.failure.summary() if end.failure else ""))
             if end.kind is RoundEndKind.FAILED and end.failure is not None:
                 failure = self.workers.blame_lost_peer(self.handler, info, end.failure)

@@ -52,6 +52,13 @@ def test_a_hung_worker_is_reaped_by_its_timer_and_the_group_restarts(tmp_path: P
     assert "fault: SIGSTOP rank 0" in out
     assert "restart 1/3: hang: rank 0 on steps-0 (round 0) killed by SIGKILL" in out
     assert "timer 'step' expired" in out
+    # the other node's sidecar read where its worker was as the round hung (the restart
+    # record's cause), before stopping it
+    assert re.search(
+        r"hang in round 0 on steps-1: rank 1 \(state [RS]\): main thread at \S+steps\.py:\d+ "
+        r"in (main|_wait_for_peers) \(stacks in \S+rank-1-pid-\d+\.txt\)",
+        out,
+    ), out
     assert run.restarts_charged() == 1
     assert min(_resumed_steps(out)[2:]) > 0 and int(ckpt.read_text()) == 60
     lost = run.time_lost(rank=0)
@@ -92,6 +99,12 @@ def test_a_worker_stopped_between_its_timers_is_named_not_the_peer_waiting_on_it
         rf"{ended} \(it was stopped, not waiting on a peer\)",
         out,
     ), out
+    # where every rank was, on every node: the stopped one, and the one waiting for it
+    stacks = r"main thread at \S+steps\.py:\d+ in {} \(stacks in \S+\)"
+    assert re.search(rf"hang in round 0 on {node}: .*rank 1 \(stopped\): " + stacks.format("main"),
+                     out), out  # fmt: skip
+    assert re.search(r"hang in round 0 on steps-0: rank 0 \(reaped\): "
+                     + stacks.format("_wait_for_peers"), out), out  # fmt: skip
     assert run.restarts_charged() == 1
     assert "job succeeded" in out
     assert run.strays() == []

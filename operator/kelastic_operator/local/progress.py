@@ -20,6 +20,8 @@ from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any
 
+from kelastic.hang_where import decode_where
+
 from ..model import ElasticJob
 from .inprocess_lines import (
     NOT_YET,
@@ -95,7 +97,7 @@ class ProgressReporter:
     def __init__(self, job: ElasticJob, say: Callable[[str], None]) -> None:
         self.spec = job.spec
         self.say = say
-        self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}}
+        self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}, "hung": {}}
         #: In-process restarts: the last iteration said, the count, when the next was seen.
         self._inproc: dict[str, Any] = {"said": 0, "restarts": 0, "seen_at": None,
                                         "open": None, "corrupt": set()}  # fmt: skip
@@ -144,6 +146,7 @@ class ProgressReporter:
                 self.say(f"{what}: {root_cause(failures, charges)}")
                 self._seen["spent"] = spent
                 del self._seen["spent_at"]
+        self._say_hangs(statuses)
         if rnd is not None and rnd != self._seen["round"]:
             ws = next(s.get("world_size") for s in running if s["round"] == rnd)
             nodes = next(s.get("group_world_size") for s in running if s["round"] == rnd)
@@ -152,6 +155,17 @@ class ProgressReporter:
                 f"round {rnd}: world size {ws} ({nodes} nodes x {self.spec.nproc_per_node}),"
                 f" restarts {spent}/{self.spec.max_restarts}"
             )
+
+    def _say_hangs(self, statuses: list[dict[str, Any]]) -> None:
+        """Say, once per node and hung round, where each of its workers was as the round
+        ended (the sidecar's ``hang_evidence``, :mod:`kelastic.hang_where`): the stopped
+        rank and those waiting for it, on every node."""
+        said: dict[str, int] = self._seen["hung"]
+        for status in statuses:
+            where = decode_where(status.get("hang_evidence"))
+            if where is not None and said.get(where.node, -1) < where.round:
+                said[where.node] = where.round
+                self.say(f"hang in round {where.round} on {where.node}: {where.line()}")
 
     def _poll_inprocess(self, statuses: list[dict[str, Any]]) -> None:
         """Say each in-process restart once (see :func:`inprocess_line`), each corrupt

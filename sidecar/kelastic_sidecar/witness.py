@@ -1,0 +1,68 @@
+"""What is read of a node's workers as a round ends, before they are stopped (the stop
+ends a stopped worker, and what it was doing with it): plain functions over the attempt's
+pids and reaps, reading ``/proc`` and the workers' stacks through an :class:`EvidenceSource`
+(the timer server's collector).
+
+- :func:`observe`: each worker's process state, and the stacks of the stopped ones that
+  were not reaped: a worker stopped between two timers holds none, and only its state
+  names it (:func:`~kelastic_sidecar.round_end.stopped_failure` decides with it).
+- :func:`where_ranks_were`: where each worker was as a round hung (issue 23's evidence
+  from every rank, not only the reaped one): a reaped worker's stacks as its reap read
+  them, the others' read now, each with its process state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kelastic.hang_where import HangWhere, RankWhere
+
+from .round_end import STOPPED_STATE, LiveStates, RoundOf
+from .timer import ReapEvent, process_state
+
+if TYPE_CHECKING:  # annotations only
+    from .hang_evidence import Evidence
+
+__all__ = ["EvidenceSource", "observe", "where_ranks_were"]
+
+
+class EvidenceSource(Protocol):
+    """Reads workers' stacks (:meth:`kelastic_sidecar.timer.TimerServer.evidence`)."""
+
+    def evidence(self, pids: Sequence[int]) -> dict[int, Evidence]:
+        """pid -> its stacks, read in parallel within the collector's budget."""
+        ...
+
+
+def observe(
+    source: EvidenceSource, pids: Mapping[int, int], reaped: Mapping[int, ReapEvent]
+) -> LiveStates:
+    """The live process states of ``pids`` (local rank -> pid; ``""`` once gone), and the
+    stacks of those stopped (``T``) and not in ``reaped`` (pid -> reap)."""
+    states = {pid: process_state(pid) for pid in pids.values()}
+    stopped = [p for p, s in states.items() if s == STOPPED_STATE and p not in reaped]
+    found = source.evidence(stopped) if stopped else {}
+    return LiveStates(states, {pid: ev.line() for pid, ev in found.items()})
+
+
+def where_ranks_were(
+    source: EvidenceSource, round_: RoundOf, pids: Mapping[int, int],
+    reaped: Mapping[int, ReapEvent],
+) -> HangWhere:  # fmt: skip
+    """Where each worker of ``pids`` (local rank -> pid) was as ``round_`` hung: a reaped
+    one's stacks and state as its reap (in ``reaped``) read them, the others' read now
+    (``T``: stopped, the likely culprit; ``S``: sleeping, e.g. waiting in a collective)."""
+    live = [pid for pid in pids.values() if pid not in reaped]
+    states = {pid: process_state(pid) for pid in live}
+    found = source.evidence(live) if live else {}
+    ranks: list[RankWhere] = []
+    for local_rank, pid in sorted(pids.items()):
+        reap = reaped.get(pid)
+        evidence = reap.evidence if reap is not None else found.get(pid)
+        state = reap.state if reap is not None else states.get(pid, "")
+        where = evidence.line() if evidence is not None else "stacks not read"
+        ranks.append(
+            RankWhere(round_.rank(local_rank), local_rank, pid, state, reap is not None, where)
+        )
+    return HangWhere(round_.round, round_.node, tuple(ranks))
