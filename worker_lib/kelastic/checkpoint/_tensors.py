@@ -7,12 +7,20 @@ functions that need it import it when called.
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
+import warnings
+import zlib
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .slot_format import DTYPE_SIZES, TENSOR_ALIGN, TensorEntry
+from .slot_format import DTYPE_SIZES, TENSOR_ALIGN, SlotFormatError, TensorEntry, chunk_crcs
 from .tree import TreeError
+
+#: Most threads copying and checking a payload at once (:func:`read_verified`).
+MAX_READ_THREADS = 8
 
 
 def is_tensor(value: Any) -> bool:
@@ -78,9 +86,62 @@ def stage(buffer: Any, payload_offset: int, items: Sequence[TensorEntry],
         del whole
 
 
-def tensors_from(buffer: bytearray, items: Sequence[TensorEntry]) -> list[Any]:
-    """The tensors of ``items`` as views of ``buffer`` (the payload read back; the
-    tensors keep it alive, so nothing is copied again)."""
+def read_verified(src: Any, offset: int, length: int, table: bytes, chunk_size: int) -> Any:
+    """``length`` bytes of ``src`` (a slot's map) from ``offset``, copied into fresh memory
+    chunk by chunk, each chunk checked against ``table`` (its crc32s) once copied, while it
+    is still in the CPU's caches: what the caller gets is what was checked. Returns the
+    copy as a ``uint8`` tensor over an anonymous map (its pages are first touched by
+    the copy, not zeroed beforehand).
+
+    Chunks are copied and checked by up to :data:`MAX_READ_THREADS` threads (the CPUs
+    this process may use): ``Tensor.copy_`` and ``zlib.crc32`` both release the GIL, so
+    the copy, its page faults and the checksums run in parallel (a restart's load is
+    bounded by the memory's bandwidth, not one core's).
+
+    Raises:
+        SlotFormatError: the table does not fit the length, or a chunk fails its crc32
+            (named with its range).
+    """
+    import torch
+
+    expected = chunk_crcs(table, length, chunk_size)
+    buffer = mmap.mmap(-1, max(length, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(buffer, dtype=torch.uint8, count=length) if length else None
+    # Held in a list that is emptied at the end: a tensor over the slot's map exports its
+    # buffer, and a map with an export alive (in a traceback's frame) cannot be closed.
+    sources = []
+    if length:
+        with warnings.catch_warnings():  # a read-only map: torch warns that it could write
+            warnings.simplefilter("ignore", UserWarning)
+            sources.append(torch.frombuffer(src, dtype=torch.uint8, count=length, offset=offset))
+
+    def one(index: int) -> None:
+        start = index * chunk_size
+        end = min(start + chunk_size, length)
+        assert whole is not None
+        whole[start:end].copy_(sources[0][start:end])
+        with memoryview(buffer) as view:
+            if zlib.crc32(view[start:end]) != expected[index]:
+                raise SlotFormatError(
+                    f"payload chunk {index} (bytes {start}..{end}) fails its crc32"
+                )
+
+    workers = max(1, min(MAX_READ_THREADS, len(os.sched_getaffinity(0)), len(expected)))
+    try:
+        if workers == 1:
+            for index in range(len(expected)):
+                one(index)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="kelastic-load") as pool:
+                list(pool.map(one, range(len(expected))))  # the first error is raised
+    finally:
+        sources.clear()  # no export of the slot's map outlives the read
+    return whole if whole is not None else torch.empty(0, dtype=torch.uint8)
+
+
+def tensors_from(whole: Any, items: Sequence[TensorEntry]) -> list[Any]:
+    """The tensors of ``items`` as views of ``whole`` (the payload read back, a ``uint8``
+    tensor: :func:`read_verified`; the tensors keep it alive, so nothing is copied again)."""
     import torch
 
     out = []
@@ -89,7 +150,6 @@ def tensors_from(buffer: bytearray, items: Sequence[TensorEntry]) -> list[Any]:
         if entry.nbytes == 0:
             out.append(torch.empty(entry.shape, dtype=dtype))
             continue
-        count = entry.nbytes // DTYPE_SIZES[entry.dtype]
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=entry.offset)
+        flat = whole[entry.offset : entry.offset + entry.nbytes].view(dtype)
         out.append(flat.view(entry.shape))
     return out

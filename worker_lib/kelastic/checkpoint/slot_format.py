@@ -83,7 +83,7 @@ __all__ = [
     "SlotHeader",
     "TensorEntry",
     "chunk_checksums",
-    "copy_verified",
+    "chunk_crcs",
     "decode_commit",
     "decode_header",
     "decode_manifest",
@@ -236,39 +236,31 @@ def encode_table(checksums: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(checksums)}I", *checksums)
 
 
+def chunk_crcs(table: bytes, length: int, chunk_size: int) -> tuple[int, ...]:
+    """The crc32 of each ``chunk_size``-byte chunk of a ``length``-byte payload, read
+    from its chunk ``table``.
+
+    Raises:
+        SlotFormatError: the table's size does not match the payload's chunks.
+    """
+    count = -(-length // chunk_size)
+    if len(table) != 4 * count:
+        raise SlotFormatError(f"checksum table of {len(table)} bytes for {count} chunks")
+    return struct.unpack(f"<{count}I", table)
+
+
 def verify_chunks(payload: memoryview, table: bytes, chunk_size: int) -> None:
-    """Check ``payload`` against the chunk ``table``.
+    """Check ``payload`` against the chunk ``table`` (the sidecar's scan; a load copies
+    and checks at once: ``kelastic.checkpoint._tensors.read_verified``).
 
     Raises:
         SlotFormatError: the table's size does not match, or a chunk's crc32 differs
             (the message names the chunk and its byte range).
     """
-    count = -(-len(payload) // chunk_size)
-    if len(table) != 4 * count:
-        raise SlotFormatError(f"checksum table of {len(table)} bytes for {count} chunks")
-    expected = struct.unpack(f"<{count}I", table)
+    expected = chunk_crcs(table, len(payload), chunk_size)
     for index, start in enumerate(range(0, len(payload), chunk_size)):
         if zlib.crc32(payload[start : start + chunk_size]) != expected[index]:
             end = min(start + chunk_size, len(payload))
-            raise SlotFormatError(f"payload chunk {index} (bytes {start}..{end}) fails its crc32")
-
-
-def copy_verified(src: memoryview, dst: memoryview, table: bytes, chunk_size: int) -> None:
-    """Copy ``src`` (a slot's payload) into ``dst`` chunk by chunk, checking each copied
-    chunk against the ``table`` while it is still in the CPU's caches: what the caller
-    gets is what was checked.
-
-    Raises:
-        SlotFormatError: sizes differ, or a chunk fails its crc32 (named with its range).
-    """
-    count = -(-len(src) // chunk_size)
-    if len(dst) != len(src) or len(table) != 4 * count:
-        raise SlotFormatError(f"checksum table of {len(table)} bytes for {count} chunks")
-    expected = struct.unpack(f"<{count}I", table)
-    for index, start in enumerate(range(0, len(src), chunk_size)):
-        end = min(start + chunk_size, len(src))
-        dst[start:end] = src[start:end]
-        if zlib.crc32(dst[start:end]) != expected[index]:
             raise SlotFormatError(f"payload chunk {index} (bytes {start}..{end}) fails its crc32")
 
 

@@ -46,7 +46,7 @@ from typing import Any, Final
 
 from ._handle import SaveHandle
 from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
-from ._tensors import entries, is_tensor, stage, tensors_from
+from ._tensors import entries, is_tensor, read_verified, stage, tensors_from
 from .slot_format import (
     COMMIT_OFFSET,
     HEADER_SIZE,
@@ -54,7 +54,7 @@ from .slot_format import (
     SlotFormatError,
     SlotHeader,
     chunk_checksums,
-    copy_verified,
+    chunk_crcs,
     decode_commit,
     decode_header,
     decode_manifest,
@@ -336,17 +336,14 @@ class CheckpointStore:
         if zlib.crc32(raw) != h.manifest_crc:
             raise SlotFormatError("the manifest fails its crc32")
         manifest = decode_manifest(raw, payload_len=lay.payload_len)
-        buffer = bytearray(lay.payload_len)
         assert f.map is not None
-        with memoryview(f.map) as src, memoryview(buffer) as dst:
-            payload = src[lay.payload_offset : lay.payload_offset + lay.payload_len]
-            try:
-                copy_verified(payload, dst, table, lay.chunk_size)
-            finally:
-                payload.release()
+        if manifest.tensors:  # torch is imported: the state has tensors
+            whole = read_verified(f.map, lay.payload_offset, lay.payload_len, table, lay.chunk_size)
+        else:  # nothing to copy: the (empty) payload's table is checked all the same
+            chunk_crcs(table, lay.payload_len, lay.chunk_size)
         if decode_commit(f.read(COMMIT_OFFSET, 16), h.header_crc) != h.seq:
             raise SlotFormatError("the slot was rewritten while it was read")
-        tensors = tensors_from(buffer, manifest.tensors) if manifest.tensors else []
+        tensors = tensors_from(whole, manifest.tensors) if manifest.tensors else []
         return build(manifest.tree, tensors)
 
     # ------------------------------------------------------------------ closing
