@@ -55,6 +55,7 @@ from .round_end import (
     stopped_failure,
 )
 from .steptime import StepTimes
+from .stopped_watch import StoppedWatch
 from .witness import observe, where_ranks_were
 
 if TYPE_CHECKING:  # annotations only
@@ -87,6 +88,8 @@ class AttemptMonitor:
         rules: ``spec.failurePolicy.rules``: an exit whose rule says ``FailJob`` or
             ``RestartPod`` is not offered to ``inprocess``
             (:func:`~.failure_rules.in_process_allowed`).
+        stopped_timeout: seconds a worker may stay stopped before it is killed as hung
+            (:mod:`~.stopped_watch`); 0: never (in-process restart's silence watch).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class AttemptMonitor:
         inprocess: InProcessCoordinator | None = None,
         steps: StepTimes | None = None,
         rules: Sequence[FailureRule] = (),
+        stopped_timeout: float = 0.0,
     ) -> None:
         self.node = node
         self.nproc = nproc
@@ -112,6 +116,10 @@ class AttemptMonitor:
         self._inprocess = inprocess
         self.steps = steps or StepTimes()
         self._rules = tuple(rules)
+        # a worker stopped past it is killed as hung (polled by the rendezvous watch)
+        self._stopped = StoppedWatch(
+            stopped_timeout, timer, lambda reap: events.put(WorkerReaped(reap))
+        )
         self.attempt = 0
         self.pids: dict[int, int] = {}  # local rank -> pid
         # local rank -> its timer token this attempt (see kelastic_sidecar.timer.server)
@@ -247,6 +255,7 @@ class AttemptMonitor:
                 log.warning("watching the rendezvous failed: %s", exc)
                 self.watch_stop.wait(0.5)
                 changed = True
+            self._stopped.poll(dict(self.pids))  # about once a second
             recheck = handler.take_recheck()  # a grace after an etcd outage is over
             if (changed or handler.lease_lost or recheck) and not self.watch_stop.is_set():
                 self.queue_check()

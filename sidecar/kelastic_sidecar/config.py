@@ -125,6 +125,9 @@ class SidecarConfig:
         hang_evidence_budget: seconds the sidecar may spend reading a hung worker's
             stacks before killing it (``$KELASTIC_HANG_EVIDENCE_BUDGET``, default 2; 0:
             none read; :mod:`~kelastic_sidecar.hang_evidence`).
+        stopped_timeout: seconds a worker may stay stopped (state ``T``) before it is
+            killed as hung (``$KELASTIC_STOPPED_TIMEOUT``, default 60; 0: never;
+            :mod:`~kelastic_sidecar.stopped_watch`).
         stragglers: the step-time straggler verdict's factor and minimum steps
             (``$KELASTIC_STRAGGLER_FACTOR``, default 1.5; ``$KELASTIC_STRAGGLER_MIN_STEPS``,
             default 20; :mod:`~kelastic_sidecar.steptime`).
@@ -154,6 +157,7 @@ class SidecarConfig:
     inprocess: InProcessSettings = field(default_factory=InProcessSettings)
     failure_rules: tuple[failure_policy.FailureRule, ...] = ()
     hang_evidence_budget: float = DEFAULT_BUDGET
+    stopped_timeout: float = contract.DEFAULT_STOPPED_TIMEOUT
     stragglers: StragglerSettings = field(default_factory=StragglerSettings)
 
     @classmethod
@@ -233,6 +237,9 @@ class SidecarConfig:
             ),
             failure_rules=rules,
             hang_evidence_budget=num(ENV_BUDGET, float, DEFAULT_BUDGET),
+            stopped_timeout=num(
+                contract.ENV_STOPPED_TIMEOUT, float, contract.DEFAULT_STOPPED_TIMEOUT
+            ),
             stragglers=StragglerSettings(
                 factor=num(ENV_STRAGGLER_FACTOR, float, DEFAULT_FACTOR),
                 min_steps=num(ENV_STRAGGLER_MIN_STEPS, int, DEFAULT_MIN_STEPS),
@@ -261,6 +268,11 @@ class SidecarConfig:
             out.append(f"lease_ttl must be >= 1 second, got {self.lease_ttl}")
         if not 0 <= self.hang_evidence_budget < math.inf:
             out.append(f"{ENV_BUDGET} must be >= 0 seconds, got {self.hang_evidence_budget}")
+        if not 0 <= self.stopped_timeout <= 86400:  # NaN fails too
+            out.append(
+                f"{contract.ENV_STOPPED_TIMEOUT} must be 0..86400 seconds, got "
+                f"{self.stopped_timeout}"
+            )
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
         return out + self.inprocess.problems() + self.stragglers.problems()

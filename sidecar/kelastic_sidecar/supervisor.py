@@ -167,6 +167,7 @@ class Supervisor:
         self.workers = AttemptMonitor(
             config.node, config.nproc_per_node, parts.events, self.control, self.timer,
             self.metrics, config.stop_grace, self.inprocess, parts.steps, config.failure_rules,
+            0.0 if config.inprocess.enabled else config.stopped_timeout,  # silence watch's
         )  # fmt: skip
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE

@@ -8,11 +8,13 @@ step left it.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
+from kelastic import contract
 from tests.localrun import KelasticRun, write_job
 
 
@@ -107,6 +109,34 @@ def test_a_worker_stopped_between_its_timers_is_named_not_the_peer_waiting_on_it
                      + stacks.format("_wait_for_peers"), out), out  # fmt: skip
     assert run.restarts_charged() == 1
     assert "job succeeded" in out
+    assert run.strays() == []
+
+
+def test_a_worker_stopped_outside_its_timers_with_nobody_waiting_is_killed_at_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """One worker stops itself between two steps: no timer of its own expires, no peer
+    waits for it. Before the stopped-worker watch the job hung with nothing said; now its
+    sidecar kills it at ``$KELASTIC_STOPPED_TIMEOUT`` and the restart names it, with
+    where it was."""
+    job = write_job(
+        tmp_path / "job.yaml", replicas=1, nproc=1,
+        env={"STEPS_MAX": "8", "STEPS_TIMEOUT": "2", "STEPS_STOP_RANK": "0",
+             "STEPS_STOP_AT": "3"},
+    )  # fmt: skip
+    env = {**os.environ, contract.ENV_STOPPED_TIMEOUT: "2"}
+    run = KelasticRun(job, workdir=tmp_path / "runs", env=env)
+    assert run.wait(120) == 0, run.output
+    out = run.output
+    assert re.search(
+        r"restart 1/3: hang: rank 0 on steps-0 \(round 0\) killed by SIGKILL: stopped "
+        r"\(process state T\) for \d+ s outside any timer \(timeout 2 s\); killed by the "
+        r"sidecar; main thread at \S+steps\.py:\d+ in main \(stacks in \S+\) \(it was "
+        r"stopped, not waiting on a peer\)",
+        out,
+    ), out
+    assert "hang in round 0 on steps-0: rank 0 (stopped): main thread at" in out
+    assert run.restarts_charged() == 1 and "job succeeded" in out
     assert run.strays() == []
 
 

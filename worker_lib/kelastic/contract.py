@@ -222,12 +222,16 @@ ENV_IPC_ACCESS: Final = "KELASTIC_IPC_ACCESS"
 ENV_STRAGGLER_FACTOR: Final = "KELASTIC_STRAGGLER_FACTOR"
 #: Steps a rank needs in its window before it is judged (or judged against).
 ENV_STRAGGLER_MIN_STEPS: Final = "KELASTIC_STRAGGLER_MIN_STEPS"
+#: Seconds a worker may stay stopped (process state ``T``) before its sidecar kills it as
+#: hung (the process path; 0: never); see ``kelastic_sidecar.stopped_watch``.
+ENV_STOPPED_TIMEOUT: Final = "KELASTIC_STOPPED_TIMEOUT"
 
 #: The sidecar's exit code for a configuration it cannot run with (its env, or a
 #: checkpoint volume too small): starting it again cannot help.
 SIDECAR_EXIT_CONFIG: Final = 2
 
 DEFAULT_HTTP_PORT: Final = 9400
+DEFAULT_STOPPED_TIMEOUT: Final = 60.0
 DEFAULT_JOIN_TIMEOUT: Final = 600.0
 DEFAULT_LAST_CALL_TIMEOUT: Final = 30.0
 DEFAULT_CLOSE_TIMEOUT: Final = 30.0

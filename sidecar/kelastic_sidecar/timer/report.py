@@ -30,6 +30,10 @@ class Reaper(enum.Enum):
     #: The in-process coordinator: the worker did not pass the termination barrier
     #: within the hard timeout after its ``abort``.
     HARD_TIMEOUT = "the in-process hard timeout"
+    #: The sidecar's stopped-worker watch: the worker stayed stopped (``T``) past its
+    #: timeout, holding no timer that would have expired
+    #: (:mod:`~kelastic_sidecar.stopped_watch`).
+    STOPPED_WATCH = "the stopped-worker watch"
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,8 @@ class ReapEvent:
         grace: seconds the reap waited past the deadline by the server's grace (0: reaped
             at expiry; see :mod:`~kelastic_sidecar.timer.table`).
         by: who killed it.
-        note: for :attr:`Reaper.HARD_TIMEOUT`, what the coordinator says of the kill
-            (its :attr:`why`).
+        note: for :attr:`Reaper.HARD_TIMEOUT` and :attr:`Reaper.STOPPED_WATCH`, what the
+            killer says of the kill (its :attr:`why`).
         evidence: the worker's stacks, read just before the signal (where its main
             thread was; :mod:`~kelastic_sidecar.hang_evidence`); None when not collected.
     """
@@ -73,6 +77,8 @@ class ReapEvent:
         /w/train.py:42 in step (stacks in /run/hang-evidence/rank-1-pid-812.txt)``."""
         if self.by is Reaper.HARD_TIMEOUT:
             why = self.note or "no termination barrier in the hard timeout; killed by the sidecar"
+        elif self.by is Reaper.STOPPED_WATCH:
+            why = self.note or "stopped past its timeout; killed by the sidecar"
         else:
             why = f"timer {self.scope_id!r} expired; reaped by the timer server"
         return why if self.evidence is None else f"{why}; {self.evidence.line()}"
