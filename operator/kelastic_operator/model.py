@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from kelastic import contract, failure_policy
+from kelastic import contract, failure_policy, preflight
 from kelastic.checkpoint.volume import QUANTITY_PATTERN, parse_quantity
 
 API_GROUP = "kelastic.dev"
@@ -338,6 +338,37 @@ class FailureRuleSpec(_Model):
     )
 
 
+class PreflightSpec(_Model):
+    """``spec.preflight``: a check each Pod's node passes before its workers join a round
+    (:mod:`kelastic.preflight`: the launcher runs it in the trainer container, where the
+    GPUs are; a node that fails it never joins, its Pod fails and is replaced)."""
+
+    command: list[
+        Annotated[str, StringConstraints(min_length=1, max_length=preflight.MAX_ARG_CHARS)]
+    ] = Field(
+        min_length=1,
+        max_length=preflight.MAX_ARGS,
+        description="the check's program and arguments (no shell), run with the trainer's "
+        "image and environment once per Pod before it joins; exit 0 passes, e.g. "
+        "[nvidia-smi] or [sh, -c, 'dcgmi diag -r 1']",
+    )
+    timeout_seconds: int = Field(
+        default=60,
+        ge=1,
+        le=preflight.MAX_TIMEOUT,
+        alias="timeoutSeconds",
+        description="seconds the check may run; past it, it fails (its processes killed)",
+    )
+
+    def to_preflight(self) -> preflight.Preflight:
+        """The check as the launcher reads it (:mod:`kelastic.preflight`).
+
+        Raises:
+            kelastic.preflight.PreflightError: an argument the launcher would refuse.
+        """
+        return preflight.Preflight(tuple(self.command), float(self.timeout_seconds))
+
+
 class FailurePolicySpec(_Model):
     """``spec.failurePolicy``: rules, in the style of batch/v1 Job's ``podFailurePolicy``,
     applied by the sidecar of the node where a failure happens; the first rule that
@@ -493,6 +524,12 @@ class ElasticJobSpec(_Model):
             "Suspended); false again creates them and training continues from the newest "
             "checkpoint. A job created suspended creates no Pod. No effect on a finished job"
         ),
+    )
+    preflight: PreflightSpec | None = Field(
+        default=None,
+        description="a check each Pod's node passes before it joins (its program, in the "
+        "trainer container); a node that fails it never joins: its Pod fails and is "
+        "replaced (podReplacement), nothing charged to maxRestarts",
     )
     failure_policy: FailurePolicySpec | None = Field(
         default=None,

@@ -43,6 +43,7 @@ from typing import Any
 
 from kelastic import __version__, contract, failure_policy
 from kelastic.checkpoint.volume import parse_quantity
+from kelastic.preflight import encode_preflight
 
 from .labels import (
     ANNOTATION_SPEC_HASH,
@@ -428,6 +429,10 @@ def build_pod(
             continue
         if var not in have:
             env.append({"name": var, "value": value})
+    if spec.preflight is not None:  # the user's entry of the name is replaced
+        env = [e for e in env if not isinstance(e, dict) or e.get("name") != contract.ENV_PREFLIGHT]
+        env.append({"name": contract.ENV_PREFLIGHT,
+                    "value": encode_preflight(spec.preflight.to_preflight())})  # fmt: skip
     trainer["env"] = env + inprocess
     mounts = list(trainer.get("volumeMounts") or [])
     wanted = [_run_mount()] + ([_checkpoint_mount()] if spec.checkpoint.memory else [])

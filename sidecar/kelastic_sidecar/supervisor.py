@@ -297,6 +297,8 @@ class Supervisor:
                 return self._fail_fatal(f"etcd refused the sidecar's requests: {exc}")
             log.warning("etcd unavailable at start (%s); the rendezvous will retry", exc)
         hello = self.workers.wait_hello()
+        if hello.preflight_error:  # its check failed: the node never joins, its Pod fails
+            return self._fail_fatal(f"preflight failed on {self.cfg.node}: {hello.preflight_error}")
         self._nproc = hello.nproc or self._nproc
         self.workers.nproc = self._nproc
         if self._nproc != self.cfg.nproc_per_node:

@@ -222,6 +222,10 @@ ENV_IPC_ACCESS: Final = "KELASTIC_IPC_ACCESS"
 ENV_STRAGGLER_FACTOR: Final = "KELASTIC_STRAGGLER_FACTOR"
 #: Steps a rank needs in its window before it is judged (or judged against).
 ENV_STRAGGLER_MIN_STEPS: Final = "KELASTIC_STRAGGLER_MIN_STEPS"
+#: The node's preflight check, run by the launcher before its ``hello``: ``{"command":
+#: [...], "timeoutSeconds": N}`` (:mod:`kelastic.preflight`), set by the operator from
+#: ``spec.preflight`` in the trainer container.
+ENV_PREFLIGHT: Final = "KELASTIC_PREFLIGHT"
 #: Seconds a worker may stay stopped (process state ``T``) before its sidecar kills it as
 #: hung (the process path; 0: never); see ``kelastic_sidecar.stopped_watch``.
 ENV_STOPPED_TIMEOUT: Final = "KELASTIC_STOPPED_TIMEOUT"

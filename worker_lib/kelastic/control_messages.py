@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Final
 
 from kelastic import contract
 from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, is_int, loads_bounded
+from kelastic.preflight import MAX_ERROR_CHARS
 
 __all__ = [
     "MAX_COUNTER",
@@ -378,15 +379,22 @@ _MAX_TYPE_LEN: Final = 64
 
 @dataclass(frozen=True)
 class Hello:
-    """``{"type": "hello", "pid", "nproc"}``: the launcher connected (either may be null)."""
+    """``{"type": "hello", "pid", "nproc", "preflight_error"}``: the launcher connected
+    (each may be null). ``preflight_error``: how the node's preflight check failed
+    (:mod:`kelastic.preflight`; at most :data:`MAX_ERROR_CHARS` characters); null when it
+    passed or there is none (an older launcher sends no such key)."""
 
     type: ClassVar[str] = contract.MSG_HELLO
     pid: int | None = None
     nproc: int | None = None
+    preflight_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The wire form."""
-        return {"type": self.type, "pid": self.pid, "nproc": self.nproc}
+        doc: dict[str, Any] = {"type": self.type, "pid": self.pid, "nproc": self.nproc}
+        if self.preflight_error is not None:  # a check failed (an older sidecar: no key)
+            doc["preflight_error"] = self.preflight_error
+        return doc
 
 
 @dataclass(frozen=True)
@@ -527,9 +535,10 @@ def parse_launcher_message(line: bytes) -> LauncherMessage:
     The line is decoded by :func:`kelastic._safejson.loads_bounded` (at most
     :data:`kelastic.contract.CONTROL_MAX_LINE` bytes, nested at most 32 deep, integers
     of at most 19 digits, finite numbers). Known types are checked: ``hello`` (``pid``,
-    ``nproc`` in 1..:data:`MAX_NPROC`), ``started`` (``attempt``, ``pids`` mapping
-    local ranks to pids, ``warm``), ``exited`` (``attempt``, ``local_rank``, ``pid``,
-    ``exitcode``, ``signal`` in 1..64, ``error`` object, ``tail`` strings, ``oom`` bool),
+    ``nproc`` in 1..:data:`MAX_NPROC`, ``preflight_error`` text), ``started``
+    (``attempt``, ``pids`` mapping local ranks to pids, ``warm``), ``exited``
+    (``attempt``, ``local_rank``, ``pid``, ``exitcode``, ``signal`` in 1..64, ``error``
+    object, ``tail`` strings, ``oom`` bool),
     ``stopped`` (``attempt``). Other types decode as :class:`Unknown` (a string
     ``type`` of 1..64 characters).
 
@@ -548,7 +557,13 @@ def parse_launcher_message(line: bytes) -> LauncherMessage:
         raise ProtocolError("no string 'type'")
     if kind == contract.MSG_HELLO:
         pid = _up_int(msg, "pid", 1, MAX_PID, optional=True)
-        return Hello(pid=pid, nproc=_up_int(msg, "nproc", 1, MAX_NPROC, optional=True))
+        error = msg.get("preflight_error")
+        if error is not None and not (isinstance(error, str) and 0 < len(error) <= MAX_ERROR_CHARS):
+            raise ProtocolError(
+                f"'hello' message: 'preflight_error' must be 1..{MAX_ERROR_CHARS} characters"
+            )
+        nproc = _up_int(msg, "nproc", 1, MAX_NPROC, optional=True)
+        return Hello(pid=pid, nproc=nproc, preflight_error=error)
     if kind == contract.MSG_STARTED:
         return _parse_started(msg)
     if kind == contract.MSG_EXITED:

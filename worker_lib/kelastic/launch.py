@@ -79,6 +79,7 @@ from kelastic.control_messages import (
     parse_message,
 )
 from kelastic.errors import ErrorInfo, read_error_file
+from kelastic.preflight import Preflight, PreflightError, check_node, decode_preflight
 from kelastic.sockaddr import unix_address
 
 __all__ = ["LaunchConfig", "Launcher", "main", "write_termination_log"]
@@ -202,6 +203,8 @@ class LaunchConfig:
         preload: modules the zygote imports (warm start).
         warm_start_timeout: seconds an assignment waits for the zygote's preload before
             its workers start cold.
+        preflight: the node's check, run before ``hello`` (``$KELASTIC_PREFLIGHT``,
+            :mod:`kelastic.preflight`); None: none.
     """
 
     cmd: list[str]
@@ -212,6 +215,7 @@ class LaunchConfig:
     warm_start: bool = False
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     warm_start_timeout: float = 600.0
+    preflight: Preflight | None = None
 
 
 def _signal_name(num: int) -> str:
@@ -299,18 +303,16 @@ class Launcher:
             )
             try:
                 try:
+                    failed = check_node(self.config.preflight)  # before the node joins a round
                     self._connect()
-                    self._send(Hello(pid=os.getpid(), nproc=self.config.nproc))
+                    self._send(Hello(os.getpid(), self.config.nproc, failed))
                     self._loop()
                 except _Exit as e:
                     return self._finish(e)
                 except Exception as e:
                     logger.exception("launcher internal error")
-                    return self._finish(
-                        _Exit(
-                            1, self._summary(f"kelastic launcher crashed: {type(e).__name__}: {e}")
-                        )
-                    )
+                    crash = f"kelastic launcher crashed: {type(e).__name__}: {e}"
+                    return self._finish(_Exit(1, self._summary(crash)))
             finally:
                 if self._sock is not None:
                     self._sock.close()
@@ -798,6 +800,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchConfig]:
     cmd = argv[split + 1 :]
     if not cmd:
         parser.error("no worker command after '--'")
+    preflight = None
+    if os.environ.get(contract.ENV_PREFLIGHT):
+        try:
+            preflight = decode_preflight(os.environ[contract.ENV_PREFLIGHT])
+        except PreflightError as exc:
+            parser.error(f"${contract.ENV_PREFLIGHT}: {exc}")
     config = LaunchConfig(
         cmd=cmd,
         nproc=args.nproc_per_node,
@@ -807,6 +815,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchConfig]:
         warm_start=args.warm_start,
         preload=args.preload,
         warm_start_timeout=args.warm_start_timeout,
+        preflight=preflight,
     )
     return args, config
 
