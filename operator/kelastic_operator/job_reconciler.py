@@ -306,7 +306,15 @@ class JobReconciler:
                     raise
         try:
             pods = [
-                build_pod(self.name, self.namespace, uid, spec, c.index, self.ctx.pod_settings)
+                build_pod(
+                    self.name,
+                    self.namespace,
+                    uid,
+                    spec,
+                    c.index,
+                    self.ctx.pod_settings,
+                    plan.status.quarantined_nodes,
+                )
                 for c in plan.create
             ]
         except PodBuildError as exc:

@@ -13,7 +13,7 @@ would scatter one schema across modules that change together.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import (
@@ -718,6 +718,10 @@ class InProcessRestart(_Status):
     )
 
 
+#: Most Nodes ``status.quarantinedNodes`` holds (the oldest drop out first).
+MAX_QUARANTINED: Final = 64
+
+
 class ElasticJobStatus(_Status):
     """``status`` of an ElasticJob, written by the operator only."""
 
@@ -782,6 +786,13 @@ class ElasticJobStatus(_Status):
     )
     last_failure: LastFailure | None = Field(
         default=None, alias="lastFailure", description="the most recent failure"
+    )
+    quarantined_nodes: list[str] = Field(
+        default_factory=list,
+        alias="quarantinedNodes",
+        max_length=MAX_QUARANTINED,
+        description="Nodes a Pod of this job failed its preflight check on (the most recent "
+        "last); the job's new Pods are not scheduled there (node affinity)",
     )
     start_time: str | None = Field(
         default=None,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,7 @@ from .model import (
     InProcessSpec,
     WarmStartSpec,
 )
+from .placement import avoid_nodes
 
 #: Where a ``rendezvous.tlsSecret`` is mounted in the sidecar.
 ETCD_TLS_MOUNT = "/etc/kelastic/etcd-tls"
@@ -385,6 +387,7 @@ def build_pod(
     spec: ElasticJobSpec,
     index: int,
     settings: PodSettings,
+    avoid: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The Pod ``<name>-<index>`` of the ElasticJob ``namespace/name`` (uid ``uid``).
 
@@ -393,6 +396,9 @@ def build_pod(
         spec: the validated spec (its template is not modified).
         index: the replica index (>= 0).
         settings: operator-wide settings.
+        avoid: Nodes the Pod must not run on (``status.quarantinedNodes``:
+            :func:`~kelastic_operator.placement.avoid_nodes`); not part of the spec's
+            digest, so a new quarantine replaces no running Pod.
 
     Returns:
         A Pod manifest (``apiVersion: v1``) as a plain dict.
@@ -469,6 +475,7 @@ def build_pod(
             "automountServiceAccountToken": False,
         }
     )
+    avoid_nodes(pspec, avoid)
     labels = {
         **(tmeta.get("labels") or {}),
         LABEL_JOB: name,

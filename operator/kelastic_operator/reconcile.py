@@ -65,9 +65,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from kelastic import contract
+
 from .inprocess_status import apply_inprocess
 from .labels import selector
 from .model import (
+    MAX_QUARANTINED,
     TERMINAL_PHASES,
     Condition,
     ElasticJobSpec,
@@ -345,6 +348,24 @@ def _observe(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezv
     return _Pass(job, now, rdzv, pods, st, Plan(status=st), live, by_phase)
 
 
+def _quarantine(p: _Pass, pod: PodView) -> None:
+    """A Pod that failed its preflight check (its trainer's termination message starts
+    with :data:`kelastic.contract.PREFLIGHT_FAILED_PREFIX`) puts its Node in
+    ``status.quarantinedNodes`` (once; the oldest dropped past
+    :data:`~kelastic_operator.model.MAX_QUARANTINED`), which new Pods avoid."""
+    message = pod.trainer.message if pod.trainer is not None else ""
+    node = pod.node_name
+    if not node or not message.startswith(contract.PREFLIGHT_FAILED_PREFIX):
+        return
+    if node in p.st.quarantined_nodes:
+        return
+    p.st.quarantined_nodes = [*p.st.quarantined_nodes, node][-MAX_QUARANTINED:]
+    p.plan.events.append(Event(
+        "Warning", "NodeQuarantined",
+        f"node {node}: pod {pod.name} failed its preflight check; the job's new Pods avoid it",
+    ))  # fmt: skip
+
+
 def _note_failures(p: _Pass) -> None:
     """Rule 8 and the announcements: failed and deleted Pods' nodes leave the rendezvous
     (every pass until the Pod is gone: idempotent); a new failure (newest last) is recorded
@@ -358,6 +379,7 @@ def _note_failures(p: _Pass) -> None:
             p.plan.events.append(
                 Event("Warning", "PodFailed", f"pod {pod.name} failed: {failure.message}")
             )
+        _quarantine(p, pod)
     # Pods being deleted leave rendezvous at once (their sidecars may not get to say so)
     for pod in p.pods:
         if pod.deleting and pod.phase in ACTIVE_PHASES and pod.name not in p.plan.remove_nodes:

@@ -109,6 +109,7 @@ class PodView:
             that is scheduled is starting (image pull, ``ContainerCreating``).
         unschedulable_since: when the scheduler reported it ``Unschedulable``
             (``PodScheduled=False``), None otherwise.
+        node_name: the Node it was bound to (``spec.nodeName``); "" before.
     """
 
     name: str
@@ -123,6 +124,7 @@ class PodView:
     spec_hash: str | None = None
     scheduled: bool = False
     unschedulable_since: datetime | None = None
+    node_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,7 @@ def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodV
         spec_hash=(meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
         scheduled=scheduled,
         unschedulable_since=unschedulable_since,
+        node_name=str((pod.get("spec") or {}).get("nodeName") or ""),
     )
 
 

@@ -298,7 +298,8 @@ class Supervisor:
             log.warning("etcd unavailable at start (%s); the rendezvous will retry", exc)
         hello = self.workers.wait_hello()
         if hello.preflight_error:  # its check failed: the node never joins, its Pod fails
-            return self._fail_fatal(f"preflight failed on {self.cfg.node}: {hello.preflight_error}")
+            return self._fail_fatal(f"{contract.PREFLIGHT_FAILED_PREFIX}{self.cfg.node}: "
+                                    f"{hello.preflight_error}")  # fmt: skip
         self._nproc = hello.nproc or self._nproc
         self.workers.nproc = self._nproc
         if self._nproc != self.cfg.nproc_per_node:

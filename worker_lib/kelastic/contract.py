@@ -226,6 +226,10 @@ ENV_STRAGGLER_MIN_STEPS: Final = "KELASTIC_STRAGGLER_MIN_STEPS"
 #: [...], "timeoutSeconds": N}`` (:mod:`kelastic.preflight`), set by the operator from
 #: ``spec.preflight`` in the trainer container.
 ENV_PREFLIGHT: Final = "KELASTIC_PREFLIGHT"
+#: How the sidecar of a node whose preflight check failed begins its report and the
+#: trainer's termination message (``preflight failed on <node>: <why>``); the operator
+#: keeps new Pods off that Pod's Node (``status.quarantinedNodes``).
+PREFLIGHT_FAILED_PREFIX: Final = "preflight failed on "
 #: Seconds a worker may stay stopped (process state ``T``) before its sidecar kills it as
 #: hung (the process path; 0: never); see ``kelastic_sidecar.stopped_watch``.
 ENV_STOPPED_TIMEOUT: Final = "KELASTIC_STOPPED_TIMEOUT"
