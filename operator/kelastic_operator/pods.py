@@ -202,6 +202,15 @@ def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
     ]
 
 
+def preflight_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
+    """``spec.preflight`` as the trainer's ``$KELASTIC_PREFLIGHT`` entry
+    (:mod:`kelastic.preflight`'s codec); an empty list when there is none."""
+    if spec.preflight is None:
+        return []
+    value = encode_preflight(spec.preflight.to_preflight())
+    return [{"name": contract.ENV_PREFLIGHT, "value": value}]
+
+
 def _run_mount() -> dict[str, Any]:
     return {"name": contract.RUN_VOLUME_NAME, "mountPath": contract.DEFAULT_RUN_DIR}
 
@@ -418,9 +427,9 @@ def build_pod(
         trainer, spec.nproc_per_node, settings.python, spec.warm_start
     )
     trainer.pop("args", None)
-    # The in-process settings are the spec's, as in the sidecar (the two must agree): a
-    # user's own entry of one of these names is replaced.
-    inprocess = inprocess_env(spec.in_process)
+    # The in-process settings are the spec's, as in the sidecar (the two must agree), and
+    # so is the preflight check: a user's own entry of one of these names is replaced.
+    inprocess = inprocess_env(spec.in_process) + preflight_env(spec)
     ours = {e["name"] for e in inprocess}
     env = [
         e for e in trainer.get("env") or [] if not isinstance(e, dict) or e.get("name") not in ours
@@ -435,10 +444,6 @@ def build_pod(
             continue
         if var not in have:
             env.append({"name": var, "value": value})
-    if spec.preflight is not None:  # the user's entry of the name is replaced
-        env = [e for e in env if not isinstance(e, dict) or e.get("name") != contract.ENV_PREFLIGHT]
-        env.append({"name": contract.ENV_PREFLIGHT,
-                    "value": encode_preflight(spec.preflight.to_preflight())})  # fmt: skip
     trainer["env"] = env + inprocess
     mounts = list(trainer.get("volumeMounts") or [])
     wanted = [_run_mount()] + ([_checkpoint_mount()] if spec.checkpoint.memory else [])
