@@ -255,7 +255,10 @@ class AttemptMonitor:
                 log.warning("watching the rendezvous failed: %s", exc)
                 self.watch_stop.wait(0.5)
                 changed = True
-            self._stopped.poll(dict(self.pids))  # about once a second
+            try:  # about once a second; nothing it does may end the rendezvous watch
+                self._stopped.poll(dict(self.pids))
+            except Exception:
+                log.exception("the stopped-worker watch failed; the rendezvous watch goes on")
             recheck = handler.take_recheck()  # a grace after an etcd outage is over
             if (changed or handler.lease_lost or recheck) and not self.watch_stop.is_set():
                 self.queue_check()
