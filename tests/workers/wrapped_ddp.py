@@ -5,7 +5,8 @@ iteration leaves a live reducer with pending bucket all-reduces behind. Each ste
 
 Prints ``pid P start iteration I`` when the process starts, ``pid P enter iteration I``
 each time the function is entered and ``pid P stepped iteration I`` after its first DDP
-step; returns once ``STEPS_STOP_FILE`` exists. ``STEPS_TIMER_AFTER``: the step timer's
+step; returns once ``STEPS_STOP_FILE`` exists (every rank after the same step: see
+``_last_step``). ``STEPS_TIMER_AFTER``: the step timer's
 seconds (default 30). ``STEPS_HANG_RANK`` / ``STEPS_HANG_STEP``: that global rank stops
 itself (SIGSTOP) inside its step timer at that step of iteration 0 (a hang held under
 ``expires()``: it holds its timer, its peers block on it in DDP's all-reduce);
@@ -45,6 +46,28 @@ def _hang_here(iteration: int, step: int, between: bool) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _last_step(stop: str | None, iteration: int, step: int) -> int | None:
+    """The step every rank of this iteration stops before, once ``stop`` exists; None
+    until then. The first rank to see the file names one 5 steps ahead (a file of the
+    iteration, created atomically), the others read it: DDP keeps the ranks within a step
+    of each other, so all stop at the same step. Each rank stopping when it saw the file,
+    one saw it a step late under load and entered DDP's next collective alone
+    ("Connection closed by peer": an in-process restart as the job ended)."""
+    if not (stop and Path(stop).exists()):
+        return None
+    target = Path(f"{stop}.iteration-{iteration}")
+    if not target.exists():
+        mine = target.with_name(f"{target.name}.{os.getpid()}")
+        mine.write_text(str(step + 5))
+        try:
+            os.link(mine, target)  # the first rank's number stands
+        except FileExistsError:
+            pass
+        finally:
+            mine.unlink()
+    return int(target.read_text())
+
+
 @Wrapper()
 def train(call_wrapper: Any = None) -> None:
     iteration = call_wrapper.iteration if call_wrapper is not None else 0
@@ -53,7 +76,10 @@ def train(call_wrapper: Any = None) -> None:
     model = DDP(MODEL)
     stop = os.environ.get("STEPS_STOP_FILE")
     step = 0
-    while not (stop and Path(stop).exists()):
+    while True:
+        last = _last_step(stop, iteration, step)
+        if last is not None and step >= last:
+            break
         with expires(after=AFTER, scope="step"):  # a timed step: kelastic run's fault clock
             _hang_here(iteration, step, between=False)  # stopped holding its timer
             loss = model(torch.randn(16, 64)).square().mean()
