@@ -27,27 +27,12 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 
-from .timer import Reaper, ReapEvent
+from .timer import Reaper, ReapEvent, process_stat
 from .witness import EvidenceSource
 
-__all__ = ["StoppedWatch", "stat_of"]
+__all__ = ["StoppedWatch"]
 
 log = logging.getLogger("kelastic_sidecar.stopped_watch")
-
-
-def stat_of(pid: int) -> tuple[str, int] | None:
-    """``(state, start time in clock ticks since boot)`` of ``pid`` from
-    ``/proc/<pid>/stat``; None when gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fp:
-            stat = fp.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:  # after the name: state is field 3, starttime field 22 (proc(5))
-        return fields[0].decode(errors="replace"), int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 class StoppedWatch:
@@ -58,7 +43,8 @@ class StoppedWatch:
         source: reads a worker's stacks before its kill.
         report: told the reap before the kill (the supervisor's queue); keep it quick.
         kill: how a pid is signalled (``os.kill``).
-        stat: a pid's ``(state, start time)`` (:func:`stat_of`).
+        stat: a pid's ``(state, start time)``
+            (:func:`~kelastic_sidecar.timer.process_stat`).
         clock: monotonic seconds.
     """
 
@@ -68,7 +54,7 @@ class StoppedWatch:
         source: EvidenceSource,
         report: Callable[[ReapEvent], None],
         kill: Callable[[int, int], None] = os.kill,
-        stat: Callable[[int], tuple[str, int] | None] = stat_of,
+        stat: Callable[[int], tuple[str, int] | None] = process_stat,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.timeout = timeout

@@ -15,8 +15,8 @@ import pytest
 from kelastic import contract
 from kelastic_sidecar.config import ConfigError, SidecarConfig
 from kelastic_sidecar.hang_evidence import Evidence, Outcome
-from kelastic_sidecar.stopped_watch import StoppedWatch, stat_of
-from kelastic_sidecar.timer import Reaper, ReapEvent
+from kelastic_sidecar.stopped_watch import StoppedWatch
+from kelastic_sidecar.timer import Reaper, ReapEvent, process_stat
 from tests.conftest import wait_for
 
 from .test_sidecar_config import GOOD
@@ -45,7 +45,7 @@ class Source:
 def stopped() -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     proc.send_signal(signal.SIGSTOP)
-    wait_for(lambda: (stat_of(proc.pid) or ("",))[0] == "T", 10, what="the child stopped")
+    wait_for(lambda: (process_stat(proc.pid) or ("",))[0] == "T", 10, what="the child stopped")
     yield proc
     proc.kill()
     proc.wait()
@@ -90,10 +90,10 @@ def test_a_worker_that_runs_again_is_forgotten(stopped: subprocess.Popen[bytes])
     watch.poll({0: stopped.pid})
     clock.now += 20
     stopped.send_signal(signal.SIGCONT)
-    wait_for(lambda: (stat_of(stopped.pid) or ("",))[0] != "T", 10, what="the child runs")
+    wait_for(lambda: (process_stat(stopped.pid) or ("",))[0] != "T", 10, what="the child runs")
     watch.poll({0: stopped.pid})  # running: forgotten
     stopped.send_signal(signal.SIGSTOP)
-    wait_for(lambda: (stat_of(stopped.pid) or ("",))[0] == "T", 10, what="stopped again")
+    wait_for(lambda: (process_stat(stopped.pid) or ("",))[0] == "T", 10, what="stopped again")
     clock.now += 20
     assert watch.poll({0: stopped.pid}) == []  # stopped 0 s, not 40
     clock.now += 29
@@ -137,10 +137,10 @@ def test_a_timeout_of_zero_is_off_and_a_failing_report_does_not_spare_the_worker
     assert watch.poll({0: 4242}) == [4242] and kills == [4242]
 
 
-def test_stat_of_reads_state_and_start_time_and_never_raises() -> None:
-    mine = stat_of(os.getpid())
+def test_process_stat_reads_state_and_start_time_and_never_raises() -> None:
+    mine = process_stat(os.getpid())
     assert mine is not None and mine[0] in "RS" and mine[1] > 0
-    assert stat_of(2**22 + 12345) is None  # beyond pid_max: gone
+    assert process_stat(2**22 + 12345) is None  # beyond pid_max: gone
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "86401", "1e999", "soon"])

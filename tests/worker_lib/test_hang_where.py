@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kelastic.hang_where import MAX_RANKS, MAX_TEXT, HangWhere, RankWhere, decode_where
+from tests.test_decoder_fuzz import json_values
 
 WHERE = HangWhere(
     3,
@@ -60,14 +61,6 @@ def test_what_no_writer_produces_is_refused() -> None:
         {**WHERE.as_dict(), "ranks": [WHERE.as_dict()["ranks"][0]] * (MAX_RANKS + 1)},
     ):  # fmt: skip
         assert decode_where(bad) is None, bad
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
-    max_leaves=20,
-)  # fmt: skip
 
 
 @given(json_values, st.sampled_from(["round", "node", "ranks", "rank", "pid", "where"]))

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from kelastic import contract
 from kelastic.control_messages import Hello, ProtocolError, parse_launcher_message
@@ -28,6 +27,7 @@ from kelastic.preflight import (
     run_preflight,
 )
 from tests.conftest import wait_for
+from tests.test_decoder_fuzz import json_values
 
 CHECK = Preflight((sys.executable, "-c", "print('ok')"), 5.0)
 
@@ -57,14 +57,6 @@ def test_the_env_value_round_trips() -> None:
 def test_what_no_operator_writes_is_refused(raw: str) -> None:
     with pytest.raises(PreflightError):
         decode_preflight(raw)
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
-                                                                 max_size=4),
-    max_leaves=20,
-)  # fmt: skip
 
 
 @given(command=json_values, timeout=json_values)

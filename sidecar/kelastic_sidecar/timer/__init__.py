@@ -10,7 +10,14 @@ handing memory back after a flood (:mod:`.memory_release`).
 """
 
 from .memory_release import release_memory
-from .report import Reaper, ReapEvent, TimerStats, hard_timeout_reap, process_state
+from .report import (
+    Reaper,
+    ReapEvent,
+    TimerStats,
+    hard_timeout_reap,
+    process_stat,
+    process_state,
+)
 from .server import TimerServer
 
 __all__ = [
@@ -19,6 +26,7 @@ __all__ = [
     "TimerServer",
     "TimerStats",
     "hard_timeout_reap",
+    "process_stat",
     "process_state",
     "release_memory",
 ]
