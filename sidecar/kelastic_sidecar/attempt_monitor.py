@@ -309,7 +309,7 @@ class AttemptMonitor:
         into :attr:`where` and the log."""
         failed = end.kind is RoundEndKind.FAILED
         round_ = self.round_of(info)
-        stopped = None
+        stopped, live = None, None
         if not failed:
             live = observe(self._timer, self.pids, self.reaped)
             stopped = stopped_failure(round_, self.pids, self.reaped, live)
@@ -319,7 +319,7 @@ class AttemptMonitor:
         if (failure is not None and failure.cause == CAUSE_HANG) or (
             not failed and peers_cause(info.round) == CAUSE_HANG
         ):
-            self.where = where_ranks_were(self._timer, round_, self.pids, self.reaped)
+            self.where = where_ranks_were(self._timer, round_, self.pids, self.reaped, live)
             log.warning("round %d hung; where each worker was: %s", info.round, self.where.line())
         return stopped
 

@@ -48,20 +48,26 @@ def observe(
 
 def where_ranks_were(
     source: EvidenceSource, round_: RoundOf, pids: Mapping[int, int],
-    reaped: Mapping[int, ReapEvent],
+    reaped: Mapping[int, ReapEvent], seen: LiveStates | None = None,
 ) -> HangWhere:  # fmt: skip
     """Where each worker of ``pids`` (local rank -> pid) was as ``round_`` hung: a reaped
-    one's stacks and state as its reap (in ``reaped``) read them, the others' read now
-    (``T``: stopped, the likely culprit; ``S``: sleeping, e.g. waiting in a collective)."""
+    one's stacks and state as its reap (in ``reaped``) read them, a stopped one's as
+    :func:`observe` read them just before (``seen``: not read twice), the others' read
+    now (``T``: stopped, the likely culprit; ``S``: sleeping, e.g. in a collective)."""
+    known = seen.evidence if seen is not None else {}
     live = [pid for pid in pids.values() if pid not in reaped]
     states = {pid: process_state(pid) for pid in live}
-    found = source.evidence(live) if live else {}
+    todo = [pid for pid in live if pid not in known]
+    found = {pid: ev.line() for pid, ev in source.evidence(todo).items()} if todo else {}
     ranks: list[RankWhere] = []
     for local_rank, pid in sorted(pids.items()):
         reap = reaped.get(pid)
-        evidence = reap.evidence if reap is not None else found.get(pid)
+        if reap is not None:
+            where = reap.evidence.line() if reap.evidence is not None else None
+        else:
+            where = known.get(pid) or found.get(pid)
         state = reap.state if reap is not None else states.get(pid, "")
-        where = evidence.line() if evidence is not None else "stacks not read"
+        where = where or "stacks not read"
         ranks.append(
             RankWhere(round_.rank(local_rank), local_rank, pid, state, reap is not None, where)
         )
