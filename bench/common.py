@@ -327,11 +327,13 @@ def start_kelastic(
     max_restarts: int = 100,
     extra_spec: str = "",
     extra_env: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """``kelastic run`` of :data:`JOB` with ``train`` (events to ``events``), in ``tmp``.
 
     ``extra_spec`` is YAML indented by two spaces, inserted under ``spec:`` (e.g. an
-    ``inProcess:`` block); ``extra_env`` is added to ``kelastic run``'s environment.
+    ``inProcess:`` block); ``extra_env`` is added to ``kelastic run``'s environment;
+    ``extra_args`` to its command line (e.g. ``--etcd HOST:PORT``).
     """
     job = tmp / f"{name}.yaml"
     job.write_text(
@@ -343,7 +345,7 @@ def start_kelastic(
     env.pop("BENCH_TIMER", None)
     cli = "import sys; from kelastic_operator.cli import main; sys.exit(main())"
     args = [sys.executable, "-c", cli, "run", str(job), "--workdir", str(tmp / f"work-{name}"),
-            "--warm-start" if warm else "--no-warm-start"]  # fmt: skip
+            "--warm-start" if warm else "--no-warm-start", *extra_args]  # fmt: skip
     return spawn_logged(args, env, tmp / f"kelastic-{name}.log", tmp)
 
 

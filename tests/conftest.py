@@ -17,6 +17,7 @@ import pytest
 
 from kelastic_etcd import EtcdClient, EtcdError
 from kelastic_operator.local.etcd import EmbeddedEtcd, etcd_binary, free_port
+from tests.ci_skips import pytest_runtest_makereport  # noqa: F401  (a hook: by its name)
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import namespace_for, node_startup, start_node, start_or_skip
 from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds

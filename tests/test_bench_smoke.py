@@ -135,7 +135,7 @@ def test_slow_cases_selectable_by_name() -> None:
     on a loaded 2-core machine) run in ``all`` and by name, not in ``--quick``."""
     from bench.__main__ import CASES, NOT_QUICK
 
-    for name in ("recovery_mttr", "hang_recovery", "goodput"):
+    for name in ("recovery_mttr", "hang_recovery", "hang_evidence", "goodput"):
         assert name in CASES and name in NOT_QUICK
 
 

@@ -82,7 +82,7 @@ def test_unix_sockets_work_at_paths_longer_than_sun_path(tmp_path: Path) -> None
 def test_the_operator_reads_what_the_sidecar_writes() -> None:
     """The etcd values cross packages as JSON: the operator's parser is fed the
     sidecar's own encoders, so a renamed field fails here, not on a cluster."""
-    from kelastic_operator.rendezvous_store import view_from_keys
+    from kelastic_operator.etcd_view import view_from_keys
     from kelastic_sidecar.failure import Failure
     from kelastic_sidecar.rendezvous.state import RendezvousState, encode_state, mark_complete
     from kelastic_sidecar.restart_budget import RestartRecord, encode_record
@@ -183,7 +183,7 @@ def test_the_peers_read_the_master_address_group_rank_0_writes() -> None:
 
 
 def test_the_operator_reads_the_restart_record_the_budget_writes() -> None:
-    from kelastic_operator.rendezvous_store import view_from_keys
+    from kelastic_operator.etcd_view import view_from_keys
     from kelastic_sidecar.failure import Failure
     from kelastic_sidecar.restart_budget import RestartBudget
 
@@ -209,7 +209,7 @@ def test_a_charge_the_codec_refuses_to_write_is_a_restart_record_error() -> None
 
 
 def test_the_operator_reads_the_inprocess_record_the_sidecar_writes() -> None:
-    from kelastic_operator.rendezvous_store import view_from_keys
+    from kelastic_operator.etcd_view import view_from_keys
     from kelastic_sidecar.inprocess.record import Advance, RestartCause, advance_iteration
 
     store = _Store()
@@ -227,7 +227,7 @@ def test_the_operator_reads_the_inprocess_record_the_sidecar_writes() -> None:
 
 def test_the_operator_reads_every_report_the_sidecar_writes() -> None:
     from kelastic.etcd_values import MAX_SUMMARY, ReportOutcome, decode_report
-    from kelastic_operator.rendezvous_store import view_from_keys
+    from kelastic_operator.etcd_view import view_from_keys
     from kelastic_sidecar.supervisor import node_report
 
     long = f"{contract.JOB_FAILED_PREFIX}: " + "x" * (2 * MAX_SUMMARY)
@@ -243,7 +243,7 @@ def test_a_value_no_writer_produces_is_refused_by_every_reader_and_every_writer(
     import json
 
     from kelastic import etcd_values
-    from kelastic_operator.rendezvous_store import view_from_keys
+    from kelastic_operator.etcd_view import view_from_keys
     from kelastic_sidecar.rendezvous.state import (
         CorruptStateError,
         RendezvousState,

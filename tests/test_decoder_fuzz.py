@@ -31,7 +31,7 @@ from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.control_messages import Assign, Exited, Promote
 from kelastic.errors import parse_error_data
 from kelastic.etcd_values import MAX_RANK, MAX_ROUND, decode_master
-from kelastic_operator.rendezvous_store import view_from_keys
+from kelastic_operator.etcd_view import view_from_keys
 from kelastic_sidecar.control import ControlProtocolError, parse_launcher_message
 from kelastic_sidecar.rendezvous.state import (
     RendezvousState,

@@ -1,10 +1,14 @@
 """Digits: an elastic DDP training job for kelastic (CPU, gloo).
 
 An MLP learns scikit-learn's bundled 8x8 digits (1797 images, no download). Each rank
-trains on its shard of the training split; rank 0 checkpoints every epoch (atomically)
-and every rank resumes from the last checkpoint after a restart, so a killed or hung
-worker costs at most one epoch. Each step runs inside ``expires(after=...)``: a worker
-that hangs is reaped by the sidecar's timer server.
+trains on its shard of the training split. Two checkpoints: every rank saves every step
+in memory (``kelastic.checkpoint``, when the job has ``spec.checkpoint.memory``), and
+after a restart every rank loads the step its sidecars agreed on, so a killed or hung
+worker costs no step; rank 0 also saves every epoch to the shared ``--checkpoint-dir``
+(atomically), which every rank reads when memory holds no step they all have (a new
+Pod, a changed world, no kelastic), so a restart costs at most one epoch then.
+Each step runs inside ``expires(after=...)``: a worker that hangs is reaped by the
+sidecar's timer server.
 
 The training function is wrapped by ``kelastic.inprocess.Wrapper``: with in-process
 restart on (``spec.inProcess.enabled``, ``kelastic run --in-process``) a fault restarts
@@ -41,6 +45,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from kelastic import checkpoint, contract
 from kelastic.errors import record
 from kelastic.inprocess import CallWrapper, Wrapper
 from kelastic.timer import expires
@@ -73,10 +78,14 @@ def load_data(seed: int) -> tuple[torch.Tensor, ...]:
     return x_tr, x_te, y_tr, y_te
 
 
-def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int) -> None:
+def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, epoch: int,
+                    updates: int) -> None:  # fmt: skip
+    """Rank 0's checkpoint of a finished ``epoch`` on the shared disk (``updates``: the
+    optimizer steps taken so far)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": epoch}, tmp)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": epoch,
+                "updates": updates}, tmp)  # fmt: skip
     os.replace(tmp, path)  # atomic: a crash never leaves a torn checkpoint
 
 
@@ -99,6 +108,10 @@ class Training:
         epoch: the epoch in progress (0-based); ``step``: steps of it done.
         ckpt_path: rank 0's checkpoint, read when the process starts.
         acc: the last epoch's test accuracy (NaN before one ended).
+        updates: optimizer steps taken since the job began, whatever the world size
+            (the in-memory checkpoint's step number: it only grows).
+        in_memory: whether each step is saved in memory (the job has a checkpoint
+            volume: ``kelastic.contract.checkpoint_dir()`` exists).
     """
 
     args: argparse.Namespace
@@ -109,10 +122,13 @@ class Training:
     epoch: int = 0
     step: int = 0
     acc: float = float("nan")
+    updates: int = 0
+    in_memory: bool = False
 
     @classmethod
     def create(cls, args: argparse.Namespace) -> Training:
-        """Data, model and optimizer, from the last checkpoint when there is one."""
+        """Data, model and optimizer, from the newest checkpoint when there is one: the
+        in-memory step the job agreed on, else rank 0's last epoch on disk."""
         torch.manual_seed(args.seed)
         model = nn.Sequential(
             nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
@@ -120,13 +136,26 @@ class Training:
         )  # fmt: skip
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         run = cls(args, load_data(args.seed), model, opt, args.checkpoint_dir / "digits.pt")
-        if run.ckpt_path.exists():
+        run.in_memory = contract.checkpoint_dir().is_dir()
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        rank0 = os.environ.get("RANK", "0") == "0"
+        started = time.monotonic()
+        restored = checkpoint.load() if run.in_memory else None
+        if restored is not None:
+            run.updates, state = restored
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            run.epoch, run.step = state["epoch"], state["step"]
+            if rank0:
+                print(f"resumed from checkpoint: epoch {run.epoch} step {run.step} (in memory, "
+                      f"update {run.updates}, loaded in {time.monotonic() - started:.3f} s; "
+                      f"restart {restart})")  # fmt: skip
+        elif run.ckpt_path.exists():
             state = torch.load(run.ckpt_path, weights_only=True)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
-            run.epoch = state["epoch"] + 1
-            if os.environ.get("RANK", "0") == "0":
-                restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            run.epoch, run.updates = state["epoch"] + 1, state.get("updates", 0)
+            if rank0:
                 print(f"resumed from checkpoint: epoch {state['epoch']} done (restart {restart})")
         return run
 
@@ -140,18 +169,21 @@ class Training:
         furthest along has taken every step the others took, with the same gradients.
         """
         positions: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(positions, (self.epoch, self.step))
+        dist.all_gather_object(positions, (self.updates, self.epoch, self.step))
         src = max(range(len(positions)), key=lambda r: (tuple(positions[r]), -r))
-        mine = {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                "epoch": self.epoch, "step": self.step}  # fmt: skip
-        box: list[Any] = [mine if dist.get_rank() == src else None]
+        box: list[Any] = [self.state() if dist.get_rank() == src else None]
         dist.broadcast_object_list(box, src=src)
         if dist.get_rank() != src:
             state = box[0]
             self.model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["opt"])
-            self.epoch, self.step = state["epoch"], state["step"]
+            self.epoch, self.step, self.updates = state["epoch"], state["step"], state["updates"]
         return src
+
+    def state(self) -> dict[str, Any]:
+        """The model, the optimizer state and the position: what a checkpoint holds."""
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "epoch": self.epoch, "step": self.step, "updates": self.updates}  # fmt: skip
 
 
 def train(run: Training, call_wrapper: CallWrapper | None = None) -> None:
@@ -208,7 +240,8 @@ def test_accuracy(model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor) 
 def _epochs(
     run: Training, ddp: nn.Module, rank: int, world: int, call_wrapper: CallWrapper | None
 ) -> None:
-    """Train from ``run``'s position to the last epoch; rank 0 checkpoints each epoch."""
+    """Train from ``run``'s position to the last epoch; every rank saves each step in
+    memory (with a checkpoint volume), rank 0 each epoch on disk."""
     args, model, opt = run.args, run.model, run.opt
     x_tr, x_te, y_tr, y_te = run.data
     loss_fn = nn.CrossEntropyLoss()
@@ -231,13 +264,17 @@ def _epochs(
                 loss.backward()
                 with atomic():  # an abort never lands between the update and its count
                     opt.step()
-                    run.step = step + 1
+                    run.step, run.updates = step + 1, run.updates + 1
+                # the save is part of the step (a stuck save is a hang): staged in memory
+                # here, committed on the store's thread while the next step runs
+                if run.in_memory:
+                    checkpoint.save(run.updates, run.state())
             if call_wrapper is not None:
                 call_wrapper.ping()
             total += loss.item()
         run.acc = test_accuracy(model, x_te, y_te)
         if rank == 0:
-            save_checkpoint(run.ckpt_path, model, opt, run.epoch)
+            save_checkpoint(run.ckpt_path, model, opt, run.epoch, run.updates)
             print(
                 f"epoch {run.epoch + 1}/{args.epochs} step {(run.epoch + 1) * steps} "
                 f"loss {total / max(steps, 1):.4f} test_acc {run.acc:.4f} "

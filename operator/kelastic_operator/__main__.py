@@ -94,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=8081,
         help="port of /healthz, the liveness probe's (the event loop turns; 0 to disable)",
     )
+    p.add_argument(
+        "--no-node-watch",
+        dest="watch_nodes",
+        action="store_false",
+        help="do not watch Nodes (no list/watch on Nodes needed); the Pods of a Node that "
+        "stops heart-beating are then never counted lost by the operator (spec.nodeLostSeconds "
+        "has no effect) and stay Terminating until the Node comes back or is deleted",
+    )
+    p.add_argument(
+        "--taint-quarantined-nodes",
+        action="store_true",
+        help="taint each Node a job quarantines (status.quarantinedNodes) with "
+        "kelastic.dev/quarantined:NoSchedule, so that no new Pod of any job or workload "
+        "lands there until its owner removes the taint; needs get and patch on Nodes",
+    )
     p.add_argument("--resync-seconds", type=float, default=30.0)
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -151,7 +166,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if ctx is None:
         return 2
     health = Health()
-    registry = _registry(ctx, health)
+    registry = _registry(ctx, health, args.watch_nodes)
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=ctx.metrics.registry)
     if args.health_port:
@@ -200,20 +215,23 @@ def _context(args: argparse.Namespace) -> OperatorContext | None:
             )
         ),
         resync_seconds=args.resync_seconds,
+        taint_nodes=args.taint_quarantined_nodes,
         metrics=OperatorMetrics(),
         instance=os.environ.get("POD_ID", ""),
     )
 
 
-def _registry(ctx: OperatorContext, health: Health) -> kopf.OperatorRegistry:
-    """kopf's registry: the ElasticJob handlers, the login, and the event loop's
-    heartbeat for /healthz."""
+def _registry(
+    ctx: OperatorContext, health: Health, watch_nodes: bool = True
+) -> kopf.OperatorRegistry:
+    """kopf's registry: the ElasticJob handlers (with the Node watch when
+    ``watch_nodes``), the login, and the event loop's heartbeat for /healthz."""
     import kopf
 
     from .handlers import register
 
     registry = kopf.OperatorRegistry()
-    register(registry, ctx)
+    register(registry, ctx, watch_nodes)
     tickers: set[asyncio.Task[None]] = set()
 
     @kopf.on.login(registry=registry)

@@ -10,6 +10,9 @@
   ``resync_seconds``;
 - **event handlers** on ElasticJobs and on Pods labelled with a job name that feed the
   watch cache and wake that job's daemon;
+- with ``watch_nodes``, an event handler on **Nodes** that keeps which are not Ready
+  (:mod:`~kelastic_operator.node_health`) and wakes the jobs with Pods on a Node whose
+  readiness changed (rule 10 of :mod:`~kelastic_operator.reconcile`: lost nodes);
 - a **delete handler** (kopf's finalizer) that deletes the job's Pods, waits until they
   are gone (no sidecar left to write), then deletes the job's etcd prefix.
 
@@ -28,10 +31,11 @@ from typing import Any
 import kopf
 import urllib3
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
 from .job_reconciler import PLURAL, JobReconciler, OperatorContext
 from .labels import LABEL_JOB
-from .model import API_GROUP, API_VERSION, PHASES
+from .model import API_GROUP, API_VERSION, DEFAULT_NODE_LOST_SECONDS, PHASES, ElasticJobSpec
 from .rendezvous_store import RendezvousStoreError
 from .rendezvous_watch import StatusFollower
 from .watch_cache import slim_pod
@@ -40,8 +44,11 @@ __all__ = ["register"]
 log = logging.getLogger("kelastic_operator")
 
 
-def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
-    """Register the ElasticJob handlers on ``registry``, sharing ``ctx``."""
+def register(
+    registry: kopf.OperatorRegistry, ctx: OperatorContext, watch_nodes: bool = True
+) -> None:
+    """Register the ElasticJob handlers on ``registry``, sharing ``ctx``; with
+    ``watch_nodes`` the Node handler too (it needs ``list``/``watch`` on Nodes)."""
 
     @kopf.daemon(API_GROUP, API_VERSION, PLURAL, registry=registry, cancellation_timeout=2.0)
     async def run_job(
@@ -116,6 +123,19 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
             ctx.cache.put_pod(namespace, job, copy.deepcopy(slim_pod(dict(body))))
         ctx.wakeup(namespace, job).set()
 
+    async def node_changed(name: str, type: str | None, body: kopf.Body, **_: Any) -> None:
+        now = ctx.clock()
+        if type == "DELETED":
+            changed = ctx.nodes.deleted(name, now)
+        else:
+            changed = ctx.nodes.observe(name, body, now)
+        if changed:
+            for namespace, job in ctx.cache.jobs_on_node(name):
+                ctx.wakeup(namespace, job).set()
+
+    if watch_nodes:
+        kopf.on.event("v1", "nodes", registry=registry)(node_changed)
+
     @kopf.on.delete(API_GROUP, API_VERSION, PLURAL, registry=registry)
     async def job_deleted(name: str, namespace: str | None, body: kopf.Body, **_: Any) -> None:
         namespace = namespace or "default"
@@ -123,7 +143,9 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
         # 1. the Pods go first (their sidecars would write the keys again), then 2. the keys
         if not ctx.fence():
             raise kopf.TemporaryError("not the leader any more", delay=2)
-        left = await asyncio.to_thread(reconciler.stop_pods, str(body["metadata"]["uid"]))
+        left = await asyncio.to_thread(
+            reconciler.stop_pods, str(body["metadata"]["uid"]), _node_lost_seconds(body)
+        )
         if left:
             raise kopf.TemporaryError(
                 f"waiting for {len(left)} pod(s) to stop: {', '.join(sorted(left))}", delay=1
@@ -142,3 +164,11 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
             ctx.event_counts.pop(event_key, None)
         ctx.metrics.forget(namespace, name, PHASES)
         ctx._wakeups.pop(key, None)
+
+
+def _node_lost_seconds(body: Mapping[str, Any]) -> float:
+    """The job's ``spec.nodeLostSeconds``; the default when its spec is invalid."""
+    try:
+        return ElasticJobSpec.model_validate(body.get("spec") or {}).node_lost_seconds
+    except ValidationError:
+        return DEFAULT_NODE_LOST_SECONDS

@@ -41,13 +41,17 @@ from .metrics import OperatorMetrics
 from .model import (
     API_GROUP,
     API_VERSION,
+    DEFAULT_NODE_LOST_SECONDS,
     PHASES,
     TERMINAL_PHASES,
     ElasticJobSpec,
     ElasticJobStatus,
 )
+from .node_health import NodeHealth
+from .node_taint import taint_node, taint_value
 from .pods import PodBuildError, PodSettings, build_pod, etcd_endpoints, trainer_name
 from .reconcile import (
+    LOST_REASON,
     REPLACE_REASON,
     Event,
     JobView,
@@ -99,6 +103,10 @@ class OperatorContext:
         fence: whether this replica may act now (the leader election's
             :meth:`~kelastic_operator.leader.LeaseElector.is_leader`); a pass that finds it
             false writes nothing.
+        nodes: the Nodes that are not Ready, as the Node watch reports them (empty when
+            the operator does not watch Nodes: no Pod is then ever counted lost).
+        taint_nodes: taint each Node a job quarantines (:mod:`~kelastic_operator.node_taint`;
+            needs ``get``/``patch`` on Nodes).
     """
 
     api: client.ApiClient
@@ -112,6 +120,8 @@ class OperatorContext:
     instance: str = ""
     fence: Callable[[], bool] = lambda: True
     cache: WatchCache = field(default_factory=WatchCache)
+    nodes: NodeHealth = field(default_factory=NodeHealth)
+    taint_nodes: bool = False
     _wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     _etcd_cleanup_failures: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (namespace, Event name) -> count posted, for aggregating repeats
@@ -177,6 +187,9 @@ class JobReconciler:
             view = pod_view(self.name, pod, trainer)
             if view is None:
                 continue
+            lost_since = self.ctx.nodes.since(view.node_name) if view.node_name else None
+            if lost_since is not None:
+                view = dataclasses.replace(view, node_not_ready_since=lost_since)
             if labels.get(LABEL_UID, uid) != uid:
                 # a Pod of an earlier job of the same name, being collected: it holds its
                 # name until it is gone, and is not ours
@@ -277,6 +290,14 @@ class JobReconciler:
             self.ctx.cache.put_job(cast("dict[str, Any]", written))
             for level, grew in restart_increases(old, plan.status).items():
                 self.ctx.metrics.restarts.labels(level).inc(grew)
+        for uid, why in plan.fence:
+            if store is None:
+                break
+            try:  # before the Pod is deleted and another of its name made
+                store.fence(prefix, uid, why)
+            except RendezvousStoreError as exc:
+                log.warning("%s/%s: fencing pod uid %s failed: %s", self.namespace, self.name,
+                            uid, exc)  # fmt: skip
         if plan.depart_nodes and store is not None:
             try:
                 store.mark_departing(prefix, plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN)
@@ -294,16 +315,14 @@ class JobReconciler:
             except RendezvousStoreError as exc:  # the Pods still come: only accounting
                 log.warning("%s/%s: clearing departures failed: %s", self.namespace, self.name, exc)
         for delete in plan.delete:
-            log.info("%s/%s: deleting pod %s (%s)", self.namespace, self.name, delete.name,
-                     delete.reason)  # fmt: skip
-            try:
-                self.core.delete_namespaced_pod(delete.name, self.namespace)
-                self.ctx.metrics.pods_deleted.inc()
-                if delete.reason == REPLACE_REASON:
-                    self.ctx.metrics.pod_replacements.inc()
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
+            log.info("%s/%s: %sdeleting pod %s (%s)", self.namespace, self.name,
+                     "force-" if delete.force else "", delete.name, delete.reason)  # fmt: skip
+            if not self._delete_one(delete.name, delete.force):
+                continue
+            if delete.reason == REPLACE_REASON:
+                self.ctx.metrics.pod_replacements.inc()
+            if delete.reason == LOST_REASON:
+                self.ctx.metrics.pods_lost.inc()
         try:
             pods = [
                 build_pod(
@@ -323,6 +342,10 @@ class JobReconciler:
         refused = self._create(pods)
         if refused is not None:
             plan.events.append(Event("Warning", "FailedCreate", refused))
+        for node in plan.taint_nodes if self.ctx.taint_nodes else []:
+            plan.events.append(
+                taint_node(self.core, node, taint_value(self.namespace, self.name), now)
+            )
         for event in plan.events:
             self._post(event, uid, now)
         if plan.delete_job:
@@ -427,9 +450,14 @@ class JobReconciler:
         for event in plan.events:
             self._post(event, str(obj["metadata"]["uid"]), now)
 
-    def stop_pods(self, uid: str) -> list[str]:
+    def stop_pods(
+        self, uid: str, node_lost_seconds: float = DEFAULT_NODE_LOST_SECONDS
+    ) -> list[str]:
         """Delete the job's Pods (the first step of deleting a job) and say which are
         still there: the job's etcd keys may go only once no sidecar can write them again.
+        A Pod whose Node has not been Ready for ``node_lost_seconds`` is force-deleted
+        (nothing would ever confirm its graceful deletion: the job's deletion would wait
+        for good).
 
         Returns:
             Names of the job's Pods that still exist (being deleted or just deleted).
@@ -438,24 +466,41 @@ class JobReconciler:
             ApiException: listing or deleting failed other than with 404.
         """
         listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector(self.name))
-        left, running = [], []
+        now = self.ctx.clock()
+        left, running, lost = [], [], []
         for pod in self.ctx.api.sanitize_for_serialization(listed.items):  # type: ignore[no-untyped-call]
             meta = pod.get("metadata") or {}
             if (meta.get("labels") or {}).get(LABEL_UID, uid) != uid:
                 continue
-            left.append(str(meta["name"]))
-            if not meta.get("deletionTimestamp"):
-                running.append(str(meta["name"]))
+            name = str(meta["name"])
+            left.append(name)
+            since = self.ctx.nodes.since(str((pod.get("spec") or {}).get("nodeName") or ""))
+            if since is not None and (now - since).total_seconds() >= node_lost_seconds:
+                lost.append(name)
+            elif not meta.get("deletionTimestamp"):
+                running.append(name)
         list(_WRITE_POOL.map(self._delete_one, running))
+        list(_WRITE_POOL.map(lambda name: self._delete_one(name, force=True), lost))
         return left
 
-    def _delete_one(self, name: str) -> None:
+    def _delete_one(self, name: str, force: bool = False) -> bool:
+        """Delete Pod ``name`` (``force``: grace period 0). Returns False when it was gone
+        already.
+
+        Raises:
+            ApiException: the deletion failed other than with 404.
+        """
         try:
-            self.core.delete_namespaced_pod(name, self.namespace)
-            self.ctx.metrics.pods_deleted.inc()
+            if force:
+                self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+            else:
+                self.core.delete_namespaced_pod(name, self.namespace)
         except ApiException as exc:
             if exc.status != 404:
                 raise
+            return False
+        self.ctx.metrics.pods_deleted.inc()
+        return True
 
     def delete_prefix(self, obj: dict[str, Any]) -> None:
         """Delete the job's etcd prefix (the finalizer's work).

@@ -39,6 +39,8 @@ class OperatorMetrics:
         jobs: ElasticJobs per phase (kept by :meth:`set_phase` / :meth:`forget`).
         pods_created, pods_deleted: Pods the operator created / deleted, by reason.
         nodes_removed: rendezvous nodes removed.
+        pods_lost: Pods force-deleted because their Node was not Ready for the job's
+            ``nodeLostSeconds`` (rule 10 of :mod:`~kelastic_operator.reconcile`).
         phase: 1 for the phase each job is in (``namespace``, ``elasticjob``, ``phase``
             labels: the ElasticJob's namespace and name).
         build_info: ``kelastic_build_info`` 1, labelled with the kelastic ``version`` and the
@@ -105,6 +107,11 @@ class OperatorMetrics:
         self.nodes_removed = Counter(
             "kelastic_operator_rendezvous_nodes_removed",
             "Nodes removed from rendezvous",
+            registry=self.registry,
+        )
+        self.pods_lost = Counter(
+            "kelastic_operator_pods_lost",
+            "Pods force-deleted because their Node stayed not Ready for nodeLostSeconds",
             registry=self.registry,
         )
         self.phase = Gauge(

@@ -39,6 +39,11 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 52
 #: Upper bound of ``spec.ttlSecondsAfterFinished``: an int32, as batch/v1 Job's field.
 MAX_TTL_SECONDS = 2**31 - 1
+#: Default of ``spec.nodeLostSeconds``: the control plane calls a Node not Ready after its
+#: kubelet missed ~50 s of heartbeats (node-monitor-grace-period); a minute more rides out
+#: a control-plane blip without leaving a dead Node's Pods Terminating for 5 minutes
+#: (the default eviction toleration) or for good (the Pods of an unreachable Node).
+DEFAULT_NODE_LOST_SECONDS = 60.0
 
 
 class ManifestError(ValueError):
@@ -109,6 +114,52 @@ class WarmStartSpec(_Model):
     )
 
 
+#: A volume's name in a Pod (an RFC 1123 label).
+VOLUME_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+#: A relative folder in a volume: names of letters, digits and ``._-``, none starting
+#: with a dot (so no ``.`` or ``..``), 255 characters at most. RE2, as the API server
+#: checks it (which refuses a repeat count over 1000, a nested ``{0,254}`` included).
+RELATIVE_PATH_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$"
+
+
+class CheckpointPersistSpec(_Model):
+    """Persistence of the in-memory checkpoints (``spec.checkpoint.persist``): the sidecars
+    write committed steps to a volume every Pod shares, in torch DCP's format
+    (``<volume>/<path>/step-<S>/rank-<R>``, loadable with ``torch.distributed.checkpoint``
+    without kelastic; ``step-<S>/COMPLETE`` once every rank is there)."""
+
+    volume: Annotated[str, StringConstraints(pattern=VOLUME_NAME_PATTERN)] = Field(
+        description="a volume of the Pod template every Pod shares (a ReadWriteMany claim); "
+        f"the sidecar mounts it at {contract.PERSIST_MOUNT}",
+    )
+    path: Annotated[str, StringConstraints(pattern=RELATIVE_PATH_PATTERN, max_length=255)] = Field(
+        default="kelastic-checkpoints",
+        description="the folder in the volume: relative, names not starting with a dot",
+    )
+    every_steps: int = Field(
+        default=0, ge=0, le=contract.MAX_PERSIST_EVERY, alias="everySteps",
+        description="persist each step that is a multiple of this; 0: only when a Pod stops",
+    )  # fmt: skip
+    on_stop: bool = Field(
+        default=True, alias="onStop",
+        description="when a Pod is stopped (deletion, drain, preemption, scale-down), persist "
+        "what its checkpoint slots hold",
+    )  # fmt: skip
+    keep: int = Field(
+        default=contract.DEFAULT_PERSIST_KEEP, ge=1, le=contract.MAX_PERSIST_KEEP,
+        description="complete steps kept; older ones are removed",
+    )  # fmt: skip
+
+
+#: CEL rule of ``spec.checkpoint``: :meth:`CheckpointSpec._check`, worded alike.
+CHECKPOINT_CEL_RULES: list[JsonValue] = [
+    {
+        "rule": "!has(self.persist) || has(self.memory)",
+        "message": "checkpoint.persist needs checkpoint.memory: it persists the slots",
+    }
+]
+
+
 class CheckpointSpec(_Model):
     """In-memory checkpoints (``spec.checkpoint``; ``kelastic.checkpoint`` in the trainer).
 
@@ -118,9 +169,15 @@ class CheckpointSpec(_Model):
     allocates it in full at its start (a volume too small fails then, naming the size
     needed) and agrees with its peers on the step to restore. Its pages count against
     the memory of the container that writes them (the trainer's slots): give the
-    trainer's memory limit room for it. Two slots per rank: about twice a rank's state
-    times the ranks per node.
+    trainer's memory limit room for it. Three slots per rank: about three times a rank's
+    state times the ranks per node.
     """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        json_schema_extra={"x-kubernetes-validations": CHECKPOINT_CEL_RULES},
+    )
 
     memory: Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)] | None = Field(
         default=None,
@@ -129,10 +186,21 @@ class CheckpointSpec(_Model):
         "G or T",
     )
 
+    persist: CheckpointPersistSpec | None = Field(
+        default=None,
+        description="write committed steps to a shared volume in torch DCP's format (needs memory)",
+    )
+
     @property
     def memory_bytes(self) -> int | None:
         """``memory`` in bytes (None when unset)."""
         return parse_quantity(self.memory) if self.memory is not None else None
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointSpec:
+        if self.persist is not None and self.memory is None:
+            raise ValueError("checkpoint.persist needs checkpoint.memory: it persists the slots")
+        return self
 
 
 #: CEL rule of ``spec.inProcess``: :meth:`InProcessSpec._check`, worded alike (the API
@@ -369,6 +437,35 @@ class PreflightSpec(_Model):
         return preflight.Preflight(tuple(self.command), float(self.timeout_seconds))
 
 
+class StragglersSpec(_Model):
+    """``spec.stragglers``: how a straggler is told and what is done with it. The sidecar of
+    each node judges its ranks' step times (the ``expires()`` scopes, acquire to release):
+    a local rank whose median step exceeds ``factor`` times its node's other ranks' median
+    over its last ``minSteps`` steps or more is a straggler."""
+
+    action: Literal["Warn", "Replace"] = Field(
+        default="Warn",
+        description="Warn: the straggler is named in status.stragglers, the Stragglers "
+        "condition and a StragglerDetected Event; Replace: also its Pod is replaced (a "
+        "departure notice first, so its peers re-form charging nothing) and its Node "
+        "quarantined (status.quarantinedNodes): a slow GPU or link stays slow",
+    )
+    factor: float = Field(
+        default=1.5,
+        gt=1,
+        le=1000,
+        description="a rank whose median step time exceeds this many times its node's other "
+        "ranks' median is a straggler",
+    )
+    min_steps: int = Field(
+        default=20,
+        ge=1,
+        le=64,
+        alias="minSteps",
+        description="steps a rank needs in its window (the last 64) before it is judged",
+    )
+
+
 class FailurePolicySpec(_Model):
     """``spec.failurePolicy``: rules, in the style of batch/v1 Job's ``podFailurePolicy``,
     applied by the sidecar of the node where a failure happens; the first rule that
@@ -493,6 +590,19 @@ class ElasticJobSpec(_Model):
             "it counts as stuck like an unschedulable one"
         ),
     )
+    node_lost_seconds: float = Field(
+        default=DEFAULT_NODE_LOST_SECONDS,
+        gt=0,
+        le=86400,
+        alias="nodeLostSeconds",
+        description=(
+            "seconds a Node may stay not Ready (its kubelet stopped heart-beating, or says "
+            "it is not ready) before the operator counts its Pods lost: their nodes leave "
+            "the rendezvous, the Pods are force-deleted (a Pod on an unreachable Node would "
+            "otherwise stay Terminating for good) and replaced elsewhere, charged to no "
+            "budget of the operator's (the survivors charge one node_lost restart)"
+        ),
+    )
     cleanup_policy: Literal["None", "Running", "All"] = Field(
         default="Running",
         alias="cleanupPolicy",
@@ -530,6 +640,11 @@ class ElasticJobSpec(_Model):
         description="a check each Pod's node passes before it joins (its program, in the "
         "trainer container); a node that fails it never joins: its Pod fails and is "
         "replaced (podReplacement), nothing charged to maxRestarts",
+    )
+    stragglers: StragglersSpec = Field(
+        default_factory=StragglersSpec,
+        description="stragglers: a rank slower than its node's others (its step times)",
+        json_schema_extra={"default": {}},
     )
     failure_policy: FailurePolicySpec | None = Field(
         default=None,
@@ -613,6 +728,20 @@ class ElasticJobSpec(_Model):
         if not lo <= self.replicas <= hi:
             raise ValueError(f"replicas ({self.replicas}) must be within [{lo}, {hi}]")
         trainer_container(self.template)  # raises ValueError with a clear message
+        persist = self.checkpoint.persist
+        if persist is not None:
+            names = {v.get("name") for v in (self.template.get("spec") or {}).get("volumes") or []
+                     if isinstance(v, dict)}  # fmt: skip
+            if persist.volume in (contract.RUN_VOLUME_NAME, contract.CHECKPOINT_VOLUME_NAME):
+                raise ValueError(
+                    f"checkpoint.persist.volume {persist.volume!r} is a volume kelastic "
+                    "makes for each Pod: name a volume every Pod shares"
+                )
+            if persist.volume not in names:
+                raise ValueError(
+                    f"checkpoint.persist.volume {persist.volume!r} is not a volume of "
+                    "template.spec.volumes"
+                )
         return self
 
     @property
@@ -718,6 +847,80 @@ class InProcessRestart(_Status):
     )
 
 
+class StragglerStatus(_Status):
+    """A straggler now (``status.stragglers``), as its node's sidecar judged it."""
+
+    pod: str = Field(description="the Pod (node) of the slow rank")
+    local_rank: int = Field(alias="localRank", description="the slow rank's local rank")
+    scope: str = Field(default="", description="the expires() scope its steps were timed in")
+    median_seconds: float = Field(
+        alias="medianSeconds", description="its median step time, seconds"
+    )
+    ratio: float = Field(description="its median over its node's other ranks' median")
+    since: str | None = Field(
+        default=None, description="when its sidecar judged it so", json_schema_extra=_TIME
+    )
+
+
+#: Most stragglers ``status.stragglers`` lists (the highest ratios).
+MAX_STRAGGLERS_SHOWN: Final = 64
+
+
+class LastRestart(_Status):
+    """The newest worker-group restart charged (``status.lastRestart``), as the sidecars
+    recorded it in etcd (the restart record's last charge; amended to name a stopped
+    worker when one is found after a peer's charge)."""
+
+    round: int = Field(description="the rendezvous round whose failure was charged")
+    cause: str = Field(default="", description="e.g. worker_failure, hang, node_lost, oom")
+    node: str = Field(default="", description="the Pod whose sidecar charged it")
+    message: str = Field(default="", description="the root cause's one-line summary")
+
+
+class LastHang(_Status):
+    """The newest hung round, from every node's evidence (``status.lastHang``): the
+    sidecars write where each of their workers was as the round hung
+    (:mod:`kelastic.etcd_values.hangs`); :func:`kelastic.hang_where.summarize` names the
+    culprit from it."""
+
+    round: int = Field(description="the rendezvous round that hung")
+    nodes: int = Field(
+        default=0, description="nodes whose sidecars reported where their workers were"
+    )
+    message: str = Field(
+        default="",
+        description="which ranks held things up and where (file:line, function), and where "
+        "the others waited; or that the evidence is inconclusive",
+    )
+    time: str | None = Field(
+        default=None, description="when the operator first saw it", json_schema_extra=_TIME
+    )
+
+
+class LastCheckpoint(_Status):
+    """What the current round's workers restored from the in-memory checkpoints
+    (``status.lastCheckpoint``; ``spec.checkpoint``, ``kelastic.checkpoint``): before
+    each round every sidecar records its node's verified committed steps in etcd, and
+    all agree on the highest step every rank holds
+    (:func:`kelastic.etcd_values.checkpoints.restore_of`). Steps saved during the round
+    show at the next one (the sidecars record them only while the workers are stopped)."""
+
+    round: int = Field(description="the rendezvous round whose workers restored it")
+    step: int | None = Field(
+        default=None, description="the step every rank loaded; absent with tier none"
+    )
+    tier: str = Field(
+        default="",
+        description="where from: memory (each rank's own node's slots), or none (some "
+        "rank held a step, but no step every rank holds: the workers started without one)",
+    )
+    time: str | None = Field(
+        default=None,
+        description="when the newest of the nodes' records of their slots was written",
+        json_schema_extra=_TIME,
+    )
+
+
 #: Most Nodes ``status.quarantinedNodes`` holds (the oldest drop out first).
 MAX_QUARANTINED: Final = 64
 
@@ -786,6 +989,24 @@ class ElasticJobStatus(_Status):
     )
     last_failure: LastFailure | None = Field(
         default=None, alias="lastFailure", description="the most recent failure"
+    )
+    last_restart: LastRestart | None = Field(
+        default=None, alias="lastRestart", description="the newest worker-group restart charged"
+    )
+    stragglers: list[StragglerStatus] = Field(
+        default_factory=list,
+        max_length=MAX_STRAGGLERS_SHOWN,
+        description="the stragglers now (the highest ratios first)",
+    )
+    last_hang: LastHang | None = Field(
+        default=None,
+        alias="lastHang",
+        description="the newest hung round: where every node's workers were",
+    )
+    last_checkpoint: LastCheckpoint | None = Field(
+        default=None,
+        alias="lastCheckpoint",
+        description="the checkpoint step the current round's workers restored, and from where",
     )
     quarantined_nodes: list[str] = Field(
         default_factory=list,

@@ -16,6 +16,9 @@ selectors, tolerations, volumes, env, init containers — are kept):
 - with ``spec.checkpoint.memory``, the memory-backed ``emptyDir`` ``kelastic-checkpoints``
   of that ``sizeLimit`` at ``/var/run/kelastic-checkpoints`` in both containers, and
   ``KELASTIC_CHECKPOINT_MEMORY`` for the sidecar (it allocates the volume at its start);
+  with ``spec.checkpoint.persist``, the template's volume it names mounted in the
+  sidecar at ``/var/run/kelastic-persist`` and the persistence settings
+  (:func:`persist_env`) in the sidecar's env;
 - the trainer's command wrapped by the launcher:
   ``python -m kelastic.launch --nproc-per-node N -- <command> <args>`` (args folded in),
   with ``--warm-start --preload <modules>`` when ``spec.warmStart.enabled``;
@@ -61,6 +64,7 @@ from .model import (
     TRAINER_CONTAINER,
     ElasticJobSpec,
     InProcessSpec,
+    StragglersSpec,
     WarmStartSpec,
 )
 from .placement import avoid_nodes
@@ -141,6 +145,8 @@ def sidecar_env(
         {"name": contract.ENV_JOB_UID, "value": uid},
         {"name": contract.ENV_POD_NAME, "valueFrom": field_ref("metadata.name")},
         {"name": contract.ENV_POD_IP, "valueFrom": field_ref("status.podIP")},
+        {"name": contract.ENV_POD_UID, "valueFrom": field_ref("metadata.uid")},
+        {"name": contract.ENV_HOST_NODE, "valueFrom": field_ref("spec.nodeName")},
         {"name": contract.ENV_ETCD_ENDPOINTS, "value": ",".join(etcd_endpoints(spec, settings))},
         {"name": contract.ENV_MIN_NODES, "value": str(spec.min_nodes)},
         {"name": contract.ENV_MAX_NODES, "value": str(spec.max_nodes)},
@@ -152,6 +158,8 @@ def sidecar_env(
         {"name": contract.ENV_STOP_GRACE, "value": _num(settings.stop_grace)},
         {"name": contract.ENV_HTTP_PORT, "value": str(settings.http_port)},
         {"name": contract.ENV_RUN_DIR, "value": contract.DEFAULT_RUN_DIR},
+        {"name": contract.ENV_STRAGGLER_FACTOR, "value": _num(spec.stragglers.factor)},
+        {"name": contract.ENV_STRAGGLER_MIN_STEPS, "value": str(spec.stragglers.min_steps)},
         *inprocess_env(spec.in_process),
     ]
     if spec.failure_policy is not None:  # the codec the sidecar reads them with
@@ -161,6 +169,7 @@ def sidecar_env(
     if memory is not None:  # the volume is allocated in full at the sidecar's start
         env.append({"name": contract.ENV_CHECKPOINT_DIR, "value": contract.DEFAULT_CHECKPOINT_DIR})
         env.append({"name": contract.ENV_CHECKPOINT_MEMORY, "value": str(memory)})
+    env.extend(persist_env(spec))
     if rdzv.tls_secret:
         env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
     if rdzv.auth_secret:  # etcd user and password, from a kubernetes.io/basic-auth Secret
@@ -171,6 +180,32 @@ def sidecar_env(
             ref = {"secretKeyRef": {"name": rdzv.auth_secret, "key": key}}
             env.append({"name": var, "valueFrom": ref})
     return env
+
+
+def persist_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
+    """The sidecar's persistence settings (``spec.checkpoint.persist``) as env entries:
+    the folder (the volume's mount, :data:`~kelastic.contract.PERSIST_MOUNT`, then
+    ``path``), ``everySteps``, ``onStop`` and ``keep``; none when unset."""
+    persist = spec.checkpoint.persist
+    if persist is None:
+        return []
+    return [
+        {"name": contract.ENV_CHECKPOINT_PERSIST_DIR,
+         "value": f"{contract.PERSIST_MOUNT}/{persist.path}"},
+        {"name": contract.ENV_CHECKPOINT_PERSIST_EVERY, "value": str(persist.every_steps)},
+        {"name": contract.ENV_CHECKPOINT_PERSIST_ON_STOP, "value": "1" if persist.on_stop else "0"},
+        {"name": contract.ENV_CHECKPOINT_PERSIST_KEEP, "value": str(persist.keep)},
+    ]  # fmt: skip
+
+
+def trainer_persist_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
+    """The trainer's part of ``spec.checkpoint.persist``: ``everySteps`` (its saves mark
+    those steps due, :mod:`kelastic.checkpoint.due`), the same value as the sidecar's;
+    none when unset or 0."""
+    persist = spec.checkpoint.persist
+    if persist is None or not persist.every_steps:
+        return []
+    return [{"name": contract.ENV_CHECKPOINT_PERSIST_EVERY, "value": str(persist.every_steps)}]
 
 
 def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
@@ -321,6 +356,8 @@ def sidecar_container(
     mounts = [_run_mount()]
     if spec.checkpoint.memory is not None:
         mounts.append(_checkpoint_mount())
+    if spec.checkpoint.persist is not None:  # the template's shared volume
+        mounts.append({"name": spec.checkpoint.persist.volume, "mountPath": contract.PERSIST_MOUNT})
     if spec.rendezvous.tls_secret:
         mounts.append({"name": ETCD_TLS_VOLUME, "mountPath": ETCD_TLS_MOUNT, "readOnly": True})
     probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}}
@@ -429,7 +466,7 @@ def build_pod(
     trainer.pop("args", None)
     # The in-process settings are the spec's, as in the sidecar (the two must agree), and
     # so is the preflight check: a user's own entry of one of these names is replaced.
-    inprocess = inprocess_env(spec.in_process) + preflight_env(spec)
+    inprocess = inprocess_env(spec.in_process) + preflight_env(spec) + trainer_persist_env(spec)
     ours = {e["name"] for e in inprocess}
     env = [
         e for e in trainer.get("env") or [] if not isinstance(e, dict) or e.get("name") not in ours
@@ -523,6 +560,7 @@ _NOT_IN_POD = frozenset(
         "ttl_seconds_after_finished",
         "suspend",
         "pod_replacement",
+        "node_lost_seconds",
     }
 )
 
@@ -542,6 +580,14 @@ def pod_spec_hash(spec: ElasticJobSpec) -> str:
         left_out.add("failure_policy")
     if spec.checkpoint.memory is None:  # likewise
         left_out.add("checkpoint")
-    shaping = spec.model_dump(mode="json", by_alias=True, exclude=left_out)
+    exclude: dict[str, Any] = dict.fromkeys(left_out, True)
+    if spec.checkpoint.memory is not None and spec.checkpoint.persist is None:  # likewise
+        exclude["checkpoint"] = {"persist": True}
+    # the sidecar's verdict shapes the Pod (its env), the action is the operator's
+    defaults = StragglersSpec()
+    verdict = (spec.stragglers.factor, spec.stragglers.min_steps)
+    same = verdict == (defaults.factor, defaults.min_steps)
+    exclude["stragglers"] = True if same else {"action": True}
+    shaping = spec.model_dump(mode="json", by_alias=True, exclude=exclude)
     text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -40,15 +40,42 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    status does): ``RendezvousReady`` (Running with a complete round's world size),
    ``Complete`` and ``Failed`` (added when the job succeeds / fails), ``Suspended``
    (added when the job is suspended; False once resumed). An Event marks each
-   phase transition, each failed Pod, each replacement, resize and worker-group restart;
+   phase transition, each failed Pod, each replacement, resize and worker-group restart
+   (with the restart record's root cause of the newest, also ``status.lastRestart``, which
+   follows the record when a later node amends the charge to name a stopped worker);
    ``status.inProcessRestarts`` and an ``InProcessRestart`` Event mirror the sidecars'
-   in-process restart record (:mod:`~kelastic_operator.inprocess_status`).
+   in-process restart record (:mod:`~kelastic_operator.inprocess_status`);
+   ``status.lastHang`` and a ``HangEvidence`` Event say where every node's workers were
+   as the newest hung round ended (the sidecars' ``hangs/<node>``, put together by
+   :func:`kelastic.hang_where.summarize`: the culprit, where the others waited), again
+   each time another node's evidence of that round arrives.
 8. Nodes leave rendezvous (their alive keys are deleted) the moment their Pod is seen
    failed (and on every pass until it is gone: deleting a key is idempotent), being
    deleted, gone, or deleted on scale-down. A Pod created under the name of one that
    departed on purpose (scale-down, spec change, suspend) has that notice deleted first.
 9. A finished job is deleted ``ttlSecondsAfterFinished`` after its ``completionTime``
    (``Plan.delete_job``; :mod:`~kelastic_operator.ttl`), and woken up then.
+10. **Lost nodes.** A Pod whose Node has not been Ready for ``nodeLostSeconds``
+   (:attr:`PodView.node_not_ready_since`) is lost: its node leaves the rendezvous, it is
+   force-deleted (its kubelet would never confirm a graceful deletion, so it would stay
+   Terminating and hold its name), its incarnation fenced in etcd first (its sidecar,
+   should the Node come back, never joins beside the new Pod of its name), and rule 4
+   creates it again elsewhere, spending no
+   replacement (its peers' sidecars charge one ``node_lost`` restart, whether its lease ran
+   out first or its key went now). Before that nothing is done: a Node the control plane
+   cannot hear may still train (it reaches etcd and its peers), and a dead one's rendezvous
+   lease runs out on its own, long before. Pods already being deleted on such a Node
+   (a replaced failed Pod, a scale-down, a finished job's cleanup) are force-deleted too;
+   a Succeeded one is left alone.
+11. **Stragglers** (:mod:`~kelastic_operator.stragglers`): ``status.stragglers`` from the
+   sidecars' verdicts (those of running Pods, each of the Pod it names), a
+   ``StragglerDetected`` Event for each new one and the ``Stragglers`` condition; with
+   ``spec.stragglers.action: Replace`` the straggler's Pod is deleted with a departure
+   notice (nothing charged) and created again by rule 4, its Node quarantined.
+12. **Quarantine** (:mod:`~kelastic_operator.quarantine`): a Node where a Pod failed its
+   preflight check, or where two restarts were charged for hardware-looking failures
+   (the job's Pods there are then replaced with departure notices), goes to
+   ``status.quarantinedNodes``, which the Pods created afterwards avoid.
 
 What it reads and returns (the views of the job, its Pods and the rendezvous; the plan) is
 :mod:`kelastic_operator.reconcile_views`, re-exported here.
@@ -63,21 +90,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
-from kelastic import contract
+from kelastic.failure_policy import FailureCause
+from kelastic.hang_where import summarize
 
 from .inprocess_status import apply_inprocess
 from .labels import selector
 from .model import (
-    MAX_QUARANTINED,
     TERMINAL_PHASES,
     Condition,
     ElasticJobSpec,
     ElasticJobStatus,
+    LastCheckpoint,
     LastFailure,
+    LastHang,
 )
 from .pods import pod_spec_hash
+from .quarantine import after_hardware_failures, after_preflight
 from .reconcile_views import (
     ACTIVE_PHASES,
     JOB_FAILED_PREFIX,
@@ -95,12 +125,14 @@ from .reconcile_views import (
     parse_time,
     pod_view,
 )
+from .stragglers import apply_stragglers, stragglers_condition
 from .suspend import SUSPENDED_PHASE, SUSPENDED_REASON, stop_pods, suspended_condition
 from .ttl import apply_ttl
 
 __all__ = [
     "ACTIVE_PHASES",
     "JOB_FAILED_PREFIX",
+    "LOST_REASON",
     "REPLACE_REASON",
     "UPDATE_REASON",
     "CreatePod",
@@ -220,6 +252,9 @@ def _set_conditions(
     suspended = suspended_condition(old, phase == SUSPENDED_PHASE, message, generation, now)
     if suspended is not None:
         out.append(suspended)
+    slow = stragglers_condition(old, status, generation, now)
+    if slow is not None:
+        out.append(slow)
     status.conditions = out
 
 
@@ -248,6 +283,8 @@ def reconcile(
     plan.status.replicas = len(staying) + len(plan.create)
     plan.status.ready_replicas = sum(1 for p in staying if p.phase == "Running" and p.ready)
     plan.status_changed = plan.status.as_patch() != job.status.as_patch()
+    known = set(job.status.quarantined_nodes)
+    plan.taint_nodes = [n for n in plan.status.quarantined_nodes if n not in known]
     return plan
 
 
@@ -348,22 +385,41 @@ def _observe(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezv
     return _Pass(job, now, rdzv, pods, st, Plan(status=st), live, by_phase)
 
 
-def _quarantine(p: _Pass, pod: PodView) -> None:
-    """A Pod that failed its preflight check (its trainer's termination message starts
-    with :data:`kelastic.contract.PREFLIGHT_FAILED_PREFIX`) puts its Node in
-    ``status.quarantinedNodes`` (once; the oldest dropped past
-    :data:`~kelastic_operator.model.MAX_QUARANTINED`), which new Pods avoid."""
-    message = pod.trainer.message if pod.trainer is not None else ""
-    node = pod.node_name
-    if not node or not message.startswith(contract.PREFLIGHT_FAILED_PREFIX):
-        return
-    if node in p.st.quarantined_nodes:
-        return
-    p.st.quarantined_nodes = [*p.st.quarantined_nodes, node][-MAX_QUARANTINED:]
-    p.plan.events.append(Event(
-        "Warning", "NodeQuarantined",
-        f"node {node}: pod {pod.name} failed its preflight check; the job's new Pods avoid it",
-    ))  # fmt: skip
+#: :class:`DeletePod` reason of a Pod force-deleted because its Node is lost (rule 10).
+LOST_REASON = "node lost"
+
+
+def _lost_nodes(p: _Pass, terminal: bool) -> None:
+    """Rule 10: force-delete the Pods of Nodes not Ready for ``nodeLostSeconds``; a lost
+    Pod that still ran leaves the rendezvous and is recorded as the last failure, once.
+    In a finished job only the Pods already being deleted."""
+    patience = timedelta(seconds=p.spec.node_lost_seconds)
+    for pod in sorted(p.pods, key=lambda x: x.index):
+        since = pod.node_not_ready_since
+        running = pod.phase in ACTIVE_PHASES
+        if since is None or not (pod.deleting or (running and not terminal)):
+            continue
+        lost_at = since + patience
+        if p.now < lost_at:
+            p.wakeups.append(lost_at)
+            continue
+        p.plan.delete.append(DeletePod(pod.name, LOST_REASON, force=True))
+        if not running or terminal:
+            continue
+        if pod.name not in p.plan.remove_nodes:
+            p.plan.remove_nodes.append(pod.name)
+        if pod.uid:
+            p.plan.fence.append((pod.uid, f"node {pod.node_name} lost"))
+        waited = (p.now - since).total_seconds()
+        message = (
+            f"{FailureCause.NODE_LOST.value}: node {pod.node_name} not Ready since "
+            f"{format_time(since)} ({waited:.0f}s, nodeLostSeconds "
+            f"{p.spec.node_lost_seconds:g}): pod {pod.name} force-deleted and replaced"
+        )
+        failure = LastFailure(pod=pod.name, message=message, time=format_time(lost_at))
+        if _is_newer(failure, p.st.last_failure):
+            p.st.last_failure = failure
+        p.plan.events.append(Event("Warning", "PodLost", message))
 
 
 def _note_failures(p: _Pass) -> None:
@@ -379,7 +435,7 @@ def _note_failures(p: _Pass) -> None:
             p.plan.events.append(
                 Event("Warning", "PodFailed", f"pod {pod.name} failed: {failure.message}")
             )
-        _quarantine(p, pod)
+        after_preflight(p.st, p.plan, pod)  # its Node quarantined
     # Pods being deleted leave rendezvous at once (their sidecars may not get to say so)
     for pod in p.pods:
         if pod.deleting and pod.phase in ACTIVE_PHASES and pod.name not in p.plan.remove_nodes:
@@ -388,13 +444,57 @@ def _note_failures(p: _Pass) -> None:
     spent = p.rdzv.restarts_spent
     if spent is not None and spent > spent_before:
         round_ = p.rdzv.round if p.rdzv.round is not None else "?"
+        last = p.rdzv.last_restart
+        cause = f": {last.message}" if last is not None else ""
         p.plan.events.append(
             Event("Warning", "WorkersRestarted", f"worker group restarted: {spent}/"
-                  f"{p.spec.max_restarts} restarts spent (round {round_})")
+                  f"{p.spec.max_restarts} restarts spent (round {round_}){cause}")
         )  # fmt: skip
+    if p.rdzv.last_restart is not None:  # amended in place when a stopped worker is found
+        p.st.last_restart = p.rdzv.last_restart
     inprocess = apply_inprocess(p.spec, p.old, p.st, p.rdzv.inprocess)
     if inprocess is not None:
         p.plan.events.append(inprocess)
+    _note_hang(p)
+    _note_checkpoint(p)
+
+
+def _note_checkpoint(p: _Pass) -> None:
+    """``status.lastCheckpoint``: what the current round's workers restored from the
+    in-memory checkpoints (nothing when no node recorded a step: a fresh start, or a job
+    without them); a ``CheckpointNotRestored`` Warning, once per round, when some rank
+    held a step but the ranks have none in common (the workers start without one)."""
+    restore = p.rdzv.restore
+    if restore is None or not (restore.held or restore.step is not None):
+        return
+    old = p.st.last_checkpoint
+    when = datetime.fromtimestamp(restore.time, timezone.utc) if restore.time > 0 else None
+    p.st.last_checkpoint = LastCheckpoint(
+        round=restore.round, step=restore.step, tier=restore.tier.value,
+        time=format_time(when) if when is not None else None,
+    )  # fmt: skip
+    if restore.step is None and (old is None or old.round != restore.round):
+        p.plan.events.append(Event(
+            "Warning", "CheckpointNotRestored",
+            f"round {restore.round}: no checkpoint step every one of its {restore.ranks} "
+            "ranks holds: the workers start without one",
+        ))  # fmt: skip
+
+
+def _note_hang(p: _Pass) -> None:
+    """Rule 7's ``status.lastHang``: the newest hung round's evidence from every node that
+    reported it, summarised; a ``HangEvidence`` Event when it changed (a newer round, or
+    more nodes of the same one)."""
+    if not p.rdzv.hangs:
+        return
+    newest = max(h.round for h in p.rdzv.hangs)
+    nodes = sum(1 for h in p.rdzv.hangs if h.round == newest)
+    old = p.st.last_hang
+    if old is not None and (old.round, old.nodes) >= (newest, nodes):
+        return
+    message = summarize(p.rdzv.hangs)
+    p.st.last_hang = LastHang(round=newest, nodes=nodes, message=message, time=p.stamp)
+    p.plan.events.append(Event("Warning", "HangEvidence", message))
 
 
 def _job_failed(p: _Pass) -> _Outcome | None:
@@ -428,6 +528,7 @@ def _suspend(p: _Pass) -> _Outcome:
     ``startTime`` is cleared (set again when the resumed job runs, as batch/v1 resets it on
     resume) and so is the replacement backoff (the failed Pods go too, uncounted)."""
     message = stop_pods(p.pods, p.plan)
+    p.st.stragglers = []  # no Pod runs to be slow
     p.st.start_time = None
     p.st.next_replacement_time = None
     p.st.counted_failures = None
@@ -607,8 +708,10 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
     """The rules of the module docstring, in order."""
     p = _observe(job, pods, now, rdzv)
     phase = p.old.phase or "Pending"
+    _lost_nodes(p, terminal=phase in TERMINAL_PHASES)
     if phase in TERMINAL_PHASES:  # rule 1: only clean up
         _cleanup(p.spec, p.live, p.plan, f"job {phase.lower()}")
+        p.st.stragglers = []
         return p.finish(phase, None, None)
     _note_failures(p)
     for ending in (_job_failed, _job_succeeded):
@@ -623,6 +726,9 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
     if outcome is not None:
         return p.finish(*outcome)
     _replace_outdated(p)
+    if not p.finishing:  # rules 11 and 12
+        apply_stragglers(p.spec, p.pods, p.rdzv.stragglers, p.st, p.plan, p.gone)
+        after_hardware_failures(p.rdzv.charges, p.pods, p.st, p.plan, p.gone)
     _create_missing(p)
     return p.finish(*_phase(p))
 

@@ -6,7 +6,8 @@ The inputs are views of the observed world: the job (:class:`JobView`), its Pods
 and what the job's etcd keys say (:class:`RendezvousView`). The output is a :class:`Plan`
 (:class:`CreatePod`, :class:`DeletePod`, :class:`Event`, the new status). Pure data and
 pure readers, as :mod:`~kelastic_operator.reconcile` is: nothing here talks to Kubernetes or
-etcd.
+etcd. Over ~400 lines because it is one vocabulary, the contract of reconcile's rules:
+every type they read or return, each small; split, the contract would be in many files.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ from typing import Any
 
 from kelastic import contract
 from kelastic._safejson import is_int
+from kelastic.etcd_values.checkpoints import Restore
+from kelastic.hang_where import HangWhere
 
 from .inprocess_record import InProcessRecord
 from .labels import ANNOTATION_SPEC_HASH, pod_index
-from .model import ElasticJobSpec, ElasticJobStatus, LastFailure
+from .model import ElasticJobSpec, ElasticJobStatus, LastFailure, LastRestart
 
 __all__ = [
     "ACTIVE_PHASES",
     "JOB_FAILED_PREFIX",
+    "ChargeView",
     "CreatePod",
     "DeletePod",
     "Event",
@@ -34,6 +38,7 @@ __all__ = [
     "Plan",
     "PodView",
     "RendezvousView",
+    "StragglerView",
     "Termination",
     "failure_of",
     "format_time",
@@ -110,6 +115,11 @@ class PodView:
         unschedulable_since: when the scheduler reported it ``Unschedulable``
             (``PodScheduled=False``), None otherwise.
         node_name: the Node it was bound to (``spec.nodeName``); "" before.
+        uid: the Pod's ``metadata.uid`` ("" when unknown).
+        node_not_ready_since: since when its Node has not been Ready (its Ready condition
+            not ``True``, or the Node deleted), None while it is Ready or unknown; not in
+            the Pod object: the caller adds it from the Nodes it watches
+            (:mod:`~kelastic_operator.node_health`).
     """
 
     name: str
@@ -125,6 +135,54 @@ class PodView:
     scheduled: bool = False
     unschedulable_since: datetime | None = None
     node_name: str = ""
+    node_not_ready_since: datetime | None = None
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class ChargeView:
+    """One charge of the job's restart record (it keeps the last 100).
+
+    Attributes:
+        round: the round whose failure was charged; cause: its cause.
+        pod: the Pod (rendezvous node) whose sidecar charged it.
+        host: the Kubernetes Node that sidecar ran on (``""``: not known).
+        text: what the failure said: its summary, message and stderr tail, bounded.
+    """
+
+    round: int
+    cause: str
+    pod: str
+    host: str
+    text: str
+
+
+@dataclass(frozen=True)
+class StragglerView:
+    """A straggler as its node's sidecar judged it (:mod:`kelastic.etcd_values.stragglers`).
+
+    Attributes:
+        node: the Pod; local_rank, scope: the slow rank and the timer scope of its steps.
+        median_s, others_median_s: its median step and its node's other ranks', seconds.
+        ratio: their ratio; since: when the sidecar judged it (its clock).
+        pod_uid: the uid of the Pod whose sidecar judged it (``""``: unknown).
+    """
+
+    node: str
+    local_rank: int
+    scope: str
+    median_s: float
+    others_median_s: float
+    ratio: float
+    since: datetime
+    pod_uid: str = ""
+
+    def describe(self) -> str:
+        """``local rank 1 on j-0: median step 0.310 s (scope 'step'), 3.10x its node's other
+        ranks' 0.100 s``."""
+        return (f"local rank {self.local_rank} on {self.node}: median step {self.median_s:.3f} s "
+                f"(scope {self.scope!r}), {self.ratio:.2f}x its node's other ranks' "
+                f"{self.others_median_s:.3f} s")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,6 +197,15 @@ class RendezvousView:
         inprocess: the in-process restart record (None: none, or unreadable).
         departing: nodes that have a departure notice (the operator's, posted before it
             removed them on purpose).
+        hangs: each node's hang evidence (where its workers were as a round hung), any
+            round (:func:`kelastic.hang_where.summarize` takes the newest).
+        last_restart: the newest restart charged (the restart record's last charge),
+            None when there is none.
+        stragglers: every node's stragglers now, as its sidecar last reported them.
+        charges: the restart record's charges, oldest first.
+        restore: what the current round's workers restored from the checkpoint slots
+            (its participants' records, as every sidecar agreed on it); None when no
+            participant recorded any (the job uses none) or no round is complete.
     """
 
     round: int | None = None
@@ -148,6 +215,11 @@ class RendezvousView:
     succeeded_nodes: frozenset[str] = frozenset()
     inprocess: InProcessRecord | None = None
     departing: frozenset[str] = frozenset()
+    hangs: tuple[HangWhere, ...] = ()
+    last_restart: LastRestart | None = None
+    stragglers: tuple[StragglerView, ...] = ()
+    charges: tuple[ChargeView, ...] = ()
+    restore: Restore | None = None
 
 
 @dataclass(frozen=True)
@@ -180,10 +252,13 @@ class CreatePod:
 
 @dataclass(frozen=True)
 class DeletePod:
-    """Delete Pod ``name``; ``reason`` says why (for logs)."""
+    """Delete Pod ``name``; ``reason`` says why (for logs). ``force``: with grace period 0,
+    removing the object without waiting for its kubelet (a lost Node's Pod: nothing would
+    ever confirm its end)."""
 
     name: str
     reason: str
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,9 +290,24 @@ class Plan:
     clear_departures: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
+    #: Pod incarnations declared lost, ``(pod uid, reason)``: fenced in etcd
+    #: (:meth:`kelastic.contract.Keys.fenced`) before anything else, so that the lost
+    #: Pod's sidecar, should its Node come back, never joins beside its replacement.
+    fence: list[tuple[str, str]] = field(default_factory=list)
+    #: Nodes quarantined by this pass (new in ``status.quarantinedNodes``): the operator
+    #: taints them when it is told to (``--taint-quarantined-nodes``).
+    taint_nodes: list[str] = field(default_factory=list)
     #: Delete the job itself (``ttlSecondsAfterFinished`` passed, :mod:`~kelastic_operator.ttl`):
     #: its finalizer then stops its Pods and deletes its etcd keys, as a ``kubectl delete``.
     delete_job: bool = False
+
+    def depart(self, name: str, reason: str) -> None:
+        """Delete Pod ``name`` on purpose: its departure notice first (its peers re-form
+        charging nothing), its rendezvous key removed, the deletion (``reason``)."""
+        self.delete.append(DeletePod(name, reason))
+        for todo in (self.depart_nodes, self.remove_nodes):
+            if name not in todo:
+                todo.append(name)
 
 
 # ------------------------------------------------------------------------ observation
@@ -286,6 +376,7 @@ def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodV
         scheduled=scheduled,
         unschedulable_since=unschedulable_since,
         node_name=str((pod.get("spec") or {}).get("nodeName") or ""),
+        uid=str(meta.get("uid") or ""),
     )
 
 

@@ -4,7 +4,8 @@ The operator does three things with etcd (key layout: :class:`kelastic.contract.
 
 - reads the rendezvous state, the restart counter, the in-process restart record and
   the sidecars' reports, all in one range request over the job's prefix
-  (:meth:`RendezvousStore.read`, parsed by the pure :func:`view_from_keys`);
+  (:meth:`RendezvousStore.read`, parsed by the pure
+  :func:`~kelastic_operator.etcd_view.view_from_keys`);
 - removes a node from rendezvous the moment its Pod fails or is deleted by deleting its
   alive key (the sidecars treat a node without one as dead at once);
 - deletes the job's whole prefix when the job is deleted (the finalizer).
@@ -18,18 +19,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol
 
 from kelastic import contract, etcd_values
-from kelastic.etcd_values import ReportOutcome
 
-from .inprocess_record import decode_record
-from .reconcile import JOB_FAILED_PREFIX, RendezvousView
+from .etcd_view import view_from_keys
+from .reconcile import RendezvousView
 
 log = logging.getLogger("kelastic_operator.etcd")
-_Doc = TypeVar("_Doc")
 
 
 #: Most changed keys a :meth:`EtcdRendezvousStore.watch` keeps between two reads of its
@@ -82,6 +81,16 @@ class RendezvousStore(Protocol):
         """
         ...
 
+    def fence(self, prefix: str, pod_uid: str, reason: str) -> None:
+        """Fence a Pod incarnation (:meth:`kelastic.contract.Keys.fenced`; the value:
+        :func:`kelastic.etcd_values.encode_departure` of ``reason``).
+
+        Raises:
+            RendezvousStoreError: etcd is unreachable.
+            kelastic.etcd_values.CorruptValueError: ``reason`` is not 1..1024 characters.
+        """
+        ...
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under ``prefix``.
 
@@ -122,87 +131,6 @@ class StatusWatch(Protocol):
     def close(self) -> None:
         """Stop watching. Idempotent."""
         ...
-
-
-def status_keys(prefix: str) -> list[str]:
-    """The keys (or prefixes ending in ``/``) under ``prefix`` that
-    :func:`view_from_keys` reads: a change of any of them may change the job's status."""
-    keys = contract.Keys(prefix)
-    return [keys.rdzv_state, keys.restarts, keys.reports_prefix, keys.inprocess_iteration]
-
-
-def _read(decode: Callable[[bytes], _Doc], raw: bytes | None) -> _Doc | None:
-    """The tolerant (``partial``) reading of one value by its codec; None when missing or
-    refused (a value no writer could produce: the sidecars refuse it too)."""
-    if raw is None:
-        return None
-    try:
-        return decode(raw)
-    except etcd_values.CorruptValueError:
-        return None
-
-
-def _state(raw: bytes) -> etcd_values.StateDoc:
-    return etcd_values.decode_state(raw, partial=True)
-
-
-def _restarts(raw: bytes) -> etcd_values.RestartsDoc:
-    return etcd_values.decode_restarts(raw, partial=True)
-
-
-def _report(raw: bytes) -> etcd_values.ReportDoc:
-    return etcd_values.decode_report(raw, partial=True)
-
-
-def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) -> RendezvousView:
-    """Parse the job's keys (full key -> value) into a :class:`RendezvousView`, each value
-    by its one codec (:mod:`kelastic.etcd_values`, :mod:`kelastic.inprocess_record`).
-
-    Tolerant where the sidecars are strict: a missing key, or a missing field (a value of
-    an older or newer sidecar, of another version), leaves its part of the view empty; a
-    value the codec refuses (not bounded JSON, a field outside the writer's bounds) is
-    read as missing, never raises. Only reports of a failed *job* (summary starting with
-    :data:`~kelastic_operator.reconcile.JOB_FAILED_PREFIX`) count as failures; a node's own
-    failure is handled through its Pod.
-
-    Args:
-        prefix: the job prefix (:func:`kelastic.contract.job_prefix`).
-        kv: the keys under it.
-        nproc_per_node: workers per node (world size = nodes x this).
-    """
-    keys = contract.Keys(prefix)
-    state = _read(_state, kv.get(keys.rdzv_state)) or {}
-    participants = state.get("participants")
-    world = None
-    if state.get("complete") and participants is not None:
-        world = len(participants) * nproc_per_node
-    restarts = _read(_restarts, kv.get(keys.restarts)) or {}
-    failed: dict[str, str] = {}
-    succeeded: set[str] = set()
-    departing = frozenset(k[len(keys.departing_prefix) :] for k in kv
-                          if k.startswith(keys.departing_prefix))  # fmt: skip
-    for key, raw in kv.items():
-        if not key.startswith(keys.reports_prefix):
-            continue
-        node = key[len(keys.reports_prefix) :]
-        report = _read(_report, raw)
-        if report is None:
-            continue
-        summary = report.get("summary") or ""
-        outcome = report.get("outcome")
-        if outcome is ReportOutcome.FAILED and summary.startswith(JOB_FAILED_PREFIX):
-            failed[node] = summary  # a node's own failure (e.g. its join timed out) is not
-        elif outcome is ReportOutcome.SUCCEEDED:
-            succeeded.add(node)
-    return RendezvousView(
-        round=state.get("round"),
-        world_size=world,
-        restarts_spent=restarts.get("count"),
-        failed_reports=failed,
-        succeeded_nodes=frozenset(succeeded),
-        inprocess=decode_record(kv.get(keys.inprocess_iteration)),
-        departing=departing,
-    )
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -296,6 +224,11 @@ class EtcdRendezvousStore:
 
         if keys:
             self._call(f"put {', '.join(keys)}", put)
+
+    def fence(self, prefix: str, pod_uid: str, reason: str) -> None:
+        """See :meth:`RendezvousStore.fence`."""
+        key, value = contract.Keys(prefix).fenced(pod_uid), etcd_values.encode_departure(reason)
+        self._call(f"put {key}", lambda: self._client.put(key, value))
 
     def clear_departing(self, prefix: str, nodes: Sequence[str]) -> None:
         """See :meth:`RendezvousStore.clear_departing`."""

@@ -9,7 +9,7 @@ to 30 s late, or never, for a short job (seen in the chart's e2e test).
 One :class:`StatusHub` per etcd (per store) keeps **one** watch stream on every job's keys
 (the prefix :data:`kelastic.contract.ETCD_ROOT`), reads which keys changed from the
 watch's journal (keys only: values are not kept) and calls back the jobs whose
-*status keys* changed (:func:`~kelastic_operator.rendezvous_store.status_keys`); other
+*status keys* changed (:func:`~kelastic_operator.etcd_view.status_keys`); other
 keys (liveness, join requests, the in-process barrier) wake no one. A stream per job cost
 the operator ~0.03 % of a core per idle job (gRPC's stream threads: 3 % for 100 jobs,
 measured); one stream costs the same for any number of jobs.
@@ -31,7 +31,8 @@ from typing import Final
 
 from kelastic import contract
 
-from .rendezvous_store import RendezvousStore, RendezvousStoreError, StatusWatch, status_keys
+from .etcd_view import status_keys
+from .rendezvous_store import RendezvousStore, RendezvousStoreError, StatusWatch
 
 __all__ = ["StatusFollower", "StatusHub", "StatusHubs", "job_of_status_key"]
 
@@ -46,7 +47,7 @@ OnChange = Callable[[], object]
 
 def job_of_status_key(key: str) -> str | None:
     """The job prefix (``/kelastic/<ns>/<job>/<uid>/``) of ``key`` when ``key`` is one of
-    that job's status keys (:func:`~kelastic_operator.rendezvous_store.status_keys`, a
+    that job's status keys (:func:`~kelastic_operator.etcd_view.status_keys`, a
     prefix there standing for the keys under it); None for any other key."""
     root = contract.ETCD_ROOT + "/"
     if not key.startswith(root):

@@ -16,15 +16,27 @@ COMPONENT = "kelastic-operator"
 def status_patch(old: ElasticJobStatus, new: ElasticJobStatus) -> dict[str, Any]:
     """A JSON merge patch (``{"status": {...}}``) taking ``old`` to ``new``.
 
-    Fields ``new`` no longer has are set to null (merge patch deletes them); lists (the
-    conditions) are sent whole. ``kopf``'s own field is never touched.
+    Fields ``new`` no longer has are set to null (merge patch deletes them), in nested
+    objects too (a merge patch merges an object key by key: ``lastCheckpoint`` without a
+    ``step`` would otherwise keep the old one); lists (the conditions) are sent whole.
+    ``kopf``'s own field is never touched.
     """
-    before, after = old.as_patch(), new.as_patch()
-    body: dict[str, Any] = {k: v for k, v in after.items() if before.get(k) != v}
+    return {"status": _merge_diff(old.as_patch(), new.as_patch())}
+
+
+def _merge_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The RFC 7386 merge patch taking object ``before`` to ``after``."""
+    body: dict[str, Any] = {}
+    for key, value in after.items():
+        was = before.get(key)
+        if was == value:
+            continue
+        both = isinstance(was, dict) and isinstance(value, dict)
+        body[key] = _merge_diff(was, value) if both else value  # type: ignore[arg-type]
     for key in before:
         if key not in after:
             body[key] = None
-    return {"status": body}
+    return body
 
 
 def event_name(event: Event, name: str, uid: str) -> str:

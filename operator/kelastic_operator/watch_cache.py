@@ -148,6 +148,17 @@ class WatchCache:
             if known is not None and (uid is None or known["metadata"].get("uid") == uid):
                 del pods[name]
 
+    def jobs_on_node(self, node: str) -> list[Key]:
+        """``(namespace, job)`` of the jobs with a known Pod bound to ``node`` (a Node
+        whose readiness changed wakes them). One scan of the known Pods: Node changes of
+        readiness are rare."""
+        with self._lock:
+            return [
+                key
+                for key, pods in self._pods.items()
+                if any((p.get("spec") or {}).get("nodeName") == node for p in pods.values())
+            ]
+
     @staticmethod
     def _newer_known(known: Obj | None, obj: Obj) -> bool:
         if known is None:

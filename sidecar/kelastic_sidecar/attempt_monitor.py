@@ -32,14 +32,7 @@ from kelastic.hang_where import HangWhere
 from kelastic_etcd import EtcdError
 
 from .control import ControlServer, Disconnected, Message
-from .events import (
-    Event,
-    FromLauncher,
-    RendezvousChanged,
-    RespawnDue,
-    SparePromoted,
-    WorkerReaped,
-)
+from .events import Event, FromLauncher, RendezvousChanged, RespawnDue, SparePromoted, WorkerReaped
 from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
 from .failure_rules import in_process_allowed
 from .inprocess import respawn_failure
@@ -56,7 +49,7 @@ from .round_end import (
 )
 from .steptime import StepTimes
 from .stopped_watch import StoppedWatch
-from .witness import observe, where_ranks_were
+from .witness import NO_HANG_SINK, HangSink, observe, where_ranks_were
 
 if TYPE_CHECKING:  # annotations only
     from .inprocess import InProcessCoordinator
@@ -90,6 +83,9 @@ class AttemptMonitor:
             (:func:`~.failure_rules.in_process_allowed`).
         stopped_timeout: seconds a worker may stay stopped before it is killed as hung
             (:mod:`~.stopped_watch`); 0: never (in-process restart's silence watch).
+        hangs: where the findings on a hung round go: :attr:`where` each time it is
+            read (for the operator), a stopped worker of a round a peer restarted (the
+            round's charge should name it); None: nowhere but the log.
     """
 
     def __init__(
@@ -105,6 +101,7 @@ class AttemptMonitor:
         steps: StepTimes | None = None,
         rules: Sequence[FailureRule] = (),
         stopped_timeout: float = 0.0,
+        hangs: HangSink | None = None,
     ) -> None:
         self.node = node
         self.nproc = nproc
@@ -131,6 +128,7 @@ class AttemptMonitor:
         #: Where each worker was when the latest hung round ended (:meth:`before_stop`);
         #: None before any hang.
         self.where: HangWhere | None = None
+        self._hangs = hangs or NO_HANG_SINK
         self.watch_stop = threading.Event()
         self._rdzv_queued = threading.Event()  # a RendezvousChanged waits in the queue
 
@@ -315,12 +313,14 @@ class AttemptMonitor:
             stopped = stopped_failure(round_, self.pids, self.reaped, live)
             if stopped is not None:
                 log.error("round %d: %s", info.round, stopped.summary())
+                self._hangs.stopped(stopped)
         failure = end.failure if failed else stopped
         if (failure is not None and failure.cause == CAUSE_HANG) or (
             not failed and peers_cause(info.round) == CAUSE_HANG
         ):
             self.where = where_ranks_were(self._timer, round_, self.pids, self.reaped, live)
             log.warning("round %d hung; where each worker was: %s", info.round, self.where.line())
+            self._hangs.where(self.where)
         return stopped
 
     def on_reaped(self, ev: ReapEvent) -> None:

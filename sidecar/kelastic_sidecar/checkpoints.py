@@ -6,39 +6,56 @@ pass every checksum (:func:`kelastic.checkpoint.scan.verified_steps`), at
 :meth:`kelastic.contract.Keys.checkpoint`. The workers are stopped then, so the slots
 hold still and the record is exact; one write per node and restart, none per step.
 A round completes only once every participant has joined, so every participant's record
-is written by then; each sidecar reads them (:func:`agree`) and computes the same
-:func:`kelastic.etcd_values.checkpoints.restorable_step`, which it gives its workers as
+is written by then; each sidecar reads them (:func:`read_records`) and computes the same
+:func:`kelastic.etcd_values.checkpoints.restore_of`, which it gives its workers as
 ``$KELASTIC_CHECKPOINT_STEP`` (``kelastic.checkpoint.load()`` loads that step).
 
 Why the sidecar and not the worker: the workers get no etcd endpoint nor credentials
 (only the sidecar's container does), and the sidecar outlives them: it reads the slots
 when no writer is running.
+
+:class:`RoundCheckpoints` is the supervisor's part: both steps, timed, the persistence
+of the slots (:mod:`kelastic_sidecar.persister`, with ``spec.checkpoint.persist``), and
+what the round restores (:class:`~kelastic.etcd_values.checkpoints.Restore`) in the ``/status``
+document (``checkpoint``, which ``kelastic run`` prints) and the metrics.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from kelastic import contract
 from kelastic.checkpoint import CheckpointError
+from kelastic.checkpoint.discard import discard_newer
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.checkpoint.volume import touch_volume
 from kelastic.etcd_values import CorruptValueError, ForeignValueError
 from kelastic.etcd_values.checkpoints import (
     CheckpointsDoc,
+    Restore,
     decode_checkpoints,
     encode_checkpoints,
-    restorable_step,
+    restore_of,
 )
 from kelastic_etcd import EtcdClient, EtcdError
 
 from .config import SidecarConfig
+from .persister import Persister
 from .rendezvous import RendezvousInfo
 
-__all__ = ["agree", "prepare_volume", "publish", "publish_record", "worker_env"]
+__all__ = [
+    "RoundCheckpoints",
+    "prepare_volume",
+    "publish",
+    "publish_record",
+    "read_records",
+    "worker_env",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,29 +93,43 @@ def prepare_volume(env: Mapping[str, str]) -> int:
 
 
 def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *,
-            stopped: bool) -> None:  # fmt: skip
+            stopped: bool) -> CheckpointsDoc | None:  # fmt: skip
     """The supervisor's step before each rendezvous: :func:`publish_record` of the
     node's slot folder (:func:`kelastic.contract.checkpoint_dir`) when its workers are
     ``stopped`` (not carried in process into the next round) and the sidecar sees the
-    folder (else the workers load their own newest step, as without a sidecar)."""
+    folder (else the workers load their own newest step, as without a sidecar). Returns
+    the record, or None when none was made."""
     directory = contract.checkpoint_dir()
     if stopped and directory.is_dir():
-        publish_record(store, keys, cfg.node, directory, cfg.job_uid)
+        return publish_record(store, keys, cfg.node, directory, cfg.job_uid)
+    return None
 
 
 def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info: RendezvousInfo,
-               nproc: int, carried: bool) -> dict[str, str] | None:  # fmt: skip
-    """``$KELASTIC_CHECKPOINT_STEP`` for the round's workers (:func:`agree`; ``"none"``
-    when no step is restorable by every rank), or None (no variable) when the workers
-    are ``carried`` in process (they keep their state: no load) or the sidecar does not
-    see the slot folder. Never raises for etcd or the codec."""
-    if carried or not contract.checkpoint_dir().is_dir():
+               nproc: int, carried: bool) -> tuple[dict[str, str], Restore] | None:  # fmt: skip
+    """``$KELASTIC_CHECKPOINT_STEP`` for the round's workers (the round's
+    :func:`~kelastic.etcd_values.checkpoints.restore_of` from :func:`read_records`; ``"none"``
+    when no step is restorable by every rank) and the round's :class:`Restore`, or None
+    (no variable) when the workers are ``carried`` in process (they keep their state: no
+    load) or the sidecar does not see the slot folder. The node's slots of steps newer
+    than the agreed one (all, when none) are dropped first
+    (:func:`kelastic.checkpoint.discard.discard_newer`: the training goes on from the
+    agreed step and saves those step numbers again; kept, they could make a later
+    restore mixed). Never raises for etcd, the codec or the slots."""
+    directory = contract.checkpoint_dir()
+    if carried or not directory.is_dir():
         return None
-    step = agree(store, keys, info.participants, nproc, cfg.job_uid)
+    records = read_records(store, keys, info.participants)
+    restore = restore_of(info.round, records, info.participants, nproc, cfg.job_uid)
     log.info("round %d: checkpoint step to restore: %s", info.round,
-             "none" if step is None else step)  # fmt: skip
-    value = contract.CHECKPOINT_STEP_NONE if step is None else str(step)
-    return {contract.ENV_CHECKPOINT_STEP: value}
+             "none" if restore.step is None else restore.step)  # fmt: skip
+    try:
+        discard_newer(directory, cfg.job_uid, restore.step)
+    except OSError as exc:
+        log.error("checkpoint: cannot drop the steps newer than %s in %s: %s", restore.step,
+                  directory, exc)  # fmt: skip
+    value = contract.CHECKPOINT_STEP_NONE if restore.step is None else str(restore.step)
+    return {contract.ENV_CHECKPOINT_STEP: value}, restore
 
 
 def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory: Path,
@@ -136,17 +167,15 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
     return doc
 
 
-def agree(store: EtcdClient, keys: contract.Keys, participants: tuple[str, ...], nproc: int,
-          job: str) -> int | None:  # fmt: skip
-    """The round's restorable step from its participants' records (see
-    :func:`~kelastic.etcd_values.checkpoints.restorable_step`); None when some rank has
-    no step in common, or a record is missing, corrupt or of another version, or etcd
-    does not answer (each logged). Never raises for etcd or the codec."""
+def read_records(store: EtcdClient, keys: contract.Keys,
+                 participants: tuple[str, ...]) -> dict[str, CheckpointsDoc | None]:  # fmt: skip
+    """Each participant's record (None: missing, corrupt or of another version, or etcd
+    does not answer; each logged). Never raises for etcd or the codec."""
     try:
         found = store.get_prefix(keys.checkpoints_prefix)
     except EtcdError as exc:
         log.error("checkpoint: cannot read the committed steps: %s", exc)
-        return None
+        found = {}
     records: dict[str, CheckpointsDoc | None] = {}
     for node in participants:
         key = keys.checkpoint(node)
@@ -156,4 +185,74 @@ def agree(store: EtcdClient, keys: contract.Keys, participants: tuple[str, ...],
         except (CorruptValueError, ForeignValueError) as exc:
             log.error("checkpoint: %s", exc)
             records[node] = None
-    return restorable_step(records, participants, nproc, job)
+    return records
+
+
+class RoundCheckpoints:
+    """The supervisor's part for the checkpoint slots: :func:`publish` before each
+    rendezvous (timed), :func:`worker_env` at each start of the workers, and the last
+    round's :class:`Restore` (:meth:`status`).
+
+    Args:
+        store, keys, cfg: the node's etcd client, key layout and configuration.
+        on_check: called with the seconds each check of the node's slots took.
+        on_restore: called with each :class:`Restore` of a round whose workers start
+            anew (none for workers carried in process).
+    """
+
+    def __init__(self, store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *,
+                 on_check: Callable[[float], None] = lambda _s: None,
+                 on_restore: Callable[[Restore], None] = lambda _r: None,
+                 persister: Persister | None = None) -> None:  # fmt: skip
+        self._store, self._keys, self._cfg = store, keys, cfg
+        self._on_check, self._on_restore = on_check, on_restore
+        self._checked_s: float | None = None
+        self.last: Restore | None = None
+        self.persister = persister
+
+    def start(self) -> None:
+        """Start persisting every ``everySteps`` (with ``spec.checkpoint.persist``)."""
+        if self.persister is not None:
+            self.persister.start()
+
+    def at_stop(self, seconds: float) -> None:
+        """The sidecar is stopped and its workers are: persist what the slots hold (see
+        :meth:`Persister.at_stop`) for up to ``seconds``."""
+        if self.persister is not None:
+            started = time.monotonic()
+            steps = self.persister.at_stop(started + seconds)
+            if steps:
+                log.info("checkpoint steps %s persisted at stop in %.3f s", steps,
+                         time.monotonic() - started)  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the persistence's poll."""
+        if self.persister is not None:
+            self.persister.close()
+
+    def before_rendezvous(self, *, stopped: bool) -> None:
+        """Record the node's verified committed steps (see :func:`publish`)."""
+        started = time.monotonic()
+        if publish(self._store, self._keys, self._cfg, stopped=stopped) is not None:
+            self._checked_s = time.monotonic() - started
+            self._on_check(self._checked_s)
+
+    def worker_env(self, info: RendezvousInfo, nproc: int, carried: bool) -> dict[str, str] | None:
+        """The workers' variables for ``info``'s round (see :func:`worker_env`)."""
+        got = worker_env(self._store, self._keys, self._cfg, info, nproc, carried)
+        if got is None:
+            return None
+        env, self.last = got
+        self._on_restore(self.last)
+        return env
+
+    def status(self) -> dict[str, Any] | None:
+        """The ``/status`` document's ``checkpoint``: the last round's restore (``round``,
+        ``step``, ``tier``, ``ranks``, ``held``, ``time``), ``checked_s`` (seconds this
+        node's slot check took) and ``persisted_step`` (the newest step this node
+        persisted, with ``spec.checkpoint.persist``); None before any restore."""
+        if self.last is None:
+            return None
+        persisted = self.persister.last_step if self.persister is not None else None
+        return {**asdict(self.last), "tier": self.last.tier.value, "checked_s": self._checked_s,
+                "persisted_step": persisted}  # fmt: skip

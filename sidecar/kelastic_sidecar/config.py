@@ -27,6 +27,8 @@ from .steptime import (
 if TYPE_CHECKING:
     from kelastic_etcd import EtcdClient
 
+    from .rendezvous import RendezvousSettings
+
 T = TypeVar("T")
 
 
@@ -100,6 +102,53 @@ class InProcessSettings:
 
 
 @dataclass(frozen=True)
+class PersistSettings:
+    """Persistence of the checkpoint slots (``spec.checkpoint.persist``;
+    :mod:`kelastic_sidecar.persister`).
+
+    Attributes:
+        directory: the job's persistence folder (``$KELASTIC_CHECKPOINT_PERSIST_DIR``).
+        every_steps: persist each step that is a multiple of it (0: only at stop).
+        on_stop: persist what the slots hold when the sidecar is stopped.
+        keep: complete steps kept; older ones are removed.
+    """
+
+    directory: Path
+    every_steps: int = 0
+    on_stop: bool = True
+    keep: int = contract.DEFAULT_PERSIST_KEEP
+
+
+def _persist_settings(
+    env: Mapping[str, str],
+    num: Callable[[str, Callable[[str], int], int], int],
+    problems: list[str],
+) -> PersistSettings | None:
+    """:class:`PersistSettings` from ``env`` (None: no persistence folder set); a bad
+    value is added to ``problems``."""
+    raw = env.get(contract.ENV_CHECKPOINT_PERSIST_DIR, "")
+    if not raw:
+        return None
+    if not raw.startswith("/"):
+        problems.append(f"{contract.ENV_CHECKPOINT_PERSIST_DIR} must be an absolute path")
+    settings = PersistSettings(
+        directory=Path(raw),
+        every_steps=num(contract.ENV_CHECKPOINT_PERSIST_EVERY, int, 0),
+        on_stop=env.get(contract.ENV_CHECKPOINT_PERSIST_ON_STOP, "1").strip().lower() in _TRUE,
+        keep=num(contract.ENV_CHECKPOINT_PERSIST_KEEP, int, contract.DEFAULT_PERSIST_KEEP),
+    )
+    if not 0 <= settings.every_steps <= contract.MAX_PERSIST_EVERY:
+        problems.append(
+            f"{contract.ENV_CHECKPOINT_PERSIST_EVERY} must be 0..{contract.MAX_PERSIST_EVERY}"
+        )
+    if not 1 <= settings.keep <= contract.MAX_PERSIST_KEEP:
+        problems.append(
+            f"{contract.ENV_CHECKPOINT_PERSIST_KEEP} must be 1..{contract.MAX_PERSIST_KEEP}"
+        )
+    return settings
+
+
+@dataclass(frozen=True)
 class SidecarConfig:
     """Everything one sidecar needs to supervise its node.
 
@@ -108,6 +157,10 @@ class SidecarConfig:
         job_uid: the run id (``TORCHELASTIC_RUN_ID``); separates reruns of a same-named job.
         node: this node's rendezvous name (the Pod name).
         pod_ip: address workers of other nodes reach this node at (MASTER_ADDR if rank 0).
+        pod_uid: the Pod's uid (``$KELASTIC_POD_UID``; ``""`` outside Kubernetes): the
+            reports the operator reads name this Pod, not an earlier one of its name.
+        host_node: the Kubernetes Node it runs on (``$KELASTIC_HOST_NODE``; ``""``
+            outside Kubernetes), written into the charges this node makes.
         etcd_endpoints: ``host:port`` list.
         tls_dir: directory with ca.crt, tls.crt, tls.key, or None for plaintext.
         min_nodes, max_nodes: rendezvous bounds; nproc_per_node: workers per node.
@@ -159,6 +212,30 @@ class SidecarConfig:
     hang_evidence_budget: float = DEFAULT_BUDGET
     stopped_timeout: float = contract.DEFAULT_STOPPED_TIMEOUT
     stragglers: StragglerSettings = field(default_factory=StragglerSettings)
+    pod_uid: str = ""
+    host_node: str = ""
+    persist: PersistSettings | None = None
+
+    def rendezvous_settings(self) -> RendezvousSettings:
+        """The rendezvous' settings for this node (its Pod uid as its incarnation).
+
+        Raises:
+            ValueError: a bound or timeout out of range (:class:`RendezvousSettings`).
+        """
+        # imported here: the rendezvous needs the etcd client (the sidecar extra), and
+        # this module must load without it (``kelastic-sidecar`` names the missing extra)
+        from .rendezvous import RendezvousSettings
+
+        return RendezvousSettings(
+            run_id=self.job_uid,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            join_timeout=self.join_timeout,
+            last_call_timeout=self.last_call_timeout,
+            close_timeout=self.close_timeout,
+            lease_ttl=self.lease_ttl,
+            incarnation=self.pod_uid,
+        )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -210,6 +287,8 @@ class SidecarConfig:
             job_uid=text(contract.ENV_JOB_UID),
             node=text(contract.ENV_POD_NAME),
             pod_ip=text(contract.ENV_POD_IP, "127.0.0.1"),
+            pod_uid=text(contract.ENV_POD_UID, ""),
+            host_node=text(contract.ENV_HOST_NODE, ""),
             etcd_endpoints=endpoints,
             tls_dir=Path(tls) if tls else None,
             min_nodes=num(contract.ENV_MIN_NODES, int),
@@ -244,6 +323,7 @@ class SidecarConfig:
                 factor=num(ENV_STRAGGLER_FACTOR, float, DEFAULT_FACTOR),
                 min_steps=num(ENV_STRAGGLER_MIN_STEPS, int, DEFAULT_MIN_STEPS),
             ),
+            persist=_persist_settings(env, num, problems),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")

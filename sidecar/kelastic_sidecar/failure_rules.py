@@ -49,15 +49,23 @@ class Verdict:
 
     @property
     def charged(self) -> bool:
-        """Whether the failure spends a restart of ``maxRestarts`` (Count)."""
-        return self.action is FailureAction.COUNT
+        """Whether the failure goes to the restart record: Count spends a restart of
+        ``maxRestarts``; Ignore is recorded without one, unless the record shows it
+        ignored over and over (:meth:`~kelastic_sidecar.restart_budget.RestartBudget.charge`
+        counts it then)."""
+        return self.action in (FailureAction.COUNT, FailureAction.IGNORE)
+
+    @property
+    def ignored(self) -> bool:
+        """An Ignore rule decided it."""
+        return self.action is FailureAction.IGNORE
 
     def ends(self, exhausted: bool) -> bool:
-        """Whether this node stops: FailJob and RestartPod always, Count when the budget
-        is ``exhausted``, Ignore never."""
-        if self.action is FailureAction.COUNT:
+        """Whether this node stops: FailJob and RestartPod always, Count (and an Ignore
+        past its cap, which is counted) when the budget is ``exhausted``."""
+        if self.action in (FailureAction.COUNT, FailureAction.IGNORE):
             return exhausted
-        return self.action is not FailureAction.IGNORE
+        return True
 
     def close_reason(self, max_restarts: int) -> tuple[str, object]:
         """The key and value added to the rendezvous' closed reason when the job fails

@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import (
@@ -28,6 +28,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 import kelastic
+from kelastic.etcd_values.checkpoints import RestoreTier
 
 from .failure import (
     CAUSE_HANG,
@@ -215,6 +216,68 @@ def _spare_metrics(registry: CollectorRegistry) -> tuple[Counter, Gauge]:
     return promoted, waiting
 
 
+class CheckpointMetrics(NamedTuple):
+    """The checkpoint slots' metrics (:mod:`kelastic_sidecar.checkpoints`)."""
+
+    #: Seconds each check of the node's slots took.
+    check: Histogram
+    #: Restores by tier.
+    restores: Counter
+    #: The step restored last.
+    step: Gauge
+    #: Seconds each rank's persistence of a step took.
+    persist: Histogram
+    #: The newest step this node persisted.
+    persisted_step: Gauge
+    #: Persistence failures (a slot rewritten meanwhile, a full disk, ...).
+    persist_failures: Counter
+
+
+def _checkpoint_metrics(r: CollectorRegistry) -> CheckpointMetrics:
+    """The :class:`CheckpointMetrics`, registered in ``r``."""
+    check = Histogram(
+        "kelastic_checkpoint_check_seconds",
+        "Seconds to verify this node's committed checkpoint slots (headers, manifests, "
+        "every chunk's crc32) before a rendezvous",
+        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+        registry=r,
+    )
+    restores = Counter(
+        "kelastic_checkpoint_restores_total",
+        "Worker starts that restored a checkpoint step, by tier: memory (every rank from "
+        "its node's slots) or none (some rank held a step, but no step every rank holds; "
+        "the workers start without one). A fresh start is not counted",
+        ["tier"],
+        registry=r,
+    )
+    for tier in RestoreTier:
+        restores.labels(tier=tier.value)
+    step = Gauge(
+        "kelastic_checkpoint_restored_step",
+        "The checkpoint step this node's workers last restored",
+        registry=r,
+    )
+    persist = Histogram(
+        "kelastic_checkpoint_persist_seconds",
+        "Seconds to write one rank's committed checkpoint step to the persistence volume in "
+        "torch DCP's format (spec.checkpoint.persist), its checks included",
+        buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+        registry=r,
+    )
+    persisted_step = Gauge(
+        "kelastic_checkpoint_persisted_step",
+        "The newest checkpoint step this node persisted to the persistence volume",
+        registry=r,
+    )
+    persist_failures = Counter(
+        "kelastic_checkpoint_persist_failures_total",
+        "Checkpoint steps of a rank that could not be persisted (the slot rewritten while it "
+        "was written, a corrupt slot, the volume full or unwritable)",
+        registry=r,
+    )
+    return CheckpointMetrics(check, restores, step, persist, persisted_step, persist_failures)
+
+
 def _hang_evidence_metric(registry: CollectorRegistry) -> Counter:
     """``kelastic_hang_evidence_total{outcome}``: hung workers whose stacks the sidecar
     tried to read before killing them (:mod:`~kelastic_sidecar.hang_evidence`), every
@@ -354,6 +417,7 @@ class SidecarMetrics:
         )
         for source in CORRUPT_SOURCES:
             self.corrupt_values.labels(source=source)
+        self.checkpoint = _checkpoint_metrics(r)
         # Every cause exists from the start (at 0): a series born at 1 hides its first
         # increase from rate()/increase(), so a job's first restart would not show.
         for cause in CAUSES:

@@ -14,7 +14,12 @@ Record (``version`` 1)::
      "history": [{"round": 3, "cause": "worker_failure", "node": "job-1",
                   "detail": {...}, "time": 1718000000.0}, ...]}
 
-``history`` keeps the last :data:`HISTORY_LIMIT` charges. The bytes are the one codec's
+``history`` keeps the last :data:`HISTORY_LIMIT` charges. A round's charge names the
+first node's failure, which for a hang is often a peer that waited on the culprit (its
+timer expired first); a stopped worker found later on another node (the likely culprit:
+:attr:`~kelastic_sidecar.failure.Failure.stopped`) **amends** the round's entry to name it
+(:func:`apply_amend`: the count unchanged, the first summary kept as ``detail.waited``).
+The bytes are the one codec's
 (:mod:`kelastic.etcd_values.restarts`, shared with the operator's reader); this module
 converts its :class:`RestartRecord` to and from the codec's document.
 """
@@ -31,6 +36,8 @@ from typing import Any
 from kelastic import etcd_values
 from kelastic.contract import Keys
 from kelastic_etcd import EtcdClient, EtcdError
+
+from .failure import CAUSE_HANG
 
 log = logging.getLogger("kelastic_sidecar.rendezvous")
 
@@ -128,6 +135,60 @@ def apply_charge(
     return RestartRecord(count=record.count + 1, last_round=round_, history=history)
 
 
+#: Ignored restarts (an Ignore rule's, marked ``detail.ignored``) among the record's last
+#: :data:`HISTORY_LIMIT` entries past which another is counted after all: a failure an
+#: Ignore rule matches over and over is the program's, not a disruption, and must not
+#: restart the job for ever.
+MAX_IGNORED = 50
+
+
+def apply_ignore(
+    record: RestartRecord, round_: int, cause: str, node: str, detail: dict[str, Any], now: float
+) -> RestartRecord | None:
+    """The record with an uncharged entry for ``round_`` (``detail["ignored"]``: an
+    Ignore rule's restart), the count unchanged; ``None`` when the round has an entry, or
+    when :data:`MAX_IGNORED` of the last entries are ignored ones (charge it instead)."""
+    if round_ <= record.last_round:
+        return None
+    if sum(1 for h in record.history if h["detail"].get("ignored") is True) >= MAX_IGNORED:
+        return None
+    entry = {"round": round_, "cause": cause, "node": node, "time": now,
+             "detail": {**detail, "ignored": True}}  # fmt: skip
+    history = (*record.history, entry)[-HISTORY_LIMIT:]
+    return RestartRecord(count=record.count, last_round=round_, history=history)
+
+
+#: Longest first summary an amended entry keeps (``detail.waited``), characters.
+MAX_WAITED = 1024
+
+
+def apply_amend(
+    record: RestartRecord, round_: int, cause: str, node: str, detail: dict[str, Any]
+) -> RestartRecord | None:
+    """The record with its charge of ``round_`` naming this failure instead, or ``None``
+    when it must not: only a ``hang`` whose worker was stopped (``detail["stopped"]``)
+    amends, only the newest entry, only of ``round_``, only a ``hang`` charge that does
+    not name a stopped worker itself. The count and the entry's time stay; the first
+    summary is kept as ``detail["waited"]`` (at most :data:`MAX_WAITED` characters)."""
+    last = record.history[-1] if record.history else None
+    if (
+        last is None
+        or last.get("round") != round_
+        or record.last_round != round_
+        or cause != CAUSE_HANG
+        or detail.get("stopped") is not True
+        or last.get("cause") != CAUSE_HANG
+        or last["detail"].get("stopped") is True
+    ):
+        return None
+    waited = last["detail"].get("summary")
+    amended = {**detail, "waited": waited[:MAX_WAITED] if isinstance(waited, str) else ""}
+    if last["detail"].get("ignored") is True:  # an uncharged round stays uncharged
+        amended["ignored"] = True
+    entry = {**last, "cause": cause, "node": node, "detail": amended}
+    return RestartRecord(record.count, record.last_round, (*record.history[:-1], entry))
+
+
 class RestartBudget:
     """The job's restart budget in etcd (shared by all nodes).
 
@@ -137,6 +198,9 @@ class RestartBudget:
         max_restarts: restarts allowed (>= 0); the job fails on restart ``max_restarts + 1``.
         on_repair: called after a corrupt record was replaced by :meth:`charge` (for a
             metric); keep it quick.
+        host: the Kubernetes Node this sidecar runs on; each charge or amend it writes
+            carries it as ``detail["host"]`` (the operator counts the failures of each
+            Node); ``""``: none added.
 
     Raises:
         ValueError: ``max_restarts`` < 0.
@@ -148,6 +212,7 @@ class RestartBudget:
         keys: Keys,
         max_restarts: int,
         on_repair: Callable[[], object] | None = None,
+        host: str = "",
     ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
@@ -156,6 +221,7 @@ class RestartBudget:
         self.max_restarts = max_restarts
         self._known = 0  # highest count this node has read or written
         self._on_repair = on_repair
+        self.host = host
         #: Corrupt records replaced by :meth:`charge`.
         self.repaired = 0
 
@@ -183,8 +249,14 @@ class RestartBudget:
         last = history[-1] if history else {}
         return str(last.get("cause")) if last.get("round") == round_ else None
 
-    def charge(self, round_: int, cause: str, node: str, detail: dict[str, Any]) -> BudgetCharge:
-        """Spend one restart for a failure of ``round_``, unless that round was charged.
+    def charge(
+        self, round_: int, cause: str, node: str, detail: dict[str, Any], ignored: bool = False
+    ) -> BudgetCharge:
+        """Spend one restart for a failure of ``round_``, unless that round was charged
+        (then the charge may be amended to name this failure: :func:`apply_amend`).
+        ``ignored`` (an Ignore rule's verdict): record the round without spending one
+        (:func:`apply_ignore`), unless the record holds :data:`MAX_IGNORED` ignored
+        restarts already: then it is charged, marked ``detail["ignore_cap"]``.
 
         Idempotent per round across all nodes (compare-and-set loop). ``detail`` must be
         JSON-serializable (e.g. the failure's root cause).
@@ -200,6 +272,68 @@ class RestartBudget:
                 the charged record is outside the codec's bounds (:func:`encode_record`).
             EtcdError: etcd did not answer, or refused the request.
         """
+
+        detail = self._hosted(detail)
+
+        def change(record: RestartRecord) -> RestartRecord | None:
+            now = time.time()
+            if ignored and round_ > record.last_round:
+                spared = apply_ignore(record, round_, cause, node, detail, now)
+                if spared is not None:
+                    return spared
+                return apply_charge(record, round_, cause, node, {**detail, "ignore_cap": True},
+                                    now)  # fmt: skip
+            return apply_charge(record, round_, cause, node, detail, now) or apply_amend(
+                record, round_, cause, node, detail
+            )
+
+        record, new = self._update(round_, detail, change)
+        if new is None:
+            return BudgetCharge(record.count, False, record.count > self.max_restarts)
+        exhausted = new.count > self.max_restarts
+        if new.last_round > record.last_round and new.count == record.count:
+            log.warning("restart for round %d not charged (an Ignore rule; %s)", round_, cause)
+            return BudgetCharge(new.count, False, exhausted)
+        if new.count > record.count:
+            log.warning(
+                "restart %d of %d charged for round %d by %s (%s)%s",
+                new.count, self.max_restarts, round_, node, cause,
+                ": budget exhausted" if exhausted else "",
+            )  # fmt: skip
+            return BudgetCharge(new.count, True, exhausted)
+        log.warning("the charge of round %d amended by %s: a stopped worker (%s)", round_,
+                    node, detail.get("summary", cause))  # fmt: skip
+        return BudgetCharge(new.count, False, exhausted)
+
+    def amend(self, round_: int, cause: str, node: str, detail: dict[str, Any]) -> bool:
+        """Make the charge of ``round_`` name this failure when :func:`apply_amend` says
+        so (a stopped worker found by a node whose peers' restart ended the round); never
+        spends. Returns True when the record was changed.
+
+        Raises:
+            as :meth:`charge`.
+        """
+        detail = self._hosted(detail)
+        _, new = self._update(
+            round_, detail, lambda record: apply_amend(record, round_, cause, node, detail)
+        )
+        if new is not None:
+            log.warning("the charge of round %d amended by %s: a stopped worker (%s)", round_,
+                        node, detail.get("summary", cause))  # fmt: skip
+        return new is not None
+
+    def _hosted(self, detail: dict[str, Any]) -> dict[str, Any]:
+        return {**detail, "host": self.host} if self.host else detail
+
+    def _update(
+        self,
+        round_: int,
+        detail: dict[str, Any],
+        change: Callable[[RestartRecord], RestartRecord | None],
+    ) -> tuple[RestartRecord, RestartRecord | None]:
+        """Compare-and-set ``change(record)`` until it lands (``None``: nothing to
+        write); a corrupt record is replaced first (see :meth:`charge`). Returns the
+        record it was applied to, and what was written."""
         if round_ < 0:
             raise ValueError(f"round must be >= 0, got {round_}")
         json.dumps(detail, allow_nan=False)
@@ -216,17 +350,11 @@ class RestartBudget:
                     self._on_repair()
                 continue
             self._known = max(self._known, record.count)
-            new = apply_charge(record, round_, cause, node, detail, time.time())
+            new = change(record)
             if new is None:
-                return BudgetCharge(record.count, False, record.count > self.max_restarts)
+                return record, None
             ok, _, _ = self._store.cas(self._key, encode_record(new), got[1] if got else None)
             if ok:
                 self._known = max(self._known, new.count)
-                exhausted = new.count > self.max_restarts
-                log.warning(
-                    "restart %d of %d charged for round %d by %s (%s)%s",
-                    new.count, self.max_restarts, round_, node, cause,
-                    ": budget exhausted" if exhausted else "",
-                )  # fmt: skip
-                return BudgetCharge(new.count, True, exhausted)
+                return record, new
         raise RuntimeError(f"could not update {self._key} after {_MAX_ATTEMPTS} attempts")

@@ -179,6 +179,12 @@ class StepTimes:
         settings: the verdict's knobs.
         on_step: called with each step's seconds, on the observing thread; keep it quick.
         on_straggler: called once per straggler episode, when it begins (the counter).
+        on_change: called with ``(generation, stragglers now)`` each time the set of
+            ongoing episodes changes (one begins or ends; a new attempt ends them all),
+            outside the lock, on the judging thread; ``generation`` grows with each
+            change, so that a consumer can drop a report older than one it already has
+            (two threads may judge at once). Keep it quick: it runs on the timer
+            server's thread.
         clock: monotonic seconds (injectable for tests).
     """
 
@@ -188,11 +194,14 @@ class StepTimes:
         *,
         on_step: Callable[[float], None] | None = None,
         on_straggler: Callable[[Straggler], None] | None = None,
+        on_change: Callable[[int, list[Straggler]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings or StragglerSettings()
         self._on_step = on_step
         self._on_straggler = on_straggler
+        self._on_change = on_change
+        self._generation = 0  # changes of the set of episodes
         self._clock = clock
         self._lock = threading.Lock()
         self._ranks: dict[int, int] = {}  # bound pid -> local rank
@@ -226,7 +235,12 @@ class StepTimes:
             self._ranks.clear()
             self._open.clear()
             self._windows.clear()
+            ended = bool(self._episodes)
             self._episodes.clear()
+            self._generation += ended
+            generation = self._generation
+        if ended and self._on_change is not None:
+            self._on_change(generation, [])
 
     def _drop_pid(self, pid: int) -> None:
         for key in [k for k in self._open if k[0] == pid]:
@@ -316,7 +330,12 @@ class StepTimes:
                     begun.append(straggler)
             for key in self._episodes.keys() - found.keys():
                 log.info("local rank %d is no longer a straggler (scope %r)", *key)
+            changed = found.keys() != self._episodes.keys()
             self._episodes = found
+            self._generation += changed
+            generation = self._generation
+        if changed and self._on_change is not None:
+            self._on_change(generation, list(found.values()))
         for s in begun:
             log.warning(
                 "straggler: local rank %d's median step (scope %r) is %.3f s, %.2fx the "

@@ -59,7 +59,6 @@ from kelastic.failure_policy import FailureAction
 from kelastic.sockaddr import free_port
 from kelastic_etcd import EtcdClient, EtcdError, EtcdRefused
 
-from . import checkpoints as ckpt
 from . import failure_rules
 from .assignment import build_assign
 from .attempt_monitor import AttemptMonitor
@@ -76,7 +75,6 @@ from .rendezvous import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousInfo,
-    RendezvousSettings,
 )
 from .restart_budget import RestartRecordError
 from .round_end import (
@@ -151,6 +149,7 @@ class Supervisor:
         self.budget = parts.budget
         self.etcd_health = parts.etcd_health
         self.inprocess = parts.inprocess
+        self.checkpoints = parts.checkpoints
         self.handler: EtcdRendezvousHandler | None = None
         self._alive = True
         self._running = False
@@ -167,7 +166,7 @@ class Supervisor:
         self.workers = AttemptMonitor(
             config.node, config.nproc_per_node, parts.events, self.control, self.timer,
             self.metrics, config.stop_grace, self.inprocess, parts.steps, config.failure_rules,
-            0.0 if config.inprocess.enabled else config.stopped_timeout,  # silence watch's
+            0.0 if config.inprocess.enabled else config.stopped_timeout, parts.hangs,
         )  # fmt: skip
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
@@ -217,6 +216,7 @@ class Supervisor:
             "inprocess": self.inprocess.status(),
             "step_times": self.workers.steps.status(),
             "hang_evidence": self.workers.where.as_dict() if self.workers.where else None,
+            "checkpoint": self.checkpoints.status(),
         }
 
     def run(self) -> int:
@@ -226,6 +226,7 @@ class Supervisor:
         self.timer.start()
         self.control.start()
         self.inprocess.start()
+        self.checkpoints.start()
         self.http.start()
         log.info("sidecar for %s/%s node %s: nodes %d..%d x %d workers, budget %d restarts, "
                  "http :%d", self.cfg.namespace, self.cfg.job_name, self.cfg.node,
@@ -238,6 +239,7 @@ class Supervisor:
             log.info("received %s: stopping workers, leaving the rendezvous (%s)", exc, reason)
             self._stop_workers("sidecar stopping")
             self._leave(reason)
+            self.checkpoints.at_stop(contract.PERSIST_STOP_SECONDS)  # the slots hold still
             self._shutdown_launcher(128 + exc.signum, f"stopped by {exc}")
             return 128 + exc.signum
         finally:
@@ -250,6 +252,7 @@ class Supervisor:
                 with contextlib.suppress(Exception):
                     self.handler.shutdown()
             self.timer.stop()
+            self.checkpoints.close()
             self.inprocess.close()
             self.control.close()
             self.http.stop()
@@ -274,20 +277,11 @@ class Supervisor:
 
     def _run(self) -> int:
         self._phase = Phase.WAITING_FOR_LAUNCHER
-        settings = RendezvousSettings(
-            run_id=self.cfg.job_uid,
-            min_nodes=self.cfg.min_nodes,
-            max_nodes=self.cfg.max_nodes,
-            join_timeout=self.cfg.join_timeout,
-            last_call_timeout=self.cfg.last_call_timeout,
-            close_timeout=self.cfg.close_timeout,
-            lease_ttl=self.cfg.lease_ttl,
-        )
         self.handler = EtcdRendezvousHandler(
             self.store,
             self.keys,
             self.cfg.node,
-            settings,
+            self.cfg.rendezvous_settings(),
             on_corrupt=lambda exc: self.metrics.corrupt_values.labels(source="rdzv_state").inc(),
         )
         try:  # the etcd session (lease, watch) is ready before the trainer container is
@@ -308,7 +302,7 @@ class Supervisor:
                 self._nproc, self.cfg.nproc_per_node,
             )  # fmt: skip
         while True:
-            ckpt.publish(self.store, self.keys, self.cfg, stopped=not self._carried)
+            self.checkpoints.before_rendezvous(stopped=not self._carried)
             try:
                 info = self._rendezvous()
             except RendezvousClosedError as exc:
@@ -352,7 +346,7 @@ class Supervisor:
                 failure = self.workers.blame_lost_peer(self.handler, info, end.failure)
                 self._last_failure, self._down_cause = failure, failure.cause
                 verdict = failure_rules.verdict(self.cfg.failure_rules, failure, self.cfg.node)
-                if verdict.ends(verdict.charged and self._charge(failure)):
+                if verdict.ends(verdict.charged and self._charge(failure, verdict.ignored)):
                     return self._finish_failed(verdict, failure)
             else:
                 self._down_cause = FailureCause(end.reason or CAUSE_PEER)
@@ -402,7 +396,7 @@ class Supervisor:
             restart_count=spent,
             max_restarts=self.cfg.max_restarts,
             tokens=tokens,
-            extra_env=ckpt.worker_env(self.store, self.keys, self.cfg, info, self._nproc, carried),
+            extra_env=self.checkpoints.worker_env(info, self._nproc, carried),
         )
         assign = self.inprocess.begin_round(assign, info, self.handler)
         if carried:
@@ -420,11 +414,12 @@ class Supervisor:
 
     # --------------------------------------------------------------------- transitions
 
-    def _charge(self, failure: Failure) -> bool:
-        """Spend one restart for the failed round; True when the budget is exhausted."""
+    def _charge(self, failure: Failure, ignored: bool = False) -> bool:
+        """Spend one restart for the failed round (``ignored``: record it, uncharged, as
+        an Ignore rule says, up to the budget's cap); True when the budget is exhausted."""
         try:
             charge = self.budget.charge(
-                failure.round, failure.cause, failure.node, failure.as_dict()
+                failure.round, failure.cause, failure.node, failure.as_dict(), ignored
             )
         except (EtcdError, RestartRecordError) as exc:
             if isinstance(exc, RestartRecordError):  # a corrupt record (failed calls count
@@ -597,7 +592,7 @@ def node_report(
     cut to :data:`~kelastic.etcd_values.MAX_SUMMARY` characters; a failed *job* starts
     with :data:`kelastic.contract.JOB_FAILED_PREFIX`), ``failure``
     (:meth:`Failure.as_dict` or null) and ``time`` (``time.time()``). The operator reads
-    ``outcome`` and ``summary`` (``kelastic_operator.rendezvous_store.view_from_keys``).
+    ``outcome`` and ``summary`` (``kelastic_operator.etcd_view.view_from_keys``).
 
     Raises:
         ValueError: ``outcome`` is no :class:`~kelastic.etcd_values.ReportOutcome`.

@@ -9,7 +9,9 @@ that the supervisor holds no construction code.
 
 from __future__ import annotations
 
+import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,20 +20,39 @@ from typing import Any
 
 import kelastic
 from kelastic import contract
+from kelastic.checkpoint.persist import Persisted
+from kelastic.etcd_values import CorruptValueError, encode_stragglers
+from kelastic.etcd_values.checkpoints import Restore
+from kelastic.hang_where import HangWhere
 from kelastic_etcd import EtcdClient, EtcdError
 
+from .checkpoints import RoundCheckpoints
 from .config import SidecarConfig
 from .control import ControlServer
+from .etcd_publish import LatestPublisher
 from .events import Event, FromLauncher, RespawnDue, SparePromoted, WorkerReaped
+from .failure import Failure
 from .hang_evidence import Collect, StackCollector
 from .http import SidecarHttpServer
 from .inprocess import InProcessCoordinator
 from .metrics import SidecarMetrics
-from .restart_budget import RestartBudget
-from .steptime import StepTimes
+from .persister import Persister
+from .restart_budget import RestartBudget, RestartRecordError
+from .steptime import StepTimes, Straggler
 from .timer import TimerServer, hard_timeout_reap
+from .witness import publish
 
-__all__ = ["EVIDENCE_DIR", "EtcdHealth", "Hooks", "Parts", "build_parts", "kill_reporter"]
+__all__ = [
+    "EVIDENCE_DIR",
+    "EtcdHealth",
+    "HangReports",
+    "Hooks",
+    "Parts",
+    "build_parts",
+    "kill_reporter",
+    "straggler_reporter",
+]
+log = logging.getLogger("kelastic_sidecar.supervisor")
 
 #: The folder of the run dir (the run's volume) holding hung workers' stack files.
 EVIDENCE_DIR = "hang-evidence"
@@ -84,6 +105,56 @@ class Parts:
     etcd_health: EtcdHealth
     inprocess: InProcessCoordinator
     steps: StepTimes
+    #: Where the attempt monitor's findings on a hung round go.
+    hangs: HangReports
+    #: The checkpoint slots' records before each round, and what each round restores.
+    checkpoints: RoundCheckpoints
+
+
+@dataclass(frozen=True)
+class HangReports:
+    """The :class:`~kelastic_sidecar.witness.HangSink` of a node: the evidence to etcd for
+    the operator (``hangs/<node>``), a stopped worker to the restart record (an amend of
+    the round's charge); each on a daemon thread, failures logged."""
+
+    store: EtcdClient
+    key: str
+    budget: RestartBudget
+
+    def where(self, where: HangWhere) -> threading.Thread:
+        """See :meth:`~kelastic_sidecar.witness.HangSink.where`."""
+        return publish(self.store, self.key, where)
+
+    def stopped(self, failure: Failure) -> threading.Thread:
+        """See :meth:`~kelastic_sidecar.witness.HangSink.stopped`."""
+
+        def amend() -> None:
+            try:
+                self.budget.amend(failure.round, failure.cause, failure.node, failure.as_dict())
+            except (EtcdError, RestartRecordError) as exc:
+                log.warning("cannot amend the charge of round %d: %s", failure.round, exc)
+
+        thread = threading.Thread(target=amend, name="kelastic-amend-charge", daemon=True)
+        thread.start()
+        return thread
+
+
+def straggler_reporter(
+    node: str, pod_uid: str, publisher: LatestPublisher
+) -> Callable[[int, list[Straggler]], None]:
+    """:class:`~kelastic_sidecar.steptime.StepTimes`' ``on_change``: the node's stragglers
+    now, by their value's codec (:mod:`kelastic.etcd_values.stragglers`), to ``publisher``
+    (never blocking the timer server's thread); a verdict the codec refuses is logged."""
+
+    def on_change(generation: int, found: list[Straggler]) -> None:
+        try:
+            value = encode_stragglers(node, pod_uid, time.time(), [s.as_dict() for s in found])
+        except CorruptValueError as exc:
+            log.warning("cannot report the stragglers: %s", exc)
+            return
+        publisher.put(generation, value)
+
+    return on_change
 
 
 def kill_reporter(collect: Collect, put: Callable[[Event], None]) -> Callable[[int, str], None]:
@@ -118,7 +189,12 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         on_outcome=lambda outcome: metrics.hang_evidence.labels(outcome=outcome.value).inc(),
     )
     # Step times from the timer requests: the node's histogram, straggler episodes.
-    steps = StepTimes(config.stragglers, on_straggler=lambda _s: metrics.stragglers.inc())
+    stragglers = LatestPublisher(store, keys.straggler(config.node), "stragglers")
+    steps = StepTimes(
+        config.stragglers,
+        on_straggler=lambda _s: metrics.stragglers.inc(),
+        on_change=straggler_reporter(config.node, config.pod_uid, stragglers),  # the operator's
+    )
     timer = TimerServer(
         contract.timer_fifo_path(config.run_dir),
         on_reap=lambda ev: events.put(WorkerReaped(ev)),
@@ -149,6 +225,7 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         keys,
         config.max_restarts,
         on_repair=metrics.corrupt_values.labels(source="restart_record").inc,
+        host=config.host_node,
     )
     inprocess = InProcessCoordinator(
         config.inprocess, store, keys, config.node, metrics, config.run_dir, config.pod_ip,
@@ -159,6 +236,42 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         # the hard timeout's kill is a reap on the same queue as the timer server's
         on_kill=kill_reporter(collect, events.put),
     )  # fmt: skip
+    checkpoints = RoundCheckpoints(
+        store, keys, config, on_check=metrics.checkpoint.check.observe,
+        on_restore=restore_reporter(metrics), persister=persister_of(config, metrics),
+    )  # fmt: skip
     return Parts(
-        store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess, steps
-    )
+        store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess, steps,
+        HangReports(store, keys.hang(config.node), budget), checkpoints,
+    )  # fmt: skip
+
+
+def restore_reporter(metrics: SidecarMetrics) -> Callable[[Restore], None]:
+    """What a round's :class:`~kelastic.etcd_values.checkpoints.Restore` does to the
+    metrics: a restore counted by its tier (a fresh start, nothing held, is none), and the
+    step restored."""
+
+    def restored(restore: Restore) -> None:
+        if restore.held or restore.step is not None:
+            metrics.checkpoint.restores.labels(tier=restore.tier.value).inc()
+        if restore.step is not None:
+            metrics.checkpoint.step.set(restore.step)
+
+    return restored
+
+
+def persister_of(config: SidecarConfig, metrics: SidecarMetrics) -> Persister | None:
+    """The node's :class:`~kelastic_sidecar.persister.Persister` when the job persists
+    its checkpoints (``spec.checkpoint.persist``), its outcomes counted in ``metrics``."""
+    if config.persist is None:
+        return None
+    m = metrics.checkpoint
+
+    def persisted(done: Persisted, seconds: float) -> None:
+        if done.nbytes:
+            m.persist.observe(seconds)
+
+    return Persister(
+        config.persist, config.job_uid, contract.checkpoint_dir(), on_persisted=persisted,
+        on_failure=lambda _exc: m.persist_failures.inc(), on_step=m.persisted_step.set,
+    )  # fmt: skip

@@ -9,22 +9,61 @@ pids and reaps, reading ``/proc`` and the workers' stacks through an :class:`Evi
 - :func:`where_ranks_were`: where each worker was as a round hung (issue 23's evidence
   from every rank, not only the reaped one): a reaped worker's stacks as its reap read
   them, the others' read now, each with its process state.
+- :func:`publish`: that evidence into etcd for the operator, on a thread of its own (a
+  stalled etcd must not delay the recovery); :class:`HangSink`: where the attempt monitor
+  sends what it found (the evidence, and a stopped worker that should be the round's
+  charge: :meth:`~kelastic_sidecar.restart_budget.RestartBudget.amend`).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from kelastic.etcd_values import CorruptValueError, encode_hang
 from kelastic.hang_where import HangWhere, RankWhere
+from kelastic_etcd import EtcdClient, EtcdError
 
 from .round_end import STOPPED_STATE, LiveStates, RoundOf
 from .timer import ReapEvent, process_state
 
 if TYPE_CHECKING:  # annotations only
+    from .failure import Failure
     from .hang_evidence import Evidence
 
-__all__ = ["EvidenceSource", "observe", "where_ranks_were"]
+__all__ = ["NO_HANG_SINK", "EvidenceSource", "HangSink", "observe", "publish", "where_ranks_were"]
+log = logging.getLogger("kelastic_sidecar.witness")
+
+
+class HangSink(Protocol):
+    """Where the attempt monitor's findings on a hung round go besides the log and
+    ``/status`` (:class:`kelastic_sidecar.wiring.HangReports`); neither call may block on
+    etcd."""
+
+    def where(self, where: HangWhere) -> object:
+        """Where each worker was (for the operator: :func:`publish`)."""
+        ...
+
+    def stopped(self, failure: Failure) -> object:
+        """A worker of ours was stopped in a round a peer restarted: the round's charge
+        should name it."""
+        ...
+
+
+class _Nowhere:
+    """A :class:`HangSink` that sends nothing anywhere."""
+
+    def where(self, where: HangWhere) -> None:
+        """Drop it."""
+
+    def stopped(self, failure: Failure) -> None:
+        """Drop it."""
+
+
+#: The sink of an attempt monitor given none (tests, tools).
+NO_HANG_SINK: HangSink = _Nowhere()
 
 
 class EvidenceSource(Protocol):
@@ -72,3 +111,24 @@ def where_ranks_were(
             RankWhere(round_.rank(local_rank), local_rank, pid, state, reap is not None, where)
         )
     return HangWhere(round_.round, round_.node, tuple(ranks))
+
+
+def publish(store: EtcdClient, key: str, where: HangWhere) -> threading.Thread:
+    """Write ``where`` at ``key`` (:meth:`kelastic.contract.Keys.hang`, by its one codec,
+    :mod:`kelastic.etcd_values.hangs`) for the operator, on a daemon thread so that the
+    caller (the round's end, before the workers are stopped) never waits on etcd. A put
+    that fails is logged: the evidence stays in the log and ``/status``.
+
+    Returns:
+        The started thread (tests join it).
+    """
+
+    def put() -> None:
+        try:
+            store.put(key, encode_hang(where))
+        except (EtcdError, CorruptValueError) as exc:
+            log.warning("cannot publish the hang evidence of round %d: %s", where.round, exc)
+
+    thread = threading.Thread(target=put, name="kelastic-publish-hang", daemon=True)
+    thread.start()
+    return thread

@@ -62,6 +62,12 @@ def test_a_killed_worker_restarts_every_rank_from_one_agreed_step(tmp_path: Path
     # least the lowest of them, so the agreed step is never older
     assert min(saved.values()) <= step <= max(saved.values()) + 1, (step, saved)
     assert step > 0
+    # kelastic run says it, once per round, from the sidecars' agreement; not at the start
+    said = [line for line in out if "checkpoint step" in line]
+    assert said and re.search(
+        rf"round \d+: the workers restore checkpoint step {step} from memory \(4 ranks; "
+        r"slots checked in \d+\.\d{3} s\)", said[0]), said  # fmt: skip
+    assert not any("round 0:" in line for line in said), said
     print(f"\nMEMORY-CHECKPOINT kill: restored step {step} on 4 ranks, last saved {saved}")
     assert run.strays() == []
 

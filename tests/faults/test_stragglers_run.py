@@ -2,7 +2,9 @@
 sidecar, launcher, ``tests/workers/steps.py``) whose local rank 1 takes 0.2 s per timed
 step and rank 0 0.05 s. The sidecar, from the timer requests alone, names rank 1 a
 straggler in its ``/status`` (``step_times``), its log and ``kelastic_stragglers_total``,
-and records the steps in ``kelastic_step_seconds``."""
+records the steps in ``kelastic_step_seconds``, and writes the verdict to etcd for the
+operator (``stragglers/<node>``, by the value's codec; the run uses the session's etcd so
+the test can read it)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kelastic.etcd_values import StragglersDoc, decode_stragglers
+from kelastic_etcd import EtcdClient
 from tests.conftest import wait_for
 from tests.localrun import KelasticRun, write_job
 
@@ -32,14 +36,22 @@ def _samples(port: int) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def test_a_slow_rank_is_named_a_straggler_in_status_log_and_metrics(tmp_path: Path) -> None:
+def _verdicts(etcd_endpoint: str) -> list[StragglersDoc]:
+    with EtcdClient([etcd_endpoint]) as store:
+        found = store.get_prefix("/kelastic/")
+    return [decode_stragglers(value) for key, (value, _) in found.items() if "/stragglers/" in key]
+
+
+def test_a_slow_rank_is_named_a_straggler_in_status_log_and_metrics(
+    tmp_path: Path, etcd_endpoint: str
+) -> None:
     stop = tmp_path / "stop"
     job = write_job(
         tmp_path / "job.yaml", replicas=1, nproc=2, max_restarts=0,
         env={"STEPS_STOP_FILE": str(stop), "STEPS_SLOW_RANK": "1", "STEPS_SLOW_SECONDS": "0.2"},
     )  # fmt: skip
     runs = tmp_path / "runs"
-    run = KelasticRun(job, workdir=runs)
+    run = KelasticRun(job, "--etcd", etcd_endpoint, workdir=runs)
     try:
         found = wait_for(
             lambda: re.search(r"http :(\d+)", _sidecar_log(runs)), 60, 0.2, "the sidecar's port"
@@ -61,8 +73,15 @@ def test_a_slow_rank_is_named_a_straggler_in_status_log_and_metrics(tmp_path: Pa
         assert samples["kelastic_stragglers_total"] >= 1.0, samples
         assert samples["kelastic_step_seconds_count"] >= 40, samples  # both ranks' steps
         assert "straggler: local rank 1's median step" in _sidecar_log(runs)
+        # what the operator reads: the node's verdict, written as the episode began
+        (doc,) = wait_for(lambda: [d for d in _verdicts(etcd_endpoint) if d["stragglers"]],
+                          30, 0.2, "the verdict in etcd")  # fmt: skip
+        assert doc["node"] == "steps-0" and doc["stragglers"][0]["local_rank"] == 1, doc
         stop.touch()
         assert run.wait(60) == 0, run.output
+        said = (r"straggler on steps-0: local rank 1's median step 0\.\d+ s \(scope 'step'\) "
+                r"is \d+\.\d+x its node's other ranks'")  # fmt: skip
+        assert re.search(said, run.output), run.output
     finally:
         run.interrupt()
     assert run.strays() == []

@@ -107,6 +107,10 @@ def test_a_worker_stopped_between_its_timers_is_named_not_the_peer_waiting_on_it
                      out), out  # fmt: skip
     assert re.search(r"hang in round 0 on steps-0: rank 0 \(reaped\): "
                      + stacks.format("_wait_for_peers"), out), out  # fmt: skip
+    verdict = (rf"hang in round 0 \(2 nodes reported\): culprit: rank 1 on {node} "
+               r"\(stopped\): main thread at \S+steps\.py:\d+ in main")  # fmt: skip
+    if replicas > 1:  # every node said it: the verdict across nodes names the stopped rank
+        assert re.search(verdict, out), out
     assert run.restarts_charged() == 1
     assert "job succeeded" in out
     assert run.strays() == []

@@ -72,9 +72,15 @@ def start_node(cluster: ControlPlane, workdir: Path) -> RealNode:
     runs (:func:`tests.k8s.images.build_images`, cached by content) imported.
 
     Fails the test (never skips) when it cannot start: it is what every e2e test runs on.
+    First removes what killed runs left on disk beside this one
+    (:func:`tests.k8s.leftovers.sweep_dead_runs`): their nodes' containerd roots.
     """
     from .images import build_images
+    from .leftovers import sweep_dead_runs
 
+    swept = sweep_dead_runs(workdir.parent)
+    if swept:
+        node_startup.append(f"removed what dead test runs left: {', '.join(map(str, swept))}")
     started = time.monotonic()
     images = build_images()
     built = time.monotonic() - started

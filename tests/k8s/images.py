@@ -776,6 +776,7 @@ def build_images(names: Iterable[str] = ALL) -> dict[str, Path]:
     out: dict[str, Path] = {}
     folder = images_dir()
     with _locked(folder / ".lock"):
+        sweep_unfinished(folder)
         for name in wanted:
             started = time.monotonic()
             with tempfile.TemporaryDirectory(dir=folder, prefix=".stage-") as tmp:
@@ -794,6 +795,20 @@ def build_images(names: Iterable[str] = ALL) -> dict[str, Path]:
     return out
 
 
+def sweep_unfinished(folder: Path) -> list[Path]:
+    """Remove what a killed build left in the archive folder ``folder``: its staging
+    folders (``.stage-*``) and half-saved archives (``.<name>.tar.<pid>.part``, up to
+    4.4 GB each); return them. Call it holding ``<folder>/.lock``: no build runs then, so
+    every such file is a dead one's."""
+    left = sorted([*folder.glob(".stage-*"), *folder.glob(".*.part")])
+    for path in left:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return left
+
+
 def ensure_in_podman(name: str, archive: Path, pm: Podman | None = None) -> str:
     """Make image ``name`` in podman's test storage the one saved in ``archive``.
 
@@ -809,6 +824,41 @@ def ensure_in_podman(name: str, archive: Path, pm: Podman | None = None) -> str:
 
 
 # ---- containerd ----
+
+#: Room kept free beside an import's own need (bytes): containerd's metadata, the node's
+#: logs and the Pods' writable layers.
+IMPORT_SLACK_BYTES = 1 << 30
+
+
+def import_disk_need(archives: Iterable[Path]) -> int:
+    """Bytes of free disk that importing ``archives`` one after another (unpacked, the
+    layer blobs discarded) needs at its peak: every image's snapshots (about an archive's
+    size each) plus, while the largest is unpacked, its blobs a second time, plus
+    :data:`IMPORT_SLACK_BYTES`. Raises FileNotFoundError for a missing archive."""
+    sizes = [archive.stat().st_size for archive in archives]
+    return sum(sizes) + max(sizes, default=0) + IMPORT_SLACK_BYTES
+
+
+def check_disk_for_import(root: Path, archives: Iterable[Path]) -> None:
+    """Fail before an import that would fill the disk holding ``root`` (containerd's
+    root; its nearest existing parent is measured).
+
+    Raises :class:`ImageError` naming the need, the free space and where a killed test run
+    leaves its nodes (its containerd roots are ~4.5-8.8 GB each), instead of containerd's
+    ``no space left on device`` half-way through a 4.4 GB archive.
+    """
+    need = import_disk_need(archives)
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise ImageError(
+            f"importing the images into {root} needs {need / 1e9:.1f} GB free, "
+            f"{probe} has {free / 1e9:.1f} GB: free some (a killed test run leaves its "
+            "nodes' containerd roots, pytest-*/node*/containerd under pytest's temporary "
+            "folder; the next run removes those of dead runs)"
+        )
 
 
 def import_images(
@@ -827,8 +877,12 @@ def import_images(
     containerd 2's transfer service (the 4.4 GB trainer: 47 s instead of 63 s once, on a
     quiet machine; 63-65 s either way while the machine's 2 cores were busy).
     With ``unpack`` (the default) the layers are unpacked for containerd's default
-    snapshotter (overlayfs, the CRI's), so a Pod's first start does not pay for it;
-    ``unpack=False`` passes ``--no-unpack``. ``timeout`` is in seconds, per archive. The
+    snapshotter (overlayfs, the CRI's), so a Pod's first start does not pay for it, and
+    ``--discard-unpacked-layers`` lets containerd's garbage collector drop the layer blobs
+    once unpacked (within a second or so): a node keeps the snapshots only, ~4.5 GB with
+    the trainer image instead of ~8.8 GB, as a kubelet with the CRI's
+    ``discard_unpacked_layers`` does after a pull. ``unpack=False`` passes
+    ``--no-unpack``. ``timeout`` is in seconds, per archive. The
     time each took goes to :data:`TIMINGS` (``import <file>``).
 
     Raises :class:`ImageError` with ctr's output when an import fails or times out, and
@@ -836,13 +890,13 @@ def import_images(
     """
     if not ctr.is_file():
         raise FileNotFoundError(f"no ctr at {ctr} (scripts/build-node.sh builds it)")
+    archives = list(archives)
     for archive in archives:
         if not archive.is_file():
             raise FileNotFoundError(f"no image archive at {archive}")
         started = time.monotonic()
         cmd = [str(ctr), "--address", str(address), "--namespace", namespace, "images"]
         cmd += ["import", "--local", "--all-platforms"]
-        if not unpack:
-            cmd.append("--no-unpack")
+        cmd.append("--discard-unpacked-layers" if unpack else "--no-unpack")
         run([*cmd, str(archive)], timeout)
         TIMINGS[f"import {archive.name}"] = time.monotonic() - started

@@ -3,19 +3,26 @@
 :class:`ManualNode` is a Ready Node that the real scheduler binds Pods to (select it with
 ``nodeSelector: {kelastic.dev/test-node: <name>}``); nothing runs them. The test writes their
 status (:meth:`ManualNode.set_status`: Running, Failed with a termination message...), and
-the node's one automatic duty is a kubelet's last step of a deletion: a Pod given a
+the node's automatic duties are a kubelet's heartbeat (its Lease, which the real
+node-lifecycle controller reads) and the last step of a deletion: a Pod given a
 ``deletionTimestamp`` is removed (``DELETE`` with grace 0) as if its containers had exited
 at once, so deletions complete as on a real node instead of staying Terminating.
+:meth:`ManualNode.die` stops both, as a kubelet that died or lost its network would: the
+controller marks the Node not Ready and its Pods' deletions are never completed.
+:func:`node_pair` gives two of one pool (a Pod may be moved from one to the other);
+:func:`scheduled` waits until the scheduler bound a Pod.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
-from .cluster import ControlPlane
+from .cluster import Client, ControlPlane, pods_by_name, wait_until
 
 Obj = dict[str, Any]
 NODE_LABEL = "kelastic.dev/test-node"
@@ -33,13 +40,22 @@ class ManualNode:
         name: the Node's name (also its :data:`NODE_LABEL` value).
         pods: how many Pods fit (its ``pods`` capacity): the scheduler leaves the rest
             ``Unschedulable``.
+        labels: more labels of the Node (e.g. a pool several nodes share).
     """
 
-    def __init__(self, cluster: ControlPlane, name: str = "manual", pods: int = 250) -> None:
+    def __init__(
+        self,
+        cluster: ControlPlane,
+        name: str = "manual",
+        pods: int = 250,
+        labels: dict[str, str] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.name = name
         self.capacity = {"cpu": "64", "memory": "256Gi", "pods": str(pods)}
+        self.labels = dict(labels or {})
         self._stop = threading.Event()
+        self._dead = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"node-{name}", daemon=True)
 
     @property
@@ -48,7 +64,7 @@ class ManualNode:
         return {NODE_LABEL: self.name}
 
     def __enter__(self) -> ManualNode:
-        labels = {NODE_LABEL: self.name, "kubernetes.io/hostname": self.name}
+        labels = {NODE_LABEL: self.name, "kubernetes.io/hostname": self.name, **self.labels}
         node = {
             "apiVersion": "v1",
             "kind": "Node",
@@ -95,6 +111,8 @@ class ManualNode:
         path = f"/api/v1/pods?fieldSelector=spec.nodeName%3D{self.name}"
         beat = 0.0
         while not self._stop.wait(0.2):
+            if self._dead.is_set():
+                continue
             if time.monotonic() - beat > 5:
                 self._heartbeat()
                 beat = time.monotonic()
@@ -109,6 +127,18 @@ class ManualNode:
                         f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
                         {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
                     )
+
+    def die(self) -> None:
+        """Stop heart-beating and completing deletions, as a dead kubelet (or one cut off
+        from the API server) does; the Node object stays."""
+        self._dead.set()
+
+    def ready(self) -> str | None:
+        """The status of the Node's Ready condition (``True``, ``Unknown``...), None
+        when it has none or is gone."""
+        code, obj = self.cluster.request("GET", f"/api/v1/nodes/{self.name}")
+        conds = (obj.get("status") or {}).get("conditions") or [] if code == 200 else []
+        return next((c.get("status") for c in conds if c.get("type") == "Ready"), None)
 
     def set_status(
         self,
@@ -143,3 +173,30 @@ class ManualNode:
                     "startedAt": _now(), "finishedAt": _now()}},
             }]  # fmt: skip
         return self._patch(f"/api/v1/namespaces/{namespace}/pods/{pod}/status", {"status": status})
+
+
+@contextlib.contextmanager
+def node_pair(
+    cluster: ControlPlane, prefix: str, labels: dict[str, str]
+) -> Iterator[dict[str, ManualNode]]:
+    """Two :class:`ManualNode` s, ``<prefix>-a`` and ``<prefix>-b``, sharing ``labels`` (a
+    pool a job's ``nodeSelector`` names), by name."""
+    with (
+        ManualNode(cluster, f"{prefix}-a", labels=labels) as a,
+        ManualNode(cluster, f"{prefix}-b", labels=labels) as b,
+    ):
+        yield {a.name: a, b.name: b}
+
+
+def scheduled(k8s: Client, pod: str, timeout: float) -> Obj:
+    """Pod ``pod`` of ``k8s``'s namespace once the scheduler bound it to a Node.
+
+    Raises:
+        AssertionError: not bound within ``timeout`` seconds.
+    """
+
+    def bound() -> Obj | None:
+        found = pods_by_name(k8s).get(pod)
+        return found if found and (found.get("spec") or {}).get("nodeName") else None
+
+    return wait_until(bound, timeout, what=f"{pod} scheduled")

@@ -8,10 +8,11 @@ from typing import Any
 
 import kubernetes_validate as kv
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from kelastic import contract
-from kelastic_operator.model import CheckpointSpec, ElasticJobSpec, load_manifest
+from kelastic_operator.model import CheckpointSpec, ElasticJobSpec, load_manifest, parse_job
 from kelastic_operator.pods import PodSettings, build_pod, pod_spec_hash
 from kelastic_sidecar.checkpoints import prepare_volume
 
@@ -90,7 +91,9 @@ def test_without_memory_the_pod_has_no_volume_and_its_digest_is_unchanged() -> N
     for c in _containers(pod).values():
         names = {e["name"] for e in c.get("env") or []}
         assert not names & {contract.ENV_CHECKPOINT_MEMORY, contract.ENV_CHECKPOINT_DIR}
-    plain = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
+    doc = yaml.safe_load((ROOT / "examples/digits/elasticjob.yaml").read_text())
+    del doc["spec"]["checkpoint"]  # a job written before the field existed
+    plain = parse_job(doc).spec
     assert pod_spec_hash(_spec(None)) == pod_spec_hash(plain)  # running Pods are kept
     assert pod_spec_hash(_spec("1Gi")) != pod_spec_hash(plain)
     assert pod_spec_hash(_spec("1Gi")) != pod_spec_hash(_spec("2Gi"))
@@ -111,3 +114,99 @@ def test_the_sidecar_allocates_the_volume_at_start_or_names_the_size(tmp_path: P
     for bad in ("-1", "1Gi", "0", "x"):
         with pytest.raises(ValueError, match="is not a size in bytes"):
             prepare_volume({**env, contract.ENV_CHECKPOINT_MEMORY: bad})
+
+
+# ------------------------------------------------------------------- spec.checkpoint.persist
+
+
+def _persisting(**persist: Any) -> ElasticJobSpec:
+    spec = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
+    doc = spec.model_dump(by_alias=True, exclude_none=True)
+    doc["checkpoint"] = {"memory": "64Mi", "persist": {"volume": "checkpoints", **persist}}
+    return ElasticJobSpec.model_validate(doc)
+
+
+def test_persist_mounts_the_shared_volume_in_the_sidecar_and_sets_its_env() -> None:
+    spec = _persisting(path="runs/digits", everySteps=50, onStop=False, keep=5)
+    pod = build_pod("digits", "ml", UID, spec, 0, SETTINGS)
+    sidecar = _containers(pod)["kelastic-sidecar"]
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert mounts["checkpoints"] == contract.PERSIST_MOUNT
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env[contract.ENV_CHECKPOINT_PERSIST_DIR] == f"{contract.PERSIST_MOUNT}/runs/digits"
+    assert env[contract.ENV_CHECKPOINT_PERSIST_EVERY] == "50"
+    assert env[contract.ENV_CHECKPOINT_PERSIST_ON_STOP] == "0"
+    assert env[contract.ENV_CHECKPOINT_PERSIST_KEEP] == "5"
+    # the sidecar reads exactly what the operator wrote
+    from kelastic_sidecar.config import PersistSettings, SidecarConfig
+
+    downward = {contract.ENV_POD_NAME: "digits-0", contract.ENV_NAMESPACE: "ml"}
+    cfg = SidecarConfig.from_env({k: v for k, v in env.items() if v is not None} | downward)
+    assert cfg.persist == PersistSettings(
+        Path(contract.PERSIST_MOUNT) / "runs/digits", 50, False, 5
+    )
+    # the trainer's own mount of the volume is untouched; its saves mark the due steps
+    trainer = _containers(pod)["trainer"]
+    trainer_env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert trainer_env[contract.ENV_CHECKPOINT_PERSIST_EVERY] == "50"
+    assert contract.ENV_CHECKPOINT_PERSIST_DIR not in trainer_env
+    assert {"name": "checkpoints", "mountPath": "/checkpoints"} in trainer["volumeMounts"]
+    kv.validate(pod, "1.33", strict=True)
+
+
+def test_persist_defaults_and_the_digest_of_jobs_without_it() -> None:
+    spec = _persisting()
+    persist = spec.checkpoint.persist
+    assert persist is not None
+    assert (persist.path, persist.every_steps, persist.on_stop, persist.keep) == (
+        "kelastic-checkpoints", 0, True, contract.DEFAULT_PERSIST_KEEP)  # fmt: skip
+    # a job with memory and no persist keeps the digest it had before persist existed (as
+    # computed by the commit before it, 64ae9eb): its running Pods are not replaced
+    assert pod_spec_hash(_spec("64Mi")) == "0be377ee2335514c"
+    assert pod_spec_hash(_spec(None)) == "d5f8f11bc12031ee"
+    without = _spec("64Mi")
+    assert pod_spec_hash(without) != pod_spec_hash(spec)
+    assert pod_spec_hash(_persisting(everySteps=1)) != pod_spec_hash(spec)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "message"),
+    [
+        ({"persist": {"volume": "checkpoints"}}, "checkpoint.persist needs checkpoint.memory"),
+        ({"memory": "64Mi", "persist": {"volume": "nope"}}, "'nope' is not a volume of"),
+        ({"memory": "64Mi", "persist": {"volume": "Bad_Name"}}, "pattern"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "path": "../up"}}, "pattern"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "path": "/abs"}}, "pattern"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "path": "a/./b"}}, "pattern"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "path": "a" * 256}}, "at most"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "everySteps": -1}}, "greater"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "everySteps": 10**10}}, "less"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "keep": 0}}, "greater"),
+        ({"memory": "64Mi", "persist": {"volume": "checkpoints", "extra": 1}}, "Extra inputs"),
+        ({"memory": "64Mi", "persist": {}}, "volume"),
+        ({"memory": "64Mi", "persist": {"volume": "kelastic-checkpoints"}}, "kelastic makes"),
+        ({"memory": "64Mi", "persist": {"volume": "kelastic-run"}}, "kelastic makes"),
+    ],
+    ids=[
+        "no-memory",
+        "unknown-volume",
+        "bad-volume-name",
+        "dotdot",
+        "absolute",
+        "dot",
+        "long",
+        "negative-every",
+        "huge-every",
+        "keep-zero",
+        "unknown-field",
+        "no-volume",
+        "our-checkpoint-volume",
+        "our-run-volume",
+    ],
+)
+def test_a_bad_persist_spec_is_refused_clearly(checkpoint: dict[str, Any], message: str) -> None:
+    spec = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
+    doc = spec.model_dump(by_alias=True, exclude_none=True)
+    doc["checkpoint"] = checkpoint
+    with pytest.raises(ValidationError, match=message):
+        ElasticJobSpec.model_validate(doc)

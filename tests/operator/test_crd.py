@@ -158,6 +158,12 @@ def doc_with(**spec: object) -> str:
          "hardTimeoutSeconds must be greater than softTimeoutSeconds"),
         ({"checkpoint": {"memory": "1.5Gi"}}, "spec.checkpoint.memory"),
         ({"checkpoint": {"memory": "0"}}, "spec.checkpoint.memory"),
+        ({"checkpoint": {"persist": {"volume": "data"}}},
+         "checkpoint.persist needs checkpoint.memory"),
+        ({"checkpoint": {"memory": "64Mi", "persist": {"volume": "data", "path": "../up"}}},
+         "spec.checkpoint.persist.path"),
+        ({"checkpoint": {"memory": "64Mi", "persist": {"volume": "data", "keep": 0}}},
+         "spec.checkpoint.persist.keep"),
         ({"bogus": 1}, "bogus"),
     ],
 )  # fmt: skip
@@ -180,7 +186,9 @@ def test_invalid_specs_are_rejected_with_a_clear_message(
 def test_templates_the_model_accepts_the_api_accepts(
     k8s: Client, containers: list[dict[str, object]]
 ) -> None:
-    doc = doc_with(template={"spec": {"containers": containers}})
+    # the example's checkpoint volume stays: spec.checkpoint.persist names it
+    volumes = [{"name": "checkpoints", "emptyDir": {}}]
+    doc = doc_with(template={"spec": {"containers": containers, "volumes": volumes}})
     parse_job(yaml.safe_load(doc))
     k8s.kubectl("apply", "-f", "-", input=doc)
 

@@ -29,6 +29,7 @@ from tests.k8s.images import KELASTIC
 from tests.k8s.node import PLACEMENT, RealNode
 
 from .conftest import DIGITS, job_manifest, workers
+from .test_e2e import events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 T = 120.0  # seconds a step of a scenario may take on a loaded 2-core machine
@@ -90,6 +91,25 @@ def test_a_hung_worker_is_reaped_by_the_sidecar_across_the_container_boundary(
     _wait(k8s, node, lambda: (_status(k8s).get("restartsSpent") or 0) >= 1, T, "restart shown")
     sidecars = node.logs(ns, SIDECAR_CONTAINER)
     assert re.search(rf"pid {hung}\b.*hung|hung.*pid {hung}\b", sidecars) or "hang" in sidecars
+
+    # where every rank was reaches the job's status and Events: both nodes' sidecars
+    # wrote their workers' evidence; the stopped rank is named the culprit
+    def both_nodes() -> dict[str, Any] | None:
+        found: dict[str, Any] = _status(k8s).get("lastHang") or {}
+        return found if found.get("nodes") == 2 else None
+
+    hang = _wait(k8s, node, both_nodes, T, "status.lastHang of both nodes")
+    assert re.search(r"^hang in round \d+ \(2 nodes reported\): culprit: rank 1 on digits-\d "
+                     r"\(stopped\): ", hang["message"]), hang  # fmt: skip
+    assert "waiting: " in hang["message"], hang
+    said = events(k8s)
+    assert any(r == "HangEvidence" and "culprit: rank 1" in m for r, m in said), said
+    assert any(r == "WorkersRestarted" and ": hang: rank " in m for r, m in said), said
+    # the restart was charged by whichever node's timer fired first (often a peer waiting
+    # on rank 1); the stopped rank's node amends the charge to name it
+    _wait(k8s, node, lambda: (_status(k8s).get("lastRestart") or {}).get("message", "")
+          .startswith("hang: rank 1 on digits-"), T, "status.lastRestart names rank 1")  # fmt: skip
+    print(f"\nstatus.lastHang: {hang}\nstatus.lastRestart: {_status(k8s)['lastRestart']}")
     _wait(k8s, node, lambda: _status(k8s).get("phase") == "Succeeded", 3 * T, "Succeeded")
     assert _status(k8s)["restartsSpent"] == 1
     assert _accuracy(node, ns) >= 0.90

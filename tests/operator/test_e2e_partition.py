@@ -1,7 +1,9 @@
 """Network partitions on two real nodes: the digits job (real torch DDP over gloo in the
 trainer image, the kelastic sidecar, Pod Security ``restricted``) with one Pod on each
 node, its Pods talking across a real veth network (:mod:`tests.k8s.fabric`), and the node
-of the Pod that does not hold rank 0 cut off for 20 s (one case 60 s), then healed:
+of the Pod that does not hold rank 0 cut off for 20 s (one case 60 s), then healed
+(and, last, cut for longer than the job's ``nodeLostSeconds`` after its Node went not
+Ready: a dead node, its Pod replaced):
 
 - from **etcd** only (its Pods' packets to and from its etcd relay dropped);
 - from its **peers** only (its Pods' packets to and from the other node's Pods dropped);
@@ -198,15 +200,15 @@ def test_pods_on_two_nodes_talk_over_the_fabric_and_a_cut_stops_them(
 # ----------------------------------------------------------------- the digits job, cut
 
 
-def _manifest() -> str:
+def _manifest(epochs: int = EPOCHS, **spec: Any) -> str:
     doc = copy.deepcopy(yaml.safe_load(DIGITS.read_text()))
-    doc["spec"].update(replicas=2, minReplicas=1, maxReplicas=2)
+    doc["spec"].update(replicas=2, minReplicas=1, maxReplicas=2, **spec)
     pod = doc["spec"]["template"]["spec"]
     pod.update(copy.deepcopy(PLACEMENT))
     pod["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
         {"labelSelector": {"matchLabels": {"kelastic.dev/job-name": "digits"}},
          "topologyKey": "kubernetes.io/hostname"}]}}  # one Pod per node  # fmt: skip
-    pod["containers"][0]["args"] = ["--epochs", str(EPOCHS), "--batch-size", "8",
+    pod["containers"][0]["args"] = ["--epochs", str(epochs), "--batch-size", "8",
                                     "--step-timeout", "3"]  # fmt: skip
     return yaml.safe_dump(doc)
 
@@ -453,3 +455,85 @@ def test_print_the_measurements() -> None:
     """One line per cut (``-s`` shows them; also in tests/k8s/README.md)."""
     for m in MEASURED:
         print(m.line())
+
+
+#: The lost-node test's ``spec.nodeLostSeconds``.
+NODE_LOST = 10.0
+#: Its epochs: the survivor alone must not finish them before the Node is healed (~90 s
+#: after the cut: the grace period, nodeLostSeconds, the waits; about 1.2 s an epoch alone,
+#: and 40 epochs ended the job before the Pod was created again in one run).
+LOST_EPOCHS = 300
+
+
+def test_a_node_dead_past_node_lost_seconds_has_its_pod_replaced(
+    k8s: Client, k8s_cluster: ControlPlane, fabric: Fabric, etcd_server: EmbeddedEtcd
+) -> None:
+    """A node cut off from everything (dead, as the control plane sees it) for longer than
+    the node-monitor grace period (~50 s) and the job's ``nodeLostSeconds`` (10 s): the
+    operator force-deletes its Pod (a graceful deletion would never be confirmed) and
+    creates it again, Pending meanwhile (one Pod per node, and the dead Node is tainted);
+    the survivor trains alone, the loss charged once. Healed, the Node takes the new Pod,
+    which joins (a scale round, no charge), and the job ends with nothing lost."""
+    ns = k8s.namespace
+    k8s.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
+    k8s.claim("digits-checkpoints")
+    port = int(etcd_server.endpoint.rpartition(":")[2])
+    logs = Logs(k8s_cluster, ns)
+    t0 = time.time()
+    timeline: list[str] = []
+
+    def wait(condition: Any, timeout: float, what: str, skip: set[str] | None = None) -> Any:
+        def check() -> Any:
+            logs.poll(skip or set())
+            return condition()
+
+        try:
+            found = wait_until(check, timeout, 0.5, what=what)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\nstatus: {_status(k8s)}\n" + "\n".join(timeline))
+        timeline.append(f"{time.time() - t0:7.1f} s {what}")
+        return found
+
+    with _operator(k8s_cluster, k8s, f"{ETCD_VIP}:{port}", etcd_server.endpoint):
+        job = _manifest(LOST_EPOCHS, nodeLostSeconds=NODE_LOST)
+        k8s.kubectl("apply", "-f", "-", input=job)
+        wait(lambda: _status(k8s).get("worldSize") == 4, 2 * T, "world size 4")
+        wait(lambda: "epoch 3/" in logs.text(), T, "training")
+        pods = pods_by_name(k8s)
+        where = {name: p["spec"]["nodeName"] for name, p in pods.items()}
+
+        def ranks() -> dict[int, str] | None:
+            found = {r: pod for n in fabric.nodes for pod, r, _ in worker_procs(n, ns)}
+            return found if sorted(found) == [0, 1, 2, 3] else None
+
+        holder = wait(ranks, T, "the 4 workers")[0]
+        lost = next(name for name in where if name != holder)
+        victim = _by_name(fabric, where[lost])
+        first_uid = pods[lost]["metadata"]["uid"]
+        fabric.cut(victim, "all")
+        skip = {victim.name}
+        wait(lambda: not victim.is_ready(), 150, f"{victim.name} not Ready", skip)
+
+        def replaced() -> bool:
+            pod = pods_by_name(k8s).get(lost)
+            return pod is not None and pod["metadata"]["uid"] != first_uid
+
+        wait(replaced, NODE_LOST + T, f"{lost} force-deleted and created again", skip)
+        failure = (_status(k8s).get("lastFailure") or {}).get("message", "")
+        assert failure.startswith(f"node_lost: node {victim.name} not Ready since "), failure
+        alone = "the survivor trains alone (world 2)"
+        wait(lambda: any(w == 2 for _, _, w in logs.epochs()), 3 * T, alone, skip)
+        fabric.heal(victim)
+        timeline.append(f"{time.time() - t0:7.1f} s healed")
+        wait(lambda: _status(k8s).get("worldSize") == 4, 3 * T, "the new Pod joined (world 4)")
+        wait(lambda: _status(k8s).get("phase") in ("Succeeded", "Failed"), 8 * T, "done")
+        final = _status(k8s)
+        logs.poll(set())
+    print("\n" + "\n".join(timeline) + f"\nfinal: {final}")
+    assert final["phase"] == "Succeeded", final
+    # the loss is charged once, by the survivor; the force-deletion and the new Pod's
+    # joining charge nothing, and no Pod is counted as a replacement
+    assert (final.get("restartsSpent"), final.get("replacements") or 0) == (1, 0), final
+    accuracy = [float(a) for a in re.findall(r"final test accuracy (\d\.\d+)", logs.text())]
+    assert accuracy and max(accuracy) >= 0.90, logs.text()[-3000:]
+    assert sorted({e for _, e, _ in logs.epochs()}) == list(range(1, LOST_EPOCHS + 1))

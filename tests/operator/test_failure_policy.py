@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kelastic import failure_policy
-from kelastic_operator.model import ManifestError, RuleCause, parse_job
+from kelastic_operator.model import CheckpointSpec, ManifestError, RuleCause, parse_job
 from kelastic_operator.pods import build_pod, pod_spec_hash
 from kelastic_sidecar.config import SidecarConfig
 from tests.k8s.cluster import Client
@@ -58,22 +58,25 @@ def test_a_policy_reads_as_the_sidecar_reads_it() -> None:
 
 
 def test_without_a_policy_no_env_and_the_pods_digest_of_older_jobs() -> None:
-    spec = digits_spec()
+    spec = digits_spec(checkpoint=CheckpointSpec())  # the example's own volume unset
     pod = build_pod("digits", "default", UID, spec, 0, SETTINGS)
     names = [e["name"] for c in pod["spec"]["initContainers"] for e in c.get("env", [])]
     assert failure_policy.ENV_FAILURE_POLICY not in names
     # the digest an operator without failurePolicy / ttlSecondsAfterFinished / checkpoint /
-    # suspend computed: the new fields unset must not replace the Pods of running jobs on
-    # an upgrade
+    # suspend / nodeLostSeconds / stragglers computed: the new fields unset must not
+    # replace the Pods of running jobs on an upgrade
     older = spec.model_dump(mode="json", by_alias=True, exclude={
         "replicas", "pending_timeout_seconds", "start_timeout_seconds", "cleanup_policy",
         "pod_replacement", "in_process", "failure_policy",
-        "ttl_seconds_after_finished", "checkpoint", "suspend"})  # fmt: skip
+        "ttl_seconds_after_finished", "checkpoint", "suspend", "node_lost_seconds",
+        "stragglers"})  # fmt: skip
     text = json.dumps(older, sort_keys=True, separators=(",", ":"))
     assert pod_spec_hash(spec) == hashlib.sha256(text.encode()).hexdigest()[:16]
-    assert pod_spec_hash(digits_spec(ttl_seconds_after_finished=60)) == pod_spec_hash(spec)
+    assert pod_spec_hash(spec.model_copy(update={"ttl_seconds_after_finished": 60})) == (
+        pod_spec_hash(spec)
+    )
     # suspend neither: a resumed job's Pods are not outdated by the flag flipping back
-    assert pod_spec_hash(digits_spec(suspend=True)) == pod_spec_hash(spec)
+    assert pod_spec_hash(spec.model_copy(update={"suspend": True})) == pod_spec_hash(spec)
     ruled = parse_job(with_rules(FAIL_42)).spec
     assert pod_spec_hash(ruled) != pod_spec_hash(spec)  # rules shape the sidecar's env
 

@@ -11,6 +11,7 @@ import pytest
 
 from kelastic import contract
 from kelastic_operator import metrics
+from kelastic_operator.etcd_view import view_from_keys
 from kelastic_operator.inprocess_record import (
     MAX_RECORD_BYTES,
     MAX_TEXT,
@@ -20,7 +21,6 @@ from kelastic_operator.inprocess_record import (
 from kelastic_operator.inprocess_status import LEVELS, apply_inprocess, restart_increases
 from kelastic_operator.model import ElasticJobStatus
 from kelastic_operator.reconcile import RendezvousView, reconcile
-from kelastic_operator.rendezvous_store import view_from_keys
 
 from .test_reconcile import T0, job, pod, spec
 

@@ -75,7 +75,8 @@ def containers(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def resolve_env(container: dict[str, Any], pod: dict[str, Any], ip: str) -> dict[str, str]:
     """What the kubelet would hand the container (downward API resolved)."""
-    fields = {"metadata.name": pod["metadata"]["name"],
+    fields = {"metadata.name": pod["metadata"]["name"], "metadata.uid": "pod-uid-1",
+              "spec.nodeName": "gpu-node-7",
               "metadata.namespace": pod["metadata"]["namespace"], "status.podIP": ip}  # fmt: skip
     out = {}
     for item in container["env"]:

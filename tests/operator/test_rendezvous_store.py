@@ -6,10 +6,14 @@ import json
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kelastic import contract
+from kelastic.etcd_values import encode_hang
+from kelastic.hang_where import HangWhere, RankWhere
+from kelastic_operator.etcd_view import status_keys, view_from_keys
 from kelastic_operator.local.etcd import EmbeddedEtcd, free_port
 from kelastic_operator.model import ElasticJobStatus
 from kelastic_operator.reconcile import Event, RendezvousView
@@ -18,7 +22,6 @@ from kelastic_operator.rendezvous_store import (
     RendezvousStoreError,
     StoreCache,
     parse_endpoint,
-    view_from_keys,
 )
 from kelastic_operator.status import event_body, status_patch
 
@@ -48,6 +51,38 @@ def test_view_from_keys_reads_round_world_restarts_and_reports() -> None:
     assert dict(view.failed_reports) == {"j-0": "job failed: boom"}
     assert view.succeeded_nodes == frozenset({"j-1"})
     assert view.departing == frozenset({"j-4"})
+
+
+def test_view_from_keys_reads_every_nodes_hang_evidence_and_the_newest_restart() -> None:
+    where = HangWhere(4, "j-1", (RankWhere(2, 0, 9, "T", True, "main thread at t.py:1 in f"),))
+    history = [
+        {"round": 2, "cause": "worker_failure", "node": "j-0", "detail": {}, "time": 1.0},
+        {"round": 4, "cause": "hang", "node": "j-1", "time": 2.0,
+         "detail": {"summary": "hang: rank 2 on j-1 (round 4): stopped " + "x" * 5000}},
+    ]  # fmt: skip
+    kv = {
+        KEYS.hang("j-1"): encode_hang(where),
+        KEYS.hang("j-0"): b'{"round": 4, "node": "j-0", "ranks": "not a list"}',  # refused
+        KEYS.hang("j-2"): b"\xff" * 10,
+        KEYS.restarts: enc({"count": 2, "history": history}),
+    }
+    view = view_from_keys(PREFIX, kv, 2)
+    assert view.hangs == (where,)
+    last = view.last_restart
+    assert last is not None and (last.round, last.cause, last.node) == (4, "hang", "j-1")
+    assert len(last.message) == 1024
+    assert last.message.startswith("hang: rank 2 on j-1 (round 4): stopped x")
+    # a charge without a summary says its cause and node; no history: none
+    history[-1]["detail"] = {"summary": 7}
+    last = view_from_keys(PREFIX, {KEYS.restarts: enc({"history": history})}, 2).last_restart
+    assert last is not None and last.message == "hang on j-1"
+    assert view_from_keys(PREFIX, {KEYS.restarts: enc({"count": 1})}, 2).last_restart is None
+    history[-1]["detail"] = {"summary": "worker_failure: rank 1", "ignored": True}
+    last = view_from_keys(PREFIX, {KEYS.restarts: enc({"history": history})}, 2).last_restart
+    assert (
+        last is not None and last.message == "not charged (an Ignore rule): worker_failure: rank 1"
+    )
+    assert KEYS.hangs_prefix in status_keys(PREFIX)  # a node's evidence wakes the job
 
 
 @pytest.mark.parametrize(
@@ -190,3 +225,36 @@ def test_the_operator_talks_to_an_etcd_that_requires_client_certificates(
             plain.delete_prefix(prefix)
     finally:
         plain.close()
+
+
+def test_a_field_gone_from_a_nested_status_object_is_nulled_too() -> None:
+    # A JSON merge patch merges nested objects key by key: a field the new value lacks
+    # stays unless the patch nulls it (lastCheckpoint's step once stayed beside tier none).
+    old = ElasticJobStatus.model_validate({
+        "lastCheckpoint": {"round": 1, "step": 8, "tier": "memory", "time": "2026-01-01T00:00:00Z"},
+        "lastInProcessRestart": {"iteration": 2, "cause": "exception", "rank": 3},
+    })  # fmt: skip
+    new = ElasticJobStatus.model_validate({
+        "lastCheckpoint": {"round": 2, "tier": "none", "time": "2026-01-01T00:00:00Z"},
+        "lastInProcessRestart": {"iteration": 3, "cause": "hang"},
+    })  # fmt: skip
+    patch = status_patch(old, new)["status"]
+    assert patch == {
+        "lastCheckpoint": {"round": 2, "step": None, "tier": "none"},
+        "lastInProcessRestart": {"iteration": 3, "cause": "hang", "rank": None},
+    }
+    # applied as the API server applies a merge patch (RFC 7386), it gives the new status
+    assert _merge(old.as_patch(), patch) == new.as_patch()
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """RFC 7386's MergePatch."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(out.get(key), value)
+    return out

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from kelastic import contract
 from kelastic_etcd import EtcdClient
+from kelastic_operator.etcd_view import status_keys
 from kelastic_operator.local.etcd import EmbeddedEtcd
-from kelastic_operator.rendezvous_store import EtcdRendezvousStore, status_keys
+from kelastic_operator.rendezvous_store import EtcdRendezvousStore
 from kelastic_operator.rendezvous_watch import (
     StatusFollower,
     StatusHub,

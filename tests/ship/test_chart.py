@@ -632,6 +632,7 @@ def test_the_dashboard_is_well_formed() -> None:
         "Timers and hangs",
         "Failures by cause",
         "Restart ladder",
+        "Checkpoints",
         "Operator health",
     ]
     cells: set[tuple[int, int]] = set()
@@ -649,8 +650,32 @@ def test_the_dashboard_is_well_formed() -> None:
         assert p["targets"], p["title"]
         for t in p["targets"]:
             assert t["expr"] and t["refId"]
+            # Grafana's legend template is {{label}}: a doubled brace (an f-string's
+            # escape written out) shows the braces instead of the label's value
+            assert "{{{" not in t.get("legendFormat", ""), (p["title"], t["legendFormat"])
+            for label in re.findall(r"\{\{(\w+)\}\}", t.get("legendFormat", "")):
+                # a label the query keeps (named in its by (...) or its selector)
+                assert re.search(rf"\b{label}\b", t["expr"]), (p["title"], label, t["expr"])
             sidecar = "kelastic_operator" not in t["expr"] and "up{" not in t["expr"]
             # `job` is Prometheus' target label only (the scrape job), never the ElasticJob
             assert set(re.findall(r'\bjob="([^"]*)"', t["expr"])) <= SCRAPE_JOBS, t["expr"]
             if sidecar or "kelastic_operator_job_phase" in t["expr"]:  # by both variables
                 assert 'namespace="$namespace", elasticjob="$elasticjob"' in t["expr"], t["expr"]
+
+
+def test_the_node_rights_and_flags_follow_the_values() -> None:
+    """Nodes: list/watch while the operator watches them (the default; lost nodes),
+    get/patch only with ``operator.taintQuarantinedNodes``, none with neither."""
+
+    def nodes(*values: str) -> tuple[list[list[str]], list[str]]:
+        objects = render(*values)
+        (role,) = [o for o in objects if o["kind"] == "ClusterRole"]
+        (dep,) = [o for o in objects if o["kind"] == "Deployment"]
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        flags = [a for a in args if a in ("--no-node-watch", "--taint-quarantined-nodes")]
+        return [r["verbs"] for r in role["rules"] if "nodes" in r["resources"]], flags
+
+    assert nodes() == ([["list", "watch"]], [])
+    assert nodes("operator.taintQuarantinedNodes=true") == (
+        [["list", "watch"], ["get", "patch"]], ["--taint-quarantined-nodes"])  # fmt: skip
+    assert nodes("operator.watchNodes=false") == ([], ["--no-node-watch"])

@@ -1,17 +1,34 @@
 """The sidecars' checkpoint records in a real etcd: each node publishes its slots'
-verified committed steps, every node agrees on the same restorable step from them."""
+verified committed steps, every node agrees on the same restorable step from them, and
+says what each round restores (``/status``, metrics)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kelastic import contract
 from kelastic.checkpoint import CheckpointStore
-from kelastic.etcd_values.checkpoints import decode_checkpoints
+from kelastic.checkpoint.scan import verified_steps
+from kelastic.etcd_values.checkpoints import decode_checkpoints, restore_of
 from kelastic_etcd import EtcdClient
-from kelastic_sidecar.checkpoints import agree, publish_record
+from kelastic_sidecar.checkpoints import RoundCheckpoints, publish_record, read_records
+from kelastic_sidecar.config import SidecarConfig
+from kelastic_sidecar.metrics import SidecarMetrics
+from kelastic_sidecar.rendezvous import RendezvousInfo
+from kelastic_sidecar.timer import TimerStats
+from kelastic_sidecar.wiring import restore_reporter
+
+from .test_sidecar_config import GOOD
+
+
+def agree(store: EtcdClient, keys: contract.Keys, participants: tuple[str, ...], nproc: int,
+          job: str) -> int | None:  # fmt: skip
+    """The step every sidecar computes for a round of ``participants`` (what
+    ``worker_env`` gives the workers)."""
+    return restore_of(0, read_records(store, keys, participants), participants, nproc, job).step
 
 
 def _save(directory: Path, rank: int, steps: range) -> None:
@@ -26,12 +43,12 @@ def test_two_nodes_agree_on_the_step_both_committed(
 ) -> None:
     keys = contract.Keys(job_prefix)
     a, b = tmp_path / "a", tmp_path / "b"
-    _save(a, 0, range(1, 6))  # rank 0 on node a: 5, 4
-    _save(b, 1, range(1, 5))  # rank 1 on node b was killed before it committed 5: 4, 3
-    assert publish_record(store, keys, "a", a, "uid").ranks == {0: (5, 4)}
+    _save(a, 0, range(1, 6))  # rank 0 on node a: 5, 4, 3
+    _save(b, 1, range(1, 5))  # rank 1 on node b was killed before it committed 5: 4, 3, 2
+    assert publish_record(store, keys, "a", a, "uid").ranks == {0: (5, 4, 3)}
     publish_record(store, keys, "b", b, "uid")
     got = store.get(keys.checkpoint("b"))
-    assert got is not None and decode_checkpoints(got[0], "k").ranks == {1: (4, 3)}
+    assert got is not None and decode_checkpoints(got[0], "k").ranks == {1: (4, 3, 2)}
     for _ in range(2):  # every node computes the same from the same records
         assert agree(store, keys, ("a", "b"), 1, "uid") == 4
     assert agree(store, keys, ("b", "a"), 1, "uid") is None  # group ranks swapped
@@ -51,3 +68,69 @@ def test_a_corrupt_or_empty_record_agrees_on_none(
     assert publish_record(store, keys, "b", tmp_path / "missing", "uid").ranks == {}
     assert agree(store, keys, ("a", "b"), 1, "uid") is None
     assert agree(store, keys, ("a",), 1, "uid") == 2
+
+
+def _round_part(store: EtcdClient, node: str, metrics: SidecarMetrics) -> RoundCheckpoints:
+    cfg = SidecarConfig.from_env(GOOD | {contract.ENV_POD_NAME: node, contract.ENV_JOB_UID: "uid"})
+    return RoundCheckpoints(store, contract.Keys(cfg.prefix), cfg,
+                            on_check=metrics.checkpoint.check.observe,
+                            on_restore=restore_reporter(metrics))  # fmt: skip
+
+
+def test_each_round_says_what_its_workers_restore_and_counts_it(
+    store: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The supervisor's part: the record before the rendezvous, the step at the start of
+    # the workers, both in /status (what kelastic run prints) and in the metrics.
+    metrics = {n: SidecarMetrics(lambda: TimerStats()) for n in "ab"}
+    part = {n: _round_part(store, n, metrics[n]) for n in "ab"}
+    sample = metrics["a"].registry.get_sample_value
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+
+    def on(node: str) -> RoundCheckpoints:  # the node's own slot folder, as in its Pod
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(tmp_path / node))
+        return part[node]
+
+    def start(round_: int, nodes: tuple[str, ...]) -> dict[str, str | None]:
+        for n in nodes:
+            on(n).before_rendezvous(stopped=True)
+        envs = {}
+        for rank, n in enumerate(nodes):
+            env = on(n).worker_env(RendezvousInfo(round_, rank, len(nodes), nodes), 1, False)
+            envs[n] = (env or {}).get(contract.ENV_CHECKPOINT_STEP)
+        return envs
+
+    # a fresh start: nothing held, nothing counted
+    assert start(0, ("a", "b")) == {"a": "none", "b": "none"}
+    status = part["a"].status()
+    assert status is not None and (status["step"], status["tier"], status["held"]) == (
+        None, "none", False)  # fmt: skip
+    assert sample("kelastic_checkpoint_restores_total", {"tier": "none"}) == 0
+    assert sample("kelastic_checkpoint_check_seconds_count") == 1
+    # both committed 4, b not 5: every rank restores 4, from memory
+    _save(a, 0, range(1, 6))
+    _save(b, 1, range(1, 5))
+    assert start(1, ("a", "b")) == {"a": "4", "b": "4"}
+    status = part["b"].status()
+    assert status is not None
+    assert {k: status[k] for k in ("round", "step", "tier", "ranks", "held")} == {
+        "round": 1, "step": 4, "tier": "memory", "ranks": 2, "held": True}  # fmt: skip
+    assert status["checked_s"] >= 0 and status["time"] > 0
+    assert sample("kelastic_checkpoint_restores_total", {"tier": "memory"}) == 1
+    assert sample("kelastic_checkpoint_restored_step") == 4
+    # a's step 5 belongs to a run the job abandoned: dropped before the workers start
+    assert verified_steps(a, "uid") == {0: (4, 3)}
+    # b's Pod replaced: its slots are gone, a's are not: none in common, which is counted
+    for f in b.iterdir():
+        f.unlink()
+    assert start(2, ("a", "b")) == {"a": "none", "b": "none"}
+    status = part["a"].status()
+    assert status is not None and (status["tier"], status["held"]) == ("none", True)
+    assert sample("kelastic_checkpoint_restores_total", {"tier": "none"}) == 1
+    assert sample("kelastic_checkpoint_restored_step") == 4  # the last one restored
+    assert verified_steps(a, "uid") == {}  # the training starts elsewhere: all dropped
+    # workers carried in process load nothing: no variable, the last restore stays
+    assert on("a").worker_env(RendezvousInfo(3, 0, 2, ("a", "b")), 1, True) is None
+    status = part["a"].status()
+    assert status is not None and status["round"] == 2

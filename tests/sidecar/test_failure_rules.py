@@ -39,8 +39,9 @@ def failure(
     ("fault", "action", "rule", "ends_when_exhausted", "ends_otherwise"),
     [
         (failure(code=42), FailureAction.FAIL_JOB, "rule 0 (FailJob: exit code 42)", True, True),
+        # Ignore: recorded uncharged; only past its cap is it charged, and may end the job
         (failure("node_lost"), FailureAction.IGNORE, "rule 1 (Ignore: cause node_lost)",
-         False, False),
+         True, False),
         (failure(sig=9), FailureAction.RESTART_POD, "rule 2 (RestartPod: signal SIGKILL)",
          True, True),
         (failure("start_failure", code=127), FailureAction.COUNT,
@@ -55,7 +56,8 @@ def test_the_first_matching_rule_or_the_default_decides(
 ) -> None:  # fmt: skip
     v = verdict(RULES, fault)
     assert (v.action, v.rule) == (action, rule)
-    assert v.charged == (action is FailureAction.COUNT)
+    assert v.charged == (action in (FailureAction.COUNT, FailureAction.IGNORE))
+    assert v.ignored == (action is FailureAction.IGNORE)
     assert (v.ends(True), v.ends(False)) == (ends_when_exhausted, ends_otherwise)
 
 

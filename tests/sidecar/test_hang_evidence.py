@@ -22,6 +22,7 @@ from kelastic.contract import TORCHELASTIC_TIMER_FILE
 from kelastic_sidecar.config import ConfigError, SidecarConfig
 from kelastic_sidecar.events import Event, WorkerReaped
 from kelastic_sidecar.hang_evidence import Evidence, Outcome, StackCollector, collect_all
+from kelastic_sidecar.hang_evidence.collector import DUMP_ATTEMPTS
 from kelastic_sidecar.metrics import SidecarMetrics
 from kelastic_sidecar.timer import ReapEvent, TimerServer, TimerStats, hard_timeout_reap
 from kelastic_sidecar.timer.report import process_state
@@ -152,6 +153,42 @@ def test_a_failing_py_spy_gives_its_error(tmp_path: Path) -> None:
         "Permission denied (os error 1)"
     ).replace("fake-py-spy", str(fake))
     assert evidence.path is not None and "Permission denied" in evidence.path.read_text()
+
+
+def test_a_torn_read_of_a_running_worker_is_read_again_a_refusal_is_not(tmp_path: Path) -> None:
+    """``--nonblocking`` reads a running worker's memory while it changes: a read can be
+    torn (CI, a rank waiting for its peers: ``Failed to copy PyCodeObject: Bad address``).
+    It is read again within the budget; a refusal (no ptrace access) is said at once."""
+    count = tmp_path / "count"
+    fake = _fake_pyspy(
+        tmp_path,
+        f"""\
+        echo x >> {count}
+        if [ "$(wc -l < {count})" -lt 3 ]; then
+            echo "Error: Failed to get stack traces" >&2
+            echo "Caused by:" >&2
+            echo "    0: Failed to copy PyCodeObject: Bad address (os error 14)" >&2
+            exit 1
+        fi
+        echo 'Thread {os.getpid()} (idle): "MainThread"'
+        echo '    _wait_for_peers (/w/steps.py:40)'
+        """,
+    )
+    evidence = StackCollector(tmp_path / "ev", exe=str(fake))(os.getpid())
+    assert evidence.outcome is Outcome.COLLECTED, evidence
+    assert evidence.summary == "main thread at /w/steps.py:40 in _wait_for_peers"
+    assert count.read_text().count("x") == 3
+    # torn every time: the last error is said after DUMP_ATTEMPTS reads, within the budget
+    count.write_text("")
+    (tmp_path / "always").mkdir()
+    always = _fake_pyspy(tmp_path / "always", f"""\
+        echo x >> {count}
+        echo "Error: Failed to copy PyCodeObject: Bad address (os error 14)" >&2
+        exit 1
+        """)  # fmt: skip
+    evidence = StackCollector(tmp_path / "ev2", exe=str(always))(os.getpid())
+    assert evidence.outcome is Outcome.UNAVAILABLE and "Bad address" in evidence.summary
+    assert count.read_text().count("x") == DUMP_ATTEMPTS
 
 
 def test_a_long_dump_is_cut_at_the_bound_with_a_marker(tmp_path: Path) -> None:

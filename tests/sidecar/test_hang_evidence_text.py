@@ -154,7 +154,9 @@ def test_the_summary_names_the_main_threads_innermost_user_frame(
         return
     users = [f for f in main.frames if not is_library_file(f.file)]
     frame = users[0] if users else main.frames[0]
-    assert line == f"main thread at {frame.where()}"
+    # the summary is one line: runs of whitespace in a name collapse to one space (a
+    # generated function "<  0" failed the exact compare once)
+    assert line == " ".join(f"main thread at {frame.where()}".split())
 
 
 @FUZZ

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kelastic.contract import Keys
+from kelastic.etcd_values import encode_departure
 from kelastic_etcd import EtcdClient, EtcdError, EtcdUnavailable
 from kelastic_sidecar.rendezvous.handler import (
     LEAVE_OUTAGE_TIMEOUT,
@@ -18,6 +19,7 @@ from kelastic_sidecar.rendezvous.handler import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousFencedError,
     RendezvousInfo,
     RendezvousSettings,
     RendezvousStateError,
@@ -565,9 +567,16 @@ def test_wait_for_change_is_event_driven(cluster: Cluster) -> None:
     late.result()
 
 
-def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> None:
-    """A node cut off from etcd keeps trying until its join deadline, then joins."""
-    s = settings(min_nodes=2, max_nodes=2, join_timeout=60)
+@pytest.mark.parametrize("incarnation", ["", "uid-1"])
+def test_join_rides_out_an_etcd_outage(
+    cluster: Cluster, etcd_endpoint: str, incarnation: str
+) -> None:
+    """A node cut off from etcd keeps trying until its join deadline, then joins. On
+    Kubernetes (a Pod uid) the fence check it begins with rides the outage out too: its
+    one read used to fail the Pod after the client's timeout (the partition test's 60 s
+    cut, where the node went back to the rendezvous while still cut off)."""
+    s = dataclasses.replace(settings(min_nodes=2, max_nodes=2, join_timeout=60),
+                            incarnation=incarnation)  # fmt: skip
     proxy = OutageProxy(etcd_endpoint)
     proxy.up()
     b_store = EtcdClient([proxy.endpoint], timeout=0.5)
@@ -590,9 +599,15 @@ def test_join_rides_out_an_etcd_outage(cluster: Cluster, etcd_endpoint: str) -> 
         proxy.down()
 
 
-def test_leave_gives_up_soon_when_etcd_is_away(cluster: Cluster, etcd_endpoint: str) -> None:
-    """A departure rides out an etcd outage for LEAVE_OUTAGE_TIMEOUT s, not close_timeout."""
-    s = settings(min_nodes=1, max_nodes=1, close_timeout=60)
+@pytest.mark.parametrize("incarnation", ["", "uid-1"])
+def test_leave_gives_up_soon_when_etcd_is_away(
+    cluster: Cluster, etcd_endpoint: str, incarnation: str
+) -> None:
+    """A departure rides out an etcd outage for LEAVE_OUTAGE_TIMEOUT s, not close_timeout
+    (on Kubernetes, with a Pod uid, the fence it reads first fails too and is passed)."""
+    s = dataclasses.replace(
+        settings(min_nodes=1, max_nodes=1, close_timeout=60), incarnation=incarnation
+    )
     proxy = OutageProxy(etcd_endpoint)
     proxy.up()
     store = EtcdClient([proxy.endpoint], timeout=0.5)
@@ -620,3 +635,26 @@ def test_join_gives_up_when_etcd_stays_away(cluster: Cluster) -> None:
         assert 1.0 <= time.monotonic() - started < 4
         assert isinstance(err.value.__cause__, EtcdUnavailable)  # ridden out until the deadline
         assert isinstance(err.value, (RendezvousError, EtcdError))
+
+
+def test_a_fenced_incarnation_does_not_join_and_another_of_its_name_does(cluster: Cluster) -> None:
+    """The operator declared Pod uid-old lost (its Node dead) and created another Pod of
+    the name: should the old one's sidecar come back, it refuses to join; the new one
+    (another uid) and a node without a uid (local mode) join as always."""
+    cluster.admin.put(cluster.keys.fenced("uid-old"), encode_departure("node n-3 lost"))
+    old = cluster.node("a", dataclasses.replace(settings(max_nodes=2), incarnation="uid-old"))
+    with pytest.raises(RendezvousFencedError, match=r"a: this Pod \(uid uid-old\) was declared "
+                       r"lost by the operator \(node n-3 lost\)"):  # fmt: skip
+        old.next_rendezvous()
+    assert cluster.admin.get(cluster.keys.rdzv_state) is None  # it wrote nothing
+    new = cluster.node("a", dataclasses.replace(settings(max_nodes=1), incarnation="uid-new"))
+    assert new.next_rendezvous().group_world_size == 1
+    # the fenced one's leave and close touch nothing of the new incarnation's round
+    old.leave("shutdown")
+    old.close({"by": "a lost Pod"})
+    assert cluster.state().participants == {"a": 0} and not cluster.state().closed
+    # an unreadable fence still fences
+    cluster.admin.put(cluster.keys.fenced("uid-x"), b"\xff" * 3)
+    odd = cluster.node("b", dataclasses.replace(settings(max_nodes=2), incarnation="uid-x"))
+    with pytest.raises(RendezvousFencedError, match=r"uid-x\) was declared lost"):
+        odd.next_rendezvous()

@@ -11,11 +11,14 @@ from kelastic.contract import Keys
 from kelastic_etcd import EtcdClient
 from kelastic_sidecar.restart_budget import (
     HISTORY_LIMIT,
+    MAX_IGNORED,
     BudgetCharge,
     RestartBudget,
     RestartRecord,
     RestartRecordError,
+    apply_amend,
     apply_charge,
+    apply_ignore,
     decode_record,
     encode_record,
 )
@@ -160,3 +163,121 @@ def test_bad_arguments(store: EtcdClient, keys: Keys) -> None:
     with pytest.raises((TypeError, ValueError)):
         budget.charge(0, "c", "n", {"bad": object()})
     assert budget.read().count == 0
+
+
+# --------------------------------------------- a stopped worker amends its round's charge
+
+WAITED = {"summary": "hang: rank 2 on n1 (round 4): timer 'step' expired", "stopped": False}
+STOPPED = {"summary": "hang: rank 1 on n0 (round 4): stopped (process state T)", "stopped": True}
+
+
+def _charged(cause: str = "hang", detail: dict[str, object] | None = None) -> RestartRecord:
+    entry = {"round": 4, "cause": cause, "node": "n1", "detail": detail or WAITED, "time": 9.0}
+    return RestartRecord(count=2, last_round=4, history=({"round": 3}, entry))
+
+
+@pytest.mark.parametrize(
+    ("record", "round_", "cause", "detail", "amends"),
+    [
+        (_charged(), 4, "hang", STOPPED, True),
+        (_charged(), 4, "hang", WAITED, False),  # not stopped: the first charge stays
+        (_charged(), 4, "worker_failure", STOPPED, False),
+        (_charged("worker_failure"), 4, "hang", STOPPED, False),  # another cause was charged
+        (_charged(detail=STOPPED), 4, "hang", {**STOPPED, "summary": "x"}, False),  # once
+        (_charged(), 3, "hang", STOPPED, False),  # not the newest round
+        (_charged(), 5, "hang", STOPPED, False),  # not charged yet: amend never charges
+        (RestartRecord(), 0, "hang", STOPPED, False),
+        (_charged(), 4, "hang", {**STOPPED, "stopped": "yes"}, False),
+    ],
+)
+def test_which_charges_a_stopped_worker_amends(
+    record: RestartRecord, round_: int, cause: str, detail: dict[str, object], amends: bool
+) -> None:
+    new = apply_amend(record, round_, cause, "n0", detail)
+    assert (new is not None) is amends
+    if new is not None:
+        assert (new.count, new.last_round, new.history[0]) == (2, 4, {"round": 3})
+        entry = new.history[-1]
+        assert (entry["node"], entry["cause"], entry["time"]) == ("n0", "hang", 9.0)
+        assert entry["detail"] == {**STOPPED, "waited": WAITED["summary"]}
+
+
+def test_the_charge_of_a_hang_names_the_stopped_worker_found_later(
+    store: EtcdClient, keys: Keys
+) -> None:
+    """A peer whose timer expired while it waited charges first; the node of the stopped
+    worker charges the same round after: the count stays, the entry names the culprit."""
+    budget = RestartBudget(store, keys, max_restarts=3)
+    assert budget.charge(4, "hang", "n1", WAITED) == BudgetCharge(1, True, False)
+    assert budget.charge(4, "hang", "n0", STOPPED) == BudgetCharge(1, False, False)
+    (entry,) = budget.read().history
+    assert (entry["node"], entry["detail"]["summary"]) == ("n0", STOPPED["summary"])
+    assert entry["detail"]["waited"] == WAITED["summary"]
+    assert budget.charge(4, "hang", "n2", {**STOPPED, "summary": "other"}).count == 1
+    assert budget.read().history[-1]["node"] == "n0"  # amended once
+
+
+def test_an_amend_of_an_ignored_round_keeps_it_uncharged(store: EtcdClient, keys: Keys) -> None:
+    budget = RestartBudget(store, keys, max_restarts=3)
+    budget.charge(4, "hang", "n1", WAITED, ignored=True)
+    assert budget.charge(4, "hang", "n0", STOPPED, ignored=True).count == 0
+    entry = budget.read().history[-1]
+    assert entry["node"] == "n0" and entry["detail"]["ignored"] is True
+
+
+def test_amend_alone_never_charges(store: EtcdClient, keys: Keys) -> None:
+    """The peer-restart path: a node finds its stopped worker after a peer ended the
+    round; with the round charged it amends, without a charge it writes nothing."""
+    budget = RestartBudget(store, keys, max_restarts=3)
+    assert budget.amend(0, "hang", "n0", STOPPED) is False
+    assert budget.read() == RestartRecord()
+    budget.charge(0, "hang", "n1", WAITED)
+    assert budget.amend(0, "hang", "n0", STOPPED) is True
+    record = budget.read()
+    assert record.count == 1 and record.history[-1]["node"] == "n0"
+    with pytest.raises(ValueError):
+        budget.amend(-1, "hang", "n0", STOPPED)
+
+
+# ------------------------------------ an Ignore rule's restarts: recorded, bounded
+
+
+def test_an_ignored_restart_is_recorded_without_a_charge(store: EtcdClient, keys: Keys) -> None:
+    budget = RestartBudget(store, keys, max_restarts=0)  # one charge would fail the job
+    assert budget.charge(3, "worker_failure", "n0", {"summary": "s"}, ignored=True) == (
+        BudgetCharge(0, False, False))  # fmt: skip
+    record = budget.read()
+    assert (record.count, record.last_round) == (0, 3)
+    assert record.history[-1]["detail"] == {"summary": "s", "ignored": True}
+    # the round is recorded: another node's report of it adds nothing
+    assert budget.charge(3, "worker_failure", "n1", {}, ignored=True).count == 0
+    assert len(budget.read().history) == 1
+
+
+def test_an_ignore_rule_matching_over_and_over_is_counted_at_its_cap(
+    store: EtcdClient, keys: Keys
+) -> None:
+    """A failure an Ignore rule matches every round is deterministic: after MAX_IGNORED
+    ignored restarts in the record, the next is charged (and may end the job)."""
+    budget = RestartBudget(store, keys, max_restarts=2)
+    for round_ in range(MAX_IGNORED):
+        assert not budget.charge(round_, "worker_failure", "n0", {}, ignored=True).charged
+    capped = budget.charge(MAX_IGNORED, "worker_failure", "n0", {}, ignored=True)
+    assert capped == BudgetCharge(1, True, False)
+    assert budget.read().history[-1]["detail"] == {"ignore_cap": True}
+    # a Count failure in between is charged as always
+    assert budget.charge(MAX_IGNORED + 1, "hang", "n0", {}).charged
+
+
+@pytest.mark.parametrize(
+    ("record", "round_", "applies"),
+    [(RestartRecord(), 0, True), (RestartRecord(0, 4, ()), 4, False),
+     (RestartRecord(0, 4, ()), 5, True)],
+)  # fmt: skip
+def test_apply_ignore(record: RestartRecord, round_: int, applies: bool) -> None:
+    new = apply_ignore(record, round_, "c", "n", {"x": 1}, now=7.0)
+    assert (new is not None) is applies
+    if new is not None:
+        assert (new.count, new.last_round) == (record.count, round_)
+        assert new.history[-1] == {"round": round_, "cause": "c", "node": "n", "time": 7.0,
+                                   "detail": {"x": 1, "ignored": True}}  # fmt: skip

@@ -317,3 +317,30 @@ def test_the_timer_server_calls_after_turn_outside_its_tables_lock(tmp_path: Pat
     finally:
         server.stop()
     assert len(free) >= 3 and all(free), free
+
+
+def test_each_change_of_the_episodes_is_reported_with_a_growing_generation() -> None:
+    """``on_change`` (the operator's report): once when an episode begins, once when it
+    ends, once when a new attempt ends it; a verdict that changes nothing reports nothing."""
+    clock = Clock()
+    changes: list[tuple[int, list[int]]] = []
+    times = StepTimes(
+        StragglerSettings(min_steps=5),
+        on_change=lambda gen, found: changes.append((gen, [s.local_rank for s in found])),
+        clock=clock,
+    )
+    for rank in range(3):
+        times.bind(100 + rank, rank)
+    for pid, seconds in ((100, 0.1), (101, 0.1), (102, 0.5)):
+        steps_of(times, clock, pid, seconds, n=5)
+    times.judge()
+    times.judge()  # the same verdict: no report
+    assert changes == [(1, [2])]
+    steps_of(times, clock, 102, 0.1, n=WINDOW)
+    times.judge()
+    assert changes[-1] == (2, [])
+    steps_of(times, clock, 102, 0.5, n=WINDOW)
+    times.judge()
+    times.clear()  # a new attempt: every episode ends
+    times.clear()  # nothing left to end: no report
+    assert changes == [(1, [2]), (2, []), (3, [2]), (4, [])]

@@ -13,16 +13,20 @@ import torch
 
 from kelastic import checkpoint, contract
 from kelastic.checkpoint import CheckpointError, CheckpointStore
+from kelastic.checkpoint.discard import discard_newer
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.checkpoint.slot_format import HEADER_SIZE, decode_header
-from kelastic.checkpoint.store import slot_path
+from kelastic.checkpoint.store import SLOTS, slot_path
 from kelastic.etcd_values import CorruptValueError, ForeignValueError
 from kelastic.etcd_values.checkpoints import (
     MAX_LOCAL_RANKS,
     CheckpointsDoc,
+    Restore,
+    RestoreTier,
     decode_checkpoints,
     encode_checkpoints,
     restorable_step,
+    restore_of,
 )
 from tests.conftest import strict_umask
 
@@ -48,8 +52,9 @@ def test_a_record_round_trips() -> None:
         (b'{"version":1,"job":"j","ranks":{"01":[1]},"time":1}', "out of range"),
         (b'{"version":1,"job":"j","ranks":{"-1":[1]},"time":1}', "not a decimal rank"),
         (b'{"version":1,"job":"j","ranks":{"9999999999":[1]},"time":1}', "out of range"),
-        (b'{"version":1,"job":"j","ranks":{"0":[3,2,1]},"time":1}', "at most two"),
+        (b'{"version":1,"job":"j","ranks":{"0":[4,3,2,1]},"time":1}', "at most 3"),
         (b'{"version":1,"job":"j","ranks":{"0":[1,2]},"time":1}', "newest first"),
+        (b'{"version":1,"job":"j","ranks":{"0":[3,1,2]},"time":1}', "newest first"),
         (b'{"version":1,"job":"j","ranks":{"0":[2,2]},"time":1}', "newest first"),
         (b'{"version":1,"job":"j","ranks":{"0":[true]},"time":1}', "a step outside"),
         (b'{"version":1,"job":"j","ranks":{"0":[1.5]},"time":1}', "a step outside"),
@@ -120,6 +125,24 @@ def test_the_restorable_step_follows_the_group_ranks_of_the_round() -> None:
         restorable_step(records, ("a",), 0, "j")
 
 
+def test_a_rounds_restore_says_where_from_whether_anything_was_held_and_when() -> None:
+    a = CheckpointsDoc("j", {0: (8, 7), 1: (8, 7)}, 100.0)
+    b = CheckpointsDoc("j", {2: (8,), 3: (8,)}, 105.5)
+    assert restore_of(3, {"a": a, "b": b}, ("a", "b"), 2, "j") == Restore(
+        round=3, step=8, tier=RestoreTier.MEMORY, ranks=4, held=True, time=105.5
+    )
+    # b's Pod was replaced: its new slots are empty; a held steps, so something was lost
+    lost = restore_of(4, {"a": a, "b": CheckpointsDoc("j", {}, 200.0)}, ("a", "b"), 2, "j")
+    assert (lost.step, lost.tier, lost.held, lost.time) == (None, RestoreTier.NONE, True, 200.0)
+    # a fresh start: every node recorded, none held a step
+    fresh = restore_of(0, {"a": CheckpointsDoc("j", {}, 1.0)}, ("a",), 2, "j")
+    assert (fresh.step, fresh.tier, fresh.held) == (None, RestoreTier.NONE, False)
+    # another run's records (a rerun of a same-named job) hold nothing of this one
+    other = restore_of(1, {"a": CheckpointsDoc("old", {0: (9,), 1: (9,)}, 50.0)}, ("a",), 2, "j")
+    assert (other.step, other.held, other.time) == (None, False, 0.0)
+    assert restore_of(1, {"a": None}, ("a",), 2, "j").held is False  # missing or corrupt
+
+
 # ------------------------------------------------------------------ the scan
 
 
@@ -138,7 +161,7 @@ def _flip_payload(path: Path) -> None:
 
 
 def _slot_of(directory: Path, rank: int, step: int) -> Path:
-    for slot in (0, 1):
+    for slot in range(SLOTS):
         raw = slot_path(directory, rank, slot).read_bytes()
         if decode_header(raw[:HEADER_SIZE], file_size=len(raw)).step == step:
             return slot_path(directory, rank, slot)
@@ -146,17 +169,40 @@ def _slot_of(directory: Path, rank: int, step: int) -> Path:
 
 
 def test_the_scan_counts_committed_slots_that_pass_their_checksums(tmp_path: Path) -> None:
-    _save(tmp_path, 0, range(1, 4))  # slots hold 3 (newest) and 2
-    _save(tmp_path, 1, range(1, 4))
+    _save(tmp_path, 0, range(1, 5))  # slots hold 4 (newest), 3 and 2
+    _save(tmp_path, 1, range(1, 5))
     _save(tmp_path, 2, range(1, 2))  # one slot committed, the other never written
     _save(tmp_path, 7, range(1, 3), job="another")
     (tmp_path / "rank-x.slot0").write_bytes(b"junk")
     (tmp_path / "rank-5.slot0").write_bytes(b"too short for a header")
-    assert verified_steps(tmp_path, "j") == {0: (3, 2), 1: (3, 2), 2: (1,)}
+    assert verified_steps(tmp_path, "j") == {0: (4, 3, 2), 1: (4, 3, 2), 2: (1,)}
     _flip_payload(_slot_of(tmp_path, 1, 3))  # one bit of rank 1's step 3
-    assert verified_steps(tmp_path, "j") == {0: (3, 2), 1: (2,), 2: (1,)}
+    assert verified_steps(tmp_path, "j") == {0: (4, 3, 2), 1: (4, 2), 2: (1,)}
     assert verified_steps(tmp_path / "missing", "j") == {}
     assert verified_steps(tmp_path, "another") == {7: (2, 1)}
+
+
+def test_the_steps_newer_than_the_agreed_one_are_dropped_and_saved_again(tmp_path: Path) -> None:
+    # The job agreed on 2: the slots of 3 and 4 are an abandoned run's; the training goes
+    # on from 2 and saves 3 again, which must be the only 3 left.
+    _save(tmp_path, 0, range(1, 5))  # 4, 3, 2
+    _save(tmp_path, 1, range(1, 4))  # 3, 2, 1
+    _save(tmp_path, 7, range(1, 3), job="another")
+    (tmp_path / "rank-x.slot0").write_bytes(b"junk")
+    (tmp_path / "rank-5.slot0").write_bytes(b"too short for a header")
+    assert sorted(discard_newer(tmp_path, "j", 2)) == [(0, 3), (0, 4), (1, 3)]
+    assert verified_steps(tmp_path, "j") == {0: (2,), 1: (2, 1)}
+    assert discard_newer(tmp_path, "j", 2) == []  # done once
+    with CheckpointStore(tmp_path, rank=0, job="j") as ckpt:
+        ckpt.save(3, {"w": torch.full((300_000,), -3.0), "s": 3}, blocking=True)
+        loaded = ckpt.load(3)
+        assert loaded is not None and loaded[1]["s"] == 3 and bool((loaded[1]["w"] == -3).all())
+        assert sorted(i.step for i in ckpt.slots()) == [2, 3]  # the old 3 and 4 are gone
+    # the job agreed on none: every step of the job is dropped, another job's kept
+    assert sorted(discard_newer(tmp_path, "j", None)) == [(0, 2), (0, 3), (1, 1), (1, 2)]
+    assert verified_steps(tmp_path, "j") == {}
+    assert verified_steps(tmp_path, "another") == {7: (2, 1)}
+    assert discard_newer(tmp_path / "missing", "j", None) == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user")
@@ -194,15 +240,15 @@ def rank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(contract.TORCHELASTIC_RUN_ID, "j")
     monkeypatch.setattr(checkpoint, "_default", None)
     monkeypatch.setattr(checkpoint, "_sized", False)
-    _save(tmp_path, 0, range(1, 4))
+    _save(tmp_path, 0, range(1, 5))
     return tmp_path
 
 
 def test_load_takes_the_agreed_step(rank_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         loaded = checkpoint.load()  # no sidecar: the rank's own newest
-        assert loaded is not None and loaded[0] == 3
-        monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "2")  # a peer lacks step 3
+        assert loaded is not None and loaded[0] == 4
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "2")  # a peer lacks steps 4 and 3
         loaded = checkpoint.load()
         assert loaded is not None and loaded[0] == 2 and loaded[1]["s"] == 2
         assert bool((loaded[1]["w"] == 2.0).all())
@@ -210,8 +256,8 @@ def test_load_takes_the_agreed_step(rank_env: Path, monkeypatch: pytest.MonkeyPa
         assert checkpoint.load() is None  # the job agreed on none: every rank starts over
         monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "1")  # overwritten since the agreement
         assert checkpoint.load() is None  # never another step
-        loaded = checkpoint.load(step=3)  # an explicit step wins
-        assert loaded is not None and loaded[0] == 3
+        loaded = checkpoint.load(step=4)  # an explicit step wins
+        assert loaded is not None and loaded[0] == 4
         for bad in ("", "-1", "2.0", "x", "1" * 17):
             monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, bad)
             with pytest.raises(CheckpointError, match="KELASTIC_CHECKPOINT_STEP"):
@@ -223,10 +269,10 @@ def test_load_takes_the_agreed_step(rank_env: Path, monkeypatch: pytest.MonkeyPa
 def test_a_slot_corrupted_after_the_agreement_loads_nothing(
     rank_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _flip_payload(_slot_of(rank_env, 0, 3))
-    monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "3")
+    _flip_payload(_slot_of(rank_env, 0, 4))
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "4")
     try:
-        assert checkpoint.load() is None  # not step 2, which another rank may not load
+        assert checkpoint.load() is None  # not step 3, which another rank may not load
         assert any("crc32" in why for _, why in checkpoint.default_store().skipped)
     finally:
         checkpoint.default_store().close()

@@ -13,9 +13,12 @@ def test_the_checkpoint_bench_measures_every_side() -> None:
     sides = {row.side: row for row in result.rows}
     expected = {"memory copy (floor)", "kelastic save (stall)", "kelastic save -> committed",
                 "torch.save -> disk", "torch.save -> disk + fsync",
-                "kelastic load (crc32 checked)", "torch.load <- disk (page cache)"}  # fmt: skip
+                "kelastic load (crc32 checked)", "torch.load <- disk (page cache)",
+                "kelastic persist (sidecar, no torch) -> disk",
+                "torch DCP save -> disk (no_dist)"}  # fmt: skip
     assert expected <= set(sides)
     assert all(len(row.samples) == 2 and min(row.samples) > 0 for row in result.rows)
     assert [row.side for row in result.rows if row.ref] == [
-        "torch.save -> disk", "torch.load <- disk (page cache)"]  # fmt: skip
+        "torch.save -> disk", "torch DCP save -> disk (no_dist)",
+        "torch.load <- disk (page cache)"]  # fmt: skip
     assert len(result.checks) == 3

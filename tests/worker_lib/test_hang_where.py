@@ -1,16 +1,28 @@
 """kelastic.hang_where: the sidecar's ``hang_evidence`` status document, written by the
 sidecar and read by ``kelastic run``: round trip, the line it says, and a reader that
-takes any JSON and never raises."""
+takes any JSON and never raises; every node's evidence in one line (:func:`summarize`,
+the job's ``status.lastHang``); the etcd value's codec (:mod:`kelastic.etcd_values.hangs`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kelastic.hang_where import MAX_RANKS, MAX_TEXT, HangWhere, RankWhere, decode_where
+from kelastic.etcd_values import MAX_HANG_BYTES, CorruptValueError, decode_hang, encode_hang
+from kelastic.hang_where import (
+    MAX_RANKS,
+    MAX_SUMMARY,
+    MAX_TEXT,
+    HangWhere,
+    RankWhere,
+    decode_where,
+    summarize,
+)
 from tests.test_decoder_fuzz import json_values
 
 WHERE = HangWhere(
@@ -69,3 +81,90 @@ def test_fuzz_the_reader_never_raises(value: Any, field: str) -> None:
                 else _with(rank={field: value})):  # fmt: skip
         got = decode_where(doc)
         assert got is None or isinstance(got, HangWhere)
+
+
+# ------------------------------------------------------------- every node's, in one line
+
+
+def _rank(rank: int, state: str, where: str, reaped: bool = False) -> RankWhere:
+    return RankWhere(rank, rank % 2, 100 + rank, state, reaped, where)
+
+
+WAIT = "main thread at /w/train.py:94 in _wait_for_peers"
+STUCK = "main thread at /w/train.py:231 in _epochs"
+
+
+def test_the_stopped_rank_is_the_culprit_and_the_others_wait() -> None:
+    nodes = [
+        HangWhere(3, "job-0", (_rank(0, "S", WAIT + " (stacks in /a)", reaped=True),
+                               _rank(1, "S", WAIT + " (stacks in /b)"))),
+        HangWhere(3, "job-1", (_rank(2, "T", STUCK + " (stacks in /c)"),
+                               _rank(3, "S", WAIT + " (stacks in /d)", reaped=True))),
+    ]  # fmt: skip
+    assert summarize(nodes) == (
+        f"hang in round 3 (2 nodes reported): culprit: rank 2 on job-1 (stopped): {STUCK}; "
+        f"waiting: ranks 0, 1 on job-0 and rank 3 on job-1 (reaped, state S): {WAIT}"
+    )
+    # only the newest round counts; node order does not matter
+    old = HangWhere(1, "job-2", (_rank(4, "T", "main thread at /w/old.py:1 in f"),))
+    assert summarize([old, *reversed(nodes)]) == summarize(nodes)
+
+
+def test_without_a_stopped_rank_the_one_not_where_the_rest_wait_is_named() -> None:
+    ranks = (*(_rank(r, "S", WAIT) for r in (0, 1, 3)), _rank(2, "R", STUCK))
+    line = summarize([HangWhere(5, "job-0", ranks)])
+    assert line.startswith(f"hang in round 5 (1 node reported): culprit: rank 2 on job-0 "
+                           f"(state R): {STUCK}; waiting: ranks 0, 1, 3 on job-0")  # fmt: skip
+
+
+def test_evidence_that_names_nobody_says_it_is_inconclusive() -> None:
+    halves = tuple(_rank(r, "S", WAIT if r < 2 else STUCK) for r in range(4))
+    line = summarize([HangWhere(2, "job-0", halves)])
+    assert "inconclusive (no rank stopped, no lone place)" in line and "culprit" not in line
+    same = tuple(_rank(r, "", "stacks unavailable: py-spy not found", reaped=True)
+                 for r in range(2))  # fmt: skip
+    assert "inconclusive" in summarize([HangWhere(2, "job-0", same)])
+    assert summarize([HangWhere(2, "job-0", ())]).endswith(": no workers")
+    assert summarize([]) == ""
+
+
+def test_the_line_is_bounded() -> None:
+    many = [HangWhere(1, f"node-{n:04d}", tuple(_rank(n * 8 + r, "S", f"main thread at "
+                                                      f"/w/{n}-{r}.py:1 in f") for r in range(8)))
+            for n in range(200)]  # fmt: skip
+    line = summarize(many)
+    assert len(line) == MAX_SUMMARY and line.endswith("...")
+    assert line.startswith("hang in round 1 (200 nodes reported): inconclusive")
+
+
+# ------------------------------------------------------------------ the etcd value's codec
+
+
+def test_the_etcd_value_round_trips_and_a_huge_one_is_cut_to_fit() -> None:
+    assert decode_hang(encode_hang(WHERE)) == WHERE
+    huge = HangWhere(7, "n", tuple(_rank(i, "T", "é" * MAX_TEXT) for i in range(MAX_RANKS)))
+    raw = encode_hang(huge)
+    assert len(raw) <= MAX_HANG_BYTES
+    back = decode_hang(raw)
+    assert len(back.ranks) == MAX_RANKS and back.ranks[5].rank == 5
+    assert 16 <= len(back.ranks[0].where) < MAX_TEXT
+
+
+def test_the_etcd_reader_refuses_what_no_writer_produces() -> None:
+    for raw in (b"", b"[]", b"{", b"null", b'{"round": 1}', b"\xff\xfe",
+                json.dumps({**WHERE.as_dict(), "round": -1}).encode(),
+                json.dumps({**WHERE.as_dict(), "round": float("nan")}).encode(),
+                b"[" * 100000, b" " * (MAX_HANG_BYTES + 1)):  # fmt: skip
+        with pytest.raises(CorruptValueError):
+            decode_hang(raw)
+
+
+@given(value=json_values)
+def test_fuzz_the_etcd_reader_raises_only_its_error(value: Any) -> None:
+    for doc in (value, {**WHERE.as_dict(), "ranks": value}, {**WHERE.as_dict(), "node": value}):
+        try:
+            raw = json.dumps(doc).encode()
+        except (TypeError, ValueError):
+            continue
+        with contextlib.suppress(CorruptValueError):  # anything else fails the test
+            decode_hang(raw)

@@ -438,3 +438,17 @@ def test_ddp_in_workers_forked_from_a_torch_zygote(warm_world: Env) -> None:
     assert launcher.wait() == 0
     assert launcher.stderr().count(" (warm)") == 2
     assert all(_gone(m["pid"]) for m in exits.values())
+
+
+def test_a_zygote_whose_launcher_left_during_its_preload_exits_quietly() -> None:
+    """The launcher gave up (its connect timeout) and closed the socket while the zygote
+    was importing torch: the zygote's report finds no peer and it ends, printing no
+    traceback (the launcher's close also kills it first now)."""
+    from kelastic._zygote import serve
+
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    try:
+        assert serve(ours, []) is None
+    finally:
+        ours.close()

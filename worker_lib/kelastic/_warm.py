@@ -289,17 +289,19 @@ class Zygote:
             reap: also wait for it to exit (``waitpid`` on its pid; SIGKILL makes this
                 short); otherwise the launcher's ``waitpid(-1)`` reaps it later.
         """
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            # killed before its socket closes: a zygote that saw the socket close first
+            # could print a traceback (a send to a closed peer) before the kill lands
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            if reap:
-                with contextlib.suppress(ChildProcessError):
-                    _, status = os.waitpid(proc.pid, 0)
-                    proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc is not None and proc.returncode is None and reap:
+            with contextlib.suppress(ChildProcessError):
+                _, status = os.waitpid(proc.pid, 0)
+                proc.returncode = os.waitstatus_to_exitcode(status)
 
     def set_reaped(self, returncode: int) -> None:
         """Record that the launcher reaped the zygote (``returncode`` as in subprocess)."""

@@ -410,10 +410,13 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> ChildJob | None:
         sys.exit(1)
     gc.collect()
     gc.freeze()  # keep the preloaded objects' pages shared with the workers (no gc writes)
-    send_message(
-        sock,
-        {"type": "ready", "preloaded": list(preload), "seconds": time.monotonic() - start},
-    )
+    try:
+        send_message(
+            sock,
+            {"type": "ready", "preloaded": list(preload), "seconds": time.monotonic() - start},
+        )
+    except OSError:  # the launcher is gone (it closed the socket while we preloaded)
+        return None
     while True:
         try:
             got = recv_message(sock, max_fds=2)

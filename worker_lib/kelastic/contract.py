@@ -8,6 +8,10 @@ unchanged), the etcd key layout, and the control-socket message types.
 This module is stdlib only and has no side effects on import. Semantics follow
 torch's ``torch.distributed.elastic`` (its ``run``, ``timer`` and ``multiprocessing``
 modules) and ``docs/architecture.md``.
+
+Over ~400 lines because it is one cohesive thing: the whole contract between the Pod's
+containers, the operator and etcd, in one place to read; split by boundary, a name that
+two sides must agree on could be defined twice.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ TERMINATION_MESSAGE_MAX_BYTES: Final = 4096
 #: (and, once it keeps the slots, the sidecar). Not under the run volume: that one is on
 #: the node's disk (logs), and a memory volume's pages count against the memory limit
 #: of the container that touches them, so it gets its own size. Each rank has two slot
-#: files ``rank-<rank>.slot0|1`` and a lock file ``rank-<rank>.lock`` in it.
+#: files ``rank-<rank>.slot0|1|2`` and a lock file ``rank-<rank>.lock`` in it.
 DEFAULT_CHECKPOINT_DIR: Final = "/var/run/kelastic-checkpoints"
 #: Name of the checkpoint volume in the Pod.
 CHECKPOINT_VOLUME_NAME: Final = "kelastic-checkpoints"
@@ -64,6 +68,26 @@ CHECKPOINT_STEP_NONE: Final = "none"
 #: its size in bytes, allocated and written in full at the sidecar's start
 #: (``kelastic.checkpoint.volume.touch_volume``), so a volume too small fails then.
 ENV_CHECKPOINT_MEMORY: Final = "KELASTIC_CHECKPOINT_MEMORY"
+#: Set on the sidecar when the job persists its checkpoints (``spec.checkpoint.persist``):
+#: the folder (on a volume every Pod shares) it writes committed steps to in torch DCP's
+#: format (``kelastic.checkpoint.persist``).
+ENV_CHECKPOINT_PERSIST_DIR: Final = "KELASTIC_CHECKPOINT_PERSIST_DIR"
+#: Persist every step that is a multiple of this (0: only when the Pod stops).
+ENV_CHECKPOINT_PERSIST_EVERY: Final = "KELASTIC_CHECKPOINT_PERSIST_EVERY"
+#: ``1``: persist what the slots hold when the sidecar is stopped (SIGTERM); ``0``: not.
+ENV_CHECKPOINT_PERSIST_ON_STOP: Final = "KELASTIC_CHECKPOINT_PERSIST_ON_STOP"
+#: How many complete persisted steps are kept (older ones are removed).
+ENV_CHECKPOINT_PERSIST_KEEP: Final = "KELASTIC_CHECKPOINT_PERSIST_KEEP"
+#: Where the sidecar mounts the persistence volume.
+PERSIST_MOUNT: Final = "/var/run/kelastic-persist"
+#: Complete persisted steps kept by default, and the bounds of the settings.
+DEFAULT_PERSIST_KEEP: Final = 3
+MAX_PERSIST_KEEP: Final = 1000
+MAX_PERSIST_EVERY: Final = 10**9
+#: Seconds a stopped sidecar spends persisting what its slots hold (a step not finished
+#: by then is left as a temporary folder, never as a step): within Kubernetes' default
+#: 30 s grace after SIGTERM, the workers' stop included.
+PERSIST_STOP_SECONDS: Final = 20.0
 
 
 def checkpoint_dir() -> Path:
@@ -198,6 +222,13 @@ ENV_NAMESPACE: Final = "KELASTIC_NAMESPACE"
 ENV_JOB_UID: Final = "KELASTIC_JOB_UID"  # the run id
 ENV_POD_NAME: Final = "KELASTIC_POD_NAME"  # the rendezvous node name
 ENV_POD_IP: Final = "KELASTIC_POD_IP"
+#: The Pod's uid (downward API): what a sidecar reports about its Pod names this
+#: incarnation, not an earlier Pod of the same name. Empty outside Kubernetes.
+ENV_POD_UID: Final = "KELASTIC_POD_UID"
+#: The Kubernetes Node the Pod runs on (downward API ``spec.nodeName``): the restart
+#: record's charges name it, so that the operator can tell a Node that keeps failing.
+#: Empty outside Kubernetes.
+ENV_HOST_NODE: Final = "KELASTIC_HOST_NODE"
 ENV_ETCD_ENDPOINTS: Final = "KELASTIC_ETCD_ENDPOINTS"  # comma separated host:port
 ENV_ETCD_TLS_DIR: Final = "KELASTIC_ETCD_TLS_DIR"  # holds ca.crt, tls.crt, tls.key
 ENV_ETCD_USER: Final = "KELASTIC_ETCD_USER"  # etcd auth (user/password), beside or without TLS
@@ -341,6 +372,37 @@ class Keys:
         """Final report of ``node`` (JSON: outcome, root cause; codec:
         :mod:`kelastic.etcd_values.reports`)."""
         return self.reports_prefix + node
+
+    @property
+    def hangs_prefix(self) -> str:
+        """Prefix of the nodes' hang evidence."""
+        return self.prefix + "hangs/"
+
+    def hang(self, node: str) -> str:
+        """Where each worker of ``node`` was as the latest hung round ended (JSON; codec:
+        :mod:`kelastic.etcd_values.hangs`), overwritten at each hang; read by the operator,
+        which summarises every node's for the job's status."""
+        return self.hangs_prefix + node
+
+    def fenced(self, pod_uid: str) -> str:
+        """A Pod incarnation the operator declared lost (its Node not Ready past the job's
+        ``nodeLostSeconds``; value: the reason, the departure codec's), written before it
+        force-deletes the Pod and creates another of the same name. The lost Pod's
+        sidecar, should its Node come back, reads it before it joins a round and stops
+        instead (:mod:`kelastic_sidecar.rendezvous`): two sidecars of one name never both
+        join. Kept until the job's keys go."""
+        return f"{self.prefix}fenced/{pod_uid}"
+
+    @property
+    def stragglers_prefix(self) -> str:
+        """Prefix of the nodes' straggler verdicts."""
+        return self.prefix + "stragglers/"
+
+    def straggler(self, node: str) -> str:
+        """``node``'s stragglers now (JSON; codec: :mod:`kelastic.etcd_values.stragglers`),
+        written by its sidecar when an episode begins or ends; read by the operator
+        (``status.stragglers``, ``spec.stragglers.action``)."""
+        return self.stragglers_prefix + node
 
     @property
     def inprocess_iteration(self) -> str:

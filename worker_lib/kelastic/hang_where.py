@@ -5,7 +5,9 @@ of a hung round, read by ``kelastic run``), and the one line that says it.
 A hang is declared on one node (a timer expired, a worker stopped), but the ranks of
 every node hold part of the story: the stopped one, and those waiting for it in a
 collective. Each node's sidecar reads its own workers' stacks as the hung round ends
-(``py-spy``; the reaped ones' were read by their reap) and publishes them here.
+(``py-spy``; the reaped ones' were read by their reap) and publishes them here, and in
+etcd for the operator (:mod:`kelastic.etcd_values.hangs`), which puts every node's
+together with :func:`summarize`: which rank held things up, and where the rest waited.
 
 Strict for the writer (texts cut to :data:`MAX_TEXT` characters, at most
 :data:`MAX_RANKS` ranks); the reader takes any JSON and returns None for what no writer
@@ -14,15 +16,26 @@ could produce (it only reports).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
-__all__ = ["MAX_RANKS", "MAX_TEXT", "HangWhere", "RankWhere", "decode_where"]
+__all__ = [
+    "MAX_RANKS",
+    "MAX_SUMMARY",
+    "MAX_TEXT",
+    "HangWhere",
+    "RankWhere",
+    "decode_where",
+    "summarize",
+]
 
 #: Most ranks one node reports (a node's local world).
 MAX_RANKS: Final = 1024
 #: Most characters of a state or a location (a path and a function name).
 MAX_TEXT: Final = 1024
+#: Most characters of a :func:`summarize` line (the job's status and its Event).
+MAX_SUMMARY: Final = 2048
 _MAX_INT: Final = 2**31 - 1
 
 
@@ -48,15 +61,28 @@ class RankWhere:
     reaped: bool
     where: str
 
+    @property
+    def stopped(self) -> bool:
+        """Its process was stopped (``T``: job control, ``t``: a tracer)."""
+        return self.state in ("T", "t")
+
+    @property
+    def how(self) -> str:
+        """``stopped``, ``reaped``, ``state S`` or ``gone``."""
+        if self.stopped:
+            return "stopped"
+        if self.reaped:
+            return "reaped"
+        return f"state {self.state}" if self.state else "gone"
+
+    @property
+    def location(self) -> str:
+        """:attr:`where` without its ``(stacks in ...)`` part: ranks at one frame share it."""
+        return self.where.split(" (stacks in ", 1)[0]
+
     def describe(self) -> str:
         """``rank 2 (stopped): main thread at /w/train.py:231 in _epochs (stacks in ...)``."""
-        if self.state in ("T", "t"):
-            how = "stopped"
-        elif self.reaped:
-            how = "reaped"
-        else:
-            how = f"state {self.state}" if self.state else "gone"
-        return f"rank {self.rank} ({how}): {self.where}"
+        return f"rank {self.rank} ({self.how}): {self.where}"
 
 
 @dataclass(frozen=True)
@@ -122,3 +148,65 @@ def decode_where(doc: object) -> HangWhere | None:
         rank, local_rank, pid = (int(i) for i in ints if i is not None)
         out.append(RankWhere(rank, local_rank, pid, state, reaped, where))
     return HangWhere(round_, node, tuple(out))
+
+
+def _who(members: Sequence[tuple[str, RankWhere]]) -> str:
+    """``ranks 0, 1 on job-0 and rank 3 on job-1`` (nodes in order of first mention)."""
+    by_node: dict[str, list[int]] = {}
+    for node, rank in members:
+        by_node.setdefault(node, []).append(rank.rank)
+    return " and ".join(
+        f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, sorted(ranks)))} on {node}"
+        for node, ranks in by_node.items()
+    )
+
+
+def _groups(members: Sequence[tuple[str, RankWhere]]) -> list[str]:
+    """The ranks grouped by where they were, the smallest group first:
+    ``<who> (<how>[, <how>]): <location>``."""
+    groups: dict[str, list[tuple[str, RankWhere]]] = {}
+    for node, rank in members:
+        groups.setdefault(rank.location, []).append((node, rank))
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    return [f"{_who(m)} ({', '.join(sorted({r.how for _, r in m}))}): {loc}" for loc, m in ordered]
+
+
+def summarize(wheres: Sequence[HangWhere]) -> str:
+    """One line for every node's evidence of the newest hung round among ``wheres``:
+    which ranks held things up, and where the rest waited, e.g.
+    ``hang in round 3 (2 nodes reported): culprit: rank 2 on job-1 (stopped): main thread
+    at /w/train.py:231 in _epochs; waiting: ranks 0, 1 on job-0 and rank 3 on job-1
+    (reaped): main thread at /w/train.py:94 in _wait_for_peers``.
+
+    The culprit is named from the evidence alone: the stopped ranks; else, when more
+    than half of the ranks are at one place (the collective the others wait in), the
+    ranks that are not; else the summary says it is inconclusive and lists every place.
+    At most :data:`MAX_SUMMARY` characters (cut with ``...``); ``""`` for no evidence.
+    """
+    if not wheres:
+        return ""
+    newest = max(w.round for w in wheres)
+    docs = sorted((w for w in wheres if w.round == newest), key=lambda w: w.node)
+    members = [(w.node, r) for w in docs for r in w.ranks]
+    head = f"hang in round {newest} ({len(docs)} node{'s' if len(docs) != 1 else ''} reported)"
+    places: dict[str, int] = {}
+    for _, rank in members:
+        places[rank.location] = places.get(rank.location, 0) + 1
+    crowd = max(places, key=lambda loc: places[loc]) if places else ""
+    if any(r.stopped for _, r in members):
+        culprits = [m for m in members if m[1].stopped]
+    elif places and len(members) / 2 < places[crowd] < len(members):
+        culprits = [m for m in members if m[1].location != crowd]
+    else:
+        culprits = []
+    if culprits:
+        rest = [m for m in members if m not in culprits]
+        parts = ["culprit: " + "; ".join(_groups(culprits))]
+        if rest:
+            parts.append("waiting: " + "; ".join(_groups(rest)))
+    elif members:
+        parts = ["inconclusive (no rank stopped, no lone place): " + "; ".join(_groups(members))]
+    else:
+        parts = ["no workers"]
+    line = f"{head}: " + "; ".join(parts)
+    return line if len(line) <= MAX_SUMMARY else line[: MAX_SUMMARY - 3] + "..."

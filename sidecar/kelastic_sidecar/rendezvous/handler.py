@@ -72,7 +72,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from kelastic.contract import Keys
-from kelastic_etcd import EtcdClient, EtcdError
+from kelastic.etcd_values import decode_departure
+from kelastic_etcd import EtcdClient, EtcdError, EtcdUnavailable
 
 from ..vocabulary import DEPARTURE_REJOIN
 from .executor import RendezvousExecutor
@@ -134,6 +135,11 @@ LEAVE_OUTAGE_TIMEOUT = 5.0
 RECOVERY_GRACE = 3.0
 
 
+class RendezvousFencedError(RendezvousError):
+    """This node's Pod was declared lost by the operator (its Node was not Ready past the
+    job's ``nodeLostSeconds``) and another Pod runs in its name: it must not join."""
+
+
 class RendezvousConnectionError(RendezvousError, EtcdError):
     """etcd failed a rendezvous operation (torch's ``RendezvousConnectionError``): it stayed
     unreachable past the operation's patience, or refused a request.
@@ -192,6 +198,8 @@ class EtcdRendezvousHandler:
             raise ValueError(f"node name must be non-empty and contain no '/': {node!r}")
         self.node = node
         self.settings = settings
+        self._store = store
+        self._keys = keys
         #: Reads, writes and syncs the state; holds the lease, alive key and watch.
         self.state = RendezvousStateHolder(store, keys, node, settings, on_corrupt)
         #: Runs the operations (join, exit, leave, close) over :attr:`state`.
@@ -243,12 +251,16 @@ class EtcdRendezvousHandler:
 
         Raises:
             RendezvousClosedError: the rendezvous is closed.
+            RendezvousFencedError: the operator declared this Pod incarnation lost
+                (``settings.incarnation``; :meth:`kelastic.contract.Keys.fenced`): a
+                Pod of its name runs elsewhere now.
             RendezvousTimeoutError: the round did not complete within ``join_timeout``.
             RendezvousStateError: the state in etcd is corrupt.
             RendezvousConnectionError: etcd stayed unreachable.
         """
         started = time.monotonic()
         with self._op_lock, _etcd_boundary(self.node):
+            self._refuse_if_fenced(started + self.settings.join_timeout)
             timeout = self.settings.join_timeout
             self.state.join_requested = False
             view: View | None = None
@@ -342,6 +354,50 @@ class EtcdRendezvousHandler:
         lease_lost = self.lease_lost or self.node not in view.alive
         return evaluate_round(view.state, info, self.node, lease_lost=lease_lost)
 
+    def _fenced(self) -> str | None:
+        """Why this incarnation was fenced (:meth:`kelastic.contract.Keys.fenced`), None
+        when it was not or has no uid (one etcd read, only on Kubernetes)."""
+        uid = self.settings.incarnation
+        got = self._store.get(self._keys.fenced(uid)) if uid else None
+        return None if got is None else decode_departure(got[0])  # never raises
+
+    def _fenced_or_unknown(self) -> str | None:
+        """:meth:`_fenced`, or None when etcd does not answer: the operation goes on and
+        rides out the outage as it would have (a leave is a courtesy to the peers)."""
+        try:
+            return self._fenced()
+        except EtcdError:
+            return None
+
+    def _refuse_if_fenced(self, deadline: float) -> None:
+        """Raise :class:`RendezvousFencedError` when this incarnation was fenced. An etcd
+        outage is ridden out until ``deadline`` (``time.monotonic()``), as the join rides
+        it out: a node cut off from etcd for longer than the client's timeout, as it
+        begins its next rendezvous, joins once etcd answers again (before, this one read
+        failed the Pod: the partition test's 60 s cut, 2026-11-27).
+
+        Raises:
+            EtcdUnavailable: etcd did not answer by ``deadline``.
+        """
+        outage = False
+        while True:
+            try:
+                reason = self._fenced()
+                break
+            except EtcdUnavailable as exc:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise
+                if not outage:
+                    log.warning("%s: fence check: etcd unavailable (%s); retrying", self.node, exc)
+                    outage = True
+                time.sleep(min(0.5, deadline - now))
+        if reason is not None:
+            raise RendezvousFencedError(
+                f"{self.node}: this Pod (uid {self.settings.incarnation}) was declared lost "
+                f"by the operator ({reason}); a Pod of its name runs elsewhere now: not joining"
+            )
+
     def take_recheck(self) -> bool:
         """True once (then False) when the grace after an etcd outage (see
         :meth:`check_round`) is over: call :meth:`check_round` again, so that a peer that
@@ -391,7 +447,8 @@ class EtcdRendezvousHandler:
         Removes this node from the participants and waiting lists and records
         ``reason`` in the state until the round advances, so peers report
         ``participant_left``, not ``participant_lost``. Keeps the lease (see
-        :meth:`shutdown`).
+        :meth:`shutdown`). A fenced incarnation (see :meth:`next_rendezvous`) leaves
+        nothing: the node of its name is another Pod's now.
 
         A departure is a courtesy to the peers (without it they count the node lost
         when its lease expires): an etcd outage is ridden out for at most
@@ -405,6 +462,9 @@ class EtcdRendezvousHandler:
         if not reason:
             raise ValueError("a departure needs a reason")
         with self._op_lock, _etcd_boundary(self.node):
+            if self._fenced_or_unknown() is not None:  # its name is the new Pod's
+                log.warning("%s: fenced by the operator; not leaving in its name", self.node)
+                return
             step = functools.partial(
                 leave_step, node=self.node, settings=self.settings, reason=reason
             )
@@ -427,6 +487,9 @@ class EtcdRendezvousHandler:
         """
         json.dumps(reason, allow_nan=False)  # fail here, not in the middle of a write
         with self._op_lock, _etcd_boundary(self.node):
+            if self._fenced_or_unknown() is not None:  # a lost Pod's view is not the job's
+                log.warning("%s: fenced by the operator; not closing the rendezvous", self.node)
+                return
             self.executor.run(
                 "close",
                 functools.partial(close_step, reason=dict(reason)),

@@ -102,6 +102,8 @@ class RendezvousSettings:
         last_call_timeout: seconds a round waits for more nodes once ``min_nodes`` joined.
         close_timeout: seconds ``close`` and ``leave`` may take.
         lease_ttl: seconds (integer) a node stays alive in etcd without a keep-alive.
+        incarnation: this node's Pod uid (``""`` outside Kubernetes): a round is not
+            joined once the operator fenced it (:meth:`kelastic.contract.Keys.fenced`).
 
     Raises:
         ValueError: a bound or timeout is out of range.
@@ -114,6 +116,7 @@ class RendezvousSettings:
     last_call_timeout: float = 30.0
     close_timeout: float = 30.0
     lease_ttl: int = 10
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         if not self.run_id:

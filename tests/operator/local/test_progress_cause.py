@@ -48,3 +48,96 @@ def test_the_cause_comes_from_the_budget_record_when_no_running_sidecar_failed()
     pods[0].status = _status(1, 1, last_charge=charge)
     reporter.poll(pods)  # type: ignore[arg-type]
     assert f"process restart 1/3: {RAISED}" in said, said
+
+
+def _where(node: str, *ranks: tuple[int, str, bool, str]) -> dict[str, Any]:
+    return {"round": 2, "node": node, "ranks": [
+        {"rank": r, "local_rank": r % 2, "pid": 100 + r, "state": st, "reaped": reaped,
+         "where": f"main thread at /w/train.py:{line} in f (stacks in /x)"}
+        for r, st, reaped, line in ranks]}  # fmt: skip
+
+
+def test_once_every_node_said_where_its_workers_were_the_culprit_is_named_across_nodes() -> None:
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+    evidence = _where("digits-0", (0, "S", True, "94"), (1, "T", False, "71"))
+    first = _status(2, 1, node="digits-0", hang_evidence=evidence)
+    pods = [_Pod(0, first), _Pod(1, _status(2, 1, node="digits-1"))]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert [s for s in said if s.startswith("hang in round 2 (")] == []  # one node so far
+    pods[1].status = _status(2, 1, node="digits-1",
+                             hang_evidence=_where("digits-1", (2, "S", True, "94"),
+                                                  (3, "S", False, "94")))  # fmt: skip
+    reporter.poll(pods)  # type: ignore[arg-type]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    (verdict,) = [s for s in said if s.startswith("hang in round 2 (")]
+    assert verdict.startswith(
+        "hang in round 2 (2 nodes reported): culprit: rank 1 on digits-0 (stopped): main "
+        "thread at /w/train.py:71 in f; waiting: "
+    )
+
+
+def test_a_straggler_is_said_as_its_episode_begins_and_ends() -> None:
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+    slow = {"local_rank": 1, "scope": "step", "median_s": 0.2, "others_median_s": 0.05,
+            "ratio": 4.0}  # fmt: skip
+    hostile = [None, "x", {"local_rank": "1", "median_s": 1, "ratio": 2},
+               {"local_rank": 1, "median_s": float("nan"), "ratio": 2},
+               {"local_rank": 10**400 // 10**399, "median_s": 1e308 * 10, "ratio": 2}]  # fmt: skip
+    pods = [_Pod(0, _status(0, 0, node="steps-0",
+                            step_times={"stragglers": [slow, *hostile]}))]  # fmt: skip
+    reporter.poll(pods)  # type: ignore[arg-type]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert [s for s in said if "straggler" in s] == [
+        "straggler on steps-0: local rank 1's median step 0.200 s (scope 'step') is 4.00x its "
+        "node's other ranks'"
+    ]
+    pods[0].status = _status(0, 0, node="steps-0", step_times={"stragglers": "garbage"})
+    reporter.poll(pods)  # type: ignore[arg-type]
+    pods[0].status = _status(0, 0, node="steps-0", step_times={"stragglers": []})
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert said[-1] == ("straggler on steps-0: local rank 1 (scope 'step') is no longer slower "
+                        "than its node's other ranks")  # fmt: skip
+
+
+def _restored(round_: int, step: int | None, tier: str, held: bool = True, **more: Any
+              ) -> dict[str, Any]:  # fmt: skip
+    return {"round": round_, "step": step, "tier": tier, "ranks": 4, "held": held,
+            "time": 1.0, "checked_s": 0.0123, **more}  # fmt: skip
+
+
+def test_each_rounds_checkpoint_restore_is_said_once() -> None:
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+    pods = [_Pod(i, _status(0, 0, checkpoint=_restored(0, None, "none", held=False)))
+            for i in range(2)]  # fmt: skip
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert not [s for s in said if "checkpoint" in s]  # a fresh start: nothing lost
+    for pod in pods:  # both sidecars agreed on the same step: said once
+        pod.status = _status(1, 1, checkpoint=_restored(1, 12, "memory"))
+    reporter.poll(pods)  # type: ignore[arg-type]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    for pod in pods:
+        pod.status = _status(2, 2, checkpoint=_restored(2, None, "none"))
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert [s for s in said if "checkpoint" in s] == [
+        "round 1: the workers restore checkpoint step 12 from memory (4 ranks; slots checked "
+        "in 0.012 s)",
+        "round 2: no checkpoint step every one of the 4 ranks holds: the workers start "
+        "without one; slots checked in 0.012 s",
+    ]
+
+
+def test_a_crafted_checkpoint_document_says_nothing() -> None:
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+    for doc in (None, "x", [], _restored(True, 3, "memory"), _restored(1, 3, "disk"),  # type: ignore[arg-type]
+                _restored(1, "3", "memory"), _restored(1, 3.5, "memory"),  # type: ignore[arg-type]
+                _restored(1, None, "memory"), _restored(1, 3, "none"),
+                _restored(10**400, 3, "memory"), _restored(1, 3, "memory", ranks=None),
+                _restored(1, 3, "memory", checked_s=float("nan"))):  # fmt: skip
+        reporter.poll([_Pod(0, _status(1, 0, checkpoint=doc))])  # type: ignore[list-item]
+    lines = [s for s in said if "checkpoint" in s]
+    # only the last: a valid restore whose check time is no number says it without it
+    assert lines == ["round 1: the workers restore checkpoint step 3 from memory (4 ranks)"]

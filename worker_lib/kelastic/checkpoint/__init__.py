@@ -20,7 +20,7 @@ Every rank saves and loads its own slots: its replica of the state under DDP, it
 sharded state. Loaded tensors are on the CPU (``load_state_dict`` copies them where the
 parameters are).
 
-What exists now (the worker library's part): per rank two *slots*, files on
+What exists now (the worker library's part): per rank three *slots*, files on
 the memory-backed folder :func:`kelastic.contract.checkpoint_dir` (a volume of its own,
 ``emptyDir`` with ``medium: Memory``); the format (:mod:`.slot_format`: a fixed header
 with job, round, rank, step, commit sequence and the chunks' crc32, a bounded JSON
@@ -123,7 +123,7 @@ _sized = False
 def save(step: int, state_dict: Any, *, blocking: bool = False) -> SaveHandle:
     """Stage ``state_dict`` as ``step`` in this rank's slots; returns once the bytes are
     staged (the commit follows on a thread; the next save or load waits for it). The
-    first call allocates both slots for this state, plus 1/8 (a folder too small raises
+    first call allocates every slot for this state, plus 1/8 (a folder too small raises
     :class:`CheckpointSpaceError` naming the bytes needed). See
     :meth:`CheckpointStore.save` for the arguments and errors."""
     global _sized

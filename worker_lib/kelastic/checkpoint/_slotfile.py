@@ -44,7 +44,7 @@ class CheckpointSpaceError(CheckpointError):
     """The checkpoint folder cannot hold the slots (too small, a file size limit, a quota).
 
     Attributes:
-        needed: bytes the slots need beyond what they hold (both slots at open).
+        needed: bytes the slots need beyond what they hold (every slot at open).
         free: bytes the folder had free (``statvfs``), or -1 when unknown.
         directory: the folder.
     """

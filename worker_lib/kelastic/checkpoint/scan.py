@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -26,17 +25,17 @@ from .slot_format import (
     SlotFormatError,
     decode_commit,
     decode_header,
-    decode_manifest,
+    decode_table_and_manifest,
     verify_chunks,
 )
+from .store import SLOT_NAME, SLOTS
 
-__all__ = ["verified_step", "verified_steps"]
+__all__ = ["CommittedSlot", "committed_slots", "verified_step", "verified_steps"]
 
 log = logging.getLogger(__name__)
 
 #: Most threads checking slots at once (``zlib.crc32`` releases the GIL per call).
 _MAX_THREADS: Final = 8
-_SLOT_NAME: Final = re.compile(r"rank-(0|[1-9][0-9]{0,9})\.slot([01])")
 
 
 def verified_step(path: Path, rank: int, job: str) -> tuple[int, int] | None:
@@ -57,13 +56,7 @@ def verified_step(path: Path, rank: int, job: str) -> tuple[int, int] | None:
         if h.rank != rank or h.job != job or not h.seq:
             return None
         lay = h.layout
-        table = f.read(HEADER_SIZE, 4 * lay.chunk_count)
-        if zlib.crc32(table) != h.table_crc:
-            raise SlotFormatError("the checksum table fails its crc32")
-        manifest = f.read(lay.manifest_offset, lay.manifest_len)
-        if zlib.crc32(manifest) != h.manifest_crc:
-            raise SlotFormatError("the manifest fails its crc32")
-        decode_manifest(manifest, payload_len=lay.payload_len)
+        table, _manifest = decode_table_and_manifest(f.read, h)
         with memoryview(f.map) as view:
             payload = view[lay.payload_offset : lay.payload_offset + lay.payload_len]
             try:
@@ -81,7 +74,7 @@ def verified_step(path: Path, rank: int, job: str) -> tuple[int, int] | None:
 
 
 def verified_steps(directory: str | os.PathLike[str], job: str) -> dict[int, tuple[int, ...]]:
-    """Global rank -> its verified committed steps, highest first (at most two,
+    """Global rank -> its verified committed steps, highest first (at most :data:`SLOTS`,
     distinct), for every rank with a slot file of ``job`` in ``directory``; a rank with
     none is left out. A missing folder holds nothing. The slots are checked on up to
     :data:`_MAX_THREADS` threads (one per CPU).
@@ -93,19 +86,68 @@ def verified_steps(directory: str | os.PathLike[str], job: str) -> dict[int, tup
     if not folder.is_dir():
         return {}
     ranks = sorted({int(m.group(1)) for name in os.listdir(folder)
-                    if (m := _SLOT_NAME.fullmatch(name))})  # fmt: skip
-    pairs = [(rank, slot) for rank in ranks for slot in (0, 1)]
+                    if (m := SLOT_NAME.fullmatch(name))})  # fmt: skip
+    pairs = [(rank, slot) for rank in ranks for slot in range(SLOTS)]
     workers = max(1, min(len(pairs), os.cpu_count() or 1, _MAX_THREADS))
     with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-scan") as pool:  # crc32 frees the GIL
         checked = list(pool.map(lambda p: verified_step(folder / f"rank-{p[0]}.slot{p[1]}",
                                                         p[0], job), pairs))  # fmt: skip
     out: dict[int, tuple[int, ...]] = {}
     for index, rank in enumerate(ranks):
-        found = checked[2 * index : 2 * index + 2]
+        found = checked[SLOTS * index : SLOTS * (index + 1)]
         steps: list[int] = []
         for _seq, step in sorted((x for x in found if x is not None), reverse=True):
             if step not in steps:
                 steps.append(step)
         if steps:
             out[rank] = tuple(sorted(steps, reverse=True))
+    return out
+
+
+@dataclass(frozen=True)
+class CommittedSlot:
+    """A slot whose header decodes and whose commit word is set (nothing else checked):
+    the cheap view of what a folder holds, for deciding what to persist. ``slot`` is the
+    slot's index (0..:data:`SLOTS` - 1)."""
+
+    rank: int
+    slot: int
+    step: int
+    round: int
+    world_size: int
+    seq: int
+
+
+def committed_slots(directory: str | os.PathLike[str], job: str) -> list[CommittedSlot]:
+    """Every committed slot of ``job`` in ``directory`` by its header and commit word only
+    (one 4 KiB read each: cheap enough to poll every second); a slot that does not decode,
+    of another job, or uncommitted is left out, as is a missing folder. Whoever acts on a
+    slot checks it in full then (:func:`kelastic.checkpoint.persist.persist` does).
+
+    Raises:
+        OSError: the folder or a slot file cannot be read (other than missing).
+    """
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    out: list[CommittedSlot] = []
+    for name in sorted(os.listdir(folder)):
+        m = SLOT_NAME.fullmatch(name)
+        if m is None or int(m.group(2)) >= SLOTS:
+            continue
+        try:
+            with open(folder / name, "rb") as fh:
+                raw = fh.read(HEADER_SIZE)
+                size = os.fstat(fh.fileno()).st_size
+        except FileNotFoundError:
+            continue
+        if len(raw) < HEADER_SIZE:
+            continue
+        try:
+            h = decode_header(raw, file_size=size)
+            seq = decode_commit(raw[COMMIT_OFFSET : COMMIT_OFFSET + 16], h.header_crc)
+        except SlotFormatError:
+            continue
+        if seq and h.job == job and h.rank == int(m.group(1)):
+            out.append(CommittedSlot(h.rank, int(m.group(2)), h.step, h.round, h.world_size, seq))
     return out

@@ -1,6 +1,6 @@
 """The slot format: the one codec of every writer and reader of a checkpoint slot.
 
-A rank's checkpoint lives in two *slot* files on a memory-backed folder
+A rank's checkpoint lives in three *slot* files on a memory-backed folder
 (:func:`kelastic.contract.checkpoint_dir`); a save writes the slot that is not the last
 committed one. One slot file::
 
@@ -58,7 +58,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -87,6 +87,7 @@ __all__ = [
     "decode_commit",
     "decode_header",
     "decode_manifest",
+    "decode_table_and_manifest",
     "encode_commit",
     "encode_header",
     "encode_manifest",
@@ -502,3 +503,24 @@ def decode_manifest(raw: bytes, *, payload_len: int) -> Manifest:
     except TreeError as exc:
         raise SlotFormatError(f"manifest tree: {exc}") from None
     return Manifest(tuple(entries), doc["tree"])
+
+
+def decode_table_and_manifest(
+    read: Callable[[int, int], bytes], h: SlotHeader
+) -> tuple[bytes, Manifest]:
+    """The checksum table and the decoded manifest of the slot whose header is ``h``, each
+    checked against the header's crc32; ``read(offset, length)`` reads the slot's bytes
+    (every reader of a slot: the load, the sidecar's scan, the persistence).
+
+    Raises:
+        SlotFormatError: the table or the manifest fails its crc32, or the manifest does
+            not decode (see :func:`decode_manifest`).
+    """
+    lay = h.layout
+    table = read(HEADER_SIZE, 4 * lay.chunk_count)
+    if zlib.crc32(table) != h.table_crc:
+        raise SlotFormatError("the checksum table fails its crc32")
+    raw = read(lay.manifest_offset, lay.manifest_len)
+    if zlib.crc32(raw) != h.manifest_crc:
+        raise SlotFormatError("the manifest fails its crc32")
+    return table, decode_manifest(raw, payload_len=lay.payload_len)

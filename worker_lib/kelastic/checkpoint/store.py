@@ -1,10 +1,18 @@
-"""A rank's two checkpoint slots: save into the one not last committed, load the newest.
+"""A rank's :data:`SLOTS` checkpoint slots: save into the oldest, load the newest.
+
+Why three and not two: a save returns once staged and commits on a thread, and the next
+save waits for that commit. In lockstep (DDP: a rank stages step ``n + 1`` only after
+every rank staged ``n``), a kill can find one rank with ``n + 1`` committed and a slower
+one with ``n - 1`` only (its commit of ``n`` unfinished). With two slots the faster rank
+has overwritten ``n - 1`` by then and the ranks share no step (a whole restore lost);
+with three, every rank still holds ``n - 1`` (tests/faults/test_checkpoint_kills.py:
+hundreds of random kills, the ranks always share the step the rules allow).
 
 **Save** (:meth:`CheckpointStore.save`), in this order:
 
-1. pick the *target*: the slot with the lower commit sequence (never the last committed
-   one); grow it if the state no longer fits (allocated and touched, see
-   ``_slotfile``);
+1. pick the *target*: the slot with the lowest commit sequence (the oldest; never the
+   last committed one; never one due for persistence, :mod:`.due`); grow it if the
+   state no longer fits (allocated and touched, see ``_slotfile``);
 2. mark it dirty: zero its commit word, ``msync`` the header page;
 3. stage: copy every tensor's bytes into the slot's map (``Tensor.copy_`` into a view of
    it), write the manifest; **save returns here** (unless ``blocking``);
@@ -13,11 +21,11 @@
    another process): the chunk checksums into the table, the header (its crc over
    every field, the commit word still zero), ``msync`` of the whole slot (on a
    disk-backed folder the bytes reach the disk before the commit; on tmpfs it returns
-   at once), then the commit word (sequence = the other slot's + 1, checked by a crc
+   at once), then the commit word (sequence = the highest slot's + 1, checked by a crc
    that binds it to this header), ``msync`` of the header page.
 
 A crash anywhere before the commit word leaves the target dirty or failing its checksums,
-and the other slot, the last committed step, untouched: a crash never tears it (NVRx's
+and the other slots, the last two committed steps, untouched: a crash never tears them (NVRx's
 dirty-then-rename, with a commit word instead of a rename: the slot's pages stay where
 they are, allocated). The next save waits for the previous commit (the slot it would
 write is the one being committed). The writes are to a ``MAP_SHARED`` map: they are in
@@ -27,17 +35,23 @@ the file the moment they are made, so a SIGKILLed process loses nothing it wrote
 the one of the agreed step); each is checked (header crc and bounds, table and manifest
 crc, every payload chunk's crc while it is copied out, the commit word unchanged after
 the copy: a writer that started over the slot meanwhile is caught) and the first that
-passes is returned; a corrupted slot falls back to the other one, else ``None``.
+passes is returned; a corrupted slot falls back to an older one, else ``None``.
 
 One writer per rank (a POSIX lock on the rank's lock file); readers take no lock. A slot
 is per rank whatever the parallelism: with DDP every rank saves its copy of the
 replicated state, with sharded state each rank its own part (torch DCP's per-rank
 files); resharding for another world size is not done here.
+
+Over ~400 lines because this doc is the save and load protocol step by step and the one
+class implements exactly it; the format, the tensors' copies, the files and the due
+markers are modules of their own.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import time
 import zlib
 from dataclasses import dataclass, replace
@@ -47,6 +61,7 @@ from typing import Any, Final
 from ._handle import SaveHandle
 from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
 from ._tensors import entries, is_tensor, read_verified, stage, tensors_from
+from .due import clear, due_slots, every_from_env, mark_due, pick_target
 from .slot_format import (
     COMMIT_OFFSET,
     HEADER_SIZE,
@@ -57,7 +72,7 @@ from .slot_format import (
     chunk_crcs,
     decode_commit,
     decode_header,
-    decode_manifest,
+    decode_table_and_manifest,
     encode_commit,
     encode_header,
     encode_manifest,
@@ -66,14 +81,20 @@ from .slot_format import (
 )
 from .tree import build, flatten
 
+_log = logging.getLogger(__name__)
+
 #: Spare room a slot gets when a save grows it (of the save's size), so that a state
 #: that grows a little (an optimizer's first step) does not grow the slot every save.
 _GROW_HEADROOM: Final = 8
 _MIB: Final = 1 << 20
+#: Slots per rank (the module doc says why three).
+SLOTS: Final = 3
+#: A slot file's name: ``rank-<rank>.slot<slot>`` (group 1 the rank, 2 the slot).
+SLOT_NAME: Final = re.compile(r"rank-(0|[1-9][0-9]{0,9})\.slot([0-9])")
 
 
 def slot_path(directory: Path, rank: int, slot: int) -> Path:
-    """``<directory>/rank-<rank>.slot<0|1>``."""
+    """``<directory>/rank-<rank>.slot<0..SLOTS-1>``."""
     return directory / f"rank-{rank}.slot{slot}"
 
 
@@ -105,7 +126,7 @@ class SlotInfo:
 
 
 class CheckpointStore:
-    """The two slots of one rank in ``directory``.
+    """The :data:`SLOTS` slots of one rank in ``directory``.
 
     Args:
         directory: a memory-backed folder (:func:`kelastic.contract.checkpoint_dir`;
@@ -115,13 +136,17 @@ class CheckpointStore:
             never loaded. At most 256 UTF-8 bytes.
         round: the rendezvous round saves are made in (``KELASTIC_ROUND``; -1 unknown).
         world_size: ``WORLD_SIZE`` (0 unknown), recorded in each save.
-        capacity: bytes per slot (:func:`slot_bytes`) to allocate and touch now, both
-            slots; 0 allocates at the first save. A save that outgrows a slot grows it.
+        capacity: bytes per slot (:func:`slot_bytes`) to allocate and touch now, every
+            slot; 0 allocates at the first save. A save that outgrows a slot grows it.
         writable: False opens the slots read only, for :meth:`load` and :meth:`slots`
             (no lock, nothing created).
+        persist_every: mark each committed step that is a multiple of it due for the
+            sidecar's persistence (:mod:`kelastic.checkpoint.due`: the writer keeps off
+            that slot until it is persisted); None reads
+            ``$KELASTIC_CHECKPOINT_PERSIST_EVERY``, 0 marks none.
 
     Raises:
-        CheckpointSpaceError: the folder cannot hold two slots of ``capacity`` bytes
+        CheckpointSpaceError: the folder cannot hold the slots of ``capacity`` bytes
             (the message names the bytes needed and free).
         CheckpointError: another live process writes this rank's slots.
         FileNotFoundError: ``directory`` does not exist.
@@ -129,28 +154,32 @@ class CheckpointStore:
 
     def __init__(self, directory: str | os.PathLike[str], *, rank: int = 0, job: str = "",
                  round: int = -1, world_size: int = 0, capacity: int = 0,
-                 writable: bool = True) -> None:  # fmt: skip
+                 writable: bool = True, persist_every: int | None = None) -> None:  # fmt: skip
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint folder {self.directory} does not exist")
         self.rank, self.job, self.round, self.world_size = rank, job, round, world_size
         self.writable = writable
+        self.persist_every = every_from_env() if persist_every is None else persist_every
         #: why each slot passed over by the last load was (slot, reason), for logs
         self.skipped: list[tuple[int, str]] = []
         self._pending: SaveHandle | None = None
         self._lock_fd = lock_rank(self.directory / f"rank-{rank}.lock") if writable else -1
         self._files: list[SlotFile] = []
         try:
-            for slot in (0, 1):
+            for slot in range(SLOTS):
                 path = slot_path(self.directory, rank, slot)
                 if writable or path.exists():
                     self._files.append(SlotFile(path, writable))
-            if len(self._files) < 2:  # a reader of slots never written
+            if len(self._files) < SLOTS:  # a reader of slots never written
                 self._files = []
             self._seqs = []
             for slot in range(len(self._files)):
                 header = self._header(slot)[0]
                 self._seqs.append(header.seq if header is not None else 0)
+            for slot, seq in enumerate(self._seqs):  # a marker on no committed step is stale
+                if writable and not seq:
+                    clear(self.directory, rank, slot)
             if capacity > 0 and writable:
                 self.reserve(capacity)
         except BaseException:
@@ -191,7 +220,7 @@ class CheckpointStore:
         header = SlotHeader(step, self.round, self.rank, self.world_size, self.job, time.time(),
                             lay, 0, zlib.crc32(manifest))  # fmt: skip
         encode_header(header)  # its bounds, before the slot is touched
-        target = 0 if self._seqs[0] <= self._seqs[1] else 1
+        target = self._target()
         f = self._files[target]
         if f.size < lay.file_size:
             size = -(-(lay.file_size + lay.file_size // _GROW_HEADROOM) // _MIB) * _MIB
@@ -207,9 +236,23 @@ class CheckpointStore:
         if blocking:
             self._commit(target, header)
         else:
-            handle._start(lambda: self._commit(target, header))
+            # pending before its thread starts: an exception raised into this thread
+            # meanwhile (an in-process abort) must not hide a commit that runs
             self._pending = handle
+            handle._start(lambda: self._commit(target, header))
         return handle
+
+    def _target(self) -> int:
+        """The oldest slot, off those due for persistence (:func:`pick_target`); its
+        marker, if any, is removed before it is written."""
+        if not self.persist_every:
+            return min(range(SLOTS), key=lambda slot: self._seqs[slot])  # the oldest
+        target, dropped = pick_target(self._seqs, due_slots(self.directory, self.rank, SLOTS))
+        if dropped is not None:
+            _log.warning("checkpoint rank %d: slot %d is still due for persistence and is "
+                         "needed: its step will not be persisted", self.rank, dropped)  # fmt: skip
+        clear(self.directory, self.rank, target)
+        return target
 
     def _commit(self, target: int, header: SlotHeader) -> None:
         f, lay = self._files[target], header.layout
@@ -228,23 +271,31 @@ class CheckpointStore:
         f.write(COMMIT_OFFSET, encode_commit(seq, crc))
         f.flush(0, PAGE)
         self._seqs[target] = seq
+        if self.persist_every and header.step % self.persist_every == 0:
+            try:
+                mark_due(self.directory, self.rank, target, header.step)
+            except OSError as exc:  # the save stands; only its persistence is lost
+                _log.error("checkpoint rank %d: cannot mark step %d due for persistence: %s",
+                           self.rank, header.step, exc)  # fmt: skip
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the pending save's commit (see :meth:`SaveHandle.wait`). A failed
-        commit is raised once (:class:`CheckpointError`); the next save goes on."""
+        commit is raised once (:class:`CheckpointError`); the next save goes on. Anything
+        else raised while waiting (the timeout, an in-process abort or a
+        ``KeyboardInterrupt`` raised into this thread) leaves the commit pending: the
+        next save or load waits for it (else it could stage into the slot still being
+        committed)."""
         pending = self._pending
         if pending is not None:
             try:
                 pending.wait(timeout)
-            except TimeoutError:
-                raise  # still pending
-            except BaseException:
-                self._pending = None
+            except CheckpointError:
+                self._pending = None  # the commit failed: said once
                 raise
             self._pending = None
 
     def reserve(self, capacity: int) -> None:
-        """Grow both slots to ``capacity`` bytes each (no-op where they are larger):
+        """Grow every slot to ``capacity`` bytes (no-op where they are larger):
         allocated and touched now, so a folder too small fails here.
 
         Raises:
@@ -253,7 +304,7 @@ class CheckpointStore:
         if not self.writable or not self._files:
             raise CheckpointError("this store is read only or closed")
         self.wait()
-        self._reserve([max(0, capacity - f.size) for f in self._files], "two slots")
+        self._reserve([max(0, capacity - f.size) for f in self._files], f"{SLOTS} slots")
         for f in self._files:
             f.grow(capacity)
 
@@ -329,13 +380,7 @@ class CheckpointStore:
 
     def _read(self, slot: int, h: SlotHeader) -> Any:
         f, lay = self._files[slot], h.layout
-        table = f.read(HEADER_SIZE, 4 * lay.chunk_count)
-        if zlib.crc32(table) != h.table_crc:
-            raise SlotFormatError("the checksum table fails its crc32")
-        raw = f.read(lay.manifest_offset, lay.manifest_len)
-        if zlib.crc32(raw) != h.manifest_crc:
-            raise SlotFormatError("the manifest fails its crc32")
-        manifest = decode_manifest(raw, payload_len=lay.payload_len)
+        table, manifest = decode_table_and_manifest(f.read, h)
         assert f.map is not None
         if manifest.tensors:  # torch is imported: the state has tensors
             whole = read_verified(f.map, lay.payload_offset, lay.payload_len, table, lay.chunk_size)

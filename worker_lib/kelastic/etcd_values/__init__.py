@@ -15,6 +15,7 @@ key                            codec                           written by / read
 =============================  ==============================  ============================
 ``rdzv/state``                 :mod:`.rendezvous` (state)      sidecars / sidecars, operator
 ``rdzv/departing/<node>``      :mod:`.rendezvous` (departure)  operator / sidecars
+``fenced/<pod uid>``           :mod:`.rendezvous` (departure)  operator / sidecars
 ``rdzv/alive/<node>``,         none: keys only (the value is   sidecars / nobody
 ``rdzv/joining/<node>``        informative, never read)
 ``rounds/<n>/master``          :mod:`.rounds`                  group rank 0 / its peers
@@ -25,10 +26,13 @@ key                            codec                           written by / read
 ``inprocess/ready/<m>/<node>`` ``kelastic_sidecar.inprocess.    sidecars / sidecars
                                record`` (sidecars only)
 ``checkpoints/<node>``         :mod:`.checkpoints`             a sidecar / sidecars
+``hangs/<node>``               :mod:`.hangs`                   a sidecar / the operator
+``stragglers/<node>``          :mod:`.stragglers`              a sidecar / the operator
 =============================  ==============================  ============================
 """
 
 from ._fields import MAX_NAME_LEN, MAX_TIME, CorruptValueError, ForeignValueError, is_name
+from .hangs import MAX_HANG_BYTES, decode_hang, encode_hang
 from .rendezvous import (
     MAX_DEADLINE,
     MAX_RANK,
@@ -46,10 +50,12 @@ from .restarts import HISTORY_LIMIT, RECORD_VERSION, RestartsDoc
 from .restarts import decode_record as decode_restarts
 from .restarts import encode_record as encode_restarts
 from .rounds import decode_master, encode_master
+from .stragglers import StragglersDoc, decode_stragglers, encode_stragglers
 
 __all__ = [
     "HISTORY_LIMIT",
     "MAX_DEADLINE",
+    "MAX_HANG_BYTES",
     "MAX_NAME_LEN",
     "MAX_RANK",
     "MAX_ROUND",
@@ -64,15 +70,20 @@ __all__ = [
     "ReportOutcome",
     "RestartsDoc",
     "StateDoc",
+    "StragglersDoc",
     "decode_departure",
+    "decode_hang",
     "decode_master",
     "decode_report",
     "decode_restarts",
     "decode_state",
+    "decode_stragglers",
     "encode_departure",
+    "encode_hang",
     "encode_master",
     "encode_report",
     "encode_restarts",
     "encode_state",
+    "encode_stragglers",
     "is_name",
 ]

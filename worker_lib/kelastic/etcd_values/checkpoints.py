@@ -17,12 +17,14 @@ own fallback, for every rank alike: never a mixed step).
 
 Bounds (writer and reader alike): at most :data:`MAX_CHECKPOINTS_BYTES` bytes; ``job``
 a name (1..1024 characters); at most :data:`MAX_LOCAL_RANKS` ranks, each a decimal
-global rank in 0..:data:`MAX_RANK` with at most two distinct steps (two slots per rank)
+global rank in 0..:data:`MAX_RANK` with at most :data:`MAX_SLOTS` distinct steps (a rank's slots)
 in 0..:data:`MAX_STEP`, newest first; ``time`` seconds since the epoch.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,10 +38,15 @@ __all__ = [
     "CHECKPOINTS_VERSION",
     "MAX_CHECKPOINTS_BYTES",
     "MAX_LOCAL_RANKS",
+    "MAX_SLOTS",
+    "MAX_STEP",
     "CheckpointsDoc",
+    "Restore",
+    "RestoreTier",
     "decode_checkpoints",
     "encode_checkpoints",
     "restorable_step",
+    "restore_of",
 ]
 
 CHECKPOINTS_VERSION: Final = 1
@@ -50,7 +57,43 @@ MAX_LOCAL_RANKS: Final = 4096
 #: Highest global rank, and highest step (as ``kelastic.checkpoint.slot_format``).
 MAX_RANK: Final = 2**31 - 2
 MAX_STEP: Final = 2**53
+#: Most steps a rank's record lists: its slots (``kelastic.checkpoint.store.SLOTS``).
+MAX_SLOTS: Final = 3
 _FIELDS: Final = frozenset({"version", "job", "ranks", "time"})
+
+
+class RestoreTier(enum.StrEnum):
+    """Where a round's workers restore their state from (``status.lastCheckpoint.tier``,
+    the sidecar's ``kelastic_checkpoint_restores_total{tier}``). A peer's replica and the
+    persisted copy on disk come with replication and persistence."""
+
+    #: Every rank from its own node's slots (the process-restart rung).
+    MEMORY = "memory"
+    #: No step every rank holds: the workers start without one (their own fallback).
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Restore:
+    """What a round's workers restore (:func:`restore_of`).
+
+    Attributes:
+        round: the rendezvous round.
+        step: the step every rank loads; None with :attr:`RestoreTier.NONE`.
+        tier: where from.
+        ranks: the round's world size.
+        held: whether some rank's node recorded some step of the job (False on a fresh
+            start: nothing was lost).
+        time: when the newest of the participants' records was written, seconds since
+            the epoch (0.0: none was).
+    """
+
+    round: int
+    step: int | None
+    tier: RestoreTier
+    ranks: int
+    held: bool
+    time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +102,8 @@ class CheckpointsDoc:
 
     Attributes:
         job: the run id (``TORCHELASTIC_RUN_ID``) the slots were saved under.
-        ranks: global rank -> its committed steps, newest first (at most two).
+        ranks: global rank -> its committed steps, newest first (at most
+            :data:`MAX_SLOTS`).
         time: when the sidecar read its slots, seconds since the epoch.
     """
 
@@ -95,11 +139,11 @@ def _check(doc: Any, where: str) -> CheckpointsDoc:
         rank = int(key)
         if rank > MAX_RANK or key != str(rank):
             raise bad(f"rank {key!r:.40} is out of range")
-        if not isinstance(steps, list) or len(steps) > 2:
-            raise bad(f"rank {rank}: steps is not a list of at most two")
+        if not isinstance(steps, list) or len(steps) > MAX_SLOTS:
+            raise bad(f"rank {rank}: steps is not a list of at most {MAX_SLOTS}")
         if not all(is_int(s, 0, MAX_STEP) for s in steps):
             raise bad(f"rank {rank}: a step outside 0..{MAX_STEP}")
-        if len(steps) == 2 and not steps[0] > steps[1]:
+        if any(a <= b for a, b in itertools.pairwise(steps)):
             raise bad(f"rank {rank}: steps {steps} are not distinct, newest first")
         out[rank] = tuple(steps)
     return CheckpointsDoc(doc["job"], out, float(doc["time"]))
@@ -175,3 +219,21 @@ def restorable_step(records: Mapping[str, CheckpointsDoc | None], participants: 
             if not common:
                 return None
     return max(common) if common else None
+
+
+def restore_of(round_: int, records: Mapping[str, CheckpointsDoc | None],
+               participants: Sequence[str], nproc: int, job: str) -> Restore:  # fmt: skip
+    """The round's :class:`Restore`: :func:`restorable_step` of ``records`` (same
+    arguments, same errors), with where from, how many ranks, whether anything was held
+    and when the records were written. Every sidecar and the operator compute the same
+    one from the same records."""
+    step = restorable_step(records, participants, nproc, job)
+    mine = [d for n in participants if (d := records.get(n)) is not None and d.job == job]
+    return Restore(
+        round=round_,
+        step=step,
+        tier=RestoreTier.NONE if step is None else RestoreTier.MEMORY,
+        ranks=len(participants) * nproc,
+        held=any(d.ranks for d in mine),
+        time=max((d.time for d in mine), default=0.0),
+    )

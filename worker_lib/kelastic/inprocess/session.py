@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ from kelastic.inprocess.errors import GiveUpError, RestartAbort
 from kelastic.inprocess.inject import Injector
 from kelastic.inprocess.interrupt import AbortGuard
 from kelastic.inprocess.monitor import Heartbeat, Monitor
+from kelastic.inprocess.store_wait import wait_for_store
 from kelastic.inprocess_messages import (
     CAUSE_ABORT_FAILED,
     CAUSE_EXCEPTION,
@@ -60,8 +59,6 @@ WAIT_TICK = 0.5
 #: Seconds a rank whose collective failed because a peer went away waits for the abort
 #: before it reports the failure as its own fault (the peer's fault, the cause, goes first).
 PEER_FAILURE_GRACE = 0.5
-#: Seconds to wait for the next iteration's store to listen (then torch's timeout).
-STORE_WAIT = 10.0
 #: Words of the errors a collective raises when a peer closed its connections (gloo:
 #: "Connection closed by peer", "Connection reset by peer"; c10d's store).
 _PEER_FAILURE_WORDS = ("connection closed", "connection reset", "broken pipe",
@@ -210,7 +207,7 @@ class Session(Generic[R]):
         print(f"kelastic.inprocess: spare (pid {os.getpid()}) promoted to local rank "
               f"{self._local_rank} (rank {self._rank}) in iteration {item.iteration}",
               file=sys.stderr, flush=True)  # fmt: skip
-        _wait_for_store()
+        wait_for_store()
 
     # --------------------------------------------------------------- the course
 
@@ -337,29 +334,8 @@ class Session(Generic[R]):
                 self._kept_store = None  # every rank left the aborted iteration
                 os.environ.update(item.env)
                 os.environ[contract.ENV_INPROCESS_ITERATION] = str(item.iteration)
-                _wait_for_store()
+                wait_for_store()
                 return item.iteration
-
-
-def _wait_for_store(timeout: float = STORE_WAIT) -> None:
-    """On every rank but 0: wait (at most ``timeout`` seconds) until the iteration's
-    c10d store at ``MASTER_ADDR:MASTER_PORT`` accepts connections. Rank 0 creates it in
-    its ``init_process_group``; a peer that connects first is refused, and torch's store
-    client then backs off for up to a second (measured: 0.5-0.7 s added to 2 of 5
-    restarts). A refused probe here is retried every few milliseconds instead. Nothing to
-    wait for when the function never imported ``torch.distributed``."""
-    if os.environ.get(contract.RANK, "0") == "0" or "torch.distributed" not in sys.modules:
-        return
-    addr, port = os.environ.get(contract.MASTER_ADDR), os.environ.get(contract.MASTER_PORT)
-    if not addr or not port or not port.isdigit():
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((addr, int(port)), timeout=0.1):
-                return
-        except OSError:
-            time.sleep(0.003)
 
 
 def _peer_failure(exc: BaseException) -> bool:
