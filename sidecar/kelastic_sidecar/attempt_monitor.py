@@ -38,6 +38,7 @@ from .failure_rules import in_process_allowed
 from .inprocess import respawn_failure
 from .rendezvous import RendezvousError
 from .round_end import (
+    LiveStates,
     RoundEnd,
     RoundEndKind,
     RoundOf,
@@ -123,6 +124,8 @@ class AttemptMonitor:
         self.tokens: dict[int, str] = {}
         self.warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
         self.reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
+        #: What was read of the attempt's workers while they lived (:meth:`_observe`).
+        self.seen = LiveStates()
         self.respawned: set[int] = set()  # local ranks started again this attempt
         self.promoted: set[int] = set()  # local ranks a spare took over, until its started
         #: Where each worker was when the latest hung round ended (:meth:`before_stop`);
@@ -140,6 +143,7 @@ class AttemptMonitor:
         self.attempt += 1
         self.pids.clear()
         self.reaped.clear()
+        self.seen = LiveStates()
         self.warm = 0
         self.respawned.clear()
         self.promoted.clear()
@@ -304,12 +308,14 @@ class AttemptMonitor:
         (:func:`~.round_end.stopped_failure`), logged and returned. For a hung round,
         ours (``end``'s failure) or a peer's (``peers_cause(round)``: the restart
         record's cause of the round, asked only then): where each of our workers was,
-        into :attr:`where` and the log."""
+        into :attr:`where` and the log, from the reaps (those still queued taken
+        first) and from what was read of each worker while it lived (:attr:`seen`)."""
+        self._take_queued_reaps()
         failed = end.kind is RoundEndKind.FAILED
         round_ = self.round_of(info)
         stopped, live = None, None
         if not failed:
-            live = observe(self._timer, self.pids, self.reaped)
+            live = self._observe()
             stopped = stopped_failure(round_, self.pids, self.reaped, live)
             if stopped is not None:
                 log.error("round %d: %s", info.round, stopped.summary())
@@ -318,14 +324,40 @@ class AttemptMonitor:
         if (failure is not None and failure.cause == CAUSE_HANG) or (
             not failed and peers_cause(info.round) == CAUSE_HANG
         ):
-            self.where = where_ranks_were(self._timer, round_, self.pids, self.reaped, live)
+            self.where = where_ranks_were(self._timer, round_, self.pids, self.reaped, self.seen)
             log.warning("round %d hung; where each worker was: %s", info.round, self.where.line())
             self._hangs.where(self.where)
         return stopped
 
+    def _take_queued_reaps(self) -> None:
+        """Take the reaps queued since the round's end was decided (the timer server
+        reaps on its own thread: a stopped worker's own timer may expire just after its
+        peer's exit ended the round), so that the round's evidence has them, with the
+        stacks read before each kill; every other event stays queued, in order."""
+        events = self._events
+        with events.mutex:  # the queue's own lock: no put or get meanwhile
+            reaps = [e for e in events.queue if isinstance(e, WorkerReaped)]
+            for event in reaps:
+                events.queue.remove(event)
+        for event in reaps:
+            self.on_reaped(event.reap)
+
+    def _observe(self) -> LiveStates:
+        """:func:`~.witness.observe` the workers now, kept in :attr:`seen` too."""
+        live = observe(self._timer, self.pids, self.reaped)
+        self.seen = self.seen.then(live)
+        return live
+
     def on_reaped(self, ev: ReapEvent) -> None:
-        """A hung worker was killed: by the timer server, or by the in-process hard
-        timeout (queued just before its kill). Every hang of the attempt is held here."""
+        """A hung worker was killed: by the timer server, the stopped-worker watch or the
+        in-process hard timeout (queued just before its kill). Every hang of the attempt
+        is held here. A pid's first reap stands: a later one (its timer expiring after
+        the watch killed it) found it dead, with no stacks to read."""
+        first = self.reaped.get(ev.pid)
+        if first is not None:
+            log.info("worker pid %d: reaped again (%s; state %s) after its reap by %s; the "
+                     "first stands", ev.pid, ev.why, ev.state or "?", first.by.value)  # fmt: skip
+            return
         self.reaped[ev.pid] = ev
         late = f" {ev.reaped_at - ev.expiration_time:.3f}s after expiry" if ev.scope_id else ""
         log.warning("worker pid %d hung: %s%s; killed with %s", ev.pid, ev.why, late,
@@ -383,7 +415,7 @@ class AttemptMonitor:
                 return RoundEnd(RoundEndKind.SUCCEEDED)
             return None
         hung = msg.pid is not None and msg.pid in self.reaped  # then a stopped peer is named
-        live = observe(self._timer, self.pids, self.reaped) if hung else None
+        live = self._observe() if hung else None
         failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped, live)
         if msg.local_rank in self.respawned:
             failure = respawn_failure(failure)

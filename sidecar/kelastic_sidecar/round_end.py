@@ -47,6 +47,7 @@ from .failure import (
 from .vocabulary import DEPARTURE_REJOIN, CheckReason
 
 __all__ = [
+    "DEAD_STATES",
     "STOPPED_STATE",
     "CheckLike",
     "LiveStates",
@@ -220,6 +221,24 @@ class LiveStates:
 
     states: Mapping[int, str] = field(default_factory=dict)
     evidence: Mapping[int, str] = field(default_factory=dict)
+
+    def then(self, newer: LiveStates) -> LiveStates:
+        """These readings updated by ``newer``'s, except where ``newer`` found a worker
+        dead (:data:`DEAD_STATES`) that these read alive: how it was while it lived is
+        what names a hang (a stopped worker the stop then killed is still the culprit)."""
+        states = dict(self.states)
+        evidence = dict(self.evidence)
+        for pid, state in newer.states.items():
+            if state not in DEAD_STATES or states.get(pid, "") in DEAD_STATES:
+                states[pid] = state
+                if pid in newer.evidence:
+                    evidence[pid] = newer.evidence[pid]
+        return LiveStates(states, evidence)
+
+
+#: Process states of a worker no longer running its code: ``Z`` (a zombie: dead, not yet
+#: waited for), ``X``/``x`` (dead), and empty (gone, or unreadable).
+DEAD_STATES = frozenset({"", "Z", "X", "x"})
 
 
 def stopped_failure(

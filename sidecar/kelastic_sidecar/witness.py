@@ -26,7 +26,7 @@ from kelastic.etcd_values import CorruptValueError, encode_hang
 from kelastic.hang_where import HangWhere, RankWhere
 from kelastic_etcd import EtcdClient, EtcdError
 
-from .round_end import STOPPED_STATE, LiveStates, RoundOf
+from .round_end import DEAD_STATES, STOPPED_STATE, LiveStates, RoundOf
 from .timer import ReapEvent, process_state
 
 if TYPE_CHECKING:  # annotations only
@@ -35,6 +35,9 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["NO_HANG_SINK", "EvidenceSource", "HangSink", "observe", "publish", "where_ranks_were"]
 log = logging.getLogger("kelastic_sidecar.witness")
+
+#: Where a worker was when its stacks were not read (none read, none at its reap).
+NOT_READ = "stacks not read"
 
 
 class HangSink(Protocol):
@@ -91,25 +94,34 @@ def where_ranks_were(
 ) -> HangWhere:  # fmt: skip
     """Where each worker of ``pids`` (local rank -> pid) was as ``round_`` hung: a reaped
     one's stacks and state as its reap (in ``reaped``) read them, a stopped one's as
-    :func:`observe` read them just before (``seen``: not read twice), the others' read
-    now (``T``: stopped, the likely culprit; ``S``: sleeping, e.g. in a collective)."""
-    known = seen.evidence if seen is not None else {}
+    :func:`observe` read them before (``seen``: the attempt's readings, not read twice),
+    the others' read now (``T``: stopped, the likely culprit; ``S``: sleeping, e.g. in a
+    collective).
+
+    A worker found dead (:data:`~.round_end.DEAD_STATES`) by its reap or now, but read
+    alive before (in ``seen``), is shown as it was then: a stopped worker killed by the
+    launcher's stop of its group before its own timer expired is reaped as a zombie
+    (``Z``, its stacks unreadable), yet it is the one that held its peers up."""
+    seen = seen or LiveStates()
     live = [pid for pid in pids.values() if pid not in reaped]
     states = {pid: process_state(pid) for pid in live}
-    todo = [pid for pid in live if pid not in known]
+    todo = [pid for pid in live if pid not in seen.evidence and states[pid] not in DEAD_STATES]
     found = {pid: ev.line() for pid, ev in source.evidence(todo).items()} if todo else {}
     ranks: list[RankWhere] = []
     for local_rank, pid in sorted(pids.items()):
         reap = reaped.get(pid)
         if reap is not None:
+            state = reap.state
             where = reap.evidence.line() if reap.evidence is not None else None
         else:
-            where = known.get(pid) or found.get(pid)
-        state = reap.state if reap is not None else states.get(pid, "")
-        where = where or "stacks not read"
-        ranks.append(
-            RankWhere(round_.rank(local_rank), local_rank, pid, state, reap is not None, where)
-        )
+            state, where = states.get(pid, ""), found.get(pid)
+        before = seen.states.get(pid, "")
+        if state in DEAD_STATES and before not in DEAD_STATES:  # dead now, alive then
+            state, where = before, seen.evidence.get(pid) or where
+        elif reap is None:
+            where = seen.evidence.get(pid) or where
+        rank = round_.rank(local_rank)
+        ranks.append(RankWhere(rank, local_rank, pid, state, reap is not None, where or NOT_READ))
     return HangWhere(round_.round, round_.node, tuple(ranks))
 
 

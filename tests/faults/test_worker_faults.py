@@ -105,8 +105,10 @@ def test_a_worker_stopped_between_its_timers_is_named_not_the_peer_waiting_on_it
     stacks = r"main thread at \S+steps\.py:\d+ in {} \(stacks in \S+\)"
     assert re.search(rf"hang in round 0 on {node}: .*rank 1 \(stopped\): " + stacks.format("main"),
                      out), out  # fmt: skip
+    # waiting on its peer's file: py-spy names the innermost frame, which may be the read
+    # that _wait_for_peers makes (CI caught it there once)
     assert re.search(r"hang in round 0 on steps-0: rank 0 \(reaped\): "
-                     + stacks.format("_wait_for_peers"), out), out  # fmt: skip
+                     + stacks.format("(_wait_for_peers|_read_step)"), out), out  # fmt: skip
     verdict = (rf"hang in round 0 \(2 nodes reported\): culprit: rank 1 on {node} "
                r"\(stopped\): main thread at \S+steps\.py:\d+ in main")  # fmt: skip
     if replicas > 1:  # every node said it: the verdict across nodes names the stopped rank

@@ -201,6 +201,24 @@ def test_stopped_failure_names_a_live_stopped_worker_without_any_reap() -> None:
     assert stopped_failure(ROUND, PIDS, {}) is None
 
 
+def test_later_readings_never_replace_a_live_one_with_a_dead_one() -> None:
+    """The attempt keeps what it read of its workers while they lived: a stopped worker
+    killed afterwards (the stop of its group) stays the stopped one it was, with its
+    stacks; a live reading replaces an earlier one, and a dead one fills a gap."""
+    seen = LiveStates({100: "S", 101: "T"}, {101: "main thread at /w/t.py:9 in f"})
+    later = seen.then(LiveStates({100: "R", 101: "Z", 102: ""}, {101: "stacks unavailable"}))
+    assert later.states == {100: "R", 101: "T", 102: ""}
+    assert later.evidence == {101: "main thread at /w/t.py:9 in f"}
+    for dead in ("", "Z", "X", "x"):
+        assert seen.then(LiveStates({101: dead})).states[101] == "T"
+    # stopped again elsewhere: the newer live reading and its stacks win
+    again = later.then(LiveStates({101: "T"}, {101: "main thread at /w/t.py:12 in g"}))
+    assert again.evidence[101].endswith("in g")
+    # dead both times: the newer one stands
+    assert LiveStates({7: "Z"}).then(LiveStates({7: ""})).states == {7: ""}
+    assert seen.then(LiveStates()) == seen
+
+
 def test_stopped_failure_takes_the_lowest_stopped_local_rank() -> None:
     reaped = {100: _reap(100, "t", "a"), 101: _reap(101, "T", "b")}
     got = stopped_failure(ROUND, PIDS, reaped)
