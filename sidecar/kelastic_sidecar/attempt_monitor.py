@@ -14,6 +14,10 @@ coordinator (:meth:`~kelastic_sidecar.inprocess.coordinator.InProcessCoordinator
 the hybrid rung): taken, the round goes on (its peers restart in process) and
 the coordinator's :class:`RespawnDue` becomes a ``respawn`` for the launcher, whose
 ``started`` adds the new pid; refused, the round ends as without it.
+
+Over ~400 lines because it is one event loop: the attempt's state (pids, timer tokens,
+reaps, what was read of the workers) and every event that changes it; its decisions are
+the pure functions of :mod:`~kelastic_sidecar.round_end` and :mod:`~kelastic_sidecar.witness`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ from kelastic.hang_where import HangWhere
 from kelastic_etcd import EtcdError
 
 from .control import ControlServer, Disconnected, Message
-from .events import Event, FromLauncher, RendezvousChanged, RespawnDue, SparePromoted, WorkerReaped
+from .events import (
+    Event,
+    FromLauncher,
+    RendezvousChanged,
+    RespawnDue,
+    SparePromoted,
+    WorkerReaped,
+    take_reaps,
+)
 from .failure import CAUSE_HANG, CAUSE_START_FAILURE, CAUSE_WORKER_FAILURE, Failure, signal_name
 from .failure_rules import in_process_allowed
 from .inprocess import respawn_failure
@@ -334,12 +346,7 @@ class AttemptMonitor:
         reaps on its own thread: a stopped worker's own timer may expire just after its
         peer's exit ended the round), so that the round's evidence has them, with the
         stacks read before each kill; every other event stays queued, in order."""
-        events = self._events
-        with events.mutex:  # the queue's own lock: no put or get meanwhile
-            reaps = [e for e in events.queue if isinstance(e, WorkerReaped)]
-            for event in reaps:
-                events.queue.remove(event)
-        for event in reaps:
+        for event in take_reaps(self._events):
             self.on_reaped(event.reap)
 
     def _observe(self) -> LiveStates:

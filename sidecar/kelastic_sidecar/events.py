@@ -6,11 +6,12 @@ server a launcher message (:class:`FromLauncher`), the rendezvous watch a possib
 (:class:`RendezvousChanged`), the in-process coordinator a dead rank to start again
 (:class:`RespawnDue`), a spare that took its place (:class:`SparePromoted`) or its hard
 timeout's kill of a hung worker (a :class:`WorkerReaped`, as the timer server's). Plain
-data: this module builds and starts nothing.
+data (and :func:`take_reaps`): this module builds and starts nothing.
 """
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ __all__ = [
     "RespawnDue",
     "SparePromoted",
     "WorkerReaped",
+    "take_reaps",
 ]
 
 
@@ -72,3 +74,14 @@ class RendezvousChanged:
 
 #: What the supervisor's main thread takes off its queue.
 Event = WorkerReaped | FromLauncher | RendezvousChanged | RespawnDue | SparePromoted
+
+
+def take_reaps(events: queue.Queue[Event]) -> list[WorkerReaped]:
+    """Take the :class:`WorkerReaped` events out of ``events`` now, oldest first; every
+    other event stays queued, in order (under the queue's own lock: no put or get runs
+    meanwhile). For a reap that must not wait behind the events queued before it."""
+    with events.mutex:
+        reaps = [e for e in events.queue if isinstance(e, WorkerReaped)]
+        for event in reaps:
+            events.queue.remove(event)
+    return reaps
