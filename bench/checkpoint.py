@@ -23,6 +23,10 @@ repetitions than within one); the ratio of the medians is shown beside it.
   (:func:`kelastic.checkpoint.persist.persist`: checks, archives, fsync, rename; no
   torch) vs torch's own ``dcp.save`` of the same state (``no_dist``, fsyncs each file).
 
+- **step time while persisting** (:mod:`bench.persist_overhead`): a loop of compute and
+  a memory save every step, with the sidecar's persistence running in another process
+  (every 10th step written to disk) vs without.
+
 Restore from a peer and from disk, DCP's ``async_save``, DLRover, ML Flashpoint and NVRx
 are the later parts' rows.
 """
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import CaseResult, Check, Row, log, median, save_partial
+from .persist_overhead import measure_persist_overhead
 
 MIB = 1 << 20
 #: a model's tensors (MiB) by kind, repeated to fill a third of the state; AdamW's two
@@ -242,4 +247,8 @@ def checkpoint(quick: bool) -> CaseResult:
             log(f"checkpoint: 1 GiB skipped: {_available() / MIB:.0f} MiB available, 9 GiB needed")
     for label, total, reps in sizes:
         _measure_size(result, label, total, reps)
+    label, total, _ = sizes[0]
+    blocks, steps = (2, 10) if quick else (6, 30)
+    measure_persist_overhead(result, label, state_dict(total), blocks, steps)
+    save_partial(result)
     return result
