@@ -382,10 +382,13 @@ def _master_codec(raw: bytes) -> None:
 
 def _checkpoints_codec(raw: bytes) -> None:
     from kelastic.etcd_values.checkpoints import (
+        MAX_PERSISTED,
+        MAX_SLOTS,
         MAX_STEP,
         decode_checkpoints,
         encode_checkpoints,
         restorable_step,
+        restore_of,
     )
 
     try:
@@ -393,15 +396,22 @@ def _checkpoints_codec(raw: bytes) -> None:
     except (etcd_values.CorruptValueError, etcd_values.ForeignValueError):
         return
     for rank, steps in doc.ranks.items():
-        assert rank >= 0 and len(steps) <= 2 and all(0 <= s <= MAX_STEP for s in steps)
+        assert rank >= 0 and len(steps) <= MAX_SLOTS and all(0 <= s <= MAX_STEP for s in steps)
         assert list(steps) == sorted(set(steps), reverse=True)
+    steps = [s for s, _ in doc.persisted]
+    assert len(steps) <= MAX_PERSISTED and steps == sorted(set(steps), reverse=True)
+    assert all(0 <= s <= MAX_STEP and 1 <= w <= 2**31 - 1 for s, w in doc.persisted)
     assert decode_checkpoints(encode_checkpoints(doc), "key") == doc  # written alike
     nodes = ("a",)
     step = restorable_step({"a": doc}, nodes, max(1, len(doc.ranks)), doc.job)
     assert step is None or all(step in doc.ranks.get(r, ()) for r in range(len(doc.ranks)))
+    restore = restore_of(0, {"a": doc}, nodes, max(1, len(doc.ranks)), doc.job)
+    assert restore.step is None or restore.step in {*steps, *(step,)}
 
 
-CHECKPOINTS = {"version": 1, "job": "uid", "ranks": {"0": [12, 11], "1": [12]}, "time": 1.5}
+CHECKPOINTS = {"version": 2, "job": "uid", "ranks": {"0": [12, 11], "1": [12]},
+               "persisted": [[10, 2], [5, 2]], "time": 1.5}  # fmt: skip
+CHECKPOINTS_V1 = {"version": 1, "job": "uid", "ranks": {"0": [12, 11], "1": [12]}, "time": 1.5}
 
 
 # ------------------------------------------------------------------ the registry
@@ -444,7 +454,7 @@ DECODERS: dict[str, Decoder] = {
     "report_codec": Decoder(_report_codec, REPORT, ({**REPORT, "outcome": "succeeded"},)),
     "master_codec": Decoder(_master_codec, {"addr": "10.0.0.1", "port": 29500}),
     "departure": Decoder(_departure, {"reason": "scale_down"}),
-    "checkpoints_codec": Decoder(_checkpoints_codec, CHECKPOINTS),
+    "checkpoints_codec": Decoder(_checkpoints_codec, CHECKPOINTS, (CHECKPOINTS_V1,)),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}
 

@@ -147,7 +147,8 @@ class Training:
             opt.load_state_dict(state["opt"])
             run.epoch, run.step = state["epoch"], state["step"]
             if rank0:
-                print(f"resumed from checkpoint: epoch {run.epoch} step {run.step} (in memory, "
+                tier = "on disk" if checkpoint.agreed_tier() == "disk" else "in memory"
+                print(f"resumed from checkpoint: epoch {run.epoch} step {run.step} ({tier}, "
                       f"update {run.updates}, loaded in {time.monotonic() - started:.3f} s; "
                       f"restart {restart})")  # fmt: skip
         elif run.ckpt_path.exists():

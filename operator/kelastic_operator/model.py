@@ -900,8 +900,9 @@ class LastHang(_Status):
 class LastCheckpoint(_Status):
     """What the current round's workers restored from the in-memory checkpoints
     (``status.lastCheckpoint``; ``spec.checkpoint``, ``kelastic.checkpoint``): before
-    each round every sidecar records its node's verified committed steps in etcd, and
-    all agree on the highest step every rank holds
+    each round every sidecar records its node's verified committed steps in etcd, with
+    the steps it sees complete on the job's persistence volume, and all agree on the
+    highest step every rank holds in memory or can read from disk
     (:func:`kelastic.etcd_values.checkpoints.restore_of`). Steps saved during the round
     show at the next one (the sidecars record them only while the workers are stopped)."""
 
@@ -911,8 +912,10 @@ class LastCheckpoint(_Status):
     )
     tier: str = Field(
         default="",
-        description="where from: memory (each rank's own node's slots), or none (some "
-        "rank held a step, but no step every rank holds: the workers started without one)",
+        description="where from: memory (each rank's own node's slots), disk (the job's "
+        "persistence volume, spec.checkpoint.persist: no step every rank holds in memory is "
+        "as new, e.g. after a Pod was replaced), or none (some rank held a step, but no "
+        "step every rank holds: the workers started without one)",
     )
     time: str | None = Field(
         default=None,

@@ -199,13 +199,33 @@ def persist_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
 
 
 def trainer_persist_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
-    """The trainer's part of ``spec.checkpoint.persist``: ``everySteps`` (its saves mark
-    those steps due, :mod:`kelastic.checkpoint.due`), the same value as the sidecar's;
-    none when unset or 0."""
+    """The trainer's part of ``spec.checkpoint.persist``: the folder, as the sidecar's (a
+    step restored from disk is read there: :func:`persist_mount`), and ``everySteps``
+    when set (its saves mark those steps due, :mod:`kelastic.checkpoint.due`); none
+    without ``persist``."""
     persist = spec.checkpoint.persist
-    if persist is None or not persist.every_steps:
+    if persist is None:
         return []
-    return [{"name": contract.ENV_CHECKPOINT_PERSIST_EVERY, "value": str(persist.every_steps)}]
+    env = [{"name": contract.ENV_CHECKPOINT_PERSIST_DIR,
+            "value": f"{contract.PERSIST_MOUNT}/{persist.path}"}]  # fmt: skip
+    if persist.every_steps:
+        env.append({"name": contract.ENV_CHECKPOINT_PERSIST_EVERY,
+                    "value": str(persist.every_steps)})  # fmt: skip
+    return env
+
+
+def persist_mount(spec: ElasticJobSpec, *, read_only: bool) -> dict[str, Any] | None:
+    """The mount of ``spec.checkpoint.persist``'s volume at
+    :data:`kelastic.contract.PERSIST_MOUNT`: read-write in the sidecar (it writes the
+    steps), read only in the trainer (its workers read a step restored from disk; a
+    trainer may mount the same volume elsewhere too). None without ``persist``."""
+    persist = spec.checkpoint.persist
+    if persist is None:
+        return None
+    mount: dict[str, Any] = {"name": persist.volume, "mountPath": contract.PERSIST_MOUNT}
+    if read_only:
+        mount["readOnly"] = True
+    return mount
 
 
 def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
@@ -356,8 +376,8 @@ def sidecar_container(
     mounts = [_run_mount()]
     if spec.checkpoint.memory is not None:
         mounts.append(_checkpoint_mount())
-    if spec.checkpoint.persist is not None:  # the template's shared volume
-        mounts.append({"name": spec.checkpoint.persist.volume, "mountPath": contract.PERSIST_MOUNT})
+    if (persisted := persist_mount(spec, read_only=False)) is not None:  # the shared volume
+        mounts.append(persisted)
     if spec.rendezvous.tls_secret:
         mounts.append({"name": ETCD_TLS_VOLUME, "mountPath": ETCD_TLS_MOUNT, "readOnly": True})
     probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT_NAME}}
@@ -409,6 +429,21 @@ def launcher_command(
         python, "-m", "kelastic.launch", "--nproc-per-node", str(nproc), *warm, "--",
         *(str(c) for c in command), *(str(a) for a in args),
     ]  # fmt: skip
+
+
+def _trainer_mounts(trainer: dict[str, Any], spec: ElasticJobSpec) -> list[dict[str, Any]]:
+    """The trainer's mounts: the user's, kelastic's run volume and checkpoint volume
+    (unless mounted under those names already), and the persistence volume read only at
+    :data:`kelastic.contract.PERSIST_MOUNT` (beside the user's own mount of it, if any)."""
+    mounts = list(trainer.get("volumeMounts") or [])
+    wanted = [_run_mount()] + ([_checkpoint_mount()] if spec.checkpoint.memory else [])
+    for mount in wanted:
+        if not any(m.get("name") == mount["name"] for m in mounts):
+            mounts.append(mount)
+    if (persisted := persist_mount(spec, read_only=True)) is not None:
+        mounts = [m for m in mounts if m.get("mountPath") != contract.PERSIST_MOUNT]
+        mounts.append(persisted)
+    return mounts
 
 
 def _trainer_index(containers: list[dict[str, Any]]) -> int:
@@ -482,12 +517,7 @@ def build_pod(
         if var not in have:
             env.append({"name": var, "value": value})
     trainer["env"] = env + inprocess
-    mounts = list(trainer.get("volumeMounts") or [])
-    wanted = [_run_mount()] + ([_checkpoint_mount()] if spec.checkpoint.memory else [])
-    for mount in wanted:
-        if not any(m.get("name") == mount["name"] for m in mounts):
-            mounts.append(mount)
-    trainer["volumeMounts"] = mounts
+    trainer["volumeMounts"] = _trainer_mounts(trainer, spec)
     trainer["terminationMessagePath"] = contract.DEFAULT_TERMINATION_LOG
     trainer["terminationMessagePolicy"] = "FallbackToLogsOnError"
 

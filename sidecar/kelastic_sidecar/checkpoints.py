@@ -32,12 +32,15 @@ from typing import Any
 from kelastic import contract
 from kelastic.checkpoint import CheckpointError
 from kelastic.checkpoint.discard import discard_newer
+from kelastic.checkpoint.persist import persisted_steps
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.checkpoint.volume import touch_volume
 from kelastic.etcd_values import CorruptValueError, ForeignValueError
 from kelastic.etcd_values.checkpoints import (
+    MAX_PERSISTED,
     CheckpointsDoc,
     Restore,
+    RestoreTier,
     decode_checkpoints,
     encode_checkpoints,
     restore_of,
@@ -101,15 +104,17 @@ def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *,
     the record, or None when none was made."""
     directory = contract.checkpoint_dir()
     if stopped and directory.is_dir():
-        return publish_record(store, keys, cfg.node, directory, cfg.job_uid)
+        persisted = cfg.persist.directory if cfg.persist is not None else None
+        return publish_record(store, keys, cfg.node, directory, cfg.job_uid, persisted)
     return None
 
 
 def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info: RendezvousInfo,
                nproc: int, carried: bool) -> tuple[dict[str, str], Restore] | None:  # fmt: skip
-    """``$KELASTIC_CHECKPOINT_STEP`` for the round's workers (the round's
-    :func:`~kelastic.etcd_values.checkpoints.restore_of` from :func:`read_records`; ``"none"``
-    when no step is restorable by every rank) and the round's :class:`Restore`, or None
+    """``$KELASTIC_CHECKPOINT_STEP`` and ``$KELASTIC_CHECKPOINT_TIER`` for the round's
+    workers (the round's :func:`~kelastic.etcd_values.checkpoints.restore_of` from
+    :func:`read_records`; ``"none"`` when no step is restorable by every rank, from memory
+    or disk) and the round's :class:`Restore`, or None
     (no variable) when the workers are ``carried`` in process (they keep their state: no
     load) or the sidecar does not see the slot folder. The node's slots of steps newer
     than the agreed one (all, when none) are dropped first
@@ -122,21 +127,26 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     records = read_records(store, keys, info.participants)
     restore = restore_of(info.round, records, info.participants, nproc, cfg.job_uid)
     log.info("round %d: checkpoint step to restore: %s", info.round,
-             "none" if restore.step is None else restore.step)  # fmt: skip
+             "none" if restore.step is None else f"{restore.step} from {restore.tier}")  # fmt: skip
     try:
         discard_newer(directory, cfg.job_uid, restore.step)
     except OSError as exc:
         log.error("checkpoint: cannot drop the steps newer than %s in %s: %s", restore.step,
                   directory, exc)  # fmt: skip
     value = contract.CHECKPOINT_STEP_NONE if restore.step is None else str(restore.step)
-    return {contract.ENV_CHECKPOINT_STEP: value}, restore
+    tier = (contract.CHECKPOINT_TIER_DISK if restore.tier is RestoreTier.DISK
+            else contract.CHECKPOINT_TIER_MEMORY)  # fmt: skip
+    return {contract.ENV_CHECKPOINT_STEP: value, contract.ENV_CHECKPOINT_TIER: tier}, restore
 
 
 def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory: Path,
-                   job: str) -> CheckpointsDoc:  # fmt: skip
+                   job: str, persisted: Path | None = None) -> CheckpointsDoc:  # fmt: skip
     """Record ``node``'s verified committed steps of ``job`` in ``directory`` at
-    ``keys.checkpoint(node)`` (an empty record when it holds none). Call it while no
-    worker of the node runs (before joining a round).
+    ``keys.checkpoint(node)`` (an empty record when it holds none), with the job's steps
+    complete in the persistence folder ``persisted`` (the newest
+    :data:`~kelastic.etcd_values.checkpoints.MAX_PERSISTED`;
+    :func:`kelastic.checkpoint.persist.persisted_steps`). Call it while no worker of the
+    node runs (before joining a round).
 
     Returns:
         The record written (or that could not be: the failure is logged, and the
@@ -150,7 +160,13 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
     except OSError as exc:
         log.error("checkpoint: cannot read the slots in %s: %s", directory, exc)
         ranks = {}
-    doc = CheckpointsDoc(job, ranks, time.time())
+    on_disk: list[tuple[int, int]] = []
+    if persisted is not None:
+        try:
+            on_disk = persisted_steps(persisted, job)[:MAX_PERSISTED]
+        except OSError as exc:
+            log.error("checkpoint: cannot read the persisted steps in %s: %s", persisted, exc)
+    doc = CheckpointsDoc(job, ranks, time.time(), tuple(on_disk))
     key = keys.checkpoint(node)
     try:
         store.put(key, encode_checkpoints(doc))
@@ -161,9 +177,10 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
         except EtcdError as again:
             log.error("checkpoint: cannot delete the stale record %s: %s", key, again)
         return doc
-    if ranks:
-        log.info("checkpoint: committed steps %s recorded (slots checked in %.3f s)",
-                 {r: list(s) for r, s in ranks.items()}, time.monotonic() - started)  # fmt: skip
+    if ranks or on_disk:
+        log.info("checkpoint: committed steps %s, persisted steps %s recorded (checked in "
+                 "%.3f s)", {r: list(s) for r, s in ranks.items()}, [s for s, _ in on_disk],
+                 time.monotonic() - started)  # fmt: skip
     return doc
 
 

@@ -145,12 +145,39 @@ def test_persist_mounts_the_shared_volume_in_the_sidecar_and_sets_its_env() -> N
     assert cfg.persist == PersistSettings(
         Path(contract.PERSIST_MOUNT) / "runs/digits", 50, False, 5
     )
-    # the trainer's own mount of the volume is untouched; its saves mark the due steps
+    # the trainer's own mount of the volume is untouched; its saves mark the due steps;
+    # it sees the folder read only at the sidecar's path (a step restored from disk)
     trainer = _containers(pod)["trainer"]
     trainer_env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert trainer_env[contract.ENV_CHECKPOINT_PERSIST_EVERY] == "50"
-    assert contract.ENV_CHECKPOINT_PERSIST_DIR not in trainer_env
+    assert (
+        trainer_env[contract.ENV_CHECKPOINT_PERSIST_DIR] == env[contract.ENV_CHECKPOINT_PERSIST_DIR]
+    )
     assert {"name": "checkpoints", "mountPath": "/checkpoints"} in trainer["volumeMounts"]
+    assert {"name": "checkpoints", "mountPath": contract.PERSIST_MOUNT,
+            "readOnly": True} in trainer["volumeMounts"]  # fmt: skip
+    kv.validate(pod, "1.33", strict=True)
+
+
+def test_the_trainers_mount_at_the_persistence_path_is_kelastics() -> None:
+    """A user's own mount at kelastic's path (and their own env entry of the folder) is
+    replaced: two mounts at one path would be refused; without ``everySteps`` the
+    trainer still gets the folder (a stop persists, a later round restores from it)."""
+    spec = _persisting()
+    doc = spec.model_dump(by_alias=True, exclude_none=True)
+    trainer = doc["template"]["spec"]["containers"][0]
+    trainer["volumeMounts"].append({"name": "checkpoints", "mountPath": contract.PERSIST_MOUNT})
+    trainer.setdefault("env", []).append(
+        {"name": contract.ENV_CHECKPOINT_PERSIST_DIR, "value": "/elsewhere"})  # fmt: skip
+    pod = build_pod("digits", "ml", UID, ElasticJobSpec.model_validate(doc), 0, SETTINGS)
+    built = _containers(pod)["trainer"]
+    at_path = [m for m in built["volumeMounts"] if m["mountPath"] == contract.PERSIST_MOUNT]
+    assert at_path == [{"name": "checkpoints", "mountPath": contract.PERSIST_MOUNT,
+                        "readOnly": True}]  # fmt: skip
+    env = [e for e in built["env"] if e["name"] == contract.ENV_CHECKPOINT_PERSIST_DIR]
+    assert env == [{"name": contract.ENV_CHECKPOINT_PERSIST_DIR,
+                    "value": f"{contract.PERSIST_MOUNT}/kelastic-checkpoints"}]  # fmt: skip
+    assert not any(e["name"] == contract.ENV_CHECKPOINT_PERSIST_EVERY for e in built["env"])
     kv.validate(pod, "1.33", strict=True)
 
 

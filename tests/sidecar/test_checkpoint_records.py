@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kelastic import contract
-from kelastic.checkpoint import CheckpointStore
+from kelastic.checkpoint import CheckpointStore, persist
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.etcd_values.checkpoints import decode_checkpoints, restore_of
 from kelastic_etcd import EtcdClient
@@ -134,3 +134,48 @@ def test_each_round_says_what_its_workers_restore_and_counts_it(
     assert on("a").worker_env(RendezvousInfo(3, 0, 2, ("a", "b")), 1, True) is None
     status = part["a"].status()
     assert status is not None and status["round"] == 2
+
+
+def test_a_replaced_pod_restores_the_persisted_step_with_every_other_rank(
+    store: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b's Pod is replaced: its slots are new and empty, so no step is in every rank's
+    memory; both nodes saw step 4 complete on the job's persistence volume and agree on
+    it, from disk, named in the workers' env, ``/status`` and the metrics."""
+    disk = tmp_path / "persist"
+    env = {contract.ENV_CHECKPOINT_PERSIST_DIR: str(disk), contract.ENV_JOB_UID: "uid"}
+    metrics = {n: SidecarMetrics(lambda: TimerStats()) for n in "ab"}
+    part = {}
+    for n in "ab":
+        cfg = SidecarConfig.from_env(GOOD | env | {contract.ENV_POD_NAME: n})
+        part[n] = RoundCheckpoints(store, contract.Keys(cfg.prefix), cfg,
+                                   on_restore=restore_reporter(metrics[n]))  # fmt: skip
+    slots = {n: tmp_path / n for n in "ab"}
+    for rank, n in enumerate("ab"):
+        slots[n].mkdir()
+        with CheckpointStore(slots[n], rank=rank, job="uid", world_size=2, round=0) as ckpt:
+            for step in range(1, 6):
+                ckpt.save(step, {"w": torch.full((10,), float(step))}, blocking=True)
+        for step in (3, 4):  # the slots hold 3, 4, 5
+            persist.persist(slots[n], rank, "uid", step, disk)
+    for f in slots["b"].iterdir():  # the replacement's slots
+        f.unlink()
+    nodes = ("a", "b")
+    for n in nodes:
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(slots[n]))
+        part[n].before_rendezvous(stopped=True)
+        got = store.get(contract.Keys(part[n]._cfg.prefix).checkpoint(n))
+        assert got is not None and decode_checkpoints(got[0], "k").persisted == ((4, 2), (3, 2))
+    envs = {}
+    for rank, n in enumerate(nodes):
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(slots[n]))
+        envs[n] = part[n].worker_env(RendezvousInfo(1, rank, 2, nodes), 1, False)
+    for n in nodes:
+        assert envs[n] == {contract.ENV_CHECKPOINT_STEP: "4",
+                           contract.ENV_CHECKPOINT_TIER: contract.CHECKPOINT_TIER_DISK}  # fmt: skip
+        status = part[n].status()
+        assert status is not None and (status["step"], status["tier"]) == (4, "disk")
+        sample = metrics[n].registry.get_sample_value
+        assert sample("kelastic_checkpoint_restores_total", {"tier": "disk"}) == 1
+    # a's memory steps newer than 4 belong to a history the job abandons: dropped
+    assert verified_steps(slots["a"], "uid") == {0: (4, 3)}

@@ -25,6 +25,7 @@ from kelastic.etcd_values.checkpoints import (
     RestoreTier,
     decode_checkpoints,
     encode_checkpoints,
+    persisted_step,
     restorable_step,
     restore_of,
 )
@@ -32,12 +33,22 @@ from tests.conftest import strict_umask
 
 # ------------------------------------------------------------------ the codec
 
+DEEP = b"[" * 500 + b"]" * 500  # nesting past the bounded reader's depth
+
 
 def test_a_record_round_trips() -> None:
-    doc = CheckpointsDoc("uid-1", {0: (12, 11), 3: (7,), 1: ()}, 1764190000.5)
+    doc = CheckpointsDoc("uid-1", {0: (12, 11), 3: (7,), 1: ()}, 1764190000.5, ((10, 4), (5, 2)))
     raw = encode_checkpoints(doc)
-    assert raw.startswith(b'{"version":1,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]}')
+    assert raw == (b'{"version":2,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]},'
+                   b'"persisted":[[10,4],[5,2]],"time":1764190000.5}')  # fmt: skip
     assert decode_checkpoints(raw, "k") == doc
+
+
+def test_a_version_1_record_is_read_as_one_that_sees_no_persisted_step() -> None:
+    raw = b'{"version":1,"job":"j","ranks":{"0":[3]},"time":1.5}'
+    assert decode_checkpoints(raw, "k") == CheckpointsDoc("j", {0: (3,)}, 1.5, ())
+    with pytest.raises(CorruptValueError, match="fields"):  # version 1 knew no persisted
+        decode_checkpoints(b'{"version":1,"job":"j","ranks":{},"persisted":[],"time":1}', "k")
 
 
 @pytest.mark.parametrize(
@@ -60,6 +71,35 @@ def test_a_record_round_trips() -> None:
         (b'{"version":1,"job":"j","ranks":{"0":[1.5]},"time":1}', "a step outside"),
         (b'{"version":1,"job":"j","ranks":{"0":[9007199254740993]},"time":1}', "a step outside"),
         (b'{"version":true,"job":"j","ranks":{},"time":1}', "bad version"),
+        (b'{"version":2,"job":"j","ranks":{},"time":1}', "fields"),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":{},"time":1}', "not a list"),
+        (
+            b'{"version":2,"job":"j","ranks":{},"persisted":[[1,1]' + b",[0,1]" * 16 + b"],"
+            b'"time":1}',
+            "at most 16",
+        ),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":[[1]],"time":1}', "is not \\[step"),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":[[1,0]],"time":1}', "is not \\[step"),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":[[-1,1]],"time":1}', "is not \\[step"),
+        (
+            b'{"version":2,"job":"j","ranks":{},"persisted":[[1,2147483648]],"time":1}',
+            "is not \\[step",
+        ),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":[[1,true]],"time":1}', "is not \\[step"),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":[[1,1.0]],"time":1}', "is not \\[step"),
+        (
+            b'{"version":2,"job":"j","ranks":{},"persisted":[[9007199254740993,1]],"time":1}',
+            "is not \\[step",
+        ),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":[[1,1],[2,1]],"time":1}', "newest first"),
+        (b'{"version":2,"job":"j","ranks":{},"persisted":[[2,1],[2,4]],"time":1}', "newest first"),
+        (
+            b'{"version":2,"job":"j","ranks":{},"persisted":'
+            + b"[" * 500
+            + b"]" * 500
+            + b',"time":1}',
+            "corrupt checkpoint record",
+        ),
     ],
 )
 def test_a_corrupt_record_is_refused_with_its_key(raw: bytes, message: str) -> None:
@@ -69,9 +109,12 @@ def test_a_corrupt_record_is_refused_with_its_key(raw: bytes, message: str) -> N
 
 
 def test_another_version_is_foreign_and_bad_docs_are_not_written() -> None:
-    with pytest.raises(ForeignValueError, match="version 2"):
-        decode_checkpoints(b'{"version":2,"job":"j","ranks":{},"time":1}', "k")
+    with pytest.raises(ForeignValueError, match="version 3, this kelastic reads 1, 2"):
+        decode_checkpoints(b'{"version":3,"job":"j","ranks":{},"time":1}', "k")
     for doc in (
+        CheckpointsDoc("j", {}, 1.0, ((1, 1), (2, 1))),
+        CheckpointsDoc("j", {}, 1.0, ((1, 0),)),
+        CheckpointsDoc("j", {}, 1.0, tuple((s, 1) for s in range(17, 0, -1))),
         CheckpointsDoc("", {}, 1.0),
         CheckpointsDoc("j", {0: (1, 2)}, 1.0),
         CheckpointsDoc("j", {-1: (1,)}, 1.0),
@@ -141,6 +184,81 @@ def test_a_rounds_restore_says_where_from_whether_anything_was_held_and_when() -
     other = restore_of(1, {"a": CheckpointsDoc("old", {0: (9,), 1: (9,)}, 50.0)}, ("a",), 2, "j")
     assert (other.step, other.held, other.time) == (None, False, 0.0)
     assert restore_of(1, {"a": None}, ("a",), 2, "j").held is False  # missing or corrupt
+
+
+A12, B12, A87 = {0: (12,), 1: (12,)}, {2: (12,), 3: (12,)}, {0: (8, 7), 1: (8, 7)}
+
+
+def _disk(persisted: tuple[tuple[int, int], ...], ranks: dict[int, tuple[int, ...]] | None = None,
+          job: str = "j") -> CheckpointsDoc:  # fmt: skip
+    return CheckpointsDoc(job, ranks or {}, 1.0, persisted)
+
+
+@pytest.mark.parametrize(
+    ("records", "step", "tier"),
+    [
+        # b's Pod was replaced (its slots empty): both saw step 10 complete on disk
+        (
+            {"a": _disk(((10, 4), (5, 4)), {0: (12, 11), 1: (12, 11)}), "b": _disk(((10, 4),))},
+            10,
+            RestoreTier.DISK,
+        ),
+        # every rank holds 12 in memory: newer than the disk's 10, and faster
+        (
+            {
+                "a": _disk(((10, 4),), {0: (12,), 1: (12,)}),
+                "b": _disk(((10, 4),), {2: (12,), 3: (12,)}),
+            },
+            12,
+            RestoreTier.MEMORY,
+        ),
+        # the same step in memory and on disk: memory
+        (
+            {
+                "a": _disk(((12, 4),), {0: (12,), 1: (12,)}),
+                "b": _disk(((12, 4),), {2: (12,), 3: (12,)}),
+            },
+            12,
+            RestoreTier.MEMORY,
+        ),
+        # memory agrees on 7 only (rank 3 lost 8), the disk has 8 complete: the disk's
+        (
+            {
+                "a": _disk(((8, 4),), {0: (8, 7), 1: (8, 7)}),
+                "b": _disk(((8, 4),), {2: (8, 7), 3: (7,)}),
+            },
+            8,
+            RestoreTier.DISK,
+        ),
+        # a saw 15 complete, b read the folder before it was: the newest both saw
+        ({"a": _disk(((15, 4), (10, 4))), "b": _disk(((10, 4),))}, 10, RestoreTier.DISK),
+        # b sees no persistence (or its record is missing, or of another run): none
+        ({"a": _disk(((10, 4),)), "b": _disk(())}, None, RestoreTier.NONE),
+        ({"a": _disk(((10, 4),)), "b": None}, None, RestoreTier.NONE),
+        ({"a": _disk(((10, 4),)), "b": _disk(((10, 4),), job="old")}, None, RestoreTier.NONE),
+        # saved by a world of 2: ranks 2 and 3 have no folder; a world of 8 covers all 4
+        ({"a": _disk(((10, 2),)), "b": _disk(((10, 2),))}, None, RestoreTier.NONE),
+        ({"a": _disk(((10, 8), (9, 2))), "b": _disk(((10, 8), (9, 2)))}, 10, RestoreTier.DISK),
+        ({"a": _disk(((0, 4),)), "b": _disk(((0, 4),))}, 0, RestoreTier.DISK),
+    ],
+)
+def test_a_round_restores_the_newer_of_memory_and_disk_and_never_mixes_them(
+    records: dict[str, CheckpointsDoc | None], step: int | None, tier: RestoreTier
+) -> None:
+    got = restore_of(5, records, ("a", "b"), 2, "j")
+    assert (got.step, got.tier) == (step, tier)
+    if tier is RestoreTier.DISK:
+        assert persisted_step(records, ("a", "b"), 2, "j") == step
+    assert got.held is any(d is not None and d.job == "j" and (d.ranks or d.persisted)
+                           for d in records.values())  # fmt: skip
+
+
+def test_the_persisted_step_needs_participants_and_workers() -> None:
+    records = {"a": _disk(((3, 1),))}
+    assert persisted_step(records, (), 1, "j") is None
+    assert persisted_step(records, ("a",), 1, "j") == 3
+    with pytest.raises(ValueError, match="nproc"):
+        persisted_step(records, ("a",), 0, "j")
 
 
 # ------------------------------------------------------------------ the scan

@@ -110,8 +110,11 @@ def test_a_persisted_slot_loads_with_plain_dcp(tmp_path: Path) -> None:
     assert done.path == tmp_path / "persist" / "step-42" / "rank-0"
     assert done.nbytes > 0 and done.completed_step
     assert complete_steps(tmp_path / "persist") == [42]
-    assert sorted(p.name for p in done.path.iterdir()) == [".metadata", "__0_0.distcp",
-                                                           "kelastic.json"]  # fmt: skip
+    assert sorted(p.name for p in done.path.iterdir()) == [
+        ".metadata", "__0_0.distcp", "kelastic-int-keys.json", "kelastic.json"]  # fmt: skip
+    # the optimizer's int keys, which DCP stores as text (kelastic's load turns them back)
+    int_keys = json.loads((done.path / "kelastic-int-keys.json").read_text())
+    assert int_keys == [["optim", "state", str(k)] for k in state["optim"]["state"]]
     info = json.loads((done.path / "kelastic.json").read_text())
     assert (info["job"], info["step"], info["round"], info["rank"]) == (JOB, 42, 1, 0)
 

@@ -64,13 +64,22 @@ ENV_CHECKPOINT_DIR: Final = "KELASTIC_CHECKPOINT_DIR"
 ENV_CHECKPOINT_STEP: Final = "KELASTIC_CHECKPOINT_STEP"
 #: :data:`ENV_CHECKPOINT_STEP`'s value when no step is restorable by every rank.
 CHECKPOINT_STEP_NONE: Final = "none"
+#: Set by the sidecar beside :data:`ENV_CHECKPOINT_STEP`: where every rank loads that step
+#: from, :data:`CHECKPOINT_TIER_MEMORY` (its node's slots) or :data:`CHECKPOINT_TIER_DISK`
+#: (the job's persistence folder, :data:`ENV_CHECKPOINT_PERSIST_DIR` in the trainer's env
+#: too); unset: memory.
+ENV_CHECKPOINT_TIER: Final = "KELASTIC_CHECKPOINT_TIER"
+CHECKPOINT_TIER_MEMORY: Final = "memory"
+CHECKPOINT_TIER_DISK: Final = "disk"
 #: Set on the sidecar when the job has a checkpoint volume (``spec.checkpoint.memory``):
 #: its size in bytes, allocated and written in full at the sidecar's start
 #: (``kelastic.checkpoint.volume.touch_volume``), so a volume too small fails then.
 ENV_CHECKPOINT_MEMORY: Final = "KELASTIC_CHECKPOINT_MEMORY"
 #: Set on the sidecar when the job persists its checkpoints (``spec.checkpoint.persist``):
 #: the folder (on a volume every Pod shares) it writes committed steps to in torch DCP's
-#: format (``kelastic.checkpoint.persist``).
+#: format (``kelastic.checkpoint.persist``); on the trainer too (the volume mounted read
+#: only at the same path), where ``kelastic.checkpoint.load()`` reads a step restored
+#: from disk.
 ENV_CHECKPOINT_PERSIST_DIR: Final = "KELASTIC_CHECKPOINT_PERSIST_DIR"
 #: Persist every step that is a multiple of this (0: only when the Pod stops).
 ENV_CHECKPOINT_PERSIST_EVERY: Final = "KELASTIC_CHECKPOINT_PERSIST_EVERY"
@@ -78,7 +87,7 @@ ENV_CHECKPOINT_PERSIST_EVERY: Final = "KELASTIC_CHECKPOINT_PERSIST_EVERY"
 ENV_CHECKPOINT_PERSIST_ON_STOP: Final = "KELASTIC_CHECKPOINT_PERSIST_ON_STOP"
 #: How many complete persisted steps are kept (older ones are removed).
 ENV_CHECKPOINT_PERSIST_KEEP: Final = "KELASTIC_CHECKPOINT_PERSIST_KEEP"
-#: Where the sidecar mounts the persistence volume.
+#: Where the sidecar (read-write) and the trainer (read only) mount the persistence volume.
 PERSIST_MOUNT: Final = "/var/run/kelastic-persist"
 #: Complete persisted steps kept by default, and the bounds of the settings.
 DEFAULT_PERSIST_KEEP: Final = 3

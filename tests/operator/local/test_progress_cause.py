@@ -132,7 +132,7 @@ def test_each_rounds_checkpoint_restore_is_said_once() -> None:
 def test_a_crafted_checkpoint_document_says_nothing() -> None:
     said: list[str] = []
     reporter = ProgressReporter(load_manifest(DIGITS), said.append)
-    for doc in (None, "x", [], _restored(True, 3, "memory"), _restored(1, 3, "disk"),  # type: ignore[arg-type]
+    for doc in (None, "x", [], _restored(True, 3, "memory"), _restored(1, 3, "tape"),  # type: ignore[arg-type]
                 _restored(1, "3", "memory"), _restored(1, 3.5, "memory"),  # type: ignore[arg-type]
                 _restored(1, None, "memory"), _restored(1, 3, "none"),
                 _restored(10**400, 3, "memory"), _restored(1, 3, "memory", ranks=None),

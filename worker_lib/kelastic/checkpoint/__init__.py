@@ -54,6 +54,7 @@ from kelastic import contract
 
 from ._handle import SaveHandle
 from ._slotfile import CheckpointError, CheckpointSpaceError
+from .from_disk import load_persisted, persist_root
 from .slot_format import FORMAT_VERSION, SlotFormatError
 from .store import CheckpointStore, SlotInfo, slot_bytes
 from .tree import TreeError
@@ -68,6 +69,7 @@ __all__ = [
     "SlotInfo",
     "TreeError",
     "agreed_step",
+    "agreed_tier",
     "default_store",
     "load",
     "open_store",
@@ -153,6 +155,20 @@ def agreed_step() -> int | bool | None:
     return int(value)
 
 
+def agreed_tier() -> str:
+    """Where the job agreed to restore from (``$KELASTIC_CHECKPOINT_TIER``, set by the
+    sidecar with the step): :data:`kelastic.contract.CHECKPOINT_TIER_MEMORY` (also when
+    unset) or :data:`kelastic.contract.CHECKPOINT_TIER_DISK`.
+
+    Raises:
+        CheckpointError: the variable holds something else.
+    """
+    value = os.environ.get(contract.ENV_CHECKPOINT_TIER) or contract.CHECKPOINT_TIER_MEMORY
+    if value not in (contract.CHECKPOINT_TIER_MEMORY, contract.CHECKPOINT_TIER_DISK):
+        raise CheckpointError(f"${contract.ENV_CHECKPOINT_TIER}={value!r:.40} is not a tier")
+    return value
+
+
 def load(step: int | None = None) -> tuple[int, Any] | None:
     """``(step, state_dict)`` of the step the job agreed on, else None.
 
@@ -166,9 +182,14 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
     sidecar (the variable unset), this rank's newest committed step that passes its
     checksums. ``step`` overrides both. See :meth:`CheckpointStore.load`.
 
+    When the job agreed on a step from its persistence folder (:func:`agreed_tier`
+    ``disk``: no step every rank holds in memory is as new, e.g. after a Pod was
+    replaced), this rank's part of it is read from there with torch DCP
+    (:func:`.from_disk.load_persisted`).
+
     Raises:
-        CheckpointError: ``$KELASTIC_CHECKPOINT_STEP`` is malformed; the pending
-            commit failed.
+        CheckpointError: ``$KELASTIC_CHECKPOINT_STEP`` or ``$KELASTIC_CHECKPOINT_TIER``
+            is malformed; the pending commit failed.
     """
     if step is None:
         agreed = agreed_step()
@@ -176,6 +197,8 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
             return None
         if agreed is not False:
             step = agreed
+            if agreed_tier() == contract.CHECKPOINT_TIER_DISK:
+                return load_persisted(step, _env_int(contract.RANK, 0), persist_root())
     store = default_store()
     out = store.load(step)
     if out is None and step is not None:

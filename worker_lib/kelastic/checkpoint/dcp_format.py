@@ -52,6 +52,7 @@ __all__ = [
     "DcpItem",
     "RawTensor",
     "flatten",
+    "int_key_paths",
     "metadata_pickle",
     "write_torch_save",
 ]
@@ -138,6 +139,30 @@ def flatten(state: Mapping[Any, Any]) -> list[DcpItem]:
     for key, value in state.items():
         visit((str(key),), value)
     return items
+
+
+def int_key_paths(state: Mapping[Any, Any]) -> list[list[str | int]]:
+    """Where ``state`` has int mapping keys, which DCP's flattening turns into text (an
+    optimizer's ``state``, ``{0: {...}}``, loads back from DCP as ``{"0": {...}}``, and
+    ``Optimizer.load_state_dict`` then drops it without a word): each as the path DCP
+    rebuilds (mapping keys as text, walked list indices as ints), the key last. kelastic's
+    loader turns them back (:mod:`kelastic.checkpoint.from_disk`), so that a step loads
+    from disk as it loads from memory. Other keys that are not text (bools, tuples) stay
+    as DCP makes them."""
+    found: list[list[str | int]] = []
+
+    def visit(path: tuple[str | int, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, inner in value.items():
+                if isinstance(key, int) and not isinstance(key, bool):
+                    found.append([*path, str(key)])
+                visit((*path, str(key)), inner)
+        elif isinstance(value, list) and _holds_tensor(value):
+            for index, inner in enumerate(value):
+                visit((*path, index), inner)
+
+    visit((), state)
+    return found
 
 
 # ------------------------------------------------------------------------ pickle

@@ -6,6 +6,7 @@ Layout under the job's persistence folder ``root``::
     step-<S>/rank-<R>/.metadata         one DCP checkpoint per rank: dcp.load(template,
     step-<S>/rank-<R>/__0_0.distcp      checkpoint_id=".../step-<S>/rank-<R>")
     step-<S>/rank-<R>/kelastic.json     the slot's job, step, round, rank, world size
+    step-<S>/rank-<R>/kelastic-int-keys.json   int mapping keys DCP stores as text, if any
     step-<S>/COMPLETE                   JSON {job, step, world_size, ranks}, written last
 
 Each rank folder also holds ``kelastic.json`` (job, step, round, rank, world size): a
@@ -43,12 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from kelastic._safejson import load_object
+
 from ._slotfile import SlotFile
 from .dcp_format import (
     DcpFormatError,
     RawTensor,
     StoredItem,
     flatten,
+    int_key_paths,
     metadata_pickle,
     write_torch_save,
 )
@@ -69,10 +73,13 @@ from .tree import build
 __all__ = [
     "COMPLETE",
     "DATA_FILE",
+    "INT_KEYS",
+    "RANK_INFO",
     "PersistError",
     "Persisted",
     "complete_steps",
     "persist",
+    "persisted_steps",
     "prune",
 ]
 
@@ -84,6 +91,9 @@ DATA_FILE: Final = "__0_0.distcp"
 #: round, rank, world size and creation time of the slot it was written from.
 RANK_INFO: Final = "kelastic.json"
 _MAX_INFO: Final = 4096
+#: The rank folder's list of int mapping keys DCP stores as text
+#: (:func:`~kelastic.checkpoint.dcp_format.int_key_paths`), when the state has any.
+INT_KEYS: Final = "kelastic-int-keys.json"
 _STEP_DIR: Final = re.compile(r"step-(0|[1-9][0-9]{0,18})")
 
 
@@ -158,24 +168,35 @@ def _write_rank(state: Any, folder: Path, h: SlotHeader) -> int:
     meta = metadata_pickle(stored, save_id=str(uuid.uuid4()))
     info = json.dumps({"job": h.job, "step": h.step, "round": h.round, "rank": h.rank,
                        "world_size": h.world_size, "created": h.created}).encode()  # fmt: skip
-    for name, data in ((".metadata", meta), (RANK_INFO, info)):
+    files = [(".metadata", meta), (RANK_INFO, info)]
+    if keys := int_key_paths(state):
+        files.append((INT_KEYS, json.dumps(keys, separators=(",", ":")).encode()))
+    for name, data in files:
         with open(folder / name, "xb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
     _fsync_dir(folder)
-    return nbytes + len(meta) + len(info)
+    return nbytes + sum(len(data) for _, data in files)
+
+
+def _read_doc(path: Path) -> dict[str, Any] | None:
+    """One of our small JSON files (:data:`RANK_INFO`, :data:`COMPLETE`), read within
+    bounds (the volume is the user's too: a crafted file, e.g. thousands of nested
+    brackets, must not raise); None when unreadable or not a bounded JSON object."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(_MAX_INFO + 1)
+        return load_object(raw, str(path), max_bytes=_MAX_INFO, error=ValueError)
+    except (OSError, ValueError):
+        return None
 
 
 def _rank_round(folder: Path) -> int | None:
     """The round a persisted rank folder's step was saved in (its :data:`RANK_INFO`);
     None when the folder has none or it does not decode."""
-    try:
-        with open(folder / RANK_INFO, "rb") as fh:
-            doc = json.loads(fh.read(_MAX_INFO))
-    except (OSError, ValueError):
-        return None
-    value = doc.get("round") if isinstance(doc, dict) else None
+    doc = _read_doc(folder / RANK_INFO)
+    value = doc.get("round") if doc is not None else None
     return value if type(value) is int and -1 <= value < 2**63 else None
 
 
@@ -279,6 +300,25 @@ def complete_steps(root: Path) -> list[int]:
     steps = [int(m.group(1)) for p in root.iterdir()
              if (m := _STEP_DIR.fullmatch(p.name)) and (p / COMPLETE).is_file()]  # fmt: skip
     return sorted(steps, reverse=True)
+
+
+def persisted_steps(root: Path, job: str) -> list[tuple[int, int]]:
+    """``(step, world size)`` of ``job``'s complete steps under ``root``, newest first:
+    those whose :data:`COMPLETE` names ``job``, the folder's step and a world size in
+    1..2^31 - 1. A marker of another job (a folder reused by a new job of that name),
+    unreadable or malformed, is passed over.
+
+    Raises:
+        OSError: ``root`` cannot be listed.
+    """
+    out: list[tuple[int, int]] = []
+    for step in complete_steps(root):
+        doc = _read_doc(root / f"step-{step}" / COMPLETE) or {}
+        world = doc.get("world_size")
+        if doc.get("job") == job and doc.get("step") == step and type(world) is int \
+                and 1 <= world < 2**31:  # fmt: skip
+            out.append((step, world))
+    return out
 
 
 def prune(root: Path, keep: int) -> list[Path]:

@@ -5,20 +5,30 @@ Each node's sidecar writes, before it joins a rendezvous round (its workers stop
 its slots hold still), the steps of ``kelastic.checkpoint`` that each global rank of its
 slot folder has committed *and* that pass their checksums::
 
-    {"version": 1, "job": "<run id>", "ranks": {"0": [12, 11], "1": [12, 11]},
-     "time": 1764190000.5}
+    {"version": 2, "job": "<run id>", "ranks": {"0": [12, 11], "1": [12, 11]},
+     "persisted": [[10, 4], [5, 4]], "time": 1764190000.5}
+
+``persisted``: the job's steps complete on its persistence volume
+(``spec.checkpoint.persist``, :mod:`kelastic.checkpoint.persist`) as the node saw them,
+each with the world size it was saved in, newest first. Version 1 (no ``persisted``) is
+still read, as a record that sees none.
 
 Once the round is complete, every sidecar reads its participants' records and agrees on
-:func:`restorable_step`: the highest step that the node now running each rank of the new
-world committed for that rank (the process-restart rung restores from the node's own
-slots, so a rank whose node changed holds nothing yet). Every node computes the same
-value from the same records; a rank without a step in common makes it None (the user's
-own fallback, for every rank alike: never a mixed step).
+:func:`restore_of`: from memory, :func:`restorable_step`, the highest step that the node
+now running each rank of the new world committed for that rank (the process-restart rung
+restores from the node's own slots, so a rank whose node changed holds nothing yet); from
+disk, :func:`persisted_step`, the highest step every participant saw complete, saved by
+a world at least as large as the round's (rank ``r`` loads the step's ``rank-<r>``);
+whichever is newer, memory when equal (it is faster). Every node computes the same value
+from the same records; no step in common makes it None (the user's own fallback, for
+every rank alike: never a mixed step or tier).
 
 Bounds (writer and reader alike): at most :data:`MAX_CHECKPOINTS_BYTES` bytes; ``job``
 a name (1..1024 characters); at most :data:`MAX_LOCAL_RANKS` ranks, each a decimal
 global rank in 0..:data:`MAX_RANK` with at most :data:`MAX_SLOTS` distinct steps (a rank's slots)
-in 0..:data:`MAX_STEP`, newest first; ``time`` seconds since the epoch.
+in 0..:data:`MAX_STEP`, newest first; at most :data:`MAX_PERSISTED` persisted steps,
+distinct, newest first, each with a world size in 1..:data:`MAX_RANK` + 1; ``time``
+seconds since the epoch.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from __future__ import annotations
 import enum
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -38,6 +48,7 @@ __all__ = [
     "CHECKPOINTS_VERSION",
     "MAX_CHECKPOINTS_BYTES",
     "MAX_LOCAL_RANKS",
+    "MAX_PERSISTED",
     "MAX_SLOTS",
     "MAX_STEP",
     "CheckpointsDoc",
@@ -45,11 +56,12 @@ __all__ = [
     "RestoreTier",
     "decode_checkpoints",
     "encode_checkpoints",
+    "persisted_step",
     "restorable_step",
     "restore_of",
 ]
 
-CHECKPOINTS_VERSION: Final = 1
+CHECKPOINTS_VERSION: Final = 2
 #: Largest record accepted, bytes.
 MAX_CHECKPOINTS_BYTES: Final = 256 * 1024
 #: Most ranks one node's record holds (its slot folder's ranks).
@@ -59,16 +71,24 @@ MAX_RANK: Final = 2**31 - 2
 MAX_STEP: Final = 2**53
 #: Most steps a rank's record lists: its slots (``kelastic.checkpoint.store.SLOTS``).
 MAX_SLOTS: Final = 3
-_FIELDS: Final = frozenset({"version", "job", "ranks", "time"})
+#: Most persisted steps a record lists (the newest; ``persist.keep`` keeps fewer by default).
+MAX_PERSISTED: Final = 16
+_FIELDS: Final = {
+    1: frozenset({"version", "job", "ranks", "time"}),
+    2: frozenset({"version", "job", "ranks", "persisted", "time"}),
+}
 
 
 class RestoreTier(enum.StrEnum):
     """Where a round's workers restore their state from (``status.lastCheckpoint.tier``,
-    the sidecar's ``kelastic_checkpoint_restores_total{tier}``). A peer's replica and the
-    persisted copy on disk come with replication and persistence."""
+    the sidecar's ``kelastic_checkpoint_restores_total{tier}``). A peer's replica comes
+    with replication."""
 
     #: Every rank from its own node's slots (the process-restart rung).
     MEMORY = "memory"
+    #: Every rank from the job's persistence volume (torch DCP's format): no step every
+    #: rank holds in memory is as new (a Pod replaced, a node lost, the job restarted).
+    DISK = "disk"
     #: No step every rank holds: the workers start without one (their own fallback).
     NONE = "none"
 
@@ -105,26 +125,32 @@ class CheckpointsDoc:
         ranks: global rank -> its committed steps, newest first (at most
             :data:`MAX_SLOTS`).
         time: when the sidecar read its slots, seconds since the epoch.
+        persisted: ``(step, world size)`` of the job's steps complete on its persistence
+            volume, newest first (at most :data:`MAX_PERSISTED`; empty without one).
     """
 
     job: str
     ranks: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     time: float = 0.0
+    persisted: tuple[tuple[int, int], ...] = ()
 
 
 def _check(doc: Any, where: str) -> CheckpointsDoc:
     def bad(what: str) -> CorruptValueError:
         return CorruptValueError(f"corrupt checkpoint record at {where}: {what}")
 
-    if not isinstance(doc, dict) or set(doc) != _FIELDS:
-        raise bad(f"fields {sorted(doc) if isinstance(doc, dict) else type(doc).__name__}")
-    if not is_int(doc["version"], 0, 2**31):
+    if not isinstance(doc, dict):
+        raise bad(f"fields {type(doc).__name__}")
+    version = doc.get("version")
+    if not is_int(version, 0, 2**31):
         raise bad("bad version")
-    if doc["version"] != CHECKPOINTS_VERSION:
+    if version not in _FIELDS:
         raise ForeignValueError(
-            f"checkpoint record at {where} has version {doc['version']}, "
-            f"this kelastic reads {CHECKPOINTS_VERSION}"
+            f"checkpoint record at {where} has version {version}, "
+            f"this kelastic reads {', '.join(map(str, _FIELDS))}"
         )
+    if set(doc) != _FIELDS[version]:
+        raise bad(f"fields {sorted(doc)}")
     if not is_name(doc["job"]):
         raise bad("bad job")
     if not is_time(doc["time"]):
@@ -146,7 +172,24 @@ def _check(doc: Any, where: str) -> CheckpointsDoc:
         if any(a <= b for a, b in itertools.pairwise(steps)):
             raise bad(f"rank {rank}: steps {steps} are not distinct, newest first")
         out[rank] = tuple(steps)
-    return CheckpointsDoc(doc["job"], out, float(doc["time"]))
+    return CheckpointsDoc(
+        doc["job"], out, float(doc["time"]), _persisted(doc.get("persisted", []), bad)
+    )
+
+
+def _persisted(value: Any, bad: Callable[[str], CorruptValueError]) -> tuple[tuple[int, int], ...]:
+    """The ``persisted`` field: ``[[step, world size], ...]``, distinct steps newest first."""
+    if not isinstance(value, list) or len(value) > MAX_PERSISTED:
+        raise bad(f"persisted is not a list of at most {MAX_PERSISTED}")
+    out: list[tuple[int, int]] = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and is_int(item[0], 0, MAX_STEP)
+                and is_int(item[1], 1, MAX_RANK + 1)):  # fmt: skip
+            raise bad(f"persisted {item!r:.60} is not [step, world size]")
+        out.append((item[0], item[1]))
+    if any(a[0] <= b[0] for a, b in itertools.pairwise(out)):
+        raise bad("persisted steps are not distinct, newest first")
+    return tuple(out)
 
 
 def decode_checkpoints(raw: bytes, where: str) -> CheckpointsDoc:
@@ -177,6 +220,7 @@ def encode_checkpoints(doc: CheckpointsDoc) -> bytes:
         "version": CHECKPOINTS_VERSION,
         "job": doc.job,
         "ranks": {str(r): list(doc.ranks[r]) for r in sorted(doc.ranks)},
+        "persisted": [list(p) for p in doc.persisted],
         "time": doc.time,
     }
     raw = json.dumps(value, separators=(",", ":")).encode()
@@ -221,19 +265,51 @@ def restorable_step(records: Mapping[str, CheckpointsDoc | None], participants: 
     return max(common) if common else None
 
 
+def persisted_step(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
+                   nproc: int, job: str) -> int | None:  # fmt: skip
+    """The step every rank of the round can restore from the job's persistence volume:
+    the highest step that every participant's record (of ``job``) lists as persisted,
+    saved by a world of at least ``len(participants) * nproc`` ranks (rank ``r`` loads
+    the step's ``rank-<r>``). None when there is none or no participants.
+
+    Raises:
+        ValueError: ``nproc`` < 1.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    world = len(participants) * nproc
+    common: set[int] | None = None
+    for node in participants:
+        doc = records.get(node)
+        seen = doc.persisted if doc is not None and doc.job == job else ()
+        steps = {step for step, saved_by in seen if saved_by >= world}
+        common = steps if common is None else common & steps
+        if not common:
+            return None
+    return max(common) if common else None
+
+
 def restore_of(round_: int, records: Mapping[str, CheckpointsDoc | None],
                participants: Sequence[str], nproc: int, job: str) -> Restore:  # fmt: skip
-    """The round's :class:`Restore`: :func:`restorable_step` of ``records`` (same
-    arguments, same errors), with where from, how many ranks, whether anything was held
-    and when the records were written. Every sidecar and the operator compute the same
-    one from the same records."""
-    step = restorable_step(records, participants, nproc, job)
+    """The round's :class:`Restore`: the newer of :func:`restorable_step` (memory) and
+    :func:`persisted_step` (disk) of ``records`` (same arguments, same errors), memory
+    when equal, with where from, how many ranks, whether anything was held and when the
+    records were written. Every sidecar and the operator compute the same one from the
+    same records."""
+    memory = restorable_step(records, participants, nproc, job)
+    disk = persisted_step(records, participants, nproc, job)
+    if disk is not None and (memory is None or disk > memory):
+        step, tier = disk, RestoreTier.DISK
+    elif memory is not None:
+        step, tier = memory, RestoreTier.MEMORY
+    else:
+        step, tier = None, RestoreTier.NONE
     mine = [d for n in participants if (d := records.get(n)) is not None and d.job == job]
     return Restore(
         round=round_,
         step=step,
-        tier=RestoreTier.NONE if step is None else RestoreTier.MEMORY,
+        tier=tier,
         ranks=len(participants) * nproc,
-        held=any(d.ranks for d in mine),
+        held=any(d.ranks or d.persisted for d in mine),
         time=max((d.time for d in mine), default=0.0),
     )
