@@ -99,9 +99,10 @@ def where_ranks_were(
     collective).
 
     A worker found dead (:data:`~.round_end.DEAD_STATES`) by its reap or now, but read
-    alive before (in ``seen``), is shown as it was then: a stopped worker killed by the
-    launcher's stop of its group before its own timer expired is reaped as a zombie
-    (``Z``, its stacks unreadable), yet it is the one that held its peers up."""
+    alive before (in ``seen``), is shown as it was then: a stopped worker killed before
+    the evidence is gathered (its own timer's reap not yet taken, or its group stopped)
+    is a zombie now (``Z``, its stacks unreadable), yet it is the one that held its
+    peers up."""
     seen = seen or LiveStates()
     live = [pid for pid in pids.values() if pid not in reaped]
     states = {pid: process_state(pid) for pid in live}
