@@ -76,7 +76,8 @@ def _run_child(name: str, quick: bool, out: str, window: float | None) -> int:
 def _kill_case(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL a case's process, its process group, and every process it started in a
     session of its own (the jobs and agents of the DDP cases), found before the kill:
-    none is left to load the next case."""
+    none is left to load the next case; then remove the data folders of the embedded
+    etcds they ran (their owner's pid is dead now)."""
     import contextlib
     import signal
 
@@ -93,6 +94,10 @@ def _kill_case(proc: subprocess.Popen[bytes]) -> None:
             child.kill()
     proc.wait()
     psutil.wait_procs(tree, timeout=5)
+    # an embedded etcd's data folder (~120 MB) outlives a case killed mid-way: remove it
+    from kelastic_operator.local.etcd import sweep_dead_data_dirs
+
+    sweep_dead_data_dirs()
 
 
 def _run_case(name: str, quick: bool, window: float | None) -> CaseResult:

@@ -106,8 +106,11 @@ def test_a_case_ended_by_its_limit_keeps_the_rows_measured(tmp_path: Path) -> No
     hang are in the table and the JSON, with the case's error saying so."""
     out = tmp_path / "results.json"
     hang = "torch handler + kelastic etcd backend"
+    scratch = tmp_path / "tmp"  # the case's temporary folders: its etcd's data among them
+    scratch.mkdir()
     env = {
         **os.environ,
+        "TMPDIR": str(scratch),
         "BENCH_CASE_LIMIT": "60",
         "BENCH_SIDE_DEADLINE": "600",
         "BENCH_SIDE_FAULTS": json.dumps({hang: "hang"}),
@@ -128,6 +131,8 @@ def test_a_case_ended_by_its_limit_keeps_the_rows_measured(tmp_path: Path) -> No
     assert all(r["samples"] and not r["status"] for r in rows.values())
     for side, row in rows.items():
         assert f"| {side} | {len(row['samples'])} |" in proc.stdout
+    # the killed case's embedded etcd left no data folder (CI once found 123 MB of one)
+    assert list(scratch.glob("kelastic-etcd-*")) == [], list(scratch.iterdir())
 
 
 def test_slow_cases_selectable_by_name() -> None:
