@@ -21,9 +21,9 @@ from tests.localrun import KelasticRun, write_job
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "memory_checkpoint.py"
 
 
-def _job(path: Path, memory: str) -> Path:
+def _job(path: Path, memory: str, **env: str) -> Path:
     job = write_job(path, name="memckpt", replicas=2, nproc=2, command=["python", str(WORKER)],
-                    env={"STEPS_MAX": "40"})  # fmt: skip
+                    env={"STEPS_MAX": "40", **env})  # fmt: skip
     doc = yaml.safe_load(job.read_text())
     doc["spec"]["checkpoint"] = {"memory": memory}
     job.write_text(yaml.safe_dump(doc))
@@ -87,3 +87,28 @@ def test_a_volume_the_node_cannot_back_fails_the_job_at_once_naming_the_size(
     assert not any("restored" in line for line in run.lines)  # no worker ever ran
     assert not list(Path("/dev/shm").glob("kelastic-memckpt-*"))
     assert run.strays() == []
+
+
+def test_a_slot_gone_bad_after_the_agreement_fails_its_load_and_the_next_round_agrees_again(
+    tmp_path: Path,
+) -> None:
+    """Rank 2's slot of the agreed step flips a bit between the sidecars' agreement and
+    its load: its load fails (not None while its peers load that step: a mixed restore),
+    the round fails, and the next round's records no longer hold that step on rank 2's
+    node: every rank restores one older step, checked by each worker."""
+    job = _job(tmp_path / "job.yaml", "64Mi", CKPT_FLIP_RANK="2")
+    run = KelasticRun(job, "--fault", "kill:rank=1,after=1", workdir=tmp_path / "runs")
+    assert run.wait() == 0, run.output
+    out = run.output
+    flipped = re.search(r"^\[2\]: flipped a byte of step (\d+)$", out, re.MULTILINE)
+    assert flipped is not None, out
+    bad = int(flipped.group(1))
+    assert re.search(rf"rank 2 cannot load the agreed checkpoint step {bad} from memory "
+                     r"\(slot \d: [^;]*crc32", out), out  # fmt: skip
+    agreed = [
+        int(s) for s in re.findall(r"the workers restore checkpoint step (\d+) from memory", out)
+    ]
+    assert agreed[:2] == [bad, bad - 1], (agreed, out)
+    restored = re.findall(r"^\[(\d)\]: restored (\S+) in", out, re.MULTILINE)
+    assert sorted(r for r, s in restored if s == str(bad - 1)) == ["0", "1", "2", "3"], restored
+    assert "job succeeded" in out and run.strays() == []

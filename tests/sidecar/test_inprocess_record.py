@@ -174,9 +174,22 @@ def test_the_barrier_counts_only_this_rounds_participants() -> None:
     env = go_env(ctx, 0, done.master, 4)
     assert env[contract.MASTER_ADDR] == "10.0.0.1" and env[contract.MASTER_PORT] == "4242"
     assert env[contract.RANK] == "1" and env[contract.ENV_INPROCESS_ITERATION] == "4"
+    assert contract.ENV_CHECKPOINT_STEP not in env  # no checkpoints: none set
     # participants unknown: the group ranks the keys state count
     anon = barrier_verdict({prefix + "x": val(0), prefix + "y": val(1)}, prefix, _ctx(3, ()))
     assert anon.master is not None
+
+
+def test_a_rank_started_mid_round_loads_no_agreed_step() -> None:
+    """A dead rank started again (the hybrid rung) gets the go's env: its peers hold the
+    state in process; the step agreed at the round's start may be gone from its slots."""
+    ctx = _ctx()
+    ctx.envs[0].update({contract.ENV_CHECKPOINT_STEP: "17",
+                        contract.ENV_CHECKPOINT_TIER: contract.CHECKPOINT_TIER_DISK})  # fmt: skip
+    env = go_env(ctx, 0, ReadyRecord(0, "10.0.0.1", 4242, 3), 5)
+    assert env[contract.ENV_CHECKPOINT_STEP] == contract.CHECKPOINT_STEP_NONE
+    assert contract.ENV_CHECKPOINT_TIER not in env
+    assert ctx.envs[0][contract.ENV_CHECKPOINT_STEP] == "17"  # the round's own is kept
 
 
 def test_the_earliest_fault_names_a_restart_another_node_recorded_first(

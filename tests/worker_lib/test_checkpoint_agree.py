@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kelastic import checkpoint, contract
-from kelastic.checkpoint import CheckpointError, CheckpointStore
+from kelastic.checkpoint import CheckpointError, CheckpointRestoreError, CheckpointStore
 from kelastic.checkpoint.discard import discard_newer
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.checkpoint.slot_format import HEADER_SIZE, decode_header
@@ -373,7 +373,8 @@ def test_load_takes_the_agreed_step(rank_env: Path, monkeypatch: pytest.MonkeyPa
         monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, contract.CHECKPOINT_STEP_NONE)
         assert checkpoint.load() is None  # the job agreed on none: every rank starts over
         monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "1")  # overwritten since the agreement
-        assert checkpoint.load() is None  # never another step
+        with pytest.raises(CheckpointRestoreError, match="slot 0: holds step 4, not 1"):
+            checkpoint.load()  # never another step, never None while the peers load it
         loaded = checkpoint.load(step=4)  # an explicit step wins
         assert loaded is not None and loaded[0] == 4
         for bad in ("", "-1", "2.0", "x", "1" * 17):
@@ -384,13 +385,19 @@ def test_load_takes_the_agreed_step(rank_env: Path, monkeypatch: pytest.MonkeyPa
         checkpoint.default_store().close()
 
 
-def test_a_slot_corrupted_after_the_agreement_loads_nothing(
+def test_a_slot_corrupted_after_the_agreement_fails_the_load_never_a_mixed_restore(
     rank_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Not step 3 (another rank may not hold it), not None while the other ranks load
+    step 4: the worker fails, and the next round's records no longer list step 4 here."""
     _flip_payload(_slot_of(rank_env, 0, 4))
     monkeypatch.setenv(contract.ENV_CHECKPOINT_STEP, "4")
     try:
-        assert checkpoint.load() is None  # not step 3, which another rank may not load
-        assert any("crc32" in why for _, why in checkpoint.default_store().skipped)
+        with pytest.raises(CheckpointRestoreError, match=r"rank 0 cannot load the agreed "
+                           r"checkpoint step 4 from memory \(slot \d: .*crc32"):  # fmt: skip
+            checkpoint.load()
+        assert checkpoint.load(step=3) is not None  # asked by the user: this rank's own
+        assert checkpoint.load(step=4) is None
     finally:
         checkpoint.default_store().close()
+    assert 4 not in verified_steps(rank_env, "j").get(0, ())

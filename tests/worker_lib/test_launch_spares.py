@@ -155,3 +155,19 @@ def test_a_spare_told_it_is_not_needed_is_not_replaced_and_shutdown_stops_spares
     sup.send({"type": "shutdown", "exitcode": 0, "summary": ""})  # a spare still waits
     assert launcher.wait() == 0
     assert marker_procs(world.marker) == []
+
+
+def test_a_spare_loads_no_agreed_checkpoint_step() -> None:
+    """A spare's rank is a placeholder: no slot of it exists, and loading the round's
+    agreed step would fail (``CheckpointRestoreError``); it loads none."""
+    from kelastic import contract
+    from kelastic._spares import spare_env
+
+    template = {contract.WORLD_SIZE: "4", contract.GROUP_RANK: "1", contract.RANK: "2",
+                contract.ENV_CHECKPOINT_STEP: "12",
+                contract.ENV_CHECKPOINT_TIER: contract.CHECKPOINT_TIER_MEMORY}  # fmt: skip
+    env = spare_env(template, nproc=2, spares=1, index=0)
+    assert env[contract.ENV_CHECKPOINT_STEP] == contract.CHECKPOINT_STEP_NONE
+    assert contract.ENV_CHECKPOINT_TIER not in env and env[contract.RANK] == "5"
+    assert template[contract.ENV_CHECKPOINT_STEP] == "12"  # the ranks' own is untouched
+    assert contract.ENV_CHECKPOINT_STEP not in spare_env({}, 2, 1, 0)  # no checkpoints

@@ -7,7 +7,6 @@ reader, no template, no process group). Real slots, real persistence, real torch
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from kelastic import checkpoint, contract
-from kelastic.checkpoint import CheckpointError, CheckpointStore, persist
+from kelastic.checkpoint import CheckpointError, CheckpointRestoreError, CheckpointStore, persist
 from kelastic.checkpoint.dcp_format import RawTensor, flatten, int_key_paths
 from kelastic.checkpoint.from_disk import load_persisted
 from kelastic.checkpoint.persist import (
@@ -149,20 +148,19 @@ def test_int_keys_are_listed_where_dcp_rebuilds_them() -> None:
     assert all(any(item[: len(p)] == tuple(p) for item in items) for p in paths)
 
 
-def test_what_cannot_be_loaded_gives_none_and_says_why(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_what_cannot_be_loaded_fails_the_load_and_says_why(tmp_path: Path) -> None:
     root = _persist(tmp_path, 7, world=2)
-    caplog.set_level(logging.WARNING, "kelastic.checkpoint.from_disk")
-    assert load_persisted(7, 0, None) is None
-    assert "KELASTIC_CHECKPOINT_PERSIST_DIR is not set" in caplog.text
-    assert load_persisted(8, 0, root) is None  # pruned, or never complete
-    assert "step-8 is not complete" in caplog.text
     (root / "step-7" / "rank-1" / "__0_0.distcp").write_bytes(b"torn")  # a volume fault
-    assert load_persisted(7, 1, root) is None
-    assert "rank 1 cannot load step 7 from" in caplog.text
-    assert load_persisted(7, 5, root) is None  # no such rank folder
-    assert load_persisted(7, 0, root) is not None
+    for (step, rank, folder), why in {
+        (7, 0, None): r"\$KELASTIC_CHECKPOINT_PERSIST_DIR is not set",
+        (8, 0, root): r".*step-8 is not complete",  # pruned, or never complete
+        (7, 1, root): r".*rank-1: CheckpointException",
+        (7, 5, root): r".*rank-5: ",  # no such rank folder
+    }.items():
+        said = rf"rank {rank} cannot load the agreed checkpoint step {step} from disk \({why}"
+        with pytest.raises(CheckpointRestoreError, match=said):
+            load_persisted(step, rank, folder)
+    assert load_persisted(7, 0, root)[0] == 7
 
 
 @pytest.mark.parametrize(
@@ -180,13 +178,12 @@ def test_what_cannot_be_loaded_gives_none_and_says_why(
     ],
 )
 def test_a_crafted_int_keys_file_fails_the_load_clearly(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, keys: bytes, why: str
+    tmp_path: Path, keys: bytes, why: str
 ) -> None:
     root = _persist(tmp_path, 7, world=1)
     (root / "step-7" / "rank-0" / INT_KEYS).write_bytes(keys)
-    caplog.set_level(logging.WARNING, "kelastic.checkpoint.from_disk")
-    assert load_persisted(7, 0, root) is None
-    assert f"its {INT_KEYS}: " in caplog.text and why in caplog.text
+    with pytest.raises(CheckpointRestoreError, match=f"its {INT_KEYS}: .*{why}"):
+        load_persisted(7, 0, root)
 
 
 def test_load_takes_the_agreed_step_from_the_agreed_tier(

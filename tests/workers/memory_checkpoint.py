@@ -8,6 +8,9 @@ lockstep, as a DDP job), the state updated, ``save(step, state, blocking=True)``
 returns once committed), ``saved N`` printed, each step inside ``expires()`` (what
 ``kelastic run --fault`` waits for). Exits 0 after ``STEPS_MAX`` steps (default 60).
 ``CKPT_ELEMENTS``: float32 elements per tensor (default 4096, two tensors).
+``CKPT_FLIP_RANK``: that rank, in its first round after a restart (``KELASTIC_ROUND`` 1),
+flips a byte of the slot holding the agreed step before it loads: a slot that goes bad
+after the sidecars agreed on it (its load must fail, never load something else).
 """
 
 from __future__ import annotations
@@ -39,11 +42,33 @@ def _check(step: int, state: Any, rank: int) -> None:
         raise RuntimeError(f"loaded step {step} holds tensors of another step")
 
 
+def _flip_agreed_slot(rank: int) -> None:
+    """Flip one payload byte of this rank's slot holding the agreed step."""
+    from kelastic import contract
+    from kelastic.checkpoint.slot_format import HEADER_SIZE, decode_header
+    from kelastic.checkpoint.store import SLOTS, slot_path
+
+    agreed = int(os.environ[contract.ENV_CHECKPOINT_STEP])
+    for slot in range(SLOTS):
+        path = slot_path(contract.checkpoint_dir(), rank, slot)
+        raw = path.read_bytes()
+        header = decode_header(raw[:HEADER_SIZE], file_size=len(raw))
+        if header.step == agreed:
+            offset = header.layout.payload_offset + 64
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                f.write(bytes([raw[offset] ^ 0x01]))
+            print(f"flipped a byte of step {agreed}", flush=True)
+            return
+
+
 @record
 def main() -> None:
     rank = int(os.environ["RANK"])
     limit = int(os.environ.get("STEPS_MAX") or 60)
     elements = int(os.environ.get("CKPT_ELEMENTS") or 4096)
+    if os.environ.get("CKPT_FLIP_RANK") == str(rank) and os.environ.get("KELASTIC_ROUND") == "1":
+        _flip_agreed_slot(rank)
     started = time.monotonic()
     restored = checkpoint.load()
     took = time.monotonic() - started

@@ -47,7 +47,9 @@ def spare_env(template: Mapping[str, str], nproc: int, spares: int, index: int) 
     ``LOCAL_RANK`` is the spare slot ``nproc + index``; ``RANK`` and ``ROLE_RANK`` are
     ``WORLD_SIZE + GROUP_RANK * spares + index`` (unique in the job, never a real rank;
     ``WORLD_SIZE + index`` when the template lacks them); ``KELASTIC_TIMER_TOKEN`` is
-    removed (a spare owns no timers until promoted); ``KELASTIC_INPROCESS_SPARE=1``.
+    removed (a spare owns no timers until promoted); ``KELASTIC_INPROCESS_SPARE=1``; no
+    agreed checkpoint step (:func:`kelastic.contract.without_restore`: no rank's state is
+    a spare's own; promoted, its peers hold the state in process).
     """
     env = dict(template)
     try:
@@ -60,7 +62,7 @@ def spare_env(template: Mapping[str, str], nproc: int, spares: int, index: int) 
     env[contract.RANK] = env[contract.ROLE_RANK] = placeholder
     env.pop(contract.KELASTIC_TIMER_TOKEN, None)
     env[contract.ENV_INPROCESS_SPARE] = "1"
-    return env
+    return contract.without_restore(env)  # no rank's state is a spare's own
 
 
 class Spares:

@@ -104,6 +104,18 @@ def checkpoint_dir() -> Path:
     return Path(os.environ.get(ENV_CHECKPOINT_DIR, DEFAULT_CHECKPOINT_DIR))
 
 
+def without_restore(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a worker that loads no agreed checkpoint step, in place and returned:
+    :data:`ENV_CHECKPOINT_STEP` :data:`CHECKPOINT_STEP_NONE` when it is set, no tier. A
+    spare (no rank's state is its own) and a rank started again mid-round (the hybrid
+    rung; its node's slots may have moved past the step agreed at the round's start) join
+    peers that hold the state in process."""
+    if ENV_CHECKPOINT_STEP in env:
+        env[ENV_CHECKPOINT_STEP] = CHECKPOINT_STEP_NONE
+        env.pop(ENV_CHECKPOINT_TIER, None)
+    return env
+
+
 def run_dir() -> Path:
     """Return the shared run directory: ``$KELASTIC_RUN_DIR`` or :data:`DEFAULT_RUN_DIR`."""
     return Path(os.environ.get(ENV_RUN_DIR, DEFAULT_RUN_DIR))

@@ -128,12 +128,16 @@ def go_env(
     """The env a local rank enters ``iteration`` with: the round's (ranks unchanged),
     ``MASTER_ADDR``/``MASTER_PORT`` from group rank 0's ready key (a fresh port per
     iteration: a restarted iteration never meets a stale c10d store), and
-    ``KELASTIC_INPROCESS_ITERATION``."""
+    ``KELASTIC_INPROCESS_ITERATION``. With checkpoints, no agreed step
+    (:func:`kelastic.contract.without_restore`): a process that starts with this env (a
+    dead rank started again, the hybrid rung) joins peers that hold the state in process,
+    and its node's slots may have moved past the step agreed at the round's start (its
+    load would fail: ``kelastic.checkpoint.CheckpointRestoreError``)."""
     env = dict(ctx.envs.get(local_rank, {}))
     env[contract.MASTER_ADDR] = master.addr
     env[contract.MASTER_PORT] = str(master.port)
     env[contract.ENV_INPROCESS_ITERATION] = str(iteration)
-    return env
+    return contract.without_restore(env)
 
 
 def restart_log_line(record: IterationRecord, max_restarts: int) -> str:

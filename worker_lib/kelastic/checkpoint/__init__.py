@@ -27,10 +27,11 @@ with job, round, rank, step, commit sequence and the chunks' crc32, a bounded JS
 manifest, raw tensor bytes, no pickle); the save (stage, then commit on a thread: the
 commit word written last, so a crash never tears the last committed step); the load of
 this rank's newest committed step that passes its checksums; under the sidecar, the
-job-wide step (the sidecars record each node's verified committed steps in etcd before
-a round and agree on the highest every rank holds: ``$KELASTIC_CHECKPOINT_STEP``, which
-:func:`load` takes). What the sidecar will add: holding the slots (allocated at its
-start), replication to a peer, persistence in torch DCP's format.
+job-wide step (the sidecars record each node's verified committed steps, and the steps
+complete on the job's persistence volume, in etcd before a round and agree on the
+highest every rank holds: ``$KELASTIC_CHECKPOINT_STEP`` and ``$KELASTIC_CHECKPOINT_TIER``,
+which :func:`load` takes, from memory or from disk). What the sidecar will add:
+replication to a peer.
 
 The semantics come from DLRover's flash checkpoint (a rank's tensors copied as raw bytes
 into shared memory, the save returning once they are staged), NVRx's local checkpointing
@@ -53,7 +54,7 @@ from typing import Any
 from kelastic import contract
 
 from ._handle import SaveHandle
-from ._slotfile import CheckpointError, CheckpointSpaceError
+from ._slotfile import CheckpointError, CheckpointRestoreError, CheckpointSpaceError
 from .from_disk import load_persisted, persist_root
 from .slot_format import FORMAT_VERSION, SlotFormatError
 from .store import CheckpointStore, SlotInfo, slot_bytes
@@ -62,6 +63,7 @@ from .tree import TreeError
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointRestoreError",
     "CheckpointSpaceError",
     "CheckpointStore",
     "SaveHandle",
@@ -174,20 +176,18 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
 
     Under kelastic's sidecar the step is the agreed one (:func:`agreed_step`: the highest
     step every rank of the round committed on its node, each slot's checksums verified
-    by the sidecar before the workers started), so the ranks load the same step or get
-    None (the user's own fallback: start or read from disk). A slot that no longer holds
-    that step or fails its checksums now (changed after the sidecar's check) gives this
-    rank None, logged with the reason, while its peers may load the step: the ranks do
-    not confirm their loads to each other yet (see docs/architecture.md). Without the
-    sidecar (the variable unset), this rank's newest committed step that passes its
-    checksums. ``step`` overrides both. See :meth:`CheckpointStore.load`.
-
-    When the job agreed on a step from its persistence folder (:func:`agreed_tier`
-    ``disk``: no step every rank holds in memory is as new, e.g. after a Pod was
-    replaced), this rank's part of it is read from there with torch DCP
-    (:func:`.from_disk.load_persisted`).
+    by the sidecar before the workers started, or the newest step every node saw
+    complete on the job's persistence volume: :func:`agreed_tier` ``disk``, read with
+    torch DCP, :func:`.from_disk.load_persisted`), so the ranks load the same step, or
+    all get None (the job agreed on none: the user's own fallback, start or read from
+    disk). A rank that cannot load the agreed step raises :class:`CheckpointRestoreError`
+    rather than go on without it while its peers load it: its worker fails and the next
+    round agrees without that step. Without the sidecar (the variable unset), this rank's
+    newest committed step that passes its checksums. ``step`` overrides both (None when
+    this rank does not hold it). See :meth:`CheckpointStore.load`.
 
     Raises:
+        CheckpointRestoreError: the agreed step cannot be loaded (the message says why).
         CheckpointError: ``$KELASTIC_CHECKPOINT_STEP`` or ``$KELASTIC_CHECKPOINT_TIER``
             is malformed; the pending commit failed.
     """
@@ -196,12 +196,26 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
         if agreed is None:
             return None
         if agreed is not False:
-            step = agreed
-            if agreed_tier() == contract.CHECKPOINT_TIER_DISK:
-                return load_persisted(step, _env_int(contract.RANK, 0), persist_root())
+            return _load_agreed(agreed)
     store = default_store()
     out = store.load(step)
     if out is None and step is not None:
-        log.warning("checkpoint: rank %d cannot load the agreed step %d: %s", store.rank,
-                    step, "; ".join(f"slot {s}: {why}" for s, why in store.skipped))  # fmt: skip
+        log.warning("checkpoint: rank %d does not hold step %d: %s", store.rank, step,
+                    "; ".join(f"slot {s}: {why}" for s, why in store.skipped))  # fmt: skip
+    return out
+
+
+def _load_agreed(step: int) -> tuple[int, Any]:
+    """The agreed ``step`` from the agreed tier, or :class:`CheckpointRestoreError`."""
+    rank = _env_int(contract.RANK, 0)
+    if agreed_tier() == contract.CHECKPOINT_TIER_DISK:
+        return load_persisted(step, rank, persist_root())
+    store = default_store()
+    out = store.load(step)
+    if out is None:
+        why = "; ".join(f"slot {s}: {why}" for s, why in store.skipped) or "no slot holds it"
+        raise CheckpointRestoreError(
+            f"rank {rank} cannot load the agreed checkpoint step {step} from memory ({why}); "
+            "the next round agrees on a step without it"
+        )
     return out

@@ -40,6 +40,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved, or a store could not be opened."""
 
 
+class CheckpointRestoreError(CheckpointError):
+    """This rank cannot load the step the job agreed to restore (its slot fails its
+    checks now, the persisted folder is gone or unreadable). Raised rather than loading
+    nothing while the other ranks load the step: the worker fails, and at the next round
+    the sidecars agree again without it (an older step, the disk, or none): never a
+    mixed restore."""
+
+
 class CheckpointSpaceError(CheckpointError):
     """The checkpoint folder cannot hold the slots (too small, a file size limit, a quota).
 

@@ -12,13 +12,14 @@ load turns them back: a step loads from disk as it does from memory.
 
 The step was agreed by the sidecars from every node's record of the complete steps it
 saw (:func:`kelastic.etcd_values.checkpoints.restore_of`), so every rank loads the same
-step. A folder gone or unreadable now (pruned, a volume fault) gives this rank None,
-logged with the reason, as a memory slot failing its checks does.
+step. A folder gone or unreadable now (pruned, a volume fault) raises
+:class:`~kelastic.checkpoint.CheckpointRestoreError`, as a memory slot failing its checks
+does: the worker fails and the next round agrees without that step, never a mixed
+restore.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from pathlib import Path
@@ -27,11 +28,10 @@ from typing import Any
 from kelastic import contract
 from kelastic._safejson import is_int, loads_bounded
 
+from ._slotfile import CheckpointRestoreError
 from .persist import COMPLETE, INT_KEYS
 
 __all__ = ["load_persisted", "persist_root"]
-
-log = logging.getLogger(__name__)
 
 #: Largest :data:`~.persist.INT_KEYS` file read, bytes (an optimizer of a million
 #: parameter tensors lists about 20 MB).
@@ -46,19 +46,26 @@ def persist_root() -> Path | None:
     return Path(value) if value else None
 
 
-def load_persisted(step: int, rank: int, root: Path | None) -> tuple[int, Any] | None:
+def load_persisted(step: int, rank: int, root: Path | None) -> tuple[int, Any]:
     """``(step, state_dict)`` of ``rank``'s part of the persisted ``step`` under ``root``
-    (``root/step-<step>/rank-<rank>``), its tensors on the CPU; None (logged) when
-    ``root`` is None, the step is not complete there, or torch cannot read it."""
+    (``root/step-<step>/rank-<rank>``), its tensors on the CPU.
+
+    Raises:
+        CheckpointRestoreError: ``root`` is None, the step is not complete there, or
+            torch cannot read it (the message says which).
+    """
+
+    def fail(why: str) -> CheckpointRestoreError:
+        return CheckpointRestoreError(
+            f"rank {rank} cannot load the agreed checkpoint step {step} from disk ({why}); "
+            "the next round agrees on a step without it"
+        )
+
     if root is None:
-        log.warning("checkpoint: rank %d cannot load step %d from disk: $%s is not set",
-                    rank, step, contract.ENV_CHECKPOINT_PERSIST_DIR)  # fmt: skip
-        return None
+        raise fail(f"${contract.ENV_CHECKPOINT_PERSIST_DIR} is not set")
     step_dir = root / f"step-{step}"
     if not (step_dir / COMPLETE).is_file():
-        log.warning("checkpoint: rank %d cannot load step %d from disk: %s is not complete",
-                    rank, step, step_dir)  # fmt: skip
-        return None
+        raise fail(f"{step_dir} is not complete")
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -70,15 +77,11 @@ def load_persisted(step: int, rank: int, root: Path | None) -> tuple[int, Any] |
                          planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
                          no_dist=True)  # fmt: skip
     except (Exception, CheckpointException) as exc:  # the latter is a BaseException
-        log.warning("checkpoint: rank %d cannot load step %d from %s: %s: %s", rank, step,
-                    step_dir, type(exc).__name__, exc)  # fmt: skip
-        return None
+        raise fail(f"{step_dir / f'rank-{rank}'}: {type(exc).__name__}: {exc}") from None
     try:
         _int_keys(state, _read_int_keys(step_dir / f"rank-{rank}" / INT_KEYS))
     except (OSError, ValueError) as exc:
-        log.warning("checkpoint: rank %d cannot load step %d from %s: its %s: %s", rank, step,
-                    step_dir, INT_KEYS, exc)  # fmt: skip
-        return None
+        raise fail(f"its {INT_KEYS}: {exc}") from None
     return step, state
 
 
