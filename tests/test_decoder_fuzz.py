@@ -380,6 +380,22 @@ def _master_codec(raw: bytes) -> None:
     assert decode_master(etcd_values.encode_master(addr, port), "key") == (addr, port)
 
 
+def _restored_codec(raw: bytes) -> None:
+    import math
+
+    from kelastic.checkpoint.restored import Restored, decode_restored
+
+    got = decode_restored(raw, 3)  # never raises
+    if got is None:
+        return
+    assert isinstance(got, Restored) and got.rank == 3 and got.tier in ("memory", "disk")
+    assert 0 <= got.round <= 2**53 and 0 <= got.step <= 2**53
+    assert math.isfinite(got.seconds) and 0 <= got.seconds <= 86400
+
+
+RESTORED = {"round": 3, "step": 120, "tier": "memory", "seconds": 0.0123}
+
+
 def _checkpoints_codec(raw: bytes) -> None:
     from kelastic.etcd_values.checkpoints import (
         MAX_PERSISTED,
@@ -455,6 +471,7 @@ DECODERS: dict[str, Decoder] = {
     "master_codec": Decoder(_master_codec, {"addr": "10.0.0.1", "port": 29500}),
     "departure": Decoder(_departure, {"reason": "scale_down"}),
     "checkpoints_codec": Decoder(_checkpoints_codec, CHECKPOINTS, (CHECKPOINTS_V1,)),
+    "restored": Decoder(_restored_codec, RESTORED),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}
 

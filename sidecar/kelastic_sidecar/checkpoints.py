@@ -33,6 +33,7 @@ from kelastic import contract
 from kelastic.checkpoint import CheckpointError
 from kelastic.checkpoint.discard import discard_newer
 from kelastic.checkpoint.persist import persisted_steps
+from kelastic.checkpoint.restored import read_restored
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.checkpoint.volume import touch_volume
 from kelastic.etcd_values import CorruptValueError, ForeignValueError
@@ -266,10 +267,19 @@ class RoundCheckpoints:
     def status(self) -> dict[str, Any] | None:
         """The ``/status`` document's ``checkpoint``: the last round's restore (``round``,
         ``step``, ``tier``, ``ranks``, ``held``, ``time``), ``checked_s`` (seconds this
-        node's slot check took) and ``persisted_step`` (the newest step this node
-        persisted, with ``spec.checkpoint.persist``); None before any restore."""
-        if self.last is None:
+        node's slot check took), ``loaded`` (``{"ranks", "slowest_s"}``: how many of this
+        node's workers have loaded that step so far and the longest load in seconds, from
+        their records, :mod:`kelastic.checkpoint.restored`; None before the first) and
+        ``persisted_step`` (the newest step this node persisted, with
+        ``spec.checkpoint.persist``); None before any restore."""
+        last = self.last
+        if last is None:
             return None
         persisted = self.persister.last_step if self.persister is not None else None
-        return {**asdict(self.last), "tier": self.last.tier.value, "checked_s": self._checked_s,
-                "persisted_step": persisted}  # fmt: skip
+        loads = [r for r in read_restored(contract.checkpoint_dir(), last.round)
+                 if r.step == last.step] if last.step is not None else []  # fmt: skip
+        loaded = (
+            {"ranks": len(loads), "slowest_s": max(r.seconds for r in loads)} if loads else None
+        )
+        return {**asdict(last), "tier": last.tier.value, "checked_s": self._checked_s,
+                "loaded": loaded, "persisted_step": persisted}  # fmt: skip

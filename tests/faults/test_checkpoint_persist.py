@@ -126,6 +126,7 @@ def test_a_replaced_pod_restores_every_rank_from_the_persisted_step(tmp_path: Pa
     # every rank of the new round loaded that step (its worker checks what it loaded)
     loads = re.findall(r"^\[(\d+)\]: restored (\d+) in", out, re.MULTILINE)
     assert sorted(r for r, s in loads if s == step) == ["0", "1", "2", "3"], loads
+    assert re.search(rf"all 4 ranks loaded step {step} from disk, the slowest in \d", out), out
     replaced = re.search(r"(\d+) Pod replacements?", out)
     assert replaced is not None and int(replaced.group(1)) >= 1, out
     print("\nDISK RESTORE: " + "; ".join(line for line in run.lines if "restore" in line))

@@ -68,7 +68,13 @@ def test_a_killed_worker_restarts_every_rank_from_one_agreed_step(tmp_path: Path
         rf"round \d+: the workers restore checkpoint step {step} from memory \(4 ranks; "
         r"slots checked in \d+\.\d{3} s\)", said[0]), said  # fmt: skip
     assert not any("round 0:" in line for line in said), said
-    print(f"\nMEMORY-CHECKPOINT kill: restored step {step} on 4 ranks, last saved {saved}")
+    # and how long the slowest rank's load took, once all four loaded (their records)
+    loads = [m for line in out if (m := re.search(
+        rf"round \d+: all 4 ranks loaded step {step} from memory, the slowest in (\d+\.\d{{3}}) s",
+        line))]  # fmt: skip
+    assert loads, run.output
+    print(f"\nMEMORY-CHECKPOINT kill: restored step {step} on 4 ranks, last saved {saved}, "
+          f"slowest load {loads[0].group(1)} s")  # fmt: skip
     assert run.strays() == []
 
 

@@ -11,6 +11,7 @@ import torch
 
 from kelastic import contract
 from kelastic.checkpoint import CheckpointStore, persist
+from kelastic.checkpoint.restored import Restored, write_restored
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.etcd_values.checkpoints import decode_checkpoints, restore_of
 from kelastic_etcd import EtcdClient
@@ -179,3 +180,11 @@ def test_a_replaced_pod_restores_the_persisted_step_with_every_other_rank(
         assert sample("kelastic_checkpoint_restores_total", {"tier": "disk"}) == 1
     # a's memory steps newer than 4 belong to a history the job abandons: dropped
     assert verified_steps(slots["a"], "uid") == {0: (4, 3)}
+    # b's worker loaded step 4 (its record beside the slots): b's /status counts it
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(slots["b"]))
+    status = part["b"].status()
+    assert status is not None and status["loaded"] is None
+    write_restored(slots["b"], Restored(1, 1, 4, contract.CHECKPOINT_TIER_DISK, 0.5))
+    write_restored(slots["b"], Restored(7, 0, 2, contract.CHECKPOINT_TIER_MEMORY, 9.0))  # old
+    status = part["b"].status()
+    assert status is not None and status["loaded"] == {"ranks": 1, "slowest_s": 0.5}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kelastic_operator.local.progress import ProgressReporter, root_cause
+from kelastic_operator.local.progress import ProgressReporter, loaded_line, root_cause
 from kelastic_operator.model import load_manifest
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -127,6 +127,32 @@ def test_each_rounds_checkpoint_restore_is_said_once() -> None:
         "round 2: no checkpoint step every one of the 4 ranks holds: the workers start "
         "without one; slots checked in 0.012 s",
     ]
+
+
+def test_the_ranks_loads_are_said_once_all_of_them_loaded() -> None:
+    """Each sidecar counts its own workers' loads of the round's step (their records);
+    once the counts add up to the round's ranks, the slowest load is said, once."""
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+
+    def poll(*loaded: dict[str, Any] | None) -> list[str]:
+        pods = [_Pod(i, _status(2, 1, checkpoint=_restored(2, 17, "disk", loaded=got)))
+                for i, got in enumerate(loaded)]  # fmt: skip
+        reporter.poll(pods)  # type: ignore[arg-type]
+        return [s for s in said if "loaded step" in s]
+
+    assert poll(None, None) == []
+    assert poll({"ranks": 2, "slowest_s": 0.5}, None) == []  # two of four so far
+    assert poll({"ranks": 2, "slowest_s": 0.5}, {"ranks": 1, "slowest_s": 2.0}) == []
+    done = poll({"ranks": 2, "slowest_s": 0.5}, {"ranks": 2, "slowest_s": 1.25})
+    assert done == ["round 2: all 4 ranks loaded step 17 from disk, the slowest in 1.250 s"]
+    assert poll({"ranks": 2, "slowest_s": 0.5}, {"ranks": 2, "slowest_s": 1.25}) == done
+    # crafted counts and times say nothing
+    for bad in ({"ranks": True, "slowest_s": 1.0}, {"ranks": 4, "slowest_s": float("nan")},
+                {"ranks": 4, "slowest_s": -1.0}, {"ranks": 0, "slowest_s": 1.0},
+                [4], "4"):  # fmt: skip
+        assert loaded_line([_restored(3, 5, "memory", loaded=bad)]) is None
+    assert loaded_line([_restored(3, None, "none", loaded={"ranks": 4, "slowest_s": 1.0})]) is None
 
 
 def test_a_crafted_checkpoint_document_says_nothing() -> None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from kelastic import contract
 from ._handle import SaveHandle
 from ._slotfile import CheckpointError, CheckpointRestoreError, CheckpointSpaceError
 from .from_disk import load_persisted, persist_root
+from .restored import Restored, write_restored
 from .slot_format import FORMAT_VERSION, SlotFormatError
 from .store import CheckpointStore, SlotInfo, slot_bytes
 from .tree import TreeError
@@ -206,16 +208,28 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
 
 
 def _load_agreed(step: int) -> tuple[int, Any]:
-    """The agreed ``step`` from the agreed tier, or :class:`CheckpointRestoreError`."""
-    rank = _env_int(contract.RANK, 0)
-    if agreed_tier() == contract.CHECKPOINT_TIER_DISK:
-        return load_persisted(step, rank, persist_root())
-    store = default_store()
-    out = store.load(step)
-    if out is None:
-        why = "; ".join(f"slot {s}: {why}" for s, why in store.skipped) or "no slot holds it"
-        raise CheckpointRestoreError(
-            f"rank {rank} cannot load the agreed checkpoint step {step} from memory ({why}); "
-            "the next round agrees on a step without it"
-        )
+    """The agreed ``step`` from the agreed tier, or :class:`CheckpointRestoreError`;
+    the load recorded for the sidecar (:mod:`.restored`)."""
+    rank, tier = _env_int(contract.RANK, 0), agreed_tier()
+    started = time.monotonic()
+    if tier == contract.CHECKPOINT_TIER_DISK:
+        out = load_persisted(step, rank, persist_root())
+    else:
+        store = default_store()
+        got = store.load(step)
+        if got is None:
+            why = "; ".join(f"slot {s}: {w}" for s, w in store.skipped) or "no slot holds it"
+            raise CheckpointRestoreError(
+                f"rank {rank} cannot load the agreed checkpoint step {step} from memory "
+                f"({why}); the next round agrees on a step without it"
+            )
+        out = got
+    took = time.monotonic() - started
+    round_ = _env_int(contract.KELASTIC_ROUND, -1)
+    if round_ >= 0:
+        try:
+            write_restored(contract.checkpoint_dir(), Restored(rank, round_, step, tier, took))
+        except (OSError, ValueError) as exc:  # the report only: the load stands
+            log.warning("checkpoint: rank %d cannot record its load for the sidecar: %s",
+                        rank, exc)  # fmt: skip
     return out
