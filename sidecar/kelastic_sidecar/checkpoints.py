@@ -121,7 +121,12 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     than the agreed one (all, when none) are dropped first
     (:func:`kelastic.checkpoint.discard.discard_newer`: the training goes on from the
     agreed step and saves those step numbers again; kept, they could make a later
-    restore mixed). Never raises for etcd, the codec or the slots."""
+    restore mixed). Never raises for the codec or the slots.
+
+    Raises:
+        EtcdError: the records cannot be read (:func:`read_records`): the round's workers
+            must not start on this node (the supervisor goes back to the rendezvous).
+    """
     directory = contract.checkpoint_dir()
     if carried or not directory.is_dir():
         return None
@@ -187,13 +192,15 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
 
 def read_records(store: EtcdClient, keys: contract.Keys,
                  participants: tuple[str, ...]) -> dict[str, CheckpointsDoc | None]:  # fmt: skip
-    """Each participant's record (None: missing, corrupt or of another version, or etcd
-    does not answer; each logged). Never raises for etcd or the codec."""
-    try:
-        found = store.get_prefix(keys.checkpoints_prefix)
-    except EtcdError as exc:
-        log.error("checkpoint: cannot read the committed steps: %s", exc)
-        found = {}
+    """Each participant's record (None: missing, corrupt or of another version; each
+    logged). Never raises for the codec.
+
+    Raises:
+        EtcdError: etcd does not answer (after the client's retries). Not read as "no
+            records": this node would agree on no step while its peers, which read them,
+            load one (a mixed restore); the caller does not start the round's workers.
+    """
+    found = store.get_prefix(keys.checkpoints_prefix)
     records: dict[str, CheckpointsDoc | None] = {}
     for node in participants:
         key = keys.checkpoint(node)
@@ -256,7 +263,11 @@ class RoundCheckpoints:
             self._on_check(self._checked_s)
 
     def worker_env(self, info: RendezvousInfo, nproc: int, carried: bool) -> dict[str, str] | None:
-        """The workers' variables for ``info``'s round (see :func:`worker_env`)."""
+        """The workers' variables for ``info``'s round (see :func:`worker_env`).
+
+        Raises:
+            EtcdError: the nodes' records cannot be read: do not start the workers.
+        """
         got = worker_env(self._store, self._keys, self._cfg, info, nproc, carried)
         if got is None:
             return None

@@ -319,7 +319,14 @@ class Supervisor:
                     self.metrics.corrupt_values.labels(source="master_record").inc()
                 log.warning("round %d: no master address (%s); re-rendezvous", info.round, exc)
                 continue
-            self._start_workers(info, master)
+            try:  # the checkpoint step every node agrees on (none read: no agreement)
+                restore_env = self.checkpoints.worker_env(info, self._nproc, self._carried)
+            except EtcdError as exc:
+                log.warning("round %d: cannot read the nodes' checkpoint records (%s); "
+                            "re-rendezvous rather than start without the agreed step",
+                            info.round, exc)  # fmt: skip
+                continue
+            self._start_workers(info, master, restore_env)
             end = self.workers.monitor(self.handler, info, self._on_started)
             self._running, self._carried = False, self.inprocess.carry(end)
             if self._carried:  # the workers wait in process for the next round's go
@@ -370,8 +377,11 @@ class Supervisor:
                  info.group_world_size * self._nproc)  # fmt: skip
         return info
 
-    def _start_workers(self, info: RendezvousInfo, master: tuple[str, int]) -> None:
-        """Send the round's ``assign`` (a new attempt), unless the workers were carried over."""
+    def _start_workers(
+        self, info: RendezvousInfo, master: tuple[str, int], restore_env: dict[str, str] | None
+    ) -> None:
+        """Send the round's ``assign`` (a new attempt, with ``restore_env``: the agreed
+        checkpoint step's variables), unless the workers were carried over."""
         self._acquired_at_start = self.timer.stats().acquired
         carried = self._carried
         tokens = self.workers.tokens if carried else self.workers.new_attempt()
@@ -396,7 +406,7 @@ class Supervisor:
             restart_count=spent,
             max_restarts=self.cfg.max_restarts,
             tokens=tokens,
-            extra_env=self.checkpoints.worker_env(info, self._nproc, carried),
+            extra_env=restore_env,
         )
         assign = self.inprocess.begin_round(assign, info, self.handler)
         if carried:

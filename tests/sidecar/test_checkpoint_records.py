@@ -14,7 +14,7 @@ from kelastic.checkpoint import CheckpointStore, persist
 from kelastic.checkpoint.restored import Restored, write_restored
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.etcd_values.checkpoints import decode_checkpoints, restore_of
-from kelastic_etcd import EtcdClient
+from kelastic_etcd import EtcdClient, EtcdError
 from kelastic_sidecar.checkpoints import RoundCheckpoints, publish_record, read_records
 from kelastic_sidecar.config import SidecarConfig
 from kelastic_sidecar.metrics import SidecarMetrics
@@ -188,3 +188,27 @@ def test_a_replaced_pod_restores_the_persisted_step_with_every_other_rank(
     write_restored(slots["b"], Restored(7, 0, 2, contract.CHECKPOINT_TIER_MEMORY, 9.0))  # old
     status = part["b"].status()
     assert status is not None and status["loaded"] == {"ranks": 1, "slowest_s": 0.5}
+
+
+def test_records_etcd_cannot_give_are_no_agreement_on_none(
+    store: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd does not answer as the round starts: this node must not agree on "no step"
+    (its workers would start afresh while its peers, which read the records, load a
+    step: a mixed restore). It raises, drops none of its slots, restores nothing, and
+    the supervisor goes back to the rendezvous."""
+    _save(tmp_path / "a", 0, range(1, 6))
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(tmp_path / "a"))
+    cfg = SidecarConfig.from_env(GOOD | {contract.ENV_POD_NAME: "a", contract.ENV_JOB_UID: "uid"})
+    with EtcdClient(["127.0.0.1:1"], timeout=0.3) as dead:
+        part = RoundCheckpoints(dead, contract.Keys(cfg.prefix), cfg)
+        with pytest.raises(EtcdError):
+            part.worker_env(RendezvousInfo(1, 0, 1, ("a",)), 1, False)
+        with pytest.raises(EtcdError):
+            read_records(dead, contract.Keys(cfg.prefix), ("a",))
+    assert part.status() is None  # no restore said
+    assert verified_steps(tmp_path / "a", "uid") == {0: (5, 4, 3)}  # nothing dropped
+    # carried in process: nothing to read, nothing raised
+    with EtcdClient(["127.0.0.1:1"], timeout=0.3) as dead:
+        part = RoundCheckpoints(dead, contract.Keys(cfg.prefix), cfg)
+        assert part.worker_env(RendezvousInfo(1, 0, 1, ("a",)), 1, True) is None
