@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -15,3 +16,14 @@ def store(etcd_endpoint: str) -> Iterator[EtcdClient]:
     s = EtcdClient([etcd_endpoint])
     yield s
     s.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts (appended to the list), killed and waited for after it."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)

@@ -65,16 +65,6 @@ def _spawn(script: Path, after: float, fifo: Path | None = None) -> subprocess.P
     return subprocess.Popen([sys.executable, str(script), str(after)], env=env)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-
-
 def _fake_pyspy(folder: Path, body: str) -> Path:
     path = folder / "fake-py-spy"
     path.write_text("#!/bin/sh\n" + textwrap.dedent(body))

@@ -93,16 +93,6 @@ def server(
     timer.stop()
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-
-
 def _spawn(
     tmp_path: Path, procs: list[subprocess.Popen[bytes]], code: str, after: float, rank: int
 ) -> subprocess.Popen[bytes]:
