@@ -83,6 +83,9 @@ from .round_end import (
 )
 from .wiring import Hooks, build_parts
 
+#: Extra variables of the round's workers (the agreed checkpoint step's), or none.
+Env = dict[str, str] | None
+
 log = logging.getLogger("kelastic_sidecar.supervisor")
 
 EXIT_SUCCEEDED = 0
@@ -309,22 +312,17 @@ class Supervisor:
                 return self._finish_closed(exc.reason)
             except (RendezvousError, EtcdError) as exc:
                 return self._fail_fatal(f"rendezvous failed: {exc}")
-            try:
-                master = round_master(
+            try:  # the round's master address, and the checkpoint step every node agrees
+                master = round_master(  # on (records not read: no agreement, no start)
                     self.store, self.keys.master(info.round), self.cfg.pod_ip,
                     publish=info.group_rank == 0, timeout=min(self.cfg.join_timeout, 60.0),
                 )  # fmt: skip
+                restore_env = self.checkpoints.worker_env(info, self._nproc, self._carried)
             except (TimeoutError, EtcdError, ValueError) as exc:
                 if isinstance(exc, CorruptValueError):  # the codec refused the record
                     self.metrics.corrupt_values.labels(source="master_record").inc()
-                log.warning("round %d: no master address (%s); re-rendezvous", info.round, exc)
-                continue
-            try:  # the checkpoint step every node agrees on (none read: no agreement)
-                restore_env = self.checkpoints.worker_env(info, self._nproc, self._carried)
-            except EtcdError as exc:
-                log.warning("round %d: cannot read the nodes' checkpoint records (%s); "
-                            "re-rendezvous rather than start without the agreed step",
-                            info.round, exc)  # fmt: skip
+                log.warning("round %d: no master address or checkpoint records (%s); "
+                            "re-rendezvous", info.round, exc)  # fmt: skip
                 continue
             self._start_workers(info, master, restore_env)
             end = self.workers.monitor(self.handler, info, self._on_started)
@@ -377,11 +375,9 @@ class Supervisor:
                  info.group_world_size * self._nproc)  # fmt: skip
         return info
 
-    def _start_workers(
-        self, info: RendezvousInfo, master: tuple[str, int], restore_env: dict[str, str] | None
-    ) -> None:
-        """Send the round's ``assign`` (a new attempt, with ``restore_env``: the agreed
-        checkpoint step's variables), unless the workers were carried over."""
+    def _start_workers(self, info: RendezvousInfo, master: tuple[str, int], env: Env) -> None:
+        """Send the round's ``assign`` (a new attempt, with ``env``: the agreed checkpoint
+        step's variables), unless the workers were carried over."""
         self._acquired_at_start = self.timer.stats().acquired
         carried = self._carried
         tokens = self.workers.tokens if carried else self.workers.new_attempt()
@@ -406,7 +402,7 @@ class Supervisor:
             restart_count=spent,
             max_restarts=self.cfg.max_restarts,
             tokens=tokens,
-            extra_env=restore_env,
+            extra_env=env,
         )
         assign = self.inprocess.begin_round(assign, info, self.handler)
         if carried:

@@ -110,7 +110,7 @@ def test_a_slot_gone_bad_after_the_agreement_fails_its_load_and_the_next_round_a
     assert flipped is not None, out
     bad = int(flipped.group(1))
     assert re.search(rf"rank 2 cannot load the agreed checkpoint step {bad} from memory "
-                     r"\(slot \d: [^;]*crc32", out), out  # fmt: skip
+                     r"\(.*crc32", out), out  # fmt: skip
     agreed = [
         int(s) for s in re.findall(r"the workers restore checkpoint step (\d+) from memory", out)
     ]
