@@ -44,6 +44,9 @@ def _compute(seconds: float) -> Callable[[], None]:
 
     a = torch.randn(256, 256)
     b = torch.randn(256, 256)
+    warm = time.perf_counter()
+    while time.perf_counter() - warm < 0.2:  # caches, frequency: as in the loop
+        torch.mm(a, b)
     started, n = time.perf_counter(), 0
     while time.perf_counter() - started < 0.2:
         torch.mm(a, b)
@@ -128,7 +131,7 @@ def measure_persist_overhead(
     result.rows += [
         Row("checkpoint", group, "kelastic, no persistence", "s",
             [t for b in off_times for t in b], ref=True,
-            note=f"{STEP_SECONDS:g} s of compute + the save's stall"),
+            note=f"about {STEP_SECONDS:g} s of compute (calibrated) + the save's stall"),
         Row("checkpoint", group, f"kelastic, persisted every {EVERY} steps (sidecar process)",
             "s", [t for b in on_times for t in b],
             note=f"{len(persisted)} of {due} due steps persisted during the run"),
