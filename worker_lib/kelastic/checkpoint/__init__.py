@@ -203,8 +203,13 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
     out = store.load(step)
     if out is None and step is not None:
         log.warning("checkpoint: rank %d does not hold step %d: %s", store.rank, step,
-                    "; ".join(f"slot {s}: {why}" for s, why in store.skipped))  # fmt: skip
+                    _skipped(store))  # fmt: skip
     return out
+
+
+def _skipped(store: CheckpointStore) -> str:
+    """Why each slot was passed over by ``store``'s last load, one line."""
+    return "; ".join(f"slot {s}: {why}" for s, why in store.skipped)
 
 
 def _load_agreed(step: int) -> tuple[int, Any]:
@@ -218,10 +223,10 @@ def _load_agreed(step: int) -> tuple[int, Any]:
         store = default_store()
         got = store.load(step)
         if got is None:
-            why = "; ".join(f"slot {s}: {w}" for s, w in store.skipped) or "no slot holds it"
             raise CheckpointRestoreError(
                 f"rank {rank} cannot load the agreed checkpoint step {step} from memory "
-                f"({why}); the next round agrees on a step without it"
+                f"({_skipped(store) or 'no slot holds it'}); the next round agrees on a step "
+                "without it"
             )
         out = got
     took = time.monotonic() - started
