@@ -31,6 +31,7 @@ from kelastic._safejson import UnsafeJSONError, loads_bounded
 from kelastic.control_messages import Assign, Exited, Promote
 from kelastic.errors import parse_error_data
 from kelastic.etcd_values import MAX_RANK, MAX_ROUND, decode_master
+from kelastic.prestop import parse_reply, reply_left, reply_not_left
 from kelastic_operator.etcd_view import view_from_keys
 from kelastic_sidecar.control import ControlProtocolError, parse_launcher_message
 from kelastic_sidecar.rendezvous.state import (
@@ -803,3 +804,28 @@ def test_fuzz_bytes_that_are_no_json_are_not_called_too_deep(
         loads_bounded(raw, max_bytes=64 * 1024, max_depth=4)
     assert "nested deeper" not in str(err.value), raw
     assert "not JSON" in str(err.value)
+
+
+# ------------------------------------------------- the preStop hook's answer line
+
+
+@FUZZ
+@given(raw=st.binary(max_size=600))
+def test_fuzz_the_prestop_answer_is_a_reply_or_a_value_error(raw: bytes) -> None:
+    """What the hook reads from the sidecar's socket (:func:`kelastic.prestop.parse_reply`):
+    any bytes give a bounded, printable :class:`~kelastic.prestop.Reply` or ValueError."""
+    try:
+        reply = parse_reply(raw)
+    except ValueError:
+        return
+    assert len(reply.text) <= 256 and reply.text.isprintable()
+
+
+@FUZZ
+@given(reason=st.text(max_size=300), timeout=st.floats(0.001, 1e6))
+def test_fuzz_every_prestop_answer_the_sidecar_writes_is_read_back(
+    reason: str, timeout: float
+) -> None:
+    left = parse_reply(reply_left(reason))
+    assert left.left and left.text and "\n" not in left.text and len(left.text) <= 120
+    assert not parse_reply(reply_not_left(timeout)).left

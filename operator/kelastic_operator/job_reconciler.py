@@ -298,9 +298,14 @@ class JobReconciler:
             except RendezvousStoreError as exc:
                 log.warning("%s/%s: fencing pod uid %s failed: %s", self.namespace, self.name,
                             uid, exc)  # fmt: skip
-        if plan.depart_nodes and store is not None:
+        for nodes, reason in (
+            (plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN),
+            (plan.disrupted_nodes, contract.DEPARTURE_DISRUPTION),
+        ):
+            if not nodes or store is None:
+                continue
             try:
-                store.mark_departing(prefix, plan.depart_nodes, contract.DEPARTURE_SCALE_DOWN)
+                store.mark_departing(prefix, nodes, reason)
             except RendezvousStoreError as exc:
                 log.warning("%s/%s: posting departures failed: %s", self.namespace, self.name, exc)
         if plan.remove_nodes and store is not None:

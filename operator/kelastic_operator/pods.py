@@ -431,6 +431,19 @@ def launcher_command(
     ]  # fmt: skip
 
 
+def trainer_lifecycle(trainer: dict[str, Any], python: str = "python") -> dict[str, Any]:
+    """The trainer's ``lifecycle``: its ``preStop`` hook is ``python -m kelastic.prestop``
+    (the kubelet runs it before the trainer's SIGTERM: the sidecar's node leaves the
+    rendezvous first, with the operator's departure notice when a disruption takes the
+    Pod, so its peers re-form charging nothing; :mod:`kelastic.prestop`). A ``preStop``
+    of the user's own is kept instead (the kubelet runs one hook): the Pod then stops as
+    without ours, its peers may charge a drain as a lost node. ``postStart`` is kept."""
+    lifecycle = dict(trainer.get("lifecycle") or {})
+    if not lifecycle.get("preStop"):
+        lifecycle["preStop"] = {"exec": {"command": [python, "-m", "kelastic.prestop"]}}
+    return lifecycle
+
+
 def _trainer_mounts(trainer: dict[str, Any], spec: ElasticJobSpec) -> list[dict[str, Any]]:
     """The trainer's mounts: the user's, kelastic's run volume and checkpoint volume
     (unless mounted under those names already), and the persistence volume read only at
@@ -520,6 +533,7 @@ def build_pod(
     trainer["volumeMounts"] = _trainer_mounts(trainer, spec)
     trainer["terminationMessagePath"] = contract.DEFAULT_TERMINATION_LOG
     trainer["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    trainer["lifecycle"] = trainer_lifecycle(trainer, settings.python)
 
     ours = {contract.RUN_VOLUME_NAME, contract.CHECKPOINT_VOLUME_NAME}
     volumes = [v for v in pspec.get("volumes") or [] if v.get("name") not in ours]

@@ -51,8 +51,13 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    each time another node's evidence of that round arrives.
 8. Nodes leave rendezvous (their alive keys are deleted) the moment their Pod is seen
    failed (and on every pass until it is gone: deleting a key is idempotent), being
-   deleted, gone, or deleted on scale-down. A Pod created under the name of one that
-   departed on purpose (scale-down, spec change, suspend) has that notice deleted first.
+   deleted, gone, or deleted on scale-down. A Pod being deleted that a disruption takes
+   (its ``DisruptionTarget`` condition: ``kubectl drain``'s eviction, a preemption, the
+   taint manager) has its departure notice posted first (``disruption``: no restart is
+   charged, as a Job's ``podFailurePolicy`` ignores them; a ``PodDisrupted`` Event says
+   so once); a plain ``kubectl delete pod`` is a fault its peers charge. A Pod created
+   under the name of one that departed on purpose (scale-down, spec change, suspend, a
+   disruption) has that notice deleted first.
 9. A finished job is deleted ``ttlSecondsAfterFinished`` after its ``completionTime``
    (``Plan.delete_job``; :mod:`~kelastic_operator.ttl`), and woken up then.
 10. **Lost nodes.** A Pod whose Node has not been Ready for ``nodeLostSeconds``
@@ -436,9 +441,18 @@ def _note_failures(p: _Pass) -> None:
                 Event("Warning", "PodFailed", f"pod {pod.name} failed: {failure.message}")
             )
         after_preflight(p.st, p.plan, pod)  # its Node quarantined
-    # Pods being deleted leave rendezvous at once (their sidecars may not get to say so)
+    # Pods being deleted leave rendezvous at once (their sidecars may not get to say so);
+    # one a disruption takes (drain, preemption) with a departure notice first
     for pod in p.pods:
-        if pod.deleting and pod.phase in ACTIVE_PHASES and pod.name not in p.plan.remove_nodes:
+        if not pod.deleting or pod.phase not in ACTIVE_PHASES:
+            continue
+        if pod.disruption and pod.name not in p.plan.depart_nodes + p.plan.disrupted_nodes:
+            p.plan.disrupted_nodes.append(pod.name)
+            if pod.name not in p.rdzv.departing:
+                p.plan.events.append(Event("Normal", "PodDisrupted", f"pod {pod.name} is "
+                    f"taken by {pod.disruption}: its node leaves the rendezvous, no restart "
+                    "charged"))  # fmt: skip
+        if pod.name not in p.plan.remove_nodes:
             p.plan.remove_nodes.append(pod.name)
     spent_before = p.old.restarts_spent or 0
     spent = p.rdzv.restarts_spent

@@ -120,6 +120,9 @@ class PodView:
             not ``True``, or the Node deleted), None while it is Ready or unknown; not in
             the Pod object: the caller adds it from the Nodes it watches
             (:mod:`~kelastic_operator.node_health`).
+        disruption: the reason of its ``DisruptionTarget`` condition when it is ``True``
+            (``EvictionByEvictionAPI``, ``PreemptionByScheduler``,
+            ``DeletionByTaintManager``, ...: a disruption is taking it), else ``""``.
     """
 
     name: str
@@ -137,6 +140,7 @@ class PodView:
     node_name: str = ""
     node_not_ready_since: datetime | None = None
     uid: str = ""
+    disruption: str = ""
 
 
 @dataclass(frozen=True)
@@ -284,6 +288,9 @@ class Plan:
     #: Nodes removed on purpose (scale-down): their departure notice is posted first, so
     #: their peers re-rendezvous without spending the restart budget.
     depart_nodes: list[str] = field(default_factory=list)
+    #: Nodes whose Pods a disruption takes (an eviction, a preemption): their notice
+    #: (:data:`kelastic.contract.DEPARTURE_DISRUPTION`) is posted before they are removed.
+    disrupted_nodes: list[str] = field(default_factory=list)
     #: Departure notices to delete before the Pods of these names are created again: a
     #: notice left from the earlier Pod of the name would make the new Pod's loss look
     #: planned (no restart charged).
@@ -340,7 +347,10 @@ def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodV
         if isinstance(c, dict)
     )
     scheduled, unschedulable_since = bool((pod.get("spec") or {}).get("nodeName")), None
+    disruption = ""
     for c in status.get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == "DisruptionTarget":
+            disruption = str(c.get("reason") or "Disruption") if c.get("status") == "True" else ""
         if isinstance(c, dict) and c.get("type") == "PodScheduled":
             scheduled = scheduled or c.get("status") == "True"
             if c.get("status") == "False" and c.get("reason") == "Unschedulable":
@@ -377,7 +387,12 @@ def pod_view(job: str, pod: Mapping[str, Any], trainer: str = "trainer") -> PodV
         unschedulable_since=unschedulable_since,
         node_name=str((pod.get("spec") or {}).get("nodeName") or ""),
         uid=str(meta.get("uid") or ""),
+        disruption=disruption[:MAX_REASON_LEN],
     )
+
+
+#: Longest condition reason kept (the API server bounds a reason to 1024 characters).
+MAX_REASON_LEN = 128
 
 
 def failure_of(pod: PodView, now: datetime) -> LastFailure:

@@ -54,10 +54,9 @@ from .round_end import (
     RoundEnd,
     RoundEndKind,
     RoundOf,
-    blame_lost_peer,
     classify_check,
     classify_exit,
-    lost_peer,
+    explain_worker_failure,
     stopped_failure,
 )
 from .steptime import StepTimes
@@ -295,19 +294,24 @@ class AttemptMonitor:
             log.info("round %d: %s (%s)", info.round, check.reason, ", ".join(check.nodes))
         return end
 
-    def blame_lost_peer(
-        self, handler: EtcdRendezvousHandler | None, info: RendezvousInfo, failure: Failure
-    ) -> Failure:
-        """The root cause of a worker failure (:func:`~.round_end.blame_lost_peer`), from
-        a rendezvous check taken after our workers stopped, so that a loss had time to
-        show (the operator or ``kelastic run`` takes a dead Pod's node out at once)."""
-        if failure.cause != CAUSE_WORKER_FAILURE or handler is None:
-            return failure
-        lost = lost_peer(self.check_round(handler, info))
-        if lost is None:
-            return failure
-        log.warning("round %d: %s; it explains %s", info.round, lost.summary(), failure.summary())
-        return blame_lost_peer(failure, lost)
+    def explain_failure(
+        self, handler: EtcdRendezvousHandler | None, info: RendezvousInfo, end: RoundEnd
+    ) -> RoundEnd:
+        """How a failed round ends (:func:`~.round_end.explain_worker_failure`: a peer lost
+        is the root cause, a peer that left on purpose charges nothing), from a rendezvous
+        check taken after our workers stopped, so that the peer's leaving had time to show
+        (the operator or ``kelastic run`` takes a dead Pod's node out at once)."""
+        failure = end.failure
+        if failure is None or failure.cause != CAUSE_WORKER_FAILURE or handler is None:
+            return end
+        explained = explain_worker_failure(failure, self.check_round(handler, info))
+        if explained.kind is RoundEndKind.RESTART:
+            log.info("round %d: %s left the round on purpose; it explains %s", info.round,
+                     ", ".join(explained.departed), failure.summary())  # fmt: skip
+        elif explained.failure is not failure and explained.failure is not None:
+            log.warning("round %d: %s; it explains %s", info.round,
+                        explained.failure.summary(), failure.summary())  # fmt: skip
+        return explained
 
     def before_stop(
         self, info: RendezvousInfo, end: RoundEnd, peers_cause: Callable[[int], str | None]

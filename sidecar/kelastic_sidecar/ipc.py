@@ -1,11 +1,12 @@
 """Who may use the sidecar's files on the shared volume: the timer FIFO, the control
-socket and the in-process socket (``$KELASTIC_IPC_ACCESS``); and why a connection to a
-socket is dropped (:class:`DropReason`).
+socket, the in-process socket and the preStop socket (``$KELASTIC_IPC_ACCESS``); and why a
+connection to a socket is dropped (:class:`DropReason`).
 
-One rule for the three: :func:`ipc_access` says who (the sidecar's user only, its group,
+One rule for the four: :func:`ipc_access` says who (the sidecar's user only, its group,
 or any user of the Pod), :func:`fifo_mode` and :func:`socket_mode` the file modes that
-follow. Used by :mod:`kelastic_sidecar.timer`, :mod:`kelastic_sidecar.control` and
-:mod:`kelastic_sidecar.inprocess`; imports nothing of theirs.
+follow. Used by :mod:`kelastic_sidecar.timer`, :mod:`kelastic_sidecar.control`,
+:mod:`kelastic_sidecar.inprocess` and :mod:`kelastic_sidecar.prestop`; imports nothing
+of theirs.
 """
 
 from __future__ import annotations

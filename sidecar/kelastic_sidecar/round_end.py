@@ -59,13 +59,16 @@ __all__ = [
     "classify_check",
     "classify_exit",
     "closed_outcome",
+    "explain_worker_failure",
     "lost_peer",
     "stopped_failure",
 ]
 
-#: Departures that end a round without spending the restart budget: a scale-down, and a
-#: peer exiting to re-rendezvous (its own failure, if any, was charged by that peer).
-PLANNED_DEPARTURES = frozenset({contract.DEPARTURE_SCALE_DOWN, DEPARTURE_REJOIN})
+#: Departures that end a round without spending the restart budget: a scale-down, a
+#: disruption of the Pod (an eviction, a preemption: :data:`kelastic.contract.
+#: DEPARTURE_DISRUPTION`), and a peer exiting to re-rendezvous (its own failure, if any,
+#: was charged by that peer).
+PLANNED_DEPARTURES = frozenset({*contract.OPERATOR_DEPARTURES, DEPARTURE_REJOIN})
 
 
 class RoundEndKind(enum.Enum):
@@ -94,11 +97,15 @@ class RoundEnd:
         failure: the root cause, for :attr:`RoundEndKind.FAILED`.
         reason: for ``RESTART`` the restart's cause (``CAUSE_SCALE``, ``CAUSE_PEER``);
             for ``REMOVED`` the node's departure reason (may be empty).
+        departed: for ``RESTART``, the peers that left the round on purpose
+            (:data:`PLANNED_DEPARTURES`), sorted; their workers' connections close, so ours
+            may fail first (:func:`explain_worker_failure`).
     """
 
     kind: RoundEndKind
     failure: Failure | None = None
     reason: str = ""
+    departed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,7 +206,8 @@ def classify_check(check: CheckLike, node: str, round_: int) -> RoundEnd | None:
         CheckReason.NODES_WAITING: CAUSE_SCALE,
         CheckReason.PARTICIPANT_LEFT: CAUSE_SCALE,
     }.get(check.reason, CAUSE_PEER)
-    return RoundEnd(RoundEndKind.RESTART, reason=reason)
+    departed = tuple(sorted(check.nodes)) if check.reason is CheckReason.PARTICIPANT_LEFT else ()
+    return RoundEnd(RoundEndKind.RESTART, reason=reason, departed=departed)
 
 
 #: The process state of a worker stopped by job control (``SIGSTOP``, ``SIGTSTP``). A
@@ -385,6 +393,31 @@ def blame_lost_peer(failure: Failure, lost: Failure | None) -> Failure:
     if failure.cause != CAUSE_WORKER_FAILURE or lost is None:
         return failure
     return replace(lost, message=f"{lost.message}; then {failure.summary()}")
+
+
+def explain_worker_failure(failure: Failure, check_end: RoundEnd | None) -> RoundEnd:
+    """How a round whose worker failed ends, given what the rendezvous says of it after
+    our workers stopped (``check_end``: :func:`classify_check`'s result, None: healthy or
+    unknown).
+
+    - a peer node lost in the same round: ``FAILED``, the loss the root cause
+      (:func:`blame_lost_peer`);
+    - a peer that left on purpose (a scale-down, an eviction: :attr:`RoundEnd.departed`):
+      ``RESTART`` with ``CAUSE_SCALE``, no charge: its workers stopped, so ours lost their
+      connections, as every worker of a collective does when one rank goes;
+    - otherwise ``FAILED`` with ``failure``.
+
+    Only a :data:`~kelastic_sidecar.failure.CAUSE_WORKER_FAILURE` is explained: a hang, an
+    OOM kill or a launch failure stays the node's own.
+    """
+    if failure.cause != CAUSE_WORKER_FAILURE or check_end is None:
+        return RoundEnd(RoundEndKind.FAILED, failure)
+    lost = lost_peer(check_end)
+    if lost is not None:
+        return RoundEnd(RoundEndKind.FAILED, blame_lost_peer(failure, lost))
+    if check_end.kind is RoundEndKind.RESTART and check_end.departed:
+        return RoundEnd(RoundEndKind.RESTART, reason=CAUSE_SCALE, departed=check_end.departed)
+    return RoundEnd(RoundEndKind.FAILED, failure)
 
 
 def closed_outcome(reason: dict[str, Any] | None, max_restarts: int) -> tuple[Failure | None, str]:

@@ -76,7 +76,7 @@ from .rendezvous import (
     RendezvousError,
     RendezvousInfo,
 )
-from .restart_budget import RestartRecordError
+from .restart_budget import RestartBudget, RestartRecordError
 from .round_end import (
     RoundEndKind,
     closed_outcome,
@@ -153,6 +153,8 @@ class Supervisor:
         self.etcd_health = parts.etcd_health
         self.inprocess = parts.inprocess
         self.checkpoints = parts.checkpoints
+        self.termination = parts.termination
+        self.prestop = parts.prestop
         self.handler: EtcdRendezvousHandler | None = None
         self._alive = True
         self._running = False
@@ -228,6 +230,7 @@ class Supervisor:
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.timer.start()
         self.control.start()
+        self.prestop.start()
         self.inprocess.start()
         self.checkpoints.start()
         self.http.start()
@@ -235,17 +238,22 @@ class Supervisor:
                  "http :%d", self.cfg.namespace, self.cfg.job_name, self.cfg.node,
                  self.cfg.min_nodes, self.cfg.max_nodes, self._nproc, self.cfg.max_restarts,
                  self.http.port)  # fmt: skip
+        self.termination.arm()
         try:
             return self._run()
         except SidecarShutdown as exc:
-            reason = departure_reason(self.store, self.keys.departing(self.cfg.node))
-            log.info("received %s: stopping workers, leaving the rendezvous (%s)", exc, reason)
+            # The Pod terminating (its preStop hook): the operator's notice may be on its way
+            wait = contract.PRESTOP_NOTICE_SECONDS if self.termination.terminating else 0.0
+            reason = departure_reason(self.store, self.keys.departing(self.cfg.node), wait)
+            log.info("received %s: leaving the rendezvous (%s), stopping workers", exc, reason)
+            self._leave(reason)  # first: the peers re-form before our workers go
             self._stop_workers("sidecar stopping")
-            self._leave(reason)
             self.checkpoints.at_stop(contract.PERSIST_STOP_SECONDS)  # the slots hold still
             self._shutdown_launcher(128 + exc.signum, f"stopped by {exc}")
             return 128 + exc.signum
         finally:
+            self.termination.disarm()
+            self.termination.left("")  # a request waiting on a node that left nothing
             self._alive = False
             self._running = False
             self.workers.watch_stop.set()
@@ -258,6 +266,7 @@ class Supervisor:
             self.checkpoints.close()
             self.inprocess.close()
             self.control.close()
+            self.prestop.close()
             self.http.stop()
             with contextlib.suppress(Exception):
                 self.store.close()
@@ -347,8 +356,10 @@ class Supervisor:
             stopped = self.workers.before_stop(info, end, self.budget.last_cause)
             self._last_failure = stopped or self._last_failure  # a peer restarted: ours stopped
             self._stop_workers(end.reason or (end.failure.summary() if end.failure else ""))
+            if end.kind is RoundEndKind.FAILED:
+                end = self.workers.explain_failure(self.handler, info, end)
             if end.kind is RoundEndKind.FAILED and end.failure is not None:
-                failure = self.workers.blame_lost_peer(self.handler, info, end.failure)
+                failure = end.failure
                 self._last_failure, self._down_cause = failure, failure.cause
                 verdict = failure_rules.verdict(self.cfg.failure_rules, failure, self.cfg.node)
                 if verdict.ends(verdict.charged and self._charge(failure, verdict.ignored)):
@@ -381,13 +392,7 @@ class Supervisor:
         self._acquired_at_start = self.timer.stats().acquired
         carried = self._carried
         tokens = self.workers.tokens if carried else self.workers.new_attempt()
-        try:
-            record = self.budget.read()
-            self._spent = record.count
-            detail = record.history[-1].get("detail") if record.history else None
-            self._last_charge = detail if isinstance(detail, dict) else None
-        except (EtcdError, RestartRecordError) as exc:
-            log.error("cannot read the restart budget: %s", exc)
+        self._spent, self._last_charge = read_budget(self.budget, self._spent, self._last_charge)
         spent = self._spent
         self.metrics.budget_spent.set(spent)
         self._phase = Phase.STARTING_WORKERS
@@ -451,12 +456,8 @@ class Supervisor:
         self.workers.stop_workers(reason)
 
     def _leave(self, reason: str) -> None:
-        if self.handler is None:
-            return
-        try:
-            self.handler.leave(reason)
-        except (RendezvousError, EtcdError) as exc:
-            log.warning("leaving the rendezvous failed: %s", exc)
+        left = leave_rendezvous(self.handler, reason)
+        self.termination.left(reason if left else "")
 
     def _report(self, outcome: ReportOutcome, summary: str, failure: Failure | None = None) -> None:
         write_report(self.store, self.keys, self.cfg.node, outcome, summary, failure)
@@ -552,15 +553,54 @@ def write_report(
         log.error("cannot write the node report to etcd: %s", exc)
 
 
-def departure_reason(store: EtcdClient, key: str) -> str:
+def departure_reason(store: EtcdClient, key: str, wait: float = 0.0) -> str:
     """The reason of this node's departure notice at ``key`` (the operator posts
-    ``scale_down`` before it removes the node on purpose: the peers owe no restart), read
-    by the value's one codec (:func:`kelastic.etcd_values.decode_departure`); ``shutdown``
-    when there is none or etcd does not answer. Never raises."""
-    got: tuple[bytes, int] | None = None
-    with contextlib.suppress(EtcdError):
-        got = store.get(key)
-    return decode_departure(got[0]) if got else "shutdown"
+    ``scale_down`` before it removes the node on purpose, ``disruption`` for a Pod an
+    eviction or a preemption takes: the peers owe no restart), read by the value's one
+    codec (:func:`kelastic.etcd_values.decode_departure`); ``shutdown`` when there is
+    none after ``wait`` seconds (read every :data:`NOTICE_POLL` s) or etcd does not
+    answer. Never raises."""
+    deadline = time.monotonic() + wait
+    while True:
+        got: tuple[bytes, int] | None = None
+        with contextlib.suppress(EtcdError):
+            got = store.get(key)
+        if got:
+            return decode_departure(got[0])
+        if time.monotonic() >= deadline:
+            return "shutdown"
+        time.sleep(min(NOTICE_POLL, max(0.0, deadline - time.monotonic())))
+
+
+#: Seconds between two reads of a departure notice a terminating Pod waits for.
+NOTICE_POLL = 0.2
+
+
+def leave_rendezvous(handler: EtcdRendezvousHandler | None, reason: str) -> bool:
+    """Leave the rendezvous with departure ``reason``; False when there was no handler or
+    leaving failed (logged: the peers then see the node lost when its lease ends)."""
+    if handler is None:
+        return False
+    try:
+        handler.leave(reason)
+    except (RendezvousError, EtcdError) as exc:
+        log.warning("leaving the rendezvous failed: %s", exc)
+        return False
+    return True
+
+
+def read_budget(
+    budget: RestartBudget, spent: int, last: dict[str, Any] | None
+) -> tuple[int, dict[str, Any] | None]:
+    """The restarts spent and the last charge's detail, read from ``budget``'s record;
+    ``(spent, last)`` as they were when it cannot be read (logged)."""
+    try:
+        record = budget.read()
+    except (EtcdError, RestartRecordError) as exc:
+        log.error("cannot read the restart budget: %s", exc)
+        return spent, last
+    detail = record.history[-1].get("detail") if record.history else None
+    return record.count, detail if isinstance(detail, dict) else None
 
 
 def round_master(

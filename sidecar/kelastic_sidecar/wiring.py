@@ -37,6 +37,7 @@ from .http import SidecarHttpServer
 from .inprocess import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .persister import Persister
+from .prestop import PodTermination, PrestopServer
 from .restart_budget import RestartBudget, RestartRecordError
 from .steptime import StepTimes, Straggler
 from .timer import TimerServer, hard_timeout_reap
@@ -109,6 +110,9 @@ class Parts:
     hangs: HangReports
     #: The checkpoint slots' records before each round, and what each round restores.
     checkpoints: RoundCheckpoints
+    #: The Pod-is-terminating handshake, and the socket its preStop hook tells it on.
+    termination: PodTermination
+    prestop: PrestopServer
 
 
 @dataclass(frozen=True)
@@ -240,9 +244,13 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         store, keys, config, on_check=metrics.checkpoint.check.observe,
         on_restore=restore_reporter(metrics), persister=persister_of(config, metrics),
     )  # fmt: skip
+    termination = PodTermination()
+    prestop = PrestopServer(
+        contract.prestop_socket_path(config.run_dir), termination, contract.PRESTOP_TIMEOUT_SECONDS
+    )
     return Parts(
         store, keys, events, timer, metrics, control, http, budget, etcd_health, inprocess, steps,
-        HangReports(store, keys.hang(config.node), budget), checkpoints,
+        HangReports(store, keys.hang(config.node), budget), checkpoints, termination, prestop,
     )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from kelastic_sidecar.round_end import (
     classify_check,
     classify_exit,
     closed_outcome,
+    explain_worker_failure,
     lost_peer,
     stopped_failure,
 )
@@ -74,6 +75,16 @@ CHECKS = [
         "peer-rejoins",
         RoundCheck(False, "participant_left", ("job-2",), (("job-2", "rejoin"),)),
         K.RESTART, CAUSE_SCALE, None, None,
+    ),
+    (
+        "peer-disrupted",  # drained or preempted: the operator's notice, nothing charged
+        RoundCheck(False, "participant_left", ("job-2",), (("job-2", "disruption"),)),
+        K.RESTART, CAUSE_SCALE, None, None,
+    ),
+    (
+        "we-were-disrupted",
+        RoundCheck(False, "participant_left", (NODE,), ((NODE, "disruption"),)),
+        K.REMOVED, "disruption", None, None,
     ),
     ("nodes-waiting", RoundCheck(False, "nodes_waiting", ("job-3",)), K.RESTART, CAUSE_SCALE,
      None, None),
@@ -253,6 +264,47 @@ def test_blame_lost_peer(end: RoundEnd | None, failure: Failure, blamed: bool) -
         assert got.message == f"gone; then {failure.summary()}"
     else:
         assert got is failure
+
+
+def test_a_restart_names_the_peers_that_left_on_purpose_and_only_them() -> None:
+    left = classify_check(
+        RoundCheck(False, "participant_left", ("job-2", "job-0"),
+                   (("job-2", "disruption"), ("job-0", "scale_down"))), NODE, 3,
+    )  # fmt: skip
+    assert left == RoundEnd(K.RESTART, reason=CAUSE_SCALE, departed=("job-0", "job-2"))
+    waiting = classify_check(RoundCheck(False, "nodes_waiting", ("job-3",)), NODE, 3)
+    assert waiting is not None and waiting.departed == ()  # a joiner breaks no collective
+
+
+MINE_FAILED = Failure(cause=CAUSE_WORKER_FAILURE, node=NODE, round=7, message="rank 3 exited 1")
+
+
+@pytest.mark.parametrize(
+    ("failure", "check_end", "kind", "cause"),
+    [
+        pytest.param(MINE_FAILED, None, K.FAILED, CAUSE_WORKER_FAILURE, id="no-check"),
+        pytest.param(MINE_FAILED, RoundEnd(K.RESTART, reason=CAUSE_SCALE, departed=("job-2",)),
+                     K.RESTART, CAUSE_SCALE, id="a-peer-left-on-purpose"),
+        pytest.param(MINE_FAILED, RoundEnd(K.RESTART, reason=CAUSE_SCALE), K.FAILED,
+                     CAUSE_WORKER_FAILURE, id="nodes-waiting-explain-nothing"),
+        pytest.param(MINE_FAILED, RoundEnd(K.FAILED, LOST), K.FAILED, CAUSE_NODE_LOST,
+                     id="a-peer-lost"),
+        pytest.param(Failure(cause=CAUSE_HANG, node=NODE, round=7),
+                     RoundEnd(K.RESTART, reason=CAUSE_SCALE, departed=("job-2",)), K.FAILED,
+                     CAUSE_HANG, id="a-hang-stays-ours"),
+    ],
+)  # fmt: skip
+def test_explain_worker_failure(
+    failure: Failure, check_end: RoundEnd | None, kind: RoundEndKind, cause: str
+) -> None:
+    """A worker failure right after a peer left on purpose (a drain, a scale-down) is the
+    peer's leaving (its ranks closed the collectives): a restart at no charge."""
+    got = explain_worker_failure(failure, check_end)
+    assert got.kind is kind
+    if kind is K.RESTART:
+        assert got.reason == cause and got.failure is None and got.departed == ("job-2",)
+    else:
+        assert got.failure is not None and got.failure.cause == cause
 
 
 @dataclass(frozen=True)

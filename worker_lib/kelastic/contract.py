@@ -33,6 +33,8 @@ TIMER_FIFO_NAME: Final = "timer.fifo"
 CONTROL_SOCKET_NAME: Final = "control.sock"
 #: In-process restart: wrapped workers <-> the sidecar's coordinator (JSON lines).
 INPROCESS_SOCKET_NAME: Final = "inprocess.sock"
+#: The sidecar's Unix socket for the trainer's ``preStop`` hook (``kelastic.prestop``).
+PRESTOP_SOCKET_NAME: Final = "prestop.sock"
 LOGS_DIR_NAME: Final = "logs"
 ERROR_FILE_NAME: Final = "error.json"
 STDOUT_LOG_NAME: Final = "stdout.log"
@@ -129,6 +131,11 @@ def timer_fifo_path(base: Path | None = None) -> Path:
 def control_socket_path(base: Path | None = None) -> Path:
     """Path of the launcher <-> supervisor Unix socket under ``base``."""
     return (base or run_dir()) / CONTROL_SOCKET_NAME
+
+
+def prestop_socket_path(base: Path | None = None) -> Path:
+    """Unix socket where the sidecar hears that its Pod is terminating (``kelastic.prestop``)."""
+    return (base or run_dir()) / PRESTOP_SOCKET_NAME
 
 
 def inprocess_socket_path(base: Path | None = None) -> Path:
@@ -478,6 +485,19 @@ IP_GIVE_UP: Final = "give_up"  # {"type", "reason"}: no in-process restart; exit
 JOB_FAILED_PREFIX: Final = "job failed"
 #: Departure reason of a node removed by a scale-down (see :meth:`Keys.departing`).
 DEPARTURE_SCALE_DOWN: Final = "scale_down"
+#: Departure reason of a node whose Pod a disruption takes (its ``DisruptionTarget``
+#: condition: the eviction API, as ``kubectl drain`` uses it, a preemption, the taint
+#: manager, the kubelet's node-pressure eviction): a maintenance, not a fault of the job,
+#: so no restart is charged, as a Kubernetes Job's ``podFailurePolicy`` ignores them.
+DEPARTURE_DISRUPTION: Final = "disruption"
+#: Departures the operator posts that end a round without a charge.
+OPERATOR_DEPARTURES: Final = frozenset({DEPARTURE_SCALE_DOWN, DEPARTURE_DISRUPTION})
+#: Seconds a sidecar whose Pod is terminating (its trainer's ``preStop`` hook) waits for
+#: the operator's departure notice before it leaves the rendezvous without one.
+PRESTOP_NOTICE_SECONDS: Final = 5.0
+#: Seconds the ``preStop`` hook waits for the sidecar to have left the rendezvous: the
+#: notice's wait and a leave riding out a short etcd outage, within the 30 s grace.
+PRESTOP_TIMEOUT_SECONDS: Final = 15.0
 
 #: Largest control message accepted, bytes (a line longer than this is a protocol error).
 CONTROL_MAX_LINE: Final = 1 << 20
