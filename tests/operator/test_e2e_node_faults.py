@@ -241,4 +241,10 @@ def test_kubectl_drain_evicts_the_pods_with_departure_notices_and_charges_nothin
     print(f"\nafter a drain: {final}")
     assert final["phase"] == "Succeeded", final
     assert (final.get("restartsSpent") or 0) == 0, final
+    # the operator saw the evictions' DisruptionTarget and posted the notices; the
+    # kubelet ran the trainers' preStop hook (kelastic.prestop) without a failure
+    disrupted = [m for r, m in events(k8s) if r == "PodDisrupted"]
+    assert disrupted and all("EvictionByEvictionAPI" in m for m in disrupted), events(k8s)
+    hooks = [e for e in k8s.objects("events") if e.get("reason") == "FailedPreStopHook"]
+    assert not hooks, hooks
     assert _accuracy(node, ns) >= 0.90
