@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import CaseResult, Check, Row, log, median, save_partial
-from .persist_overhead import measure_persist_overhead
+from .persist_overhead import EVERY, EVERY_SPARSE, measure_persist_overhead
 
 MIB = 1 << 20
 #: a model's tensors (MiB) by kind, repeated to fill a third of the state; AdamW's two
@@ -248,7 +248,9 @@ def checkpoint(quick: bool) -> CaseResult:
     for label, total, reps in sizes:
         _measure_size(result, label, total, reps)
     label, total, _ = sizes[0]
-    blocks, steps = (2, 10) if quick else (6, 30)
-    measure_persist_overhead(result, label, state_dict(total), blocks, steps)
+    state = state_dict(total)
+    rates = [(EVERY, 2, 10)] if quick else [(EVERY, 6, 30), (EVERY_SPARSE, 6, 100)]
+    for every, blocks, steps in rates:  # (persist every, pairs of blocks, steps a block)
+        measure_persist_overhead(result, label, state, blocks, steps, every)
     save_partial(result)
     return result
