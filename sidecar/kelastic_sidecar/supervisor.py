@@ -238,8 +238,8 @@ class Supervisor:
                  "http :%d", self.cfg.namespace, self.cfg.job_name, self.cfg.node,
                  self.cfg.min_nodes, self.cfg.max_nodes, self._nproc, self.cfg.max_restarts,
                  self.http.port)  # fmt: skip
-        self.termination.arm()
         try:
+            self.termination.arm()  # inside: a request already waiting interrupts at once
             return self._run()
         except SidecarShutdown as exc:
             # The Pod terminating (its preStop hook): the operator's notice may be on its way

@@ -264,3 +264,33 @@ def test_no_notice_is_shutdown_after_the_wait_and_at_once_without_one(
 def test_a_dead_etcd_is_shutdown_after_the_wait() -> None:
     with EtcdClient(["127.0.0.1:1"], timeout=0.3) as dead:
         assert departure_reason(dead, "/kelastic/x/rdzv/departing/j-0", wait=0.5) == "shutdown"
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_default_interrupt_is_sigterm_in_the_main_thread_raised_where_arm_is_called() -> None:
+    """A request that came before the main loop ran interrupts it as :meth:`arm` is called:
+    the supervisor's SIGTERM handler raises there, so ``arm()`` sits inside the ``try``
+    whose ``except SidecarShutdown`` leaves the rendezvous."""
+    import signal
+
+    def raise_stop(signum: int, frame: object) -> None:
+        raise _Stop(signum)
+
+    old = signal.signal(signal.SIGTERM, raise_stop)
+    termination = PodTermination()  # SIGTERM to the main thread, as the sidecar has it
+    answer: list[str | None] = []
+    waiter = threading.Thread(target=lambda: answer.append(termination.request(10.0)))
+    try:
+        waiter.start()
+        wait_for(lambda: termination.terminating, 10, what="the request seen")
+        with pytest.raises(_Stop):
+            termination.arm()
+            time.sleep(10)  # the signal interrupts this at the latest
+        termination.left("disruption")
+        waiter.join(10)
+        assert answer == ["disruption"]
+    finally:
+        signal.signal(signal.SIGTERM, old)
