@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Final
 
 from kelastic.prestop import REQUEST, reply_left, reply_not_left
-from kelastic.sockaddr import listen_unix
+from kelastic.sockaddr import close_unix, listen_unix
 
 from .ipc import ipc_access, socket_mode
 
@@ -157,12 +157,7 @@ class PrestopServer:
         """Stop accepting and remove the socket file; idempotent."""
         self._closed.set()
         listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        close_unix(listener, self.path)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set() and (listener := self._listener) is not None:

@@ -61,6 +61,18 @@ def listen_unix(path: Path, mode: int, backlog: int) -> socket.socket:
     return listener
 
 
+def close_unix(listener: socket.socket | None, path: Path) -> None:
+    """Close a listening socket of :func:`listen_unix` (None: none) and remove its file at
+    ``path`` (already gone: fine); a thread blocked in its ``accept`` wakes. Never raises
+    ``OSError``."""
+    if listener is not None:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago: bound to port 0, then released.
 

@@ -49,7 +49,7 @@ from kelastic.inprocess_messages import (
     encode,
     parse_worker_message,
 )
-from kelastic.sockaddr import listen_unix
+from kelastic.sockaddr import close_unix, listen_unix
 
 from ..ipc import DROP_REASONS, DropReason, ipc_access, socket_mode
 
@@ -219,14 +219,9 @@ class InProcessServer:
         """Stop accepting, close every session and remove the socket file; idempotent."""
         self._closed.set()
         listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
+        close_unix(listener, self.path)
         for session in self.sessions():
             session.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
