@@ -156,7 +156,11 @@ CHECKPOINT_CEL_RULES: list[JsonValue] = [
     {
         "rule": "!has(self.persist) || has(self.memory)",
         "message": "checkpoint.persist needs checkpoint.memory: it persists the slots",
-    }
+    },
+    {
+        "rule": "!has(self.replicas) || self.replicas == 0 || has(self.memory)",
+        "message": "checkpoint.replicas needs checkpoint.memory: it replicates the slots",
+    },
 ]
 
 
@@ -191,15 +195,39 @@ class CheckpointSpec(_Model):
         description="write committed steps to a shared volume in torch DCP's format (needs memory)",
     )
 
+    replicas: int = Field(
+        default=0, ge=0, le=contract.MAX_CHECKPOINT_REPLICAS,
+        description="peer nodes that hold a replica of each rank's newest committed step "
+        "(needs memory): after a node is lost its ranks restore from the peer, not from "
+        "disk. The replicas share the checkpoint volume: size memory for about twice the "
+        "slots. 0: none",
+    )  # fmt: skip
+
+    replication_rate: Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)] | None = Field(
+        default=None, alias="replicationRate",
+        description="bytes per second each sidecar sends replicas at, at most (default 512Mi, "
+        "about 4.3 Gbit/s), so that the training's own traffic keeps the Pod network; a "
+        "quantity as memory's",
+    )  # fmt: skip
+
     @property
     def memory_bytes(self) -> int | None:
         """``memory`` in bytes (None when unset)."""
         return parse_quantity(self.memory) if self.memory is not None else None
 
+    @property
+    def replication_bytes_per_second(self) -> int:
+        """``replicationRate`` in bytes per second (the default when unset)."""
+        if self.replication_rate is None:
+            return contract.DEFAULT_REPLICATION_RATE
+        return parse_quantity(self.replication_rate)
+
     @model_validator(mode="after")
     def _check(self) -> CheckpointSpec:
         if self.persist is not None and self.memory is None:
             raise ValueError("checkpoint.persist needs checkpoint.memory: it persists the slots")
+        if self.replicas and self.memory is None:
+            raise ValueError("checkpoint.replicas needs checkpoint.memory: it replicates the slots")
         return self
 
 

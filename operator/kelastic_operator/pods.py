@@ -169,6 +169,17 @@ def sidecar_env(
     if memory is not None:  # the volume is allocated in full at the sidecar's start
         env.append({"name": contract.ENV_CHECKPOINT_DIR, "value": contract.DEFAULT_CHECKPOINT_DIR})
         env.append({"name": contract.ENV_CHECKPOINT_MEMORY, "value": str(memory)})
+    if spec.checkpoint.replicas:  # its slots sent to the next node, served on its port
+        env.append(
+            {"name": contract.ENV_CHECKPOINT_REPLICAS, "value": str(spec.checkpoint.replicas)}
+        )
+        env.append(
+            {
+                "name": contract.ENV_CHECKPOINT_REPLICATION_RATE,
+                "value": str(spec.checkpoint.replication_bytes_per_second),
+            }
+        )
+        env.append({"name": contract.ENV_REPLICA_PORT, "value": str(contract.DEFAULT_REPLICA_PORT)})
     env.extend(persist_env(spec))
     if rdzv.tls_secret:
         env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
@@ -180,6 +191,17 @@ def sidecar_env(
             ref = {"secretKeyRef": {"name": rdzv.auth_secret, "key": key}}
             env.append({"name": var, "valueFrom": ref})
     return env
+
+
+def sidecar_ports(spec: ElasticJobSpec, settings: PodSettings) -> list[dict[str, Any]]:
+    """The sidecar's ports: its HTTP port and, with ``spec.checkpoint.replicas``, the port
+    the job's other sidecars send replicas to and fetch slots from
+    (:data:`~kelastic.contract.DEFAULT_REPLICA_PORT`)."""
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": settings.http_port, "protocol": "TCP"}]
+    if spec.checkpoint.replicas:
+        port = contract.DEFAULT_REPLICA_PORT
+        ports.append({"name": contract.REPLICA_PORT_NAME, "containerPort": port, "protocol": "TCP"})
+    return ports
 
 
 def persist_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
@@ -390,7 +412,7 @@ def sidecar_container(
         "command": ["kelastic-sidecar"],
         "restartPolicy": "Always",
         "env": sidecar_env(name, uid, spec, settings),
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": settings.http_port, "protocol": "TCP"}],
+        "ports": sidecar_ports(spec, settings),
         "startupProbe": {**probe, "periodSeconds": 1, "failureThreshold": 60},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
         "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 1},
@@ -625,8 +647,12 @@ def pod_spec_hash(spec: ElasticJobSpec) -> str:
     if spec.checkpoint.memory is None:  # likewise
         left_out.add("checkpoint")
     exclude: dict[str, Any] = dict.fromkeys(left_out, True)
-    if spec.checkpoint.memory is not None and spec.checkpoint.persist is None:  # likewise
-        exclude["checkpoint"] = {"persist": True}
+    if spec.checkpoint.memory is not None:  # likewise, each part left out while unset
+        unset = {"persist"} if spec.checkpoint.persist is None else set()
+        if not spec.checkpoint.replicas:
+            unset |= {"replicas", "replication_rate"}
+        if unset:
+            exclude["checkpoint"] = dict.fromkeys(unset, True)
     # the sidecar's verdict shapes the Pod (its env), the action is the operator's
     defaults = StragglersSpec()
     verdict = (spec.stragglers.factor, spec.stragglers.min_steps)

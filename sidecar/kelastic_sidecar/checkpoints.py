@@ -51,6 +51,8 @@ from kelastic_etcd import EtcdClient, EtcdError
 from .config import SidecarConfig
 from .persister import Persister
 from .rendezvous import RendezvousInfo
+from .replica import REPLICA_DIR_NAME
+from .replication import Fetched, Replication, restore_from_peers
 
 __all__ = [
     "RoundCheckpoints",
@@ -96,63 +98,90 @@ def prepare_volume(env: Mapping[str, str]) -> int:
     return size
 
 
-def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *,
-            stopped: bool) -> CheckpointsDoc | None:  # fmt: skip
+def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *, stopped: bool,
+            replication: Replication | None = None) -> CheckpointsDoc | None:  # fmt: skip
     """The supervisor's step before each rendezvous: :func:`publish_record` of the
     node's slot folder (:func:`kelastic.contract.checkpoint_dir`) when its workers are
     ``stopped`` (not carried in process into the next round) and the sidecar sees the
-    folder (else the workers load their own newest step, as without a sidecar). Returns
-    the record, or None when none was made."""
+    folder (else the workers load their own newest step, as without a sidecar), with the
+    replicas it holds and where it serves them (``replication``). Returns the record, or
+    None when none was made."""
     directory = contract.checkpoint_dir()
     if stopped and directory.is_dir():
         persisted = cfg.persist.directory if cfg.persist is not None else None
-        return publish_record(store, keys, cfg.node, directory, cfg.job_uid, persisted)
+        return publish_record(store, keys, cfg.node, directory, cfg.job_uid, persisted,
+                              replication)  # fmt: skip
     return None
 
 
 def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info: RendezvousInfo,
-               nproc: int, carried: bool) -> tuple[dict[str, str], Restore] | None:  # fmt: skip
+               nproc: int, carried: bool, replication: Replication | None = None,
+               ) -> tuple[dict[str, str], Restore, list[Fetched]] | None:  # fmt: skip
     """``$KELASTIC_CHECKPOINT_STEP`` and ``$KELASTIC_CHECKPOINT_TIER`` for the round's
     workers (the round's :func:`~kelastic.etcd_values.checkpoints.restore_of` from
-    :func:`read_records`; ``"none"`` when no step is restorable by every rank, from memory
-    or disk) and the round's :class:`Restore`, or None
+    :func:`read_records`; ``"none"`` when no step is restorable by every rank, from memory,
+    a peer or disk), the round's :class:`Restore` and the slots fetched for it, or None
     (no variable) when the workers are ``carried`` in process (they keep their state: no
-    load) or the sidecar does not see the slot folder. The node's slots of steps newer
-    than the agreed one (all, when none) are dropped first
+    load) or the sidecar does not see the slot folder. The node's slots and replicas of
+    steps newer than the agreed one (all, when none) are dropped first
     (:func:`kelastic.checkpoint.discard.discard_newer`: the training goes on from the
     agreed step and saves those step numbers again; kept, they could make a later
-    restore mixed). Never raises for the codec or the slots.
+    restore mixed). From a peer, the ranks the node does not hold get their slot before
+    the workers start (:func:`~kelastic_sidecar.replication.restore_from_peers`; the
+    workers load it as their own: tier ``memory`` in their env). ``replication`` follows
+    the round's ring peer. Never raises for the codec or the slots.
 
     Raises:
         EtcdError: the records cannot be read (:func:`read_records`): the round's workers
             must not start on this node (the supervisor goes back to the rendezvous).
     """
     directory = contract.checkpoint_dir()
-    if carried or not directory.is_dir():
+    if not directory.is_dir() or (carried and replication is None):
         return None
     records = read_records(store, keys, info.participants)
+    if replication is not None:
+        replication.follow(info, records)
+    if carried:
+        return None
     restore = restore_of(info.round, records, info.participants, nproc, cfg.job_uid)
     log.info("round %d: checkpoint step to restore: %s", info.round,
              "none" if restore.step is None else f"{restore.step} from {restore.tier}")  # fmt: skip
-    try:
-        discard_newer(directory, cfg.job_uid, restore.step)
-    except OSError as exc:
-        log.error("checkpoint: cannot drop the steps newer than %s in %s: %s", restore.step,
-                  directory, exc)  # fmt: skip
+    for folder in (directory, directory / REPLICA_DIR_NAME):
+        try:
+            discard_newer(folder, cfg.job_uid, restore.step)
+        except OSError as exc:
+            log.error("checkpoint: cannot drop the steps newer than %s in %s: %s",
+                      restore.step, folder, exc)  # fmt: skip
+    fetched: list[Fetched] = []
+    if restore.tier is RestoreTier.PEER and restore.step is not None:
+        try:
+            fetched = restore_from_peers(directory, cfg.node, info, nproc, records, cfg.job_uid,
+                                         restore.step)  # fmt: skip
+        except OSError as exc:
+            log.error("checkpoint: cannot restore from the peers into %s: %s", directory, exc)
+        for f in fetched:
+            log.info("round %d: rank %d's step %d from %s (%d bytes in %.3f s)", info.round,
+                     f.rank, restore.step, f.source, f.bytes, f.seconds)  # fmt: skip
     value = contract.CHECKPOINT_STEP_NONE if restore.step is None else str(restore.step)
     tier = (contract.CHECKPOINT_TIER_DISK if restore.tier is RestoreTier.DISK
             else contract.CHECKPOINT_TIER_MEMORY)  # fmt: skip
-    return {contract.ENV_CHECKPOINT_STEP: value, contract.ENV_CHECKPOINT_TIER: tier}, restore
+    return (
+        {contract.ENV_CHECKPOINT_STEP: value, contract.ENV_CHECKPOINT_TIER: tier},
+        restore,
+        fetched,
+    )
 
 
 def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory: Path,
-                   job: str, persisted: Path | None = None) -> CheckpointsDoc:  # fmt: skip
+                   job: str, persisted: Path | None = None,
+                   replication: Replication | None = None) -> CheckpointsDoc:  # fmt: skip
     """Record ``node``'s verified committed steps of ``job`` in ``directory`` at
     ``keys.checkpoint(node)`` (an empty record when it holds none), with the job's steps
     complete in the persistence folder ``persisted`` (the newest
     :data:`~kelastic.etcd_values.checkpoints.MAX_PERSISTED`;
-    :func:`kelastic.checkpoint.persist.persisted_steps`). Call it while no worker of the
-    node runs (before joining a round).
+    :func:`kelastic.checkpoint.persist.persisted_steps`) and, with ``replication``, the
+    verified steps of the replicas in ``directory/replicas`` and the endpoint and token
+    that serve them. Call it while no worker of the node runs (before joining a round).
 
     Returns:
         The record written (or that could not be: the failure is logged, and the
@@ -166,13 +195,20 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
     except OSError as exc:
         log.error("checkpoint: cannot read the slots in %s: %s", directory, exc)
         ranks = {}
+    replicas: dict[int, tuple[int, ...]] = {}
+    if replication is not None:
+        try:
+            replicas = verified_steps(directory / REPLICA_DIR_NAME, job)
+        except OSError as exc:
+            log.error("checkpoint: cannot read the replicas in %s: %s", directory, exc)
     on_disk: list[tuple[int, int]] = []
     if persisted is not None:
         try:
             on_disk = persisted_steps(persisted, job)[:MAX_PERSISTED]
         except OSError as exc:
             log.error("checkpoint: cannot read the persisted steps in %s: %s", persisted, exc)
-    doc = CheckpointsDoc(job, ranks, time.time(), tuple(on_disk))
+    served = (replication.endpoint, replication.token) if replication is not None else ("", "")
+    doc = CheckpointsDoc(job, ranks, time.time(), tuple(on_disk), replicas, *served)
     key = keys.checkpoint(node)
     try:
         store.put(key, encode_checkpoints(doc))
@@ -183,9 +219,10 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
         except EtcdError as again:
             log.error("checkpoint: cannot delete the stale record %s: %s", key, again)
         return doc
-    if ranks or on_disk:
-        log.info("checkpoint: committed steps %s, persisted steps %s recorded (checked in "
-                 "%.3f s)", {r: list(s) for r, s in ranks.items()}, [s for s, _ in on_disk],
+    if ranks or on_disk or replicas:
+        log.info("checkpoint: committed steps %s, replicas %s, persisted steps %s recorded "
+                 "(checked in %.3f s)", {r: list(s) for r, s in ranks.items()},
+                 {r: list(s) for r, s in replicas.items()}, [s for s, _ in on_disk],
                  time.monotonic() - started)  # fmt: skip
     return doc
 
@@ -228,17 +265,31 @@ class RoundCheckpoints:
     def __init__(self, store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *,
                  on_check: Callable[[float], None] = lambda _s: None,
                  on_restore: Callable[[Restore], None] = lambda _r: None,
-                 persister: Persister | None = None) -> None:  # fmt: skip
+                 persister: Persister | None = None,
+                 replication: Replication | None = None) -> None:  # fmt: skip
         self._store, self._keys, self._cfg = store, keys, cfg
         self._on_check, self._on_restore = on_check, on_restore
         self._checked_s: float | None = None
         self.last: Restore | None = None
+        self.fetched: list[Fetched] = []
         self.persister = persister
+        self.replication = replication
 
     def start(self) -> None:
-        """Start persisting every ``everySteps`` (with ``spec.checkpoint.persist``)."""
+        """Start persisting every ``everySteps`` (with ``spec.checkpoint.persist``) and
+        serving and sending replicas (with ``spec.checkpoint.replicas``; a port that cannot
+        be bound is logged and the node goes on without replicas: the training matters
+        more, and its record then names no endpoint)."""
         if self.persister is not None:
             self.persister.start()
+        if self.replication is not None:
+            try:
+                self.replication.start()
+            except OSError as exc:
+                log.error("checkpoint replicas: cannot serve (%s): this node keeps and sends "
+                          "none", exc)  # fmt: skip
+                self.replication.close()
+                self.replication = None
 
     def at_stop(self, seconds: float) -> None:
         """The sidecar is stopped and its workers are: persist what the slots hold (see
@@ -251,14 +302,17 @@ class RoundCheckpoints:
                          time.monotonic() - started)  # fmt: skip
 
     def close(self) -> None:
-        """Stop the persistence's poll."""
+        """Stop the persistence's poll and the replication."""
         if self.persister is not None:
             self.persister.close()
+        if self.replication is not None:
+            self.replication.close()
 
     def before_rendezvous(self, *, stopped: bool) -> None:
         """Record the node's verified committed steps (see :func:`publish`)."""
         started = time.monotonic()
-        if publish(self._store, self._keys, self._cfg, stopped=stopped) is not None:
+        if publish(self._store, self._keys, self._cfg, stopped=stopped,
+                   replication=self.replication) is not None:  # fmt: skip
             self._checked_s = time.monotonic() - started
             self._on_check(self._checked_s)
 
@@ -268,10 +322,11 @@ class RoundCheckpoints:
         Raises:
             EtcdError: the nodes' records cannot be read: do not start the workers.
         """
-        got = worker_env(self._store, self._keys, self._cfg, info, nproc, carried)
+        got = worker_env(self._store, self._keys, self._cfg, info, nproc, carried,
+                         self.replication)  # fmt: skip
         if got is None:
             return None
-        env, self.last = got
+        env, self.last, self.fetched = got
         self._on_restore(self.last)
         return env
 
@@ -282,7 +337,10 @@ class RoundCheckpoints:
         node's workers have loaded that step so far and the longest load in seconds, from
         their records, :mod:`kelastic.checkpoint.restored`; None before the first) and
         ``persisted_step`` (the newest step this node persisted, with
-        ``spec.checkpoint.persist``); None before any restore."""
+        ``spec.checkpoint.persist``), ``fetched`` (the slots of this node's ranks got from
+        a peer for the round: ``{"ranks", "bytes", "seconds"}``, the seconds of the
+        slowest; None when none was) and ``replication`` (with ``spec.checkpoint.replicas``:
+        :meth:`Replication.status`); None before any restore."""
         last = self.last
         if last is None:
             return None
@@ -292,5 +350,10 @@ class RoundCheckpoints:
         loaded = (
             {"ranks": len(loads), "slowest_s": max(r.seconds for r in loads)} if loads else None
         )
+        fetched = self.fetched
+        got = ({"ranks": len(fetched), "bytes": sum(f.bytes for f in fetched),
+                "seconds": max(f.seconds for f in fetched)} if fetched else None)  # fmt: skip
+        replication = self.replication.status() if self.replication is not None else None
         return {**asdict(last), "tier": last.tier.value, "checked_s": self._checked_s,
-                "loaded": loaded, "persisted_step": persisted}  # fmt: skip
+                "loaded": loaded, "persisted_step": persisted, "fetched": got,
+                "replication": replication}  # fmt: skip

@@ -2,6 +2,10 @@
 
 The names are :mod:`kelastic.contract`'s; every problem is reported at once, naming the
 variable, so a misconfigured Pod fails fast with a readable message.
+
+Over ~400 lines because it is the one reader of every variable the sidecar takes (each
+part's settings beside the others, all checked in one pass so that every problem is told
+at once); each part's settings are a small frozen dataclass of their own.
 """
 
 from __future__ import annotations
@@ -149,6 +153,53 @@ def _persist_settings(
 
 
 @dataclass(frozen=True)
+class ReplicationSettings:
+    """Replication of the checkpoint slots to peer nodes (``spec.checkpoint.replicas``;
+    :mod:`kelastic_sidecar.replication`).
+
+    Attributes:
+        replicas: peer nodes holding each rank's newest committed slot (1; 0 is no
+            replication, :attr:`SidecarConfig.replication` None).
+        rate: bytes per second sent at most (0: no limit).
+        port: the TCP port served (0: any free one).
+        max_slot_bytes: the largest replica received, bytes (the checkpoint volume's size,
+            ``$KELASTIC_CHECKPOINT_MEMORY``; 2**40 without one).
+    """
+
+    replicas: int = 1
+    rate: int = contract.DEFAULT_REPLICATION_RATE
+    port: int = contract.DEFAULT_REPLICA_PORT
+    max_slot_bytes: int = 2**40
+
+
+def _replication_settings(
+    env: Mapping[str, str],
+    num: Callable[[str, Callable[[str], int], int], int],
+    problems: list[str],
+) -> ReplicationSettings | None:
+    """:class:`ReplicationSettings` from ``env`` (None: no replicas asked for); a bad value
+    is added to ``problems``."""
+    replicas = num(contract.ENV_CHECKPOINT_REPLICAS, int, 0)
+    if not 0 <= replicas <= contract.MAX_CHECKPOINT_REPLICAS:
+        problems.append(f"{contract.ENV_CHECKPOINT_REPLICAS} must be "
+                        f"0..{contract.MAX_CHECKPOINT_REPLICAS}")  # fmt: skip
+        return None
+    if replicas == 0:
+        return None
+    settings = ReplicationSettings(
+        replicas=replicas,
+        rate=num(contract.ENV_CHECKPOINT_REPLICATION_RATE, int, contract.DEFAULT_REPLICATION_RATE),
+        port=num(contract.ENV_REPLICA_PORT, int, contract.DEFAULT_REPLICA_PORT),
+        max_slot_bytes=num(contract.ENV_CHECKPOINT_MEMORY, int, 2**40) or 2**40,
+    )
+    if not 0 <= settings.rate <= 2**40:
+        problems.append(f"{contract.ENV_CHECKPOINT_REPLICATION_RATE} must be 0..2**40 bytes/s")
+    if not 0 <= settings.port <= 65535:
+        problems.append(f"{contract.ENV_REPLICA_PORT} must be 0..65535")
+    return settings
+
+
+@dataclass(frozen=True)
 class SidecarConfig:
     """Everything one sidecar needs to supervise its node.
 
@@ -184,6 +235,8 @@ class SidecarConfig:
         stragglers: the step-time straggler verdict's factor and minimum steps
             (``$KELASTIC_STRAGGLER_FACTOR``, default 1.5; ``$KELASTIC_STRAGGLER_MIN_STEPS``,
             default 20; :mod:`~kelastic_sidecar.steptime`).
+        persist: persistence of the checkpoint slots, None without.
+        replication: replication of the checkpoint slots to peers, None without.
     """
 
     job_name: str
@@ -215,6 +268,7 @@ class SidecarConfig:
     pod_uid: str = ""
     host_node: str = ""
     persist: PersistSettings | None = None
+    replication: ReplicationSettings | None = None
 
     def rendezvous_settings(self) -> RendezvousSettings:
         """The rendezvous' settings for this node (its Pod uid as its incarnation).
@@ -324,6 +378,7 @@ class SidecarConfig:
                 min_steps=num(ENV_STRAGGLER_MIN_STEPS, int, DEFAULT_MIN_STEPS),
             ),
             persist=_persist_settings(env, num, problems),
+            replication=_replication_settings(env, num, problems),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")

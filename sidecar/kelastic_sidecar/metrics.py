@@ -231,6 +231,16 @@ class CheckpointMetrics(NamedTuple):
     persisted_step: Gauge
     #: Persistence failures (a slot rewritten meanwhile, a full disk, ...).
     persist_failures: Counter
+    #: The newest step the peer acknowledged a replica of, for some rank of this node.
+    replicated_step: Gauge
+    #: Bytes of replicas sent and acknowledged.
+    replicated_bytes: Counter
+    #: Seconds each replica took to send (rate limit included).
+    replicate: Histogram
+    #: Replicas not sent (the peer gone, refused, a slot rewritten meanwhile).
+    replicate_failures: Counter
+    #: Steps the peer's replicas are behind this node's newest committed step (sampled).
+    replication_lag: Gauge
 
 
 def _checkpoint_metrics(r: CollectorRegistry) -> CheckpointMetrics:
@@ -245,8 +255,10 @@ def _checkpoint_metrics(r: CollectorRegistry) -> CheckpointMetrics:
     restores = Counter(
         "kelastic_checkpoint_restores_total",
         "Worker starts that restored a checkpoint step, by tier: memory (every rank from "
-        "its node's slots) or none (some rank held a step, but no step every rank holds; "
-        "the workers start without one). A fresh start is not counted",
+        "its node's slots), peer (the ranks whose node holds it not from a node that does: "
+        "a replica, a former node), disk (the persistence volume) or none (some rank held a "
+        "step, but no step every rank holds; the workers start without one). A fresh start "
+        "is not counted",
         ["tier"],
         registry=r,
     )
@@ -275,7 +287,39 @@ def _checkpoint_metrics(r: CollectorRegistry) -> CheckpointMetrics:
         "was written, a corrupt slot, the volume full or unwritable)",
         registry=r,
     )
-    return CheckpointMetrics(check, restores, step, persist, persisted_step, persist_failures)
+    replicated_step = Gauge(
+        "kelastic_checkpoint_replicated_step",
+        "The newest checkpoint step of this node's ranks that the peer node acknowledged a "
+        "replica of (spec.checkpoint.replicas): safe from the loss of this node",
+        registry=r,
+    )
+    replicated_bytes = Counter(
+        "kelastic_checkpoint_replicated_bytes_total",
+        "Bytes of checkpoint replicas sent to the peer node and acknowledged",
+        registry=r,
+    )
+    replicate = Histogram(
+        "kelastic_checkpoint_replicate_seconds",
+        "Seconds to send one rank's committed checkpoint slot to the peer node, its rate "
+        "limit included",
+        buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+        registry=r,
+    )
+    replicate_failures = Counter(
+        "kelastic_checkpoint_replicate_failures_total",
+        "Checkpoint replicas not sent (the peer unreachable or refusing, the slot rewritten "
+        "while it was sent); retried with the newest step",
+        registry=r,
+    )
+    replication_lag = Gauge(
+        "kelastic_checkpoint_replication_lag_steps",
+        "Steps between this node's newest committed checkpoint step and the newest one its "
+        "peer acknowledged, the largest over its ranks (0 without a peer)",
+        registry=r,
+    )
+    return CheckpointMetrics(check, restores, step, persist, persisted_step, persist_failures,
+                             replicated_step, replicated_bytes, replicate, replicate_failures,
+                             replication_lag)  # fmt: skip
 
 
 def _hang_evidence_metric(registry: CollectorRegistry) -> Counter:

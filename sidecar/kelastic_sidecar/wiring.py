@@ -38,6 +38,7 @@ from .inprocess import InProcessCoordinator
 from .metrics import SidecarMetrics
 from .persister import Persister
 from .prestop import PodTermination, PrestopServer
+from .replication import Replication
 from .restart_budget import RestartBudget, RestartRecordError
 from .steptime import StepTimes, Straggler
 from .timer import TimerServer, hard_timeout_reap
@@ -243,6 +244,7 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
     checkpoints = RoundCheckpoints(
         store, keys, config, on_check=metrics.checkpoint.check.observe,
         on_restore=restore_reporter(metrics), persister=persister_of(config, metrics),
+        replication=replication_of(config, metrics),
     )  # fmt: skip
     termination = PodTermination()
     prestop = PrestopServer(
@@ -266,6 +268,27 @@ def restore_reporter(metrics: SidecarMetrics) -> Callable[[Restore], None]:
             metrics.checkpoint.step.set(restore.step)
 
     return restored
+
+
+def replication_of(config: SidecarConfig, metrics: SidecarMetrics) -> Replication | None:
+    """The node's :class:`~kelastic_sidecar.replication.Replication` when the job keeps
+    replicas of its checkpoints (``spec.checkpoint.replicas``), its outcomes in ``metrics``
+    (the lag sampled at each scrape)."""
+    if config.replication is None:
+        return None
+    m = metrics.checkpoint
+
+    def sent(_rank: int, step: int, nbytes: int, seconds: float) -> None:
+        m.replicated_step.set(step)
+        m.replicated_bytes.inc(nbytes)
+        m.replicate.observe(seconds)
+
+    replication = Replication(
+        config.replication, config.job_uid, contract.checkpoint_dir(), config.pod_ip,
+        on_sent=sent, on_failure=lambda _exc: m.replicate_failures.inc(),
+    )  # fmt: skip
+    m.replication_lag.set_function(replication.lag)
+    return replication
 
 
 def persister_of(config: SidecarConfig, metrics: SidecarMetrics) -> Persister | None:

@@ -237,3 +237,84 @@ def test_a_bad_persist_spec_is_refused_clearly(checkpoint: dict[str, Any], messa
     doc["checkpoint"] = checkpoint
     with pytest.raises(ValidationError, match=message):
         ElasticJobSpec.model_validate(doc)
+
+
+def _replicating(**checkpoint: Any) -> ElasticJobSpec:
+    spec = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
+    doc = spec.model_dump(by_alias=True, exclude_none=True)
+    doc["checkpoint"] = {"memory": "64Mi", "replicas": 1, **checkpoint}
+    return ElasticJobSpec.model_validate(doc)
+
+
+def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them() -> None:
+    pod = build_pod("digits", "ml", UID, _replicating(replicationRate="100Mi"), 0, SETTINGS)
+    sidecar = _containers(pod)["kelastic-sidecar"]
+    assert {"name": contract.REPLICA_PORT_NAME, "containerPort": contract.DEFAULT_REPLICA_PORT,
+            "protocol": "TCP"} in sidecar["ports"]  # fmt: skip
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env[contract.ENV_CHECKPOINT_REPLICAS] == "1"
+    assert env[contract.ENV_CHECKPOINT_REPLICATION_RATE] == str(100 << 20)
+    assert env[contract.ENV_REPLICA_PORT] == str(contract.DEFAULT_REPLICA_PORT)
+    from kelastic_sidecar.config import ReplicationSettings, SidecarConfig
+
+    downward = {contract.ENV_POD_NAME: "digits-0", contract.ENV_NAMESPACE: "ml"}
+    cfg = SidecarConfig.from_env({k: v for k, v in env.items() if v is not None} | downward)
+    assert cfg.replication == ReplicationSettings(1, 100 << 20, contract.DEFAULT_REPLICA_PORT,
+                                                  64 << 20)  # fmt: skip
+    kv.validate(pod, "1.33", strict=True)
+    # the default rate; and no replicas: no port, no env, no replication in the sidecar
+    default = build_pod("digits", "ml", UID, _replicating(), 0, SETTINGS)
+    env = {e["name"]: e.get("value") for e in _containers(default)["kelastic-sidecar"]["env"]}
+    assert env[contract.ENV_CHECKPOINT_REPLICATION_RATE] == str(contract.DEFAULT_REPLICATION_RATE)
+    plain = _containers(build_pod("digits", "ml", UID, _spec("64Mi"), 0, SETTINGS))
+    assert [p["name"] for p in plain["kelastic-sidecar"]["ports"]] == ["kelastic-http"]
+    names = {e["name"] for e in plain["kelastic-sidecar"]["env"]}
+    assert not names & {contract.ENV_CHECKPOINT_REPLICAS, contract.ENV_REPLICA_PORT}
+    # a job without replicas keeps its digest (its running Pods are not replaced)
+    assert pod_spec_hash(_spec("64Mi")) == "0be377ee2335514c"
+    assert pod_spec_hash(_replicating()) != pod_spec_hash(_spec("64Mi"))
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "message"),
+    [
+        ({"replicas": 1}, "checkpoint.replicas needs checkpoint.memory"),
+        ({"memory": "64Mi", "replicas": 2}, "less than or equal to 1"),
+        ({"memory": "64Mi", "replicas": -1}, "greater than or equal to 0"),
+        ({"memory": "64Mi", "replicas": 1, "replicationRate": "1.5Gi"}, "pattern"),
+        ({"memory": "64Mi", "replicas": 1, "replicationRate": "0"}, "pattern"),
+    ],
+    ids=["no-memory", "two", "negative", "bad-rate", "zero-rate"],
+)
+def test_a_bad_replicas_spec_is_refused_clearly(checkpoint: dict[str, Any], message: str) -> None:
+    spec = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
+    doc = spec.model_dump(by_alias=True, exclude_none=True)
+    doc["checkpoint"] = checkpoint
+    with pytest.raises(ValidationError, match=message):
+        ElasticJobSpec.model_validate(doc)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({contract.ENV_CHECKPOINT_REPLICAS: "2"}, "REPLICAS must be 0..1"),
+        ({contract.ENV_CHECKPOINT_REPLICAS: "x"}, "not a valid int"),
+        (
+            {contract.ENV_CHECKPOINT_REPLICAS: "1", contract.ENV_REPLICA_PORT: "70000"},
+            "REPLICA_PORT must be 0..65535",
+        ),
+        (
+            {contract.ENV_CHECKPOINT_REPLICAS: "1", contract.ENV_CHECKPOINT_REPLICATION_RATE: "-5"},
+            "RATE must be 0..2\\*\\*40",
+        ),
+    ],
+)
+def test_the_sidecar_refuses_bad_replication_settings(env: dict[str, str], message: str) -> None:
+    from kelastic_sidecar.config import ConfigError, SidecarConfig
+
+    base = {contract.ENV_POD_NAME: "digits-0", contract.ENV_JOB_NAME: "digits",
+            contract.ENV_JOB_UID: "u", contract.ENV_ETCD_ENDPOINTS: "127.0.0.1:2379",
+            contract.ENV_MIN_NODES: "1", contract.ENV_MAX_NODES: "2"}  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        SidecarConfig.from_env(base | env)
+    assert SidecarConfig.from_env(base).replication is None

@@ -25,6 +25,9 @@ from kelastic.etcd_values.checkpoints import (
     RestoreTier,
     decode_checkpoints,
     encode_checkpoints,
+    parse_endpoint,
+    peer_sources,
+    peer_step,
     persisted_step,
     restorable_step,
     restore_of,
@@ -34,14 +37,35 @@ from tests.conftest import strict_umask
 # ------------------------------------------------------------------ the codec
 
 DEEP = b"[" * 500 + b"]" * 500  # nesting past the bounded reader's depth
+TOKEN = "0123456789abcdef0123456789abcdef"
+V3 = b'{"version":3,"job":"j","ranks":{},"persisted":[],"time":1,'
+
+
+def _v3(replicas: bytes = b"{}", endpoint: bytes = b'""', token: bytes = b'""') -> bytes:
+    return V3 + b'"replicas":' + replicas + b',"endpoint":' + endpoint + b',"token":' + token + b"}"
 
 
 def test_a_record_round_trips() -> None:
     doc = CheckpointsDoc("uid-1", {0: (12, 11), 3: (7,), 1: ()}, 1764190000.5, ((10, 4), (5, 2)))
     raw = encode_checkpoints(doc)
-    assert raw == (b'{"version":2,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]},'
+    assert raw == (b'{"version":3,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]},'
+                   b'"replicas":{},"endpoint":"","token":"",'
                    b'"persisted":[[10,4],[5,2]],"time":1764190000.5}')  # fmt: skip
     assert decode_checkpoints(raw, "k") == doc
+    served = CheckpointsDoc("uid-1", {0: (12,)}, 1.5, (), {5: (12, 10)}, "10.0.3.7:29610", TOKEN)
+    assert decode_checkpoints(encode_checkpoints(served), "k") == served
+    v6 = CheckpointsDoc("uid-1", {}, 1.5, (), {}, "[fd00::7]:29610", TOKEN)
+    assert decode_checkpoints(encode_checkpoints(v6), "k") == v6
+    assert parse_endpoint("[fd00::7]:29610") == ("fd00::7", 29610)
+    assert parse_endpoint("pod-1.job.ns.svc:1") == ("pod-1.job.ns.svc", 1)
+
+
+def test_a_version_2_record_is_read_as_one_that_holds_no_replica_and_serves_nothing() -> None:
+    raw = b'{"version":2,"job":"j","ranks":{"0":[3]},"persisted":[[2,1]],"time":1.5}'
+    assert decode_checkpoints(raw, "k") == CheckpointsDoc("j", {0: (3,)}, 1.5, ((2, 1),))
+    with pytest.raises(CorruptValueError, match="fields"):  # version 2 knew no replicas
+        decode_checkpoints(b'{"version":2,"job":"j","ranks":{},"persisted":[],"replicas":{},'
+                           b'"time":1}', "k")  # fmt: skip
 
 
 def test_a_version_1_record_is_read_as_one_that_sees_no_persisted_step() -> None:
@@ -73,6 +97,26 @@ def test_a_version_1_record_is_read_as_one_that_sees_no_persisted_step() -> None
         (b'{"version":true,"job":"j","ranks":{},"time":1}', "bad version"),
         (b'{"version":2,"job":"j","ranks":{},"time":1}', "fields"),
         (b'{"version":2,"job":"j","ranks":{},"persisted":{},"time":1}', "not a list"),
+        (b'{"version":3,"job":"j","ranks":{},"persisted":[],"time":1}', "fields"),
+        (_v3(b"[]"), "replicas is not an object"),
+        (_v3(b'{"x":[1]}'), "replicas: rank 'x' is not a decimal rank"),
+        (_v3(b'{"0":[1,2]}'), "replicas: rank 0: steps .* newest first"),
+        (_v3(b'{"0":[1,1,1,1]}'), "replicas: rank 0: steps is not a list of at most 3"),
+        (_v3(b'{"0":[NaN]}'), "corrupt checkpoint record"),
+        (_v3(endpoint=b'"10.0.0.1"', token=f'"{TOKEN}"'.encode()), "endpoint .* host:port"),
+        (_v3(endpoint=b'"10.0.0.1:0"', token=f'"{TOKEN}"'.encode()), "not host:port"),
+        (_v3(endpoint=b'"10.0.0.1:65536"', token=f'"{TOKEN}"'.encode()), "not host:port"),
+        (_v3(endpoint=b'"10.0.0.1:080"', token=f'"{TOKEN}"'.encode()), "not host:port"),
+        (_v3(endpoint=b'":80"', token=f'"{TOKEN}"'.encode()), "not host:port"),
+        (_v3(endpoint=b'"a b:80"', token=f'"{TOKEN}"'.encode()), "not host:port"),
+        (_v3(endpoint=b'"a\\nb:80"', token=f'"{TOKEN}"'.encode()), "not host:port"),
+        (_v3(endpoint=b'"' + b"h" * 300 + b':80"', token=f'"{TOKEN}"'.encode()), "host:port"),
+        (_v3(endpoint=b"80", token=f'"{TOKEN}"'.encode()), "not host:port"),
+        (_v3(endpoint=b'"h:80"', token=b'"0123"'), "token is not"),
+        (_v3(endpoint=b'"h:80"', token=f'"{TOKEN.upper()}"'.encode()), "token is not"),
+        (_v3(endpoint=b'"h:80"', token=b"7"), "token is not"),
+        (_v3(endpoint=b'"h:80"'), "an endpoint needs a token"),
+        (_v3(token=f'"{TOKEN}"'.encode()), "an endpoint needs a token"),
         (
             b'{"version":2,"job":"j","ranks":{},"persisted":[[1,1]' + b",[0,1]" * 16 + b"],"
             b'"time":1}',
@@ -109,8 +153,8 @@ def test_a_corrupt_record_is_refused_with_its_key(raw: bytes, message: str) -> N
 
 
 def test_another_version_is_foreign_and_bad_docs_are_not_written() -> None:
-    with pytest.raises(ForeignValueError, match="version 3, this kelastic reads 1, 2"):
-        decode_checkpoints(b'{"version":3,"job":"j","ranks":{},"time":1}', "k")
+    with pytest.raises(ForeignValueError, match="version 4, this kelastic reads 1, 2, 3"):
+        decode_checkpoints(b'{"version":4,"job":"j","ranks":{},"time":1}', "k")
     for doc in (
         CheckpointsDoc("j", {}, 1.0, ((1, 1), (2, 1))),
         CheckpointsDoc("j", {}, 1.0, ((1, 0),)),
@@ -120,6 +164,10 @@ def test_another_version_is_foreign_and_bad_docs_are_not_written() -> None:
         CheckpointsDoc("j", {-1: (1,)}, 1.0),
         CheckpointsDoc("j", {r: (1,) for r in range(MAX_LOCAL_RANKS + 1)}, 1.0),
         CheckpointsDoc("j", {0: (1,)}, float("nan")),
+        CheckpointsDoc("j", {}, 1.0, (), {0: (1, 2)}),
+        CheckpointsDoc("j", {}, 1.0, (), {}, "h:80"),
+        CheckpointsDoc("j", {}, 1.0, (), {}, "", TOKEN),
+        CheckpointsDoc("j", {}, 1.0, (), {}, "h:99999", TOKEN),
     ):
         with pytest.raises(CorruptValueError):
             encode_checkpoints(doc)
@@ -251,6 +299,83 @@ def test_a_round_restores_the_newer_of_memory_and_disk_and_never_mixes_them(
         assert persisted_step(records, ("a", "b"), 2, "j") == step
     assert got.held is any(d is not None and d.job == "j" and (d.ranks or d.persisted)
                            for d in records.values())  # fmt: skip
+
+
+def _held(ranks: dict[int, tuple[int, ...]], replicas: dict[int, tuple[int, ...]] | None = None,
+          serves: bool = True, persisted: tuple[tuple[int, int], ...] = (),
+          job: str = "j") -> CheckpointsDoc:  # fmt: skip
+    endpoint, token = ("10.0.0.9:29610", TOKEN) if serves else ("", "")
+    return CheckpointsDoc(job, ranks, 1.0, persisted, replicas or {}, endpoint, token)
+
+
+@pytest.mark.parametrize(
+    ("records", "step", "tier"),
+    [
+        # b's Pod was replaced (its slots empty); a holds b's ranks as replicas: the peer
+        (
+            {"a": _held({0: (12, 11), 1: (12, 11)}, {2: (12, 11), 3: (12,)}), "b": _held({})},
+            12,
+            RestoreTier.PEER,
+        ),
+        # the replica of rank 3 lags (11): the newest step every rank can get is 11
+        (
+            {"a": _held({0: (12, 11), 1: (12, 11)}, {2: (12, 11), 3: (11,)}), "b": _held({})},
+            11,
+            RestoreTier.PEER,
+        ),
+        # every rank holds 12 itself: memory, whatever the replicas hold
+        ({"a": _held(A12, B12), "b": _held(B12, A12)}, 12, RestoreTier.MEMORY),
+        # a holds replicas but serves nothing (no endpoint): b cannot fetch them
+        ({"a": _held(A12, B12, serves=False), "b": _held({})}, None, RestoreTier.NONE),
+        # ... while a replica the rank's own node holds needs no endpoint (copied there)
+        ({"a": _held(A12, serves=False), "b": _held({}, B12, serves=False)}, 12, RestoreTier.PEER),
+        # ranks renumbered: b ran ranks 0, 1 before and serves its slots to a
+        ({"a": _held({2: (9,), 3: (9,)}), "b": _held({0: (9,), 1: (9,)})}, 9, RestoreTier.PEER),
+        # the disk is newer than what the peers hold: the disk
+        (
+            {
+                "a": _held(A87, {2: (8,), 3: (8,)}, persisted=((10, 4),)),
+                "b": _held({}, persisted=((10, 4),)),
+            },
+            10,
+            RestoreTier.DISK,
+        ),
+        # the peer and the disk hold the same step: the peer (faster)
+        (
+            {"a": _held(A12, B12, persisted=((12, 4),)), "b": _held({}, persisted=((12, 4),))},
+            12,
+            RestoreTier.PEER,
+        ),
+        # a replica of another run counts for nothing
+        ({"a": _held(A12), "b": _held({}, B12, job="old")}, None, RestoreTier.NONE),
+    ],
+)
+def test_a_round_restores_from_a_peer_what_no_node_of_a_rank_holds_itself(
+    records: dict[str, CheckpointsDoc | None], step: int | None, tier: RestoreTier
+) -> None:
+    got = restore_of(2, records, ("a", "b"), 2, "j")
+    assert (got.step, got.tier) == (step, tier)
+    if tier is RestoreTier.PEER:  # memory alone would restore an older step or none
+        assert peer_step(records, ("a", "b"), 2, "j") == step
+        assert restorable_step(records, ("a", "b"), 2, "j") != step
+    assert got.held
+
+
+def test_the_sources_of_a_rank_are_its_writers_nodes_first_and_only_those_that_serve() -> None:
+    records = {
+        "a": _held({}, {2: (12,)}),
+        "b": _held({2: (12, 11)}),
+        "c": _held({2: (12,)}, serves=False),
+        "d": _held({}, {2: (12,)}, job="old"),
+        "e": None,
+    }
+    names = ["a", "b", "c", "d", "e"]
+    assert [n for n, _ in peer_sources(records, names, "j", 2, 12)] == ["b", "a"]
+    assert [n for n, _ in peer_sources(records, names, "j", 2, 11)] == ["b"]
+    assert peer_sources(records, names, "j", 2, 10) == []
+    assert peer_sources(records, names, "j", 3, 12) == []
+    with pytest.raises(ValueError, match="nproc"):
+        peer_step(records, names, 0, "j")
 
 
 def test_the_persisted_step_needs_participants_and_workers() -> None:

@@ -89,6 +89,21 @@ ENV_CHECKPOINT_PERSIST_EVERY: Final = "KELASTIC_CHECKPOINT_PERSIST_EVERY"
 ENV_CHECKPOINT_PERSIST_ON_STOP: Final = "KELASTIC_CHECKPOINT_PERSIST_ON_STOP"
 #: How many complete persisted steps are kept (older ones are removed).
 ENV_CHECKPOINT_PERSIST_KEEP: Final = "KELASTIC_CHECKPOINT_PERSIST_KEEP"
+#: Set on the sidecar with ``spec.checkpoint.replicas``: how many peer nodes hold a replica
+#: of each of its ranks' newest committed slot (0: none; at most
+#: :data:`MAX_CHECKPOINT_REPLICAS`). Its sidecar serves its slots and replicas on
+#: :data:`ENV_REPLICA_PORT` then (``kelastic_sidecar.replica``).
+ENV_CHECKPOINT_REPLICAS: Final = "KELASTIC_CHECKPOINT_REPLICAS"
+MAX_CHECKPOINT_REPLICAS: Final = 1
+#: Bytes per second the sidecar sends replicas at, at most (0: no limit): the training's
+#: own traffic keeps priority on the Pod network.
+ENV_CHECKPOINT_REPLICATION_RATE: Final = "KELASTIC_CHECKPOINT_REPLICATION_RATE"
+DEFAULT_REPLICATION_RATE: Final = 512 * 1024 * 1024
+#: The sidecar's TCP port for replicas and peer restores (0: any free port, as ``kelastic
+#: run``'s Pods share one host), and the Pod's port of that name.
+ENV_REPLICA_PORT: Final = "KELASTIC_REPLICA_PORT"
+DEFAULT_REPLICA_PORT: Final = 29610
+REPLICA_PORT_NAME: Final = "ckpt-replica"
 #: Where the sidecar (read-write) and the trainer (read only) mount the persistence volume.
 PERSIST_MOUNT: Final = "/var/run/kelastic-persist"
 #: Complete persisted steps kept by default, and the bounds of the settings.

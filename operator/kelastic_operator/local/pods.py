@@ -7,7 +7,8 @@ claim under ``shared_dir`` (so replicas share it like a ReadWriteMany volume), a
 ``emptyDir`` with ``medium: Memory`` a folder of the Pod's in ``/dev/shm`` (memory, as
 on a node; removed when the Pod stops; its ``sizeLimit`` is not enforced). Every Pod
 shares this machine's network: pod IP 127.0.0.1, and the kelastic sidecar gets a free
-``KELASTIC_HTTP_PORT`` of its own. Stopping follows Kubernetes' order: main containers
+``KELASTIC_HTTP_PORT`` of its own (and ``KELASTIC_REPLICA_PORT`` 0: it binds a free one
+and records it). Stopping follows Kubernetes' order: main containers
 first, then sidecars.
 
 ``kelastic run`` runs the Pods the operator's pod builder renders through this class, and
@@ -168,6 +169,8 @@ class LocalPod:
             http_port = free_port()
             env[contract.ENV_HTTP_PORT] = str(http_port)
             env[contract.ENV_HTTP_HOST] = "127.0.0.1"
+        if contract.ENV_REPLICA_PORT in env:  # the Pods share the host: any free port
+            env[contract.ENV_REPLICA_PORT] = "0"
         argv = local_argv([str(x) for x in (c.get("command") or []) + (c.get("args") or [])])
         full_env = base_env({**env, **self.env})
         log = self.pod_dir / f"{c['name']}.log"

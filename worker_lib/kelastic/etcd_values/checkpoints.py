@@ -1,17 +1,25 @@
 """A node's committed checkpoint steps at :meth:`kelastic.contract.Keys.checkpoint`:
 bytes <-> :class:`CheckpointsDoc`, and the job's restorable step (pure, stdlib only).
 
+Over ~400 lines because the record's codec and the agreement computed from it are one
+contract: every sidecar and the operator must compute the same step and tier from the
+same decoded records, so the rules live beside the one codec they read.
+
 Each node's sidecar writes, before it joins a rendezvous round (its workers stopped, so
 its slots hold still), the steps of ``kelastic.checkpoint`` that each global rank of its
 slot folder has committed *and* that pass their checksums::
 
-    {"version": 2, "job": "<run id>", "ranks": {"0": [12, 11], "1": [12, 11]},
+    {"version": 3, "job": "<run id>", "ranks": {"0": [12, 11], "1": [12, 11]},
+     "replicas": {"2": [12, 10]}, "endpoint": "10.0.3.7:29610", "token": "<hex>",
      "persisted": [[10, 4], [5, 4]], "time": 1764190000.5}
 
 ``persisted``: the job's steps complete on its persistence volume
 (``spec.checkpoint.persist``, :mod:`kelastic.checkpoint.persist`) as the node saw them,
-each with the world size it was saved in, newest first. Version 1 (no ``persisted``) is
-still read, as a record that sees none.
+each with the world size it was saved in, newest first. ``replicas``: the verified steps
+of other nodes' ranks this node holds as replicas (``spec.checkpoint.replicas``; the
+peer tier), served to the job's other sidecars at ``endpoint`` (``host:port``; ``""``:
+none) to a request carrying ``token``. Versions 1 (no ``persisted``) and 2 (no
+``replicas``, ``endpoint``, ``token``) are still read, as records that hold none.
 
 Once the round is complete, every sidecar reads its participants' records and agrees on
 :func:`restore_of`: from memory, :func:`restorable_step`, the highest step that the node
@@ -19,16 +27,21 @@ now running each rank of the new world committed for that rank (the process-rest
 restores from the node's own slots, so a rank whose node changed holds nothing yet); from
 disk, :func:`persisted_step`, the highest step every participant saw complete, saved by
 a world at least as large as the round's (rank ``r`` loads the step's ``rank-<r>``);
-whichever is newer, memory when equal (it is faster). Every node computes the same value
+from a peer, :func:`peer_step`, the highest step that *some* participant holds for each
+rank (in its slots or as a replica), the ranks whose node holds none fetching it before
+they start (:func:`peer_sources`); the newest of the three, memory before peer before disk
+when equal (fastest first). Every node computes the same value
 from the same records; no step in common makes it None (the user's own fallback, for
 every rank alike: never a mixed step or tier).
 
 Bounds (writer and reader alike): at most :data:`MAX_CHECKPOINTS_BYTES` bytes; ``job``
 a name (1..1024 characters); at most :data:`MAX_LOCAL_RANKS` ranks, each a decimal
 global rank in 0..:data:`MAX_RANK` with at most :data:`MAX_SLOTS` distinct steps (a rank's slots)
-in 0..:data:`MAX_STEP`, newest first; at most :data:`MAX_PERSISTED` persisted steps,
-distinct, newest first, each with a world size in 1..:data:`MAX_RANK` + 1; ``time``
-seconds since the epoch.
+in 0..:data:`MAX_STEP`, newest first (``replicas`` alike); at most :data:`MAX_PERSISTED`
+persisted steps, distinct, newest first, each with a world size in 1..:data:`MAX_RANK` + 1;
+``endpoint`` empty or ``host:port`` (at most :data:`MAX_ENDPOINT` characters, no spaces,
+port 1..65535); ``token`` empty or 16..128 lower-case hex digits; ``time`` seconds since
+the epoch.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from __future__ import annotations
 import enum
 import itertools
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -47,6 +61,7 @@ from ._fields import CorruptValueError, ForeignValueError, is_name, is_time
 __all__ = [
     "CHECKPOINTS_VERSION",
     "MAX_CHECKPOINTS_BYTES",
+    "MAX_ENDPOINT",
     "MAX_LOCAL_RANKS",
     "MAX_PERSISTED",
     "MAX_SLOTS",
@@ -56,12 +71,15 @@ __all__ = [
     "RestoreTier",
     "decode_checkpoints",
     "encode_checkpoints",
+    "parse_endpoint",
+    "peer_sources",
+    "peer_step",
     "persisted_step",
     "restorable_step",
     "restore_of",
 ]
 
-CHECKPOINTS_VERSION: Final = 2
+CHECKPOINTS_VERSION: Final = 3
 #: Largest record accepted, bytes.
 MAX_CHECKPOINTS_BYTES: Final = 256 * 1024
 #: Most ranks one node's record holds (its slot folder's ranks).
@@ -73,19 +91,26 @@ MAX_STEP: Final = 2**53
 MAX_SLOTS: Final = 3
 #: Most persisted steps a record lists (the newest; ``persist.keep`` keeps fewer by default).
 MAX_PERSISTED: Final = 16
+#: Longest ``endpoint``, characters (a DNS name of 253 and a port).
+MAX_ENDPOINT: Final = 260
 _FIELDS: Final = {
     1: frozenset({"version", "job", "ranks", "time"}),
     2: frozenset({"version", "job", "ranks", "persisted", "time"}),
+    3: frozenset({"version", "job", "ranks", "replicas", "endpoint", "token", "persisted", "time"}),
 }
+_TOKEN: Final = re.compile(r"[0-9a-f]{16,128}")
 
 
 class RestoreTier(enum.StrEnum):
     """Where a round's workers restore their state from (``status.lastCheckpoint.tier``,
-    the sidecar's ``kelastic_checkpoint_restores_total{tier}``). A peer's replica comes
-    with replication."""
+    the sidecar's ``kelastic_checkpoint_restores_total{tier}``)."""
 
     #: Every rank from its own node's slots (the process-restart rung).
     MEMORY = "memory"
+    #: The ranks whose node holds the step from a node that does, the others from their
+    #: own slots: a replica of another node (``spec.checkpoint.replicas``), or the slots
+    #: of a node that ran the rank before (a Pod replaced, a node lost, ranks renumbered).
+    PEER = "peer"
     #: Every rank from the job's persistence volume (torch DCP's format): no step every
     #: rank holds in memory is as new (a Pod replaced, a node lost, the job restarted).
     DISK = "disk"
@@ -127,12 +152,20 @@ class CheckpointsDoc:
         time: when the sidecar read its slots, seconds since the epoch.
         persisted: ``(step, world size)`` of the job's steps complete on its persistence
             volume, newest first (at most :data:`MAX_PERSISTED`; empty without one).
+        replicas: global rank of another node -> the verified steps this node holds as
+            its replicas, newest first.
+        endpoint: ``host:port`` where this node's sidecar serves its slots and replicas
+            (``""``: it serves none).
+        token: what a request to ``endpoint`` must carry (``""`` with no endpoint).
     """
 
     job: str
     ranks: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     time: float = 0.0
     persisted: tuple[tuple[int, int], ...] = ()
+    replicas: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    endpoint: str = ""
+    token: str = ""
 
 
 def _check(doc: Any, where: str) -> CheckpointsDoc:
@@ -155,26 +188,60 @@ def _check(doc: Any, where: str) -> CheckpointsDoc:
         raise bad("bad job")
     if not is_time(doc["time"]):
         raise bad("bad time")
-    ranks = doc["ranks"]
+    endpoint, token = doc.get("endpoint", ""), doc.get("token", "")
+    if not (isinstance(endpoint, str) and (endpoint == "" or parse_endpoint(endpoint))):
+        raise bad(f"endpoint {endpoint!r:.60} is not host:port")
+    if not (isinstance(token, str) and (token == "" or _TOKEN.fullmatch(token))):
+        raise bad("token is not 16..128 hex digits")
+    if bool(endpoint) != bool(token):
+        raise bad("an endpoint needs a token and a token an endpoint")
+    return CheckpointsDoc(
+        doc["job"],
+        _steps_by_rank(doc["ranks"], "ranks", bad),
+        float(doc["time"]),
+        _persisted(doc.get("persisted", []), bad),
+        _steps_by_rank(doc.get("replicas", {}), "replicas", bad),
+        endpoint,
+        token,
+    )
+
+
+def parse_endpoint(value: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a record's ``endpoint`` (``host:port``, ``[v6]:port``), or None
+    when it is not one (empty host, spaces or control characters, a port outside
+    1..65535, more than :data:`MAX_ENDPOINT` characters)."""
+    if not (0 < len(value) <= MAX_ENDPOINT and value.isascii() and value.isprintable()):
+        return None
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not (sep and host and " " not in host and port.isdigit() and len(port) <= 5):
+        return None
+    number = int(port)
+    return (host, number) if 0 < number < 65536 and port == str(number) else None
+
+
+def _steps_by_rank(
+    ranks: Any, name: str, bad: Callable[[str], CorruptValueError]
+) -> dict[int, tuple[int, ...]]:
+    """``ranks`` or ``replicas``: decimal global rank -> distinct steps, newest first."""
     if not isinstance(ranks, dict) or len(ranks) > MAX_LOCAL_RANKS:
-        raise bad(f"ranks is not an object of at most {MAX_LOCAL_RANKS} ranks")
+        raise bad(f"{name} is not an object of at most {MAX_LOCAL_RANKS} ranks")
     out: dict[int, tuple[int, ...]] = {}
     for key, steps in ranks.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
-            raise bad(f"rank {key!r:.40} is not a decimal rank")
+            raise bad(f"{name}: rank {key!r:.40} is not a decimal rank")
         rank = int(key)
         if rank > MAX_RANK or key != str(rank):
-            raise bad(f"rank {key!r:.40} is out of range")
+            raise bad(f"{name}: rank {key!r:.40} is out of range")
         if not isinstance(steps, list) or len(steps) > MAX_SLOTS:
-            raise bad(f"rank {rank}: steps is not a list of at most {MAX_SLOTS}")
+            raise bad(f"{name}: rank {rank}: steps is not a list of at most {MAX_SLOTS}")
         if not all(is_int(s, 0, MAX_STEP) for s in steps):
-            raise bad(f"rank {rank}: a step outside 0..{MAX_STEP}")
+            raise bad(f"{name}: rank {rank}: a step outside 0..{MAX_STEP}")
         if any(a <= b for a, b in itertools.pairwise(steps)):
-            raise bad(f"rank {rank}: steps {steps} are not distinct, newest first")
+            raise bad(f"{name}: rank {rank}: steps {steps} are not distinct, newest first")
         out[rank] = tuple(steps)
-    return CheckpointsDoc(
-        doc["job"], out, float(doc["time"]), _persisted(doc.get("persisted", []), bad)
-    )
+    return out
 
 
 def _persisted(value: Any, bad: Callable[[str], CorruptValueError]) -> tuple[tuple[int, int], ...]:
@@ -220,6 +287,9 @@ def encode_checkpoints(doc: CheckpointsDoc) -> bytes:
         "version": CHECKPOINTS_VERSION,
         "job": doc.job,
         "ranks": {str(r): list(doc.ranks[r]) for r in sorted(doc.ranks)},
+        "replicas": {str(r): list(doc.replicas[r]) for r in sorted(doc.replicas)},
+        "endpoint": doc.endpoint,
+        "token": doc.token,
         "persisted": [list(p) for p in doc.persisted],
         "time": doc.time,
     }
@@ -289,27 +359,85 @@ def persisted_step(records: Mapping[str, CheckpointsDoc | None], participants: S
     return max(common) if common else None
 
 
+def _held_for(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
+              job: str, rank: int, runner: str) -> set[int]:  # fmt: skip
+    """The steps of ``rank`` that its ``runner`` holds (in its slots or as a replica) or
+    that another participant holds and can serve (its record has an endpoint)."""
+    steps: set[int] = set()
+    for node in participants:
+        doc = records.get(node)
+        if doc is not None and doc.job == job and (node == runner or doc.endpoint):
+            steps.update(doc.ranks.get(rank, ()))
+            steps.update(doc.replicas.get(rank, ()))
+    return steps
+
+
+def peer_step(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
+              nproc: int, job: str) -> int | None:  # fmt: skip
+    """The highest step that, for every rank of the round, the rank's node holds (in its
+    slots or as a replica) or another participant of ``job`` can serve it (its record
+    has an ``endpoint``; :func:`peer_sources` says which); same arguments and errors as
+    :func:`restorable_step`, whose steps it includes. None when some rank has no step in
+    common with the others. Without replication (no endpoints, no replicas) it is
+    :func:`restorable_step`."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    common: set[int] | None = None
+    for group_rank, runner in enumerate(participants):
+        for local_rank in range(nproc):
+            steps = _held_for(records, participants, job, group_rank * nproc + local_rank,
+                              runner)  # fmt: skip
+            common = steps if common is None else common & steps
+            if not common:
+                return None
+    return max(common) if common else None
+
+
+def peer_sources(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
+                 job: str, rank: int, step: int) -> list[tuple[str, CheckpointsDoc]]:  # fmt: skip
+    """The participants that hold ``step`` of ``rank`` for ``job`` and can serve it, each
+    with its record: those holding it in their slots first (the rank's own writer made
+    them), then as a replica, each in group-rank order; a node whose record has no
+    ``endpoint`` is left out (it serves nobody; the caller copies its own replica
+    itself)."""
+    own: list[tuple[str, CheckpointsDoc]] = []
+    replica: list[tuple[str, CheckpointsDoc]] = []
+    for node in participants:
+        doc = records.get(node)
+        if doc is None or doc.job != job or not doc.endpoint:
+            continue
+        if step in doc.ranks.get(rank, ()):
+            own.append((node, doc))
+        elif step in doc.replicas.get(rank, ()):
+            replica.append((node, doc))
+    return own + replica
+
+
 def restore_of(round_: int, records: Mapping[str, CheckpointsDoc | None],
                participants: Sequence[str], nproc: int, job: str) -> Restore:  # fmt: skip
-    """The round's :class:`Restore`: the newer of :func:`restorable_step` (memory) and
-    :func:`persisted_step` (disk) of ``records`` (same arguments, same errors), memory
-    when equal, with where from, how many ranks, whether anything was held and when the
-    records were written. Every sidecar and the operator compute the same one from the
-    same records."""
+    """The round's :class:`Restore`: the newest of :func:`restorable_step` (memory),
+    :func:`peer_step` (peer) and :func:`persisted_step` (disk) of ``records`` (same
+    arguments, same errors), memory before peer before disk when equal (the fastest),
+    with where from, how many ranks, whether anything was held and when the records were
+    written. Every sidecar and the operator compute the same one from the same records."""
     memory = restorable_step(records, participants, nproc, job)
+    peer = peer_step(records, participants, nproc, job)
     disk = persisted_step(records, participants, nproc, job)
-    if disk is not None and (memory is None or disk > memory):
-        step, tier = disk, RestoreTier.DISK
-    elif memory is not None:
-        step, tier = memory, RestoreTier.MEMORY
-    else:
+    newest = max((s for s in (memory, peer, disk) if s is not None), default=None)
+    if newest is None:
         step, tier = None, RestoreTier.NONE
+    elif memory == newest:
+        step, tier = newest, RestoreTier.MEMORY
+    elif peer == newest:
+        step, tier = newest, RestoreTier.PEER
+    else:
+        step, tier = newest, RestoreTier.DISK
     mine = [d for n in participants if (d := records.get(n)) is not None and d.job == job]
     return Restore(
         round=round_,
         step=step,
         tier=tier,
         ranks=len(participants) * nproc,
-        held=any(d.ranks or d.persisted for d in mine),
+        held=any(d.ranks or d.persisted or d.replicas for d in mine),
         time=max((d.time for d in mine), default=0.0),
     )

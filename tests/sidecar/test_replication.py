@@ -1,0 +1,203 @@
+"""The sidecars' checkpoint replicas (``spec.checkpoint.replicas``) with real slot files,
+real replica servers on loopback and a real etcd: each node sends its ranks' newest
+committed slot to the next node of the round, records the replicas it holds and where it
+serves them, and a node that lost its slots gets its ranks' agreed step from whoever holds
+it before its workers start (the ``peer`` tier)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kelastic import contract
+from kelastic.checkpoint import CheckpointStore
+from kelastic.checkpoint.scan import verified_steps
+from kelastic.etcd_values.checkpoints import CheckpointsDoc, RestoreTier
+from kelastic_etcd import EtcdClient
+from kelastic_sidecar.checkpoints import RoundCheckpoints, read_records
+from kelastic_sidecar.config import ReplicationSettings, SidecarConfig
+from kelastic_sidecar.rendezvous import RendezvousInfo
+from kelastic_sidecar.replica import REPLICA_DIR_NAME
+from kelastic_sidecar.replication import Replication, ring_peer
+
+from .test_sidecar_config import GOOD
+
+SETTINGS = ReplicationSettings(replicas=1, rate=0, port=0, max_slot_bytes=64 << 20)
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+def _save(directory: Path, rank: int, steps: range) -> None:
+    directory.mkdir(exist_ok=True)
+    with CheckpointStore(directory, rank=rank, job="uid") as ckpt:
+        for step in steps:
+            ckpt.save(step, {"w": torch.full((300_000,), float(step)), "rank": rank},
+                      blocking=True)  # fmt: skip
+
+
+def _doc(endpoint: str = "127.0.0.1:1") -> CheckpointsDoc:
+    return CheckpointsDoc("uid", {}, 1.0, (), {}, endpoint, TOKEN if endpoint else "")
+
+
+def test_the_peer_is_the_next_node_of_the_round_that_serves() -> None:
+    records: dict[str, CheckpointsDoc | None] = {
+        "a": _doc("10.0.0.1:29610"), "b": _doc("[fd00::2]:29610"), "c": _doc()
+    }  # fmt: skip
+    nodes = ("a", "b", "c")
+    peers = [ring_peer(RendezvousInfo(1, g, 3, nodes), records, "uid") for g in range(3)]
+    assert [(p.node, p.address) if p else None for p in peers] == [
+        ("b", ("fd00::2", 29610)), ("c", ("127.0.0.1", 1)), ("a", ("10.0.0.1", 29610))]  # fmt: skip
+    assert ring_peer(RendezvousInfo(1, 0, 1, ("a",)), records, "uid") is None  # alone
+    no_server = {**records, "b": _doc("")}
+    assert ring_peer(RendezvousInfo(1, 0, 3, nodes), no_server, "uid") is None
+    assert ring_peer(RendezvousInfo(1, 0, 3, nodes), {**records, "b": None}, "uid") is None
+    assert ring_peer(RendezvousInfo(1, 0, 3, nodes), records, "another-run") is None
+
+
+class Node:
+    """One node's sidecar part: its slot folder, its replication and its round part."""
+
+    def __init__(self, store: EtcdClient, name: str, root: Path) -> None:
+        self.name, self.dir = name, root / name
+        self.dir.mkdir()
+        cfg = SidecarConfig.from_env(GOOD | {contract.ENV_POD_NAME: name,
+                                             contract.ENV_JOB_UID: "uid"})  # fmt: skip
+        self.replication = Replication(SETTINGS, "uid", self.dir, "127.0.0.1", poll=None)
+        self.part = RoundCheckpoints(store, contract.Keys(cfg.prefix), cfg,
+                                     replication=self.replication)  # fmt: skip
+        self.part.start()
+
+    def at(self, monkeypatch: pytest.MonkeyPatch) -> RoundCheckpoints:
+        monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(self.dir))
+        return self.part
+
+
+@pytest.fixture
+def nodes(store: EtcdClient, tmp_path: Path):  # type: ignore[no-untyped-def]
+    made: dict[str, Node] = {}
+
+    def make(name: str) -> Node:
+        made[name] = Node(store, name, tmp_path)
+        return made[name]
+
+    yield make
+    for node in made.values():
+        node.part.close()
+
+
+def _round(monkeypatch: pytest.MonkeyPatch, round_: int, order: tuple[Node, ...],
+           ) -> dict[str, dict[str, str]]:  # fmt: skip
+    names = tuple(n.name for n in order)
+    for n in order:
+        n.at(monkeypatch).before_rendezvous(stopped=True)
+    envs = {}
+    for rank, n in enumerate(order):
+        env = n.at(monkeypatch).worker_env(
+            RendezvousInfo(round_, rank, len(order), names), 1, False
+        )
+        assert env is not None
+        envs[n.name] = env
+    return envs
+
+
+@pytest.mark.parametrize("new_first", [False, True], ids=["same-ranks", "ranks-swapped"])
+def test_a_node_that_lost_its_slots_restores_its_rank_from_the_peer(
+    store: EtcdClient,
+    nodes,
+    monkeypatch: pytest.MonkeyPatch,
+    new_first: bool,  # type: ignore[no-untyped-def]
+) -> None:
+    a, b = nodes("a"), nodes("b")
+    _round(monkeypatch, 0, (a, b))  # a fresh start: each learns its peer's endpoint
+    _save(a.dir, 0, range(1, 6))
+    _save(b.dir, 1, range(1, 6))
+    assert a.replication.replicate_once() == [(0, 5)]  # a's rank 0 to b
+    assert b.replication.replicate_once() == [(1, 5)]  # b's rank 1 to a
+    assert a.replication.replicate_once() == []  # acknowledged: nothing again
+    assert a.replication.lag() == 0 and a.replication.acked == {0: 5}
+    assert verified_steps(a.dir / REPLICA_DIR_NAME, "uid") == {1: (5,)}
+    assert verified_steps(b.dir / REPLICA_DIR_NAME, "uid") == {0: (5,)}
+    _save(a.dir, 0, range(6, 8))  # a newer step: only it is sent
+    assert a.replication.lag() == 2
+    assert a.replication.replicate_once() == [(0, 7)]
+    assert verified_steps(b.dir / REPLICA_DIR_NAME, "uid") == {0: (7, 5)}
+    # b is lost with its slots and its replicas; c comes in its place with none
+    b.part.close()
+    c = nodes("c")
+    order = (c, a) if new_first else (a, c)
+    envs = _round(monkeypatch, 1, order)
+    records = read_records(store, contract.Keys(a.part._cfg.prefix), ("a", "c"))
+    assert records["a"] is not None and records["a"].replicas == {1: (5,)}
+    assert records["a"].endpoint == a.replication.endpoint
+    assert {n: e[contract.ENV_CHECKPOINT_STEP] for n, e in envs.items()} == {"a": "5", "c": "5"}
+    assert {e[contract.ENV_CHECKPOINT_TIER] for e in envs.values()} == {"memory"}
+    for n in (a, c):
+        status = n.part.status()
+        assert status is not None and (status["step"], status["tier"]) == (5, "peer")
+    # the new node's rank came over the network; a's, when the ranks swapped, was its
+    # own replica moved in (ranks swapped: c runs rank 0, from a's own slots)
+    c_rank = 0 if new_first else 1
+    fetched = c.part.status()["fetched"]  # type: ignore[index]
+    assert fetched["ranks"] == 1 and fetched["bytes"] > 1_000_000, fetched
+    a_fetched = a.part.status()["fetched"]  # type: ignore[index]
+    assert (a_fetched is not None) is new_first, a_fetched
+    for node, rank in ((c, c_rank), (a, 1 - c_rank)):
+        with CheckpointStore(node.dir, rank=rank, job="uid") as ckpt:
+            got = ckpt.load(step=5)
+        assert got is not None and got[1]["rank"] == rank
+        assert bool(got[1]["w"].eq(5.0).all())
+    # a's steps 6 and 7 belong to a history the job abandoned: dropped, on b's old
+    # replicas as well as a's own slots
+    assert max(verified_steps(a.dir, "uid")[0]) == 5
+
+
+def test_a_source_that_fails_is_passed_over(
+    store: EtcdClient,
+    nodes,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    a, b, c = nodes("a"), nodes("b"), nodes("c")
+    _round(monkeypatch, 0, (a, b, c))  # the ring: a -> b -> c -> a
+    for rank, node in enumerate((a, b, c)):
+        _save(node.dir, rank, range(1, 4))
+    for node in (a, b, c):
+        assert len(node.replication.replicate_once()) == 1
+    # a is lost; d comes in as group rank 1: rank 1's step 3 is in b's slots (first) and
+    # in c's replicas; b's server stops answering (its record still names it)
+    a.part.close()
+    d = nodes("d")
+    b.replication.server.close()
+    envs = _round(monkeypatch, 1, (b, d, c))
+    assert {e[contract.ENV_CHECKPOINT_STEP] for e in envs.values()} == {"3"}
+    fetched = d.part.status()["fetched"]  # type: ignore[index]
+    assert fetched is not None and fetched["ranks"] == 1
+    assert d.part.fetched[0].source == "c"  # b refused: c's replica
+    assert verified_steps(d.dir, "uid") == {1: (3,)}
+    assert b.part.fetched[0].source == "b"  # rank 0: b's own replica of a's, moved in
+    assert verified_steps(b.dir, "uid")[0] == (3,)
+
+
+def test_a_replica_gone_bad_is_not_agreed_on(
+    store: EtcdClient,
+    nodes,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    a, b = nodes("a"), nodes("b")
+    _round(monkeypatch, 0, (a, b))
+    _save(a.dir, 0, range(1, 3))
+    _save(b.dir, 1, range(1, 3))
+    assert a.replication.replicate_once() == [(0, 2)]
+    assert b.replication.replicate_once() == [(1, 2)]
+    # a's replica of rank 1 goes bad at rest: a's scan drops it from a's record, and
+    # with b gone nobody holds rank 1's step 2: the round restores none (never mixed)
+    replica = next((a.dir / REPLICA_DIR_NAME).glob("rank-1.slot*"))
+    raw = bytearray(replica.read_bytes())
+    raw[-100] ^= 0xFF
+    replica.write_bytes(bytes(raw))
+    b.part.close()
+    c = nodes("c")
+    envs = _round(monkeypatch, 1, (a, c))
+    assert {e[contract.ENV_CHECKPOINT_STEP] for e in envs.values()} == {"none"}
+    status = c.part.status()
+    assert status is not None and status["tier"] == RestoreTier.NONE.value and status["held"]
