@@ -27,8 +27,10 @@ repetitions than within one); the ratio of the medians is shown beside it.
   a memory save every step, with the sidecar's persistence running in another process
   (every 10th step written to disk) vs without.
 
-Restore from a peer and from disk, DCP's ``async_save``, DLRover, ML Flashpoint and NVRx
-are the later parts' rows.
+- **restore from a peer** (:mod:`bench.peer_restore`): a slot replicated to a peer's
+  replica server on loopback and fetched back (checked), then loaded, vs ``torch.load``.
+
+DCP's ``async_save``, DLRover, ML Flashpoint and NVRx are the later parts' rows.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import CaseResult, Check, Row, log, median, save_partial
+from .peer_restore import measure_peer_restore
 from .persist_overhead import EVERY, EVERY_SPARSE, measure_persist_overhead
 
 MIB = 1 << 20
@@ -247,8 +250,10 @@ def checkpoint(quick: bool) -> CaseResult:
             log(f"checkpoint: 1 GiB skipped: {_available() / MIB:.0f} MiB available, 9 GiB needed")
     for label, total, reps in sizes:
         _measure_size(result, label, total, reps)
-    label, total, _ = sizes[0]
+    label, total, reps = sizes[0]
     state = state_dict(total)
+    measure_peer_restore(result, label, state, reps)
+    save_partial(result)
     rates = [(EVERY, 2, 10)] if quick else [(EVERY, 6, 30), (EVERY_SPARSE, 6, 100)]
     for every, blocks, steps in rates:  # (persist every, pairs of blocks, steps a block)
         measure_persist_overhead(result, label, state, blocks, steps, every)

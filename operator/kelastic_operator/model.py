@@ -940,7 +940,9 @@ class LastCheckpoint(_Status):
     )
     tier: str = Field(
         default="",
-        description="where from: memory (each rank's own node's slots), disk (the job's "
+        description="where from: memory (each rank's own node's slots), peer (the ranks "
+        "whose node holds the step from a node that does: a replica, spec.checkpoint.replicas, "
+        "or the rank's former node), disk (the job's "
         "persistence volume, spec.checkpoint.persist: no step every rank holds in memory is "
         "as new, e.g. after a Pod was replaced), or none (some rank held a step, but no "
         "step every rank holds: the workers started without one)",

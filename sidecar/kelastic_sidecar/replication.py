@@ -38,7 +38,15 @@ from kelastic.checkpoint.scan import CommittedSlot, committed_slots
 from kelastic.checkpoint.store import SLOTS, slot_path
 from kelastic.etcd_values.checkpoints import CheckpointsDoc, parse_endpoint, peer_sources
 
-from .replica import REPLICA_DIR_NAME, ReplicaError, ReplicaServer, fetch_slot, new_token, send_slot
+from .replica import (
+    REPLICA_DIR_NAME,
+    ReplicaError,
+    ReplicaServer,
+    fetch_slot,
+    new_token,
+    send_slot,
+    sweep_fetches,
+)
 
 if TYPE_CHECKING:
     from .config import ReplicationSettings
@@ -131,11 +139,14 @@ class Replication:
         return f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
 
     def start(self) -> None:
-        """Serve, and send replicas from now on (to the peer :meth:`follow` names).
+        """Serve, and send replicas from now on (to the peer :meth:`follow` names); the
+        leftovers of fetches cut by this sidecar's last death are removed first.
 
         Raises:
             OSError: the port cannot be bound.
         """
+        for name in sweep_fetches(self._directory):
+            log.info("checkpoint replicas: removed %s, a fetch cut by the last exit", name)
         self.server.start()
         if self._poll is not None:
             self._thread.start()

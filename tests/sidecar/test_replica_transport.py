@@ -29,6 +29,7 @@ from kelastic_sidecar.replica import (
     fetch_slot,
     new_token,
     send_slot,
+    sweep_fetches,
 )
 from kelastic_sidecar.replica.stream import Stream
 from kelastic_sidecar.replica.wire import (
@@ -331,6 +332,15 @@ def test_a_transfer_cut_by_the_servers_exit_is_removed_at_its_start(node_b: Path
     server = _start(node_b)
     server.close()
     assert _listing(replicas) == ["rank-3.slot0"]
+
+
+def test_a_fetch_cut_by_the_sidecars_death_is_swept_and_slots_are_kept(tmp_path: Path) -> None:
+    (tmp_path / ".rank-3.slot0.fetch-0123456789abcdef").write_bytes(b"x" * 100)
+    (tmp_path / ".rank-3.slot0.fetch-short").write_bytes(b"not ours")
+    (tmp_path / "rank-3.slot0").write_bytes(b"kept")
+    assert sweep_fetches(tmp_path) == [".rank-3.slot0.fetch-0123456789abcdef"]
+    assert _listing(tmp_path) == [".rank-3.slot0.fetch-short", "rank-3.slot0"]
+    assert sweep_fetches(tmp_path / "missing") == []
 
 
 def test_a_silent_client_times_out(node_a: Path, node_b: Path) -> None:

@@ -19,7 +19,7 @@ replica's header only, and a replica is verified in full
 does so before it places the slot.
 """
 
-from .client import ReplicaError, fetch_slot, send_slot
+from .client import ReplicaError, fetch_slot, send_slot, sweep_fetches
 from .server import RefuseReason, ReplicaServer
 from .slots import REPLICA_DIR_NAME, REPLICA_SLOTS
 from .wire import ReplicaWireError, new_token
@@ -34,4 +34,5 @@ __all__ = [
     "fetch_slot",
     "new_token",
     "send_slot",
+    "sweep_fetches",
 ]

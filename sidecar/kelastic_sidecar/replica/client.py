@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from .wire import (
     encode_trailer,
 )
 
-__all__ = ["ReplicaError", "fetch_slot", "send_slot"]
+__all__ = ["ReplicaError", "fetch_slot", "send_slot", "sweep_fetches"]
 
 #: Mode of a fetched slot file (the trainers' slots' mode: the sidecar reads them).
 _FILE_MODE: Final = 0o644
@@ -39,6 +40,27 @@ _FILE_MODE: Final = 0o644
 _MIN_PACED_CHUNK: Final = 64 * 1024
 #: Seconds a client waits for a refusal the server sent before it reset the connection.
 _LATE_REPLY_TIMEOUT: Final = 1.0
+#: A fetch's temporary file (:func:`fetch_slot`; hidden: never a slot's name).
+_FETCHING: Final = re.compile(r"\.rank-[0-9]+\.slot[0-9]\.fetch-[0-9a-f]{16}")
+
+
+def sweep_fetches(folder: Path) -> list[str]:
+    """Remove the temporary files of fetches cut by a sidecar's death from ``folder`` (a
+    memory volume outlives a restarted sidecar: they would hold its memory). Call it
+    before any fetch runs. Returns the names removed; a missing folder holds none.
+
+    Raises:
+        OSError: the folder cannot be listed.
+    """
+    if not folder.is_dir():
+        return []
+    removed = []
+    for name in os.listdir(folder):
+        if _FETCHING.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / name)
+                removed.append(name)
+    return removed
 
 
 class ReplicaError(RuntimeError):
