@@ -105,12 +105,22 @@ def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *, stopp
     ``stopped`` (not carried in process into the next round) and the sidecar sees the
     folder (else the workers load their own newest step, as without a sidecar), with the
     replicas it holds and where it serves them (``replication``). Returns the record, or
-    None when none was made."""
+    None when none was made. Workers carried on (not ``stopped``) keep saving: the node's
+    record no longer says what its slots hold, so it is deleted (a node joining the
+    round fresh would otherwise agree on the steps of an earlier round and load one the
+    carried ranks left behind: a mixed restore); a failed deletion is logged."""
     directory = contract.checkpoint_dir()
-    if stopped and directory.is_dir():
+    if not directory.is_dir():
+        return None
+    if stopped:
         persisted = cfg.persist.directory if cfg.persist is not None else None
         return publish_record(store, keys, cfg.node, directory, cfg.job_uid, persisted,
                               replication)  # fmt: skip
+    try:
+        store.delete(keys.checkpoint(cfg.node))
+    except EtcdError as exc:
+        log.error("checkpoint: cannot delete this node's record while its workers run on: %s",
+                  exc)  # fmt: skip
     return None
 
 

@@ -13,7 +13,12 @@ from kelastic import contract
 from kelastic.checkpoint import CheckpointStore, persist
 from kelastic.checkpoint.restored import Restored, write_restored
 from kelastic.checkpoint.scan import verified_steps
-from kelastic.etcd_values.checkpoints import decode_checkpoints, restore_of
+from kelastic.etcd_values.checkpoints import (
+    CheckpointsDoc,
+    decode_checkpoints,
+    encode_checkpoints,
+    restore_of,
+)
 from kelastic_etcd import EtcdClient, EtcdError
 from kelastic_sidecar.checkpoints import RoundCheckpoints, publish_record, read_records
 from kelastic_sidecar.config import SidecarConfig
@@ -212,3 +217,27 @@ def test_records_etcd_cannot_give_are_no_agreement_on_none(
     with EtcdClient(["127.0.0.1:1"], timeout=0.3) as dead:
         part = RoundCheckpoints(dead, contract.Keys(cfg.prefix), cfg)
         assert part.worker_env(RendezvousInfo(1, 0, 1, ("a",)), 1, True) is None
+
+
+def test_a_node_that_carries_its_workers_takes_its_record_back(
+    store: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node a's workers go on in process into round 2 (in-process carry) and keep saving;
+    node b joins it fresh. a's record of round 1 says step 5 for its rank 0 and, as a
+    replica, for rank 1, which a's ranks have left behind: b must not load it (its rank at
+    5, a's at 9: a mixed restore). a takes its record back as it carries its workers, so b
+    agrees on none."""
+    metrics = SidecarMetrics(lambda: TimerStats())
+    a, b = _round_part(store, "a", metrics), _round_part(store, "b", metrics)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(tmp_path / "a"))
+    keys = contract.Keys(a._cfg.prefix)
+    token = "0123456789abcdef0123456789abcdef"
+    old = CheckpointsDoc("uid", {0: (5,)}, 1.0, (), {1: (5,)}, "127.0.0.1:1", token)
+    store.put(keys.checkpoint("a"), encode_checkpoints(old))  # round 1's record
+    a.before_rendezvous(stopped=False)  # round 2: carried
+    assert read_records(store, keys, ("a",))["a"] is None
+    monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(tmp_path / "b"))
+    b.before_rendezvous(stopped=True)
+    env = b.worker_env(RendezvousInfo(2, 1, 2, ("a", "b")), 1, False)
+    assert env is not None and env[contract.ENV_CHECKPOINT_STEP] == "none"

@@ -30,8 +30,9 @@ this rank's newest committed step that passes its checksums; under the sidecar, 
 job-wide step (the sidecars record each node's verified committed steps, and the steps
 complete on the job's persistence volume, in etcd before a round and agree on the
 highest every rank holds: ``$KELASTIC_CHECKPOINT_STEP`` and ``$KELASTIC_CHECKPOINT_TIER``,
-which :func:`load` takes, from memory or from disk). What the sidecar will add:
-replication to a peer.
+which :func:`load` takes, from memory or from disk), and with replicas a node that lost
+its slots gets its ranks' agreed step from a peer node before its workers start (they
+load it as their own).
 
 The semantics come from DLRover's flash checkpoint (a rank's tensors copied as raw bytes
 into shared memory, the save returning once they are staged), NVRx's local checkpointing
