@@ -197,10 +197,18 @@ class CheckpointSpec(_Model):
 
     replicas: int = Field(
         default=0, ge=0, le=contract.MAX_CHECKPOINT_REPLICAS,
-        description="peer nodes that hold a replica of each rank's newest committed step "
-        "(needs memory): after a node is lost its ranks restore from the peer, not from "
-        "disk. The replicas share the checkpoint volume: size memory for about twice the "
-        "slots. 0: none",
+        description="peer nodes that hold a replica of each rank's steps, every "
+        "replicateEverySteps (needs memory): after a node is lost its ranks restore from the "
+        "peer, not from disk. Snapshots and replicas share the checkpoint volume: size memory "
+        "for about seven times a rank's state per rank (three slots, two snapshots, two "
+        "replicas of the peer's). 0: none",
+    )  # fmt: skip
+
+    replicate_every_steps: int = Field(
+        default=contract.DEFAULT_REPLICATE_EVERY, ge=1, le=contract.MAX_PERSIST_EVERY,
+        alias="replicateEverySteps",
+        description="replicate the steps that are multiples of this (every node the same "
+        "steps): a node loss costs at most about this many steps plus the replication's lag",
     )  # fmt: skip
 
     replication_rate: Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)] | None = Field(

@@ -180,6 +180,12 @@ def sidecar_env(
             }
         )
         env.append({"name": contract.ENV_REPLICA_PORT, "value": str(contract.DEFAULT_REPLICA_PORT)})
+        env.append(
+            {
+                "name": contract.ENV_CHECKPOINT_REPLICATE_EVERY,
+                "value": str(spec.checkpoint.replicate_every_steps),
+            }
+        )
     env.extend(persist_env(spec))
     if rdzv.tls_secret:
         env.append({"name": contract.ENV_ETCD_TLS_DIR, "value": ETCD_TLS_MOUNT})
@@ -650,7 +656,7 @@ def pod_spec_hash(spec: ElasticJobSpec) -> str:
     if spec.checkpoint.memory is not None:  # likewise, each part left out while unset
         unset = {"persist"} if spec.checkpoint.persist is None else set()
         if not spec.checkpoint.replicas:
-            unset |= {"replicas", "replication_rate"}
+            unset |= {"replicas", "replication_rate", "replicate_every_steps"}
         if unset:
             exclude["checkpoint"] = dict.fromkeys(unset, True)
     # the sidecar's verdict shapes the Pod (its env), the action is the operator's

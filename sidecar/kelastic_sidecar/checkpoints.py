@@ -150,7 +150,7 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
         return None
     records = read_records(store, keys, info.participants)
     if replication is not None:
-        replication.follow(info, records)
+        replication.follow(info, records, nproc)
     if carried:
         return None
     restore = restore_of(info.round, records, info.participants, nproc, cfg.job_uid)
@@ -162,6 +162,8 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
         except OSError as exc:
             log.error("checkpoint: cannot drop the steps newer than %s in %s: %s",
                       restore.step, folder, exc)  # fmt: skip
+    if replication is not None:
+        replication.rewind(restore.step)
     fetched: list[Fetched] = []
     if restore.tier is RestoreTier.PEER and restore.step is not None:
         try:

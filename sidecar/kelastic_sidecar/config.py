@@ -158,8 +158,9 @@ class ReplicationSettings:
     :mod:`kelastic_sidecar.replication`).
 
     Attributes:
-        replicas: peer nodes holding each rank's newest committed slot (1; 0 is no
-            replication, :attr:`SidecarConfig.replication` None).
+        replicas: peer nodes holding each rank's due steps (1; 0 is no replication,
+            :attr:`SidecarConfig.replication` None).
+        every: replicate the steps that are multiples of it.
         rate: bytes per second sent at most (0: no limit).
         port: the TCP port served (0: any free one).
         max_slot_bytes: the largest replica received, bytes (the checkpoint volume's size,
@@ -167,6 +168,7 @@ class ReplicationSettings:
     """
 
     replicas: int = 1
+    every: int = contract.DEFAULT_REPLICATE_EVERY
     rate: int = contract.DEFAULT_REPLICATION_RATE
     port: int = contract.DEFAULT_REPLICA_PORT
     max_slot_bytes: int = 2**40
@@ -188,10 +190,14 @@ def _replication_settings(
         return None
     settings = ReplicationSettings(
         replicas=replicas,
+        every=num(contract.ENV_CHECKPOINT_REPLICATE_EVERY, int, contract.DEFAULT_REPLICATE_EVERY),
         rate=num(contract.ENV_CHECKPOINT_REPLICATION_RATE, int, contract.DEFAULT_REPLICATION_RATE),
         port=num(contract.ENV_REPLICA_PORT, int, contract.DEFAULT_REPLICA_PORT),
         max_slot_bytes=num(contract.ENV_CHECKPOINT_MEMORY, int, 2**40) or 2**40,
     )
+    if not 1 <= settings.every <= contract.MAX_PERSIST_EVERY:
+        problems.append(f"{contract.ENV_CHECKPOINT_REPLICATE_EVERY} must be "
+                        f"1..{contract.MAX_PERSIST_EVERY}")  # fmt: skip
     if not 0 <= settings.rate <= 2**40:
         problems.append(f"{contract.ENV_CHECKPOINT_REPLICATION_RATE} must be 0..2**40 bytes/s")
     if not 0 <= settings.port <= 65535:

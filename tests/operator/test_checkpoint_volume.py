@@ -247,7 +247,8 @@ def _replicating(**checkpoint: Any) -> ElasticJobSpec:
 
 
 def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them() -> None:
-    pod = build_pod("digits", "ml", UID, _replicating(replicationRate="100Mi"), 0, SETTINGS)
+    spec = _replicating(replicationRate="100Mi", replicateEverySteps=25)
+    pod = build_pod("digits", "ml", UID, spec, 0, SETTINGS)
     sidecar = _containers(pod)["kelastic-sidecar"]
     assert {"name": contract.REPLICA_PORT_NAME, "containerPort": contract.DEFAULT_REPLICA_PORT,
             "protocol": "TCP"} in sidecar["ports"]  # fmt: skip
@@ -255,17 +256,20 @@ def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them()
     assert env[contract.ENV_CHECKPOINT_REPLICAS] == "1"
     assert env[contract.ENV_CHECKPOINT_REPLICATION_RATE] == str(100 << 20)
     assert env[contract.ENV_REPLICA_PORT] == str(contract.DEFAULT_REPLICA_PORT)
+    assert env[contract.ENV_CHECKPOINT_REPLICATE_EVERY] == "25"
     from kelastic_sidecar.config import ReplicationSettings, SidecarConfig
 
     downward = {contract.ENV_POD_NAME: "digits-0", contract.ENV_NAMESPACE: "ml"}
     cfg = SidecarConfig.from_env({k: v for k, v in env.items() if v is not None} | downward)
-    assert cfg.replication == ReplicationSettings(1, 100 << 20, contract.DEFAULT_REPLICA_PORT,
-                                                  64 << 20)  # fmt: skip
+    assert cfg.replication == ReplicationSettings(
+        replicas=1, every=25, rate=100 << 20, port=contract.DEFAULT_REPLICA_PORT,
+        max_slot_bytes=64 << 20)  # fmt: skip
     kv.validate(pod, "1.33", strict=True)
     # the default rate; and no replicas: no port, no env, no replication in the sidecar
     default = build_pod("digits", "ml", UID, _replicating(), 0, SETTINGS)
     env = {e["name"]: e.get("value") for e in _containers(default)["kelastic-sidecar"]["env"]}
     assert env[contract.ENV_CHECKPOINT_REPLICATION_RATE] == str(contract.DEFAULT_REPLICATION_RATE)
+    assert env[contract.ENV_CHECKPOINT_REPLICATE_EVERY] == str(contract.DEFAULT_REPLICATE_EVERY)
     plain = _containers(build_pod("digits", "ml", UID, _spec("64Mi"), 0, SETTINGS))
     assert [p["name"] for p in plain["kelastic-sidecar"]["ports"]] == ["kelastic-http"]
     names = {e["name"] for e in plain["kelastic-sidecar"]["env"]}
@@ -283,8 +287,9 @@ def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them()
         ({"memory": "64Mi", "replicas": -1}, "greater than or equal to 0"),
         ({"memory": "64Mi", "replicas": 1, "replicationRate": "1.5Gi"}, "pattern"),
         ({"memory": "64Mi", "replicas": 1, "replicationRate": "0"}, "pattern"),
+        ({"memory": "64Mi", "replicas": 1, "replicateEverySteps": 0}, "greater than or equal"),
     ],
-    ids=["no-memory", "two", "negative", "bad-rate", "zero-rate"],
+    ids=["no-memory", "two", "negative", "bad-rate", "zero-rate", "every-zero"],
 )
 def test_a_bad_replicas_spec_is_refused_clearly(checkpoint: dict[str, Any], message: str) -> None:
     spec = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec
@@ -306,6 +311,10 @@ def test_a_bad_replicas_spec_is_refused_clearly(checkpoint: dict[str, Any], mess
         (
             {contract.ENV_CHECKPOINT_REPLICAS: "1", contract.ENV_CHECKPOINT_REPLICATION_RATE: "-5"},
             "RATE must be 0..2\\*\\*40",
+        ),
+        (
+            {contract.ENV_CHECKPOINT_REPLICAS: "1", contract.ENV_CHECKPOINT_REPLICATE_EVERY: "0"},
+            "REPLICATE_EVERY must be 1..",
         ),
     ],
 )

@@ -24,7 +24,7 @@ from kelastic_sidecar.replication import Replication, ring_peer
 
 from .test_sidecar_config import GOOD
 
-SETTINGS = ReplicationSettings(replicas=1, rate=0, port=0, max_slot_bytes=64 << 20)
+SETTINGS = ReplicationSettings(replicas=1, every=1, rate=0, port=0, max_slot_bytes=64 << 20)
 TOKEN = "0123456789abcdef0123456789abcdef"
 
 
@@ -58,15 +58,21 @@ def test_the_peer_is_the_next_node_of_the_round_that_serves() -> None:
 class Node:
     """One node's sidecar part: its slot folder, its replication and its round part."""
 
-    def __init__(self, store: EtcdClient, name: str, root: Path) -> None:
+    def __init__(self, store: EtcdClient, name: str, root: Path,
+                 settings: ReplicationSettings = SETTINGS) -> None:  # fmt: skip
         self.name, self.dir = name, root / name
         self.dir.mkdir()
         cfg = SidecarConfig.from_env(GOOD | {contract.ENV_POD_NAME: name,
                                              contract.ENV_JOB_UID: "uid"})  # fmt: skip
-        self.replication = Replication(SETTINGS, "uid", self.dir, "127.0.0.1", poll=None)
+        self.replication = Replication(settings, "uid", self.dir, "127.0.0.1", poll=None)
         self.part = RoundCheckpoints(store, contract.Keys(cfg.prefix), cfg,
                                      replication=self.replication)  # fmt: skip
         self.part.start()
+
+    def replicate(self) -> list[tuple[int, int]]:
+        """A pass of each thread: snapshot the due steps, send them."""
+        self.replication.snapshot_once()
+        return self.replication.replicate_once()
 
     def at(self, monkeypatch: pytest.MonkeyPatch) -> RoundCheckpoints:
         monkeypatch.setenv(contract.ENV_CHECKPOINT_DIR, str(self.dir))
@@ -77,8 +83,8 @@ class Node:
 def nodes(store: EtcdClient, tmp_path: Path):  # type: ignore[no-untyped-def]
     made: dict[str, Node] = {}
 
-    def make(name: str) -> Node:
-        made[name] = Node(store, name, tmp_path)
+    def make(name: str, settings: ReplicationSettings = SETTINGS) -> Node:
+        made[name] = Node(store, name, tmp_path, settings)
         return made[name]
 
     yield make
@@ -112,23 +118,24 @@ def test_a_node_that_lost_its_slots_restores_its_rank_from_the_peer(
     _round(monkeypatch, 0, (a, b))  # a fresh start: each learns its peer's endpoint
     _save(a.dir, 0, range(1, 6))
     _save(b.dir, 1, range(1, 6))
-    assert a.replication.replicate_once() == [(0, 5)]  # a's rank 0 to b
-    assert b.replication.replicate_once() == [(1, 5)]  # b's rank 1 to a
-    assert a.replication.replicate_once() == []  # acknowledged: nothing again
+    assert a.replicate() == [(0, 5)]  # a's rank 0 to b
+    assert b.replicate() == [(1, 5)]  # b's rank 1 to a
+    assert a.replicate() == []  # acknowledged: nothing again
     assert a.replication.lag() == 0 and a.replication.acked == {0: 5}
-    assert verified_steps(a.dir / REPLICA_DIR_NAME, "uid") == {1: (5,)}
-    assert verified_steps(b.dir / REPLICA_DIR_NAME, "uid") == {0: (5,)}
+    # each holds its own snapshot and the other's replica
+    assert verified_steps(a.dir / REPLICA_DIR_NAME, "uid") == {0: (5,), 1: (5,)}
+    assert verified_steps(b.dir / REPLICA_DIR_NAME, "uid") == {0: (5,), 1: (5,)}
     _save(a.dir, 0, range(6, 8))  # a newer step: only it is sent
     assert a.replication.lag() == 2
-    assert a.replication.replicate_once() == [(0, 7)]
-    assert verified_steps(b.dir / REPLICA_DIR_NAME, "uid") == {0: (7, 5)}
+    assert a.replicate() == [(0, 7)]
+    assert verified_steps(b.dir / REPLICA_DIR_NAME, "uid") == {0: (7, 5), 1: (5,)}
     # b is lost with its slots and its replicas; c comes in its place with none
     b.part.close()
     c = nodes("c")
     order = (c, a) if new_first else (a, c)
     envs = _round(monkeypatch, 1, order)
     records = read_records(store, contract.Keys(a.part._cfg.prefix), ("a", "c"))
-    assert records["a"] is not None and records["a"].replicas == {1: (5,)}
+    assert records["a"] is not None and records["a"].replicas == {0: (7, 5), 1: (5,)}
     assert records["a"].endpoint == a.replication.endpoint
     assert {n: e[contract.ENV_CHECKPOINT_STEP] for n, e in envs.items()} == {"a": "5", "c": "5"}
     assert {e[contract.ENV_CHECKPOINT_TIER] for e in envs.values()} == {"memory"}
@@ -136,7 +143,7 @@ def test_a_node_that_lost_its_slots_restores_its_rank_from_the_peer(
         status = n.part.status()
         assert status is not None and (status["step"], status["tier"]) == (5, "peer")
     # the new node's rank came over the network; a's, when the ranks swapped, was its
-    # own replica moved in (ranks swapped: c runs rank 0, from a's own slots)
+    # own replica copied in (ranks swapped: c runs rank 0, from a's own slots)
     c_rank = 0 if new_first else 1
     fetched = c.part.status()["fetched"]  # type: ignore[index]
     assert fetched["ranks"] == 1 and fetched["bytes"] > 1_000_000, fetched
@@ -147,9 +154,12 @@ def test_a_node_that_lost_its_slots_restores_its_rank_from_the_peer(
             got = ckpt.load(step=5)
         assert got is not None and got[1]["rank"] == rank
         assert bool(got[1]["w"].eq(5.0).all())
-    # a's steps 6 and 7 belong to a history the job abandoned: dropped, on b's old
-    # replicas as well as a's own slots
-    assert max(verified_steps(a.dir, "uid")[0]) == 5
+    # a's steps 6 and 7 belong to a history the job abandoned: dropped, in its snapshots
+    # as well as its own slots; its rank's step 5 goes to its new peer, c
+    assert max(verified_steps(a.dir, "uid")[1 - c_rank]) == 5
+    assert max(verified_steps(a.dir / REPLICA_DIR_NAME, "uid")[0]) == 5
+    assert a.replicate() == [(1 - c_rank, 5)]
+    assert 5 in verified_steps(c.dir / REPLICA_DIR_NAME, "uid")[1 - c_rank]
 
 
 def test_a_source_that_fails_is_passed_over(
@@ -162,7 +172,7 @@ def test_a_source_that_fails_is_passed_over(
     for rank, node in enumerate((a, b, c)):
         _save(node.dir, rank, range(1, 4))
     for node in (a, b, c):
-        assert len(node.replication.replicate_once()) == 1
+        assert len(node.replicate()) == 1
     # a is lost; d comes in as group rank 1: rank 1's step 3 is in b's slots (first) and
     # in c's replicas; b's server stops answering (its record still names it)
     a.part.close()
@@ -174,7 +184,7 @@ def test_a_source_that_fails_is_passed_over(
     assert fetched is not None and fetched["ranks"] == 1
     assert d.part.fetched[0].source == "c"  # b refused: c's replica
     assert verified_steps(d.dir, "uid") == {1: (3,)}
-    assert b.part.fetched[0].source == "b"  # rank 0: b's own replica of a's, moved in
+    assert b.part.fetched[0].source == "b"  # rank 0: b's own replica of a's, copied in
     assert verified_steps(b.dir, "uid")[0] == (3,)
 
 
@@ -187,8 +197,8 @@ def test_a_replica_gone_bad_is_not_agreed_on(
     _round(monkeypatch, 0, (a, b))
     _save(a.dir, 0, range(1, 3))
     _save(b.dir, 1, range(1, 3))
-    assert a.replication.replicate_once() == [(0, 2)]
-    assert b.replication.replicate_once() == [(1, 2)]
+    assert a.replicate() == [(0, 2)]
+    assert b.replicate() == [(1, 2)]
     # a's replica of rank 1 goes bad at rest: a's scan drops it from a's record, and
     # with b gone nobody holds rank 1's step 2: the round restores none (never mixed)
     replica = next((a.dir / REPLICA_DIR_NAME).glob("rank-1.slot*"))
@@ -201,3 +211,53 @@ def test_a_replica_gone_bad_is_not_agreed_on(
     assert {e[contract.ENV_CHECKPOINT_STEP] for e in envs.values()} == {"none"}
     status = c.part.status()
     assert status is not None and status["tier"] == RestoreTier.NONE.value and status["held"]
+
+
+def test_after_a_node_loss_the_newest_due_step_both_nodes_kept_is_restored(
+    store: EtcdClient,
+    nodes,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """Every 5 steps. a trained on to 23 and snapshotted 15 and 20; b's last replica to
+    reach a was 15 when b was lost at 17. a's slots hold 21..23 only: without its
+    snapshots, a's ranks and b's replicas would share no step (what the first version,
+    sending the newest step of each rank, found in most node losses). They share 15."""
+    every5 = ReplicationSettings(replicas=1, every=5, rate=0, port=0, max_slot_bytes=64 << 20)
+    a, b = nodes("a", every5), nodes("b", every5)
+    _round(monkeypatch, 0, (a, b))
+    for end in (11, 16):  # lockstep to 15: both snapshot and send 10, then 15
+        _save(a.dir, 0, range(end - 5, end))
+        _save(b.dir, 1, range(end - 5, end))
+        assert a.replicate() == [(0, end - 1)]
+        assert b.replicate() == [(1, end - 1)]
+    _save(b.dir, 1, range(16, 18))
+    for end in (21, 24):  # a runs ahead; its due step 20 passes through its slots
+        _save(a.dir, 0, range(end - 5 if end == 21 else 21, end))
+        a.replicate()
+    assert a.replication.snapped == {0: 20}
+    b.part.close()  # b is lost at 17, its 20 never made
+    c = nodes("c", every5)
+    envs = _round(monkeypatch, 1, (a, c))
+    assert {e[contract.ENV_CHECKPOINT_STEP] for e in envs.values()} == {"15"}
+    assert (a.part.status() or {})["tier"] == "peer"
+    assert [f.source for f in a.part.fetched] == ["a"]  # its own snapshot of 15, copied in
+    assert [f.source for f in c.part.fetched] == ["a"]  # b's replica of 15, fetched
+    for node, rank in ((a, 0), (c, 1)):
+        with CheckpointStore(node.dir, rank=rank, job="uid") as ckpt:
+            got = ckpt.load(step=15)
+        assert got is not None and bool(got[1]["w"].eq(15.0).all())
+
+
+def test_a_due_step_overwritten_before_its_snapshot_is_skipped(
+    store: EtcdClient,
+    nodes,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    every5 = ReplicationSettings(replicas=1, every=5, rate=0, port=0, max_slot_bytes=64 << 20)
+    a = nodes("a", every5)
+    _save(a.dir, 0, range(1, 9))  # 5 has left the slots (6, 7, 8): nothing to snapshot
+    assert a.replication.snapshot_once() == []
+    _save(a.dir, 0, range(9, 11))
+    assert a.replication.snapshot_once() == [(0, 10)]
+    assert a.replication.snapshot_once() == []  # taken once
+    assert verified_steps(a.dir / REPLICA_DIR_NAME, "uid") == {0: (10,)}

@@ -90,11 +90,14 @@ ENV_CHECKPOINT_PERSIST_ON_STOP: Final = "KELASTIC_CHECKPOINT_PERSIST_ON_STOP"
 #: How many complete persisted steps are kept (older ones are removed).
 ENV_CHECKPOINT_PERSIST_KEEP: Final = "KELASTIC_CHECKPOINT_PERSIST_KEEP"
 #: Set on the sidecar with ``spec.checkpoint.replicas``: how many peer nodes hold a replica
-#: of each of its ranks' newest committed slot (0: none; at most
+#: of each of its ranks' due steps (:data:`ENV_CHECKPOINT_REPLICATE_EVERY`) (0: none; at most
 #: :data:`MAX_CHECKPOINT_REPLICAS`). Its sidecar serves its slots and replicas on
 #: :data:`ENV_REPLICA_PORT` then (``kelastic_sidecar.replica``).
 ENV_CHECKPOINT_REPLICAS: Final = "KELASTIC_CHECKPOINT_REPLICAS"
 MAX_CHECKPOINT_REPLICAS: Final = 1
+#: Replicate the steps that are multiples of this (every node the same step numbers).
+ENV_CHECKPOINT_REPLICATE_EVERY: Final = "KELASTIC_CHECKPOINT_REPLICATE_EVERY"
+DEFAULT_REPLICATE_EVERY: Final = 10
 #: Bytes per second the sidecar sends replicas at, at most (0: no limit): the training's
 #: own traffic keeps priority on the Pod network.
 ENV_CHECKPOINT_REPLICATION_RATE: Final = "KELASTIC_CHECKPOINT_REPLICATION_RATE"

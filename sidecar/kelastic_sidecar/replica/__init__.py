@@ -21,7 +21,7 @@ does so before it places the slot.
 
 from .client import ReplicaError, fetch_slot, send_slot, sweep_fetches
 from .server import RefuseReason, ReplicaServer
-from .slots import REPLICA_DIR_NAME, REPLICA_SLOTS
+from .slots import REPLICA_DIR_NAME, REPLICA_SLOTS, snapshot
 from .wire import ReplicaWireError, new_token
 
 __all__ = [
@@ -34,5 +34,6 @@ __all__ = [
     "fetch_slot",
     "new_token",
     "send_slot",
+    "snapshot",
     "sweep_fetches",
 ]

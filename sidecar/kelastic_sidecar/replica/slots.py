@@ -1,6 +1,7 @@
 """The slot files the replication reads and writes, by their headers only: a slot's
 header and commit word, the committed slot of a (rank, step) a server holds, and which of
-a rank's two replica slots a new replica replaces.
+a rank's two replica slots a new replica replaces; and a node's own snapshot of one of
+its committed slots among its replicas (:func:`snapshot`).
 
 Headers only, never the payload's checksums (that costs a CPU of a training node per
 transfer): whoever uses a replica verifies it in full first
@@ -9,8 +10,10 @@ transfer): whoever uses a replica verifies it in full first
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 from pathlib import Path
 from typing import BinaryIO, Final
 
@@ -32,6 +35,7 @@ __all__ = [
     "read_header",
     "replica_target",
     "slot_name",
+    "snapshot",
 ]
 
 log = logging.getLogger("kelastic_sidecar.replica")
@@ -132,3 +136,56 @@ def replica_target(folder: Path, job: str, rank: int, step: int) -> Path:
             return folder / slot_name(rank, slot)
         held.append((header.step, header.seq, slot))
     return folder / slot_name(rank, min(held)[2])
+
+
+def _copy(src: int, dst: int, size: int) -> None:
+    """``size`` bytes from ``src`` to ``dst`` in the kernel (``copy_file_range``; a file
+    system that refuses it: ``sendfile``).
+
+    Raises:
+        OSError: a copy failed or ended early.
+    """
+    done = 0
+    while done < size:
+        try:
+            n = os.copy_file_range(src, dst, size - done, done, done)
+        except OSError:
+            n = os.sendfile(dst, src, done, size - done)
+        if n <= 0:
+            raise OSError(f"the slot ended after {done} of {size} bytes")
+        done += n
+
+
+def snapshot(source: Path, folder: Path, job: str, rank: int, step: int) -> Path | None:
+    """Copy the committed slot at ``source`` (``rank``'s ``step`` of ``job``) into the
+    replica slots of ``folder`` (:func:`replica_target`; its used bytes only, copied in the
+    kernel, under a hidden name renamed when whole): a copy the trainer's later saves
+    cannot overwrite. Returns where it went, or None when the slot is no longer that
+    committed step (a save began over it before or during the copy: the copy is dropped).
+
+    Raises:
+        OSError: ``folder`` cannot be written (no space, ...).
+    """
+    found = _committed(source, job, rank)
+    if found is None:
+        return None
+    file, header = found
+    with file:
+        if header.step != step:
+            return None
+        tmp = folder / f".rank-{rank}.incoming-{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        placed = False
+        try:
+            _copy(file.fileno(), fd, header.layout.file_size)
+            if not commit_unchanged(file.fileno(), header):  # a writer began over it
+                return None
+            target = replica_target(folder, job, rank, step)
+            os.replace(tmp, target)
+            placed = True
+            return target
+        finally:
+            os.close(fd)
+            if not placed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
