@@ -49,10 +49,11 @@ from kelastic.etcd_values.checkpoints import (
 from kelastic_etcd import EtcdClient, EtcdError
 
 from .config import SidecarConfig
+from .peer_restore import Fetched, restore_from_peers
 from .persister import Persister
 from .rendezvous import RendezvousInfo
 from .replica import REPLICA_DIR_NAME
-from .replication import Fetched, Replication, restore_from_peers
+from .replication import Replication
 
 __all__ = [
     "RoundCheckpoints",
@@ -137,7 +138,7 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     (:func:`kelastic.checkpoint.discard.discard_newer`: the training goes on from the
     agreed step and saves those step numbers again; kept, they could make a later
     restore mixed). From a peer, the ranks the node does not hold get their slot before
-    the workers start (:func:`~kelastic_sidecar.replication.restore_from_peers`; the
+    the workers start (:func:`~kelastic_sidecar.peer_restore.restore_from_peers`; the
     workers load it as their own: tier ``memory`` in their env). ``replication`` follows
     the round's ring peer. Never raises for the codec or the slots.
 
