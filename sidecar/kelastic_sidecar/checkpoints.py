@@ -147,13 +147,18 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
             must not start on this node (the supervisor goes back to the rendezvous).
     """
     directory = contract.checkpoint_dir()
-    if not directory.is_dir() or (carried and replication is None):
+    if not directory.is_dir():
+        return None
+    if carried:  # no load; the replicas follow the round if etcd answers
+        if replication is not None:
+            try:
+                replication.follow(info, read_records(store, keys, info.participants), nproc)
+            except EtcdError as exc:
+                log.warning("round %d: replicas keep their peer: %s", info.round, exc)
         return None
     records = read_records(store, keys, info.participants)
     if replication is not None:
         replication.follow(info, records, nproc)
-    if carried:
-        return None
     restore = restore_of(info.round, records, info.participants, nproc, cfg.job_uid)
     log.info("round %d: checkpoint step to restore: %s", info.round,
              "none" if restore.step is None else f"{restore.step} from {restore.tier}")  # fmt: skip

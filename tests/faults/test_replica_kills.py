@@ -125,6 +125,7 @@ def _check_peer(peer: Path) -> int:
     return max(whole, default=-1)
 
 
+@pytest.mark.timeout(120 + 2 * KILLS)  # about 0.8 s a kill
 def test_replication_killed_anywhere_keeps_only_whole_replicas(tmp_path: Path) -> None:
     slots, peer = tmp_path / "slots", tmp_path / "peer"
     slots.mkdir()
