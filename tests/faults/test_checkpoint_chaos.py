@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 
 from kelastic import contract
@@ -94,6 +95,7 @@ def _pod_processes(run: KelasticRun, pod: str) -> list[psutil.Process]:
     return [p for p in run.processes() if p.environ().get(contract.ENV_RUN_DIR) == folder]
 
 
+@pytest.mark.timeout(120 + 12 * FAULTS)  # about 6 s a fault
 def test_random_kills_of_workers_sidecars_and_pods_always_restore_one_step(
     tmp_path: Path,
 ) -> None:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kelastic.checkpoint import CheckpointStore
 from kelastic.checkpoint.scan import committed_slots, verified_step, verified_steps
 from kelastic.checkpoint.store import SLOT_NAME, slot_path
