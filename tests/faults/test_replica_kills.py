@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 JOB = "kills"
 ELEMENTS = 1 << 20  # float32: 4 MiB per save, one chunk
 KILLS = int(os.environ.get("KELASTIC_TEST_KILLS", "60"))
+#: Replicas loaded by each check (the test fails if the checks loaded none at all).
+LOADED: list[int] = []
 
 WRITER = f"""
 import sys, time, torch
@@ -105,8 +108,10 @@ def _newest_committed(slots: Path) -> int:
     return max(s.step for s in held) if held else -1
 
 
-def _check_peer(peer: Path) -> int:
-    """The invariants on the peer's replicas (its server up); the newest whole step."""
+def _check_peer(peer: Path, scratch: Path) -> int:
+    """The invariants on the peer's replicas (its server up); the newest whole step. Each
+    replica that passes its checks is loaded from a copy in ``scratch`` (as the node that
+    fetches it loads it: its own slot)."""
     replicas = peer / REPLICA_DIR_NAME
     names = sorted(os.listdir(replicas))
     receiving = [n for n in names if n.startswith(".rank-0.incoming-")]
@@ -114,16 +119,25 @@ def _check_peer(peer: Path) -> int:
     slots = [n for n in names if SLOT_NAME.fullmatch(n)]
     assert len(slots) <= 2 and set(names) == {*slots, *receiving}, names
     whole = verified_steps(replicas, JOB).get(0, ())
+    loaded = 0
     for name in slots:
         checked = verified_step(replicas / name, 0, JOB)
         if checked is None:
             continue  # torn in transit or cut: counted as nothing, never used
-        with CheckpointStore(replicas, rank=0, job=JOB, writable=False) as store:
-            got = store.load(step=checked[1])
-        if got is None:  # replaced by a newer replica since it was checked
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
+        try:
+            shutil.copyfile(replicas / name, scratch / "rank-0.slot0")
+        except FileNotFoundError:  # replaced by a newer replica since it was checked
             continue
+        with CheckpointStore(scratch, rank=0, job=JOB) as store:
+            got = store.load(step=checked[1])
+        if got is None:  # replaced by a newer replica between the check and the copy
+            continue
+        loaded += 1
         assert got[1]["step"] == checked[1]
         assert bool(got[1]["w"].eq(float(checked[1])).all())
+    LOADED.append(loaded)
     return max(whole, default=-1)
 
 
@@ -160,14 +174,14 @@ def test_replication_killed_anywhere_keeps_only_whole_replicas(tmp_path: Path) -
                 procs["server"], _ = _start(SERVER, str(peer), port, token)
                 left = cut & set(os.listdir(peer / REPLICA_DIR_NAME))
                 assert not left, left  # a transfer cut by the kill: removed at the start
-            _check_peer(peer)
+            _check_peer(peer, tmp_path / "scratch")
         # the kills over: the trainer stops, and its newest step reaches the peer whole
         procs["writer"].send_signal(signal.SIGKILL)
         procs["writer"].wait(30)
         newest = _newest_committed(slots)
         assert newest > 0, "the trainer committed nothing"
         deadline = time.monotonic() + 60
-        while _check_peer(peer) != newest:
+        while _check_peer(peer, tmp_path / "scratch") != newest:
             assert time.monotonic() < deadline, (newest, os.listdir(peer / REPLICA_DIR_NAME))
             time.sleep(0.05)
         # a node that lost its slots fetches that step from the peer
@@ -183,6 +197,8 @@ def test_replication_killed_anywhere_keeps_only_whole_replicas(tmp_path: Path) -
     with CheckpointStore(fresh, rank=0, job=JOB) as store:
         got = store.load(step=newest)
     assert got is not None and bool(got[1]["w"].eq(float(newest)).all())
-    print(f"\nREPLICA-KILLS: {sum(killed.values())} kills ({killed}) in "
+    print(f"\nREPLICA-KILLS: {sum(killed.values())} kills ({killed}), {sum(LOADED)} replicas "
+          f"loaded and checked, in "
           f"{time.monotonic() - started:.1f} s; newest step {newest} replicated whole")  # fmt: skip
     assert all(killed.values()), killed
+    assert sum(LOADED) >= KILLS, LOADED  # the checks loaded replicas, not nothing

@@ -7,6 +7,7 @@ a torn or corrupted slot is never placed, and a rate limit holds."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import struct
@@ -29,6 +30,7 @@ from kelastic_sidecar.replica import (
     fetch_slot,
     new_token,
     send_slot,
+    snapshot,
     sweep_fetches,
 )
 from kelastic_sidecar.replica.stream import Stream
@@ -527,3 +529,50 @@ def test_the_server_survives_garbage_and_closes(node_a: Path, server: ReplicaSer
     server.close()  # idempotent
     with pytest.raises(OSError):
         socket.create_connection(address, timeout=5).close()
+
+
+def test_a_snapshot_is_a_whole_copy_the_next_saves_do_not_touch(
+    node_a: Path, tmp_path: Path
+) -> None:
+    path = _save(node_a, 0, [5], big=True)
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    placed = snapshot(path, folder, JOB, 0, 5)
+    assert placed is not None and placed.parent == folder
+    assert placed.stat().st_size == _used_bytes(path)  # its used bytes, not its capacity
+    _save(node_a, 0, [6, 7, 8, 9])  # the slot is overwritten since
+    assert verified_step(placed, 0, JOB) is not None
+    loaded = tmp_path / "loaded"  # as a node that fetched it: the slot is rank 0's own
+    loaded.mkdir()
+    shutil.copyfile(placed, loaded / "rank-0.slot0")
+    with CheckpointStore(loaded, rank=0, job=JOB) as store:
+        got = store.load(step=5)
+    assert got is not None and bool(got[1]["big"].eq(torch.arange(2 * MIB) + 5).all())
+    # the slot no longer holds step 5 (or is of another job): nothing copied
+    assert snapshot(path, folder, JOB, 0, 5) is None
+    assert snapshot(_slot_of(node_a, 0, 9), folder, "another-job", 0, 9) is None
+    assert [n for n in _listing(folder) if n.startswith(".")] == []
+
+
+def test_a_snapshot_of_a_slot_a_save_began_over_is_dropped(
+    node_a: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer marks a slot dirty (commit word zero) before it writes its payload: a copy
+    taken meanwhile is of no step and must not be placed."""
+    from kelastic_sidecar.replica import slots as slots_module
+
+    path = _save(node_a, 0, [5], big=True)
+    folder = tmp_path / "snapshots"
+    folder.mkdir()
+    real = slots_module._copy
+
+    def copy_while_a_save_begins(src: int, dst: int, size: int) -> None:
+        real(src, dst, size // 2)
+        with open(path, "r+b") as fh:  # what CheckpointStore.save does first
+            fh.seek(COMMIT_OFFSET)
+            fh.write(bytes(16))
+        real(src, dst, size)
+
+    monkeypatch.setattr(slots_module, "_copy", copy_while_a_save_begins)
+    assert snapshot(path, folder, JOB, 0, 5) is None
+    assert _listing(folder) == []  # no replica, no temporary file
