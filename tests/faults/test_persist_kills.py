@@ -97,9 +97,10 @@ def test_a_writer_killed_anywhere_leaves_whole_folders_or_none(tmp_path: Path) -
     rng = random.Random(int(os.environ.get("KELASTIC_TEST_SEED", "21")))
     kills = finished = streak = 0
     for _ in range(CYCLES):
-        # a rank not written yet: every cycle is a real write
+        # a rank not written yet: every cycle is a real write; both whole and no COMPLETE
+        # (a kill between the last rename and the marker): a write of either completes it
         absent = [r for r in (0, 1) if not (root / f"step-{STEP}" / f"rank-{r}").exists()]
-        if _write(slots, rng.choice(absent), root, rng.uniform(0, whole * 1.2))[0]:
+        if _write(slots, rng.choice(absent or [0, 1]), root, rng.uniform(0, whole * 1.2))[0]:
             finished, streak = finished + 1, 0
         else:
             kills, streak = kills + 1, streak + 1

@@ -167,6 +167,23 @@ def test_every_rank_gets_its_folder_and_the_last_one_completes_the_step(tmp_path
     assert [p.name for p in (root / "step-9").iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_writer_killed_before_it_wrote_complete_leaves_it_to_the_next_write(
+    tmp_path: Path,
+) -> None:
+    """Every rank's folder whole, ``COMPLETE`` missing (the last writer was killed between
+    its rename and the marker): the next write of any rank writes nothing of its own and
+    completes the step (what the writer-kill test found as a dead end: no rank absent)."""
+    slots, root = tmp_path / "slots", tmp_path / "persist"
+    for rank in (0, 1):
+        _save(slots, {"w": torch.full((2,), float(rank))}, step=4, rank=rank, world=2)
+        persist.persist(slots, rank, JOB, 4, root)
+    (root / "step-4" / COMPLETE).unlink()
+    assert complete_steps(root) == []
+    again = persist.persist(slots, 0, JOB, 4, root)
+    assert again.nbytes == 0 and again.completed_step
+    assert complete_steps(root) == [4]
+
+
 def test_a_step_of_an_abandoned_history_is_replaced_never_mixed(tmp_path: Path) -> None:
     slots, root = tmp_path / "slots", tmp_path / "persist"
     for rank in (0, 1):  # round 1: both ranks saved step 5, with values of that history
