@@ -35,6 +35,7 @@ from kelastic_sidecar.replica.wire import (
     encode_trailer,
     refusal,
 )
+from tests.test_decoder_fuzz import json_values
 
 FUZZ = settings(
     max_examples=150,
@@ -169,21 +170,8 @@ def test_a_refusal_always_encodes() -> None:
 
 
 # ------------------------------------------------------------------ hypothesis
+# the JSON values every decoder of the project is fuzzed with (tests/test_decoder_fuzz.py)
 
-_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(10**40), max_value=10**40)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=40)
-)
-json_values = st.recursive(
-    _scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
-    ),
-    max_leaves=20,
-)
 DECODERS: dict[str, tuple[Callable[[bytes], object], tuple[dict[str, Any], ...]]] = {
     "request": (decode_request, (PUT, GET)),
     "reply": (decode_reply, (OK, REFUSAL)),
