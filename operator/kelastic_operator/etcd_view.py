@@ -137,7 +137,7 @@ def _stragglers(node: str, raw: bytes) -> list[StragglerView]:
 
 
 def _restore(keys: contract.Keys, kv: Mapping[str, bytes], state: etcd_values.StateDoc,
-             nproc: int) -> Restore | None:  # fmt: skip
+             nproc: int, replicated: bool) -> Restore | None:  # fmt: skip
     """What the complete round's workers restored from the checkpoint slots: its
     participants' records (``checkpoints/<node>``) agreed on as every sidecar does
     (:func:`~kelastic.etcd_values.checkpoints.restore_of`, the job's run id being the
@@ -153,10 +153,11 @@ def _restore(keys: contract.Keys, kv: Mapping[str, bytes], state: etcd_values.St
         return None
     uid = keys.prefix.rstrip("/").rsplit("/", 1)[-1]
     order = tuple(sorted(participants, key=lambda n: participants[n]))  # by group rank
-    return restore_of(state.get("round") or 0, records, order, nproc, uid)
+    return restore_of(state.get("round") or 0, records, order, nproc, uid, replicated=replicated)
 
 
-def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) -> RendezvousView:
+def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int, *,
+                   replicated: bool = False) -> RendezvousView:  # fmt: skip
     """Parse the job's keys (full key -> value) into a :class:`RendezvousView`, each value
     by its one codec (:mod:`kelastic.etcd_values`, :mod:`kelastic.inprocess_record`).
 
@@ -171,6 +172,9 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) ->
         prefix: the job prefix (:func:`kelastic.contract.job_prefix`).
         kv: the keys under it.
         nproc_per_node: workers per node (world size = nodes x this).
+        replicated: the job's checkpoint state is replicated
+            (``spec.checkpoint.stateLayout: Replicated``): the restore is agreed as its
+            sidecars do.
     """
     keys = contract.Keys(prefix)
     state = _read(_state, kv.get(keys.rdzv_state)) or {}
@@ -215,5 +219,5 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int) ->
         last_restart=_last_restart(restarts),
         stragglers=tuple(stragglers),
         charges=_charges(restarts),
-        restore=_restore(keys, kv, state, nproc_per_node),
+        restore=_restore(keys, kv, state, nproc_per_node, replicated),
     )

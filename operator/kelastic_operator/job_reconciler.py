@@ -207,7 +207,8 @@ class JobReconciler:
             log.warning("%s/%s: no usable etcd: %s", self.namespace, self.name, exc)
             return None, None
         try:
-            return store.read(prefix, spec.nproc_per_node), store
+            replicated = spec.checkpoint.replicated
+            return store.read(prefix, spec.nproc_per_node, replicated=replicated), store
         except RendezvousStoreError as exc:
             log.warning("%s/%s: cannot read rendezvous state: %s", self.namespace, self.name, exc)
             return None, store

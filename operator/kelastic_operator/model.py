@@ -218,6 +218,27 @@ class CheckpointSpec(_Model):
         "quantity as memory's",
     )  # fmt: skip
 
+    state_layout: Literal["Sharded", "Replicated"] = Field(
+        default="Sharded", alias="stateLayout",
+        description="how the ranks' saved states relate. Sharded: each rank saves its own "
+        "part (any parallelism) and restores its own rank's, so ranks new to a grown world "
+        "have none (the job restores nothing). Replicated: every rank saves the same state "
+        "(DDP), so any rank's copy restores any rank: a grown or renumbered world restores "
+        "from the node's slots, from a peer's (each sidecar serves its slots then) or from "
+        "a step persisted by any world",
+    )  # fmt: skip
+
+    @property
+    def replicated(self) -> bool:
+        """Whether ``stateLayout`` is ``Replicated``."""
+        return self.state_layout == "Replicated"
+
+    @property
+    def serves_slots(self) -> bool:
+        """Whether each sidecar serves its slots to the job's others: with replicas, or a
+        replicated state with a volume (a joining node fetches its step)."""
+        return bool(self.replicas) or (self.replicated and self.memory is not None)
+
     @property
     def memory_bytes(self) -> int | None:
         """``memory`` in bytes (None when unset)."""

@@ -169,6 +169,12 @@ def sidecar_env(
     if memory is not None:  # the volume is allocated in full at the sidecar's start
         env.append({"name": contract.ENV_CHECKPOINT_DIR, "value": contract.DEFAULT_CHECKPOINT_DIR})
         env.append({"name": contract.ENV_CHECKPOINT_MEMORY, "value": str(memory)})
+    if spec.checkpoint.replicated and memory is not None:  # any rank's copy restores any
+        env.append(
+            {"name": contract.ENV_CHECKPOINT_LAYOUT, "value": contract.StateLayout.REPLICATED}
+        )
+    if spec.checkpoint.serves_slots and not spec.checkpoint.replicas:  # served, not sent
+        env.append({"name": contract.ENV_REPLICA_PORT, "value": str(contract.DEFAULT_REPLICA_PORT)})
     if spec.checkpoint.replicas:  # its slots sent to the next node, served on its port
         env.append(
             {"name": contract.ENV_CHECKPOINT_REPLICAS, "value": str(spec.checkpoint.replicas)}
@@ -200,11 +206,12 @@ def sidecar_env(
 
 
 def sidecar_ports(spec: ElasticJobSpec, settings: PodSettings) -> list[dict[str, Any]]:
-    """The sidecar's ports: its HTTP port and, with ``spec.checkpoint.replicas``, the port
-    the job's other sidecars send replicas to and fetch slots from
+    """The sidecar's ports: its HTTP port and, when it serves its slots
+    (``spec.checkpoint.replicas``, or a replicated state), the port the job's other
+    sidecars send replicas to and fetch slots from
     (:data:`~kelastic.contract.DEFAULT_REPLICA_PORT`)."""
     ports = [{"name": HTTP_PORT_NAME, "containerPort": settings.http_port, "protocol": "TCP"}]
-    if spec.checkpoint.replicas:
+    if spec.checkpoint.serves_slots:
         port = contract.DEFAULT_REPLICA_PORT
         ports.append({"name": contract.REPLICA_PORT_NAME, "containerPort": port, "protocol": "TCP"})
     return ports
@@ -657,6 +664,8 @@ def pod_spec_hash(spec: ElasticJobSpec) -> str:
         unset = {"persist"} if spec.checkpoint.persist is None else set()
         if not spec.checkpoint.replicas:
             unset |= {"replicas", "replication_rate", "replicate_every_steps"}
+        if not spec.checkpoint.replicated:
+            unset.add("state_layout")
         if unset:
             exclude["checkpoint"] = dict.fromkeys(unset, True)
     # the sidecar's verdict shapes the Pod (its env), the action is the operator's

@@ -47,8 +47,9 @@ class RendezvousStoreError(RuntimeError):
 class RendezvousStore(Protocol):
     """What the operator needs from etcd (one job prefix per call)."""
 
-    def read(self, prefix: str, nproc_per_node: int) -> RendezvousView:
-        """The job's rendezvous view.
+    def read(self, prefix: str, nproc_per_node: int, *, replicated: bool = False) -> RendezvousView:
+        """The job's rendezvous view (``replicated``: its checkpoint state is, see
+        :func:`~kelastic_operator.etcd_view.view_from_keys`).
 
         Raises:
             RendezvousStoreError: etcd is unreachable.
@@ -194,13 +195,14 @@ class EtcdRendezvousStore:
                 f"etcd {','.join(self.endpoints)}: {what} failed: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def read(self, prefix: str, nproc_per_node: int) -> RendezvousView:
+    def read(self, prefix: str, nproc_per_node: int, *, replicated: bool = False) -> RendezvousView:
         """See :meth:`RendezvousStore.read`."""
 
         def get() -> dict[str, bytes]:
             return {key: value for key, (value, _) in self._client.get_prefix(prefix).items()}
 
-        return view_from_keys(prefix, self._call(f"read {prefix}", get), nproc_per_node)
+        kv = self._call(f"read {prefix}", get)
+        return view_from_keys(prefix, kv, nproc_per_node, replicated=replicated)
 
     def remove_nodes(self, prefix: str, nodes: Sequence[str]) -> None:
         """See :meth:`RendezvousStore.remove_nodes`."""

@@ -49,7 +49,7 @@ from kelastic.etcd_values.checkpoints import (
 from kelastic_etcd import EtcdClient, EtcdError
 
 from .config import SidecarConfig
-from .peer_restore import Fetched, restore_from_peers
+from .peer_restore import Fetched, restore_from_peers, restore_replicated
 from .persister import Persister
 from .rendezvous import RendezvousInfo
 from .replica import REPLICA_DIR_NAME
@@ -139,8 +139,11 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     agreed step and saves those step numbers again; kept, they could make a later
     restore mixed). From a peer, the ranks the node does not hold get their slot before
     the workers start (:func:`~kelastic_sidecar.peer_restore.restore_from_peers`; the
-    workers load it as their own: tier ``memory`` in their env). ``replication`` follows
-    the round's ring peer. Never raises for the codec or the slots.
+    workers load it as their own: tier ``memory`` in their env); with a replicated state
+    (``cfg.layout``) each rank without the step gets a copy of any rank's, from the node
+    or a peer (:func:`~kelastic_sidecar.peer_restore.restore_replicated`), and the
+    workers' env says the layout (a disk load of a grown world reads another rank's).
+    ``replication`` follows the round's ring peer. Never raises for the codec or the slots.
 
     Raises:
         EtcdError: the records cannot be read (:func:`read_records`): the round's workers
@@ -159,7 +162,9 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     records = read_records(store, keys, info.participants)
     if replication is not None:
         replication.follow(info, records, nproc)
-    restore = restore_of(info.round, records, info.participants, nproc, cfg.job_uid)
+    replicated = cfg.layout is contract.StateLayout.REPLICATED
+    restore = restore_of(info.round, records, info.participants, nproc, cfg.job_uid,
+                         replicated=replicated)  # fmt: skip
     log.info("round %d: checkpoint step to restore: %s", info.round,
              "none" if restore.step is None else f"{restore.step} from {restore.tier}")  # fmt: skip
     for folder in (directory, directory / REPLICA_DIR_NAME):
@@ -171,10 +176,12 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     if replication is not None:
         replication.rewind(restore.step)
     fetched: list[Fetched] = []
-    if restore.tier is RestoreTier.PEER and restore.step is not None:
+    fill = restore_replicated if replicated else restore_from_peers
+    if restore.step is not None and (
+        restore.tier is RestoreTier.PEER or (replicated and restore.tier is RestoreTier.MEMORY)
+    ):
         try:
-            fetched = restore_from_peers(directory, cfg.node, info, nproc, records, cfg.job_uid,
-                                         restore.step)  # fmt: skip
+            fetched = fill(directory, cfg.node, info, nproc, records, cfg.job_uid, restore.step)
         except OSError as exc:
             log.error("checkpoint: cannot restore from the peers into %s: %s", directory, exc)
         for f in fetched:
@@ -183,8 +190,11 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     value = contract.CHECKPOINT_STEP_NONE if restore.step is None else str(restore.step)
     tier = (contract.CHECKPOINT_TIER_DISK if restore.tier is RestoreTier.DISK
             else contract.CHECKPOINT_TIER_MEMORY)  # fmt: skip
+    env = {contract.ENV_CHECKPOINT_STEP: value, contract.ENV_CHECKPOINT_TIER: tier}
+    if replicated:  # a rank of a grown world reads another rank's folder from disk
+        env[contract.ENV_CHECKPOINT_LAYOUT] = contract.StateLayout.REPLICATED.value
     return (
-        {contract.ENV_CHECKPOINT_STEP: value, contract.ENV_CHECKPOINT_TIER: tier},
+        env,
         restore,
         fetched,
     )

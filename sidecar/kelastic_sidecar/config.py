@@ -158,8 +158,9 @@ class ReplicationSettings:
     :mod:`kelastic_sidecar.replication`).
 
     Attributes:
-        replicas: peer nodes holding each rank's due steps (1; 0 is no replication,
-            :attr:`SidecarConfig.replication` None).
+        replicas: peer nodes holding each rank's due steps (1; 0: none, the slots only
+            served, for a replicated state's joining nodes:
+            :attr:`SidecarConfig.layout`).
         every: replicate the steps that are multiples of it.
         rate: bytes per second sent at most (0: no limit).
         port: the TCP port served (0: any free one).
@@ -179,14 +180,14 @@ def _replication_settings(
     num: Callable[[str, Callable[[str], int], int], int],
     problems: list[str],
 ) -> ReplicationSettings | None:
-    """:class:`ReplicationSettings` from ``env`` (None: no replicas asked for); a bad value
-    is added to ``problems``."""
+    """:class:`ReplicationSettings` from ``env`` (None: no replicas asked for, and the
+    state not replicated: nothing to serve); a bad value is added to ``problems``."""
     replicas = num(contract.ENV_CHECKPOINT_REPLICAS, int, 0)
     if not 0 <= replicas <= contract.MAX_CHECKPOINT_REPLICAS:
         problems.append(f"{contract.ENV_CHECKPOINT_REPLICAS} must be "
                         f"0..{contract.MAX_CHECKPOINT_REPLICAS}")  # fmt: skip
         return None
-    if replicas == 0:
+    if replicas == 0 and _layout(env, []) is not contract.StateLayout.REPLICATED:
         return None
     settings = ReplicationSettings(
         replicas=replicas,
@@ -203,6 +204,18 @@ def _replication_settings(
     if not 0 <= settings.port <= 65535:
         problems.append(f"{contract.ENV_REPLICA_PORT} must be 0..65535")
     return settings
+
+
+def _layout(env: Mapping[str, str], problems: list[str]) -> contract.StateLayout:
+    """``$KELASTIC_CHECKPOINT_LAYOUT`` (unset: sharded); a bad value is added to
+    ``problems``."""
+    raw = env.get(contract.ENV_CHECKPOINT_LAYOUT, "") or contract.StateLayout.SHARDED
+    try:
+        return contract.StateLayout(raw)
+    except ValueError:
+        problems.append(f"{contract.ENV_CHECKPOINT_LAYOUT} must be one of "
+                        f"{', '.join(contract.StateLayout)}, not {raw!r:.40}")  # fmt: skip
+        return contract.StateLayout.SHARDED
 
 
 @dataclass(frozen=True)
@@ -243,6 +256,9 @@ class SidecarConfig:
             default 20; :mod:`~kelastic_sidecar.steptime`).
         persist: persistence of the checkpoint slots, None without.
         replication: replication of the checkpoint slots to peers, None without.
+        layout: how the ranks' checkpoint states relate (``spec.checkpoint.stateLayout``;
+            ``$KELASTIC_CHECKPOINT_LAYOUT``): with a replicated one any rank's copy
+            restores any rank (:func:`kelastic.etcd_values.checkpoints.restore_of`).
     """
 
     job_name: str
@@ -275,6 +291,7 @@ class SidecarConfig:
     host_node: str = ""
     persist: PersistSettings | None = None
     replication: ReplicationSettings | None = None
+    layout: contract.StateLayout = contract.StateLayout.SHARDED
 
     def rendezvous_settings(self) -> RendezvousSettings:
         """The rendezvous' settings for this node (its Pod uid as its incarnation).
@@ -385,6 +402,7 @@ class SidecarConfig:
             ),
             persist=_persist_settings(env, num, problems),
             replication=_replication_settings(env, num, problems),
+            layout=_layout(env, problems),
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")

@@ -8,6 +8,13 @@ then replicas), checked in full; the workers' ``load()`` then reads it as their 
 A rank none could be got for loads nothing and its worker fails
 (``CheckpointRestoreError``): the round fails, never a mixed step. The sending side is
 :mod:`kelastic_sidecar.replication`.
+
+With a replicated state (``spec.checkpoint.stateLayout: Replicated``),
+:func:`restore_replicated` gives each rank without the agreed step a copy of *any*
+rank's (:func:`kelastic.checkpoint.adopt.adopt_slot`): one on the node (its slots or
+replicas, as its record lists them verified), else one fetched from a serving node
+(:func:`~kelastic.etcd_values.checkpoints.replicated_sources`), once per node: the
+node's other ranks copy that one.
 """
 
 from __future__ import annotations
@@ -21,16 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kelastic.checkpoint import CheckpointError
+from kelastic.checkpoint.adopt import adopt_slot
 from kelastic.checkpoint.scan import committed_slots
 from kelastic.checkpoint.store import SLOTS, slot_path
-from kelastic.etcd_values.checkpoints import CheckpointsDoc, parse_endpoint, peer_sources
+from kelastic.etcd_values.checkpoints import (
+    CheckpointsDoc,
+    parse_endpoint,
+    peer_sources,
+    replicated_sources,
+)
 
 from .replica import REPLICA_DIR_NAME, ReplicaError, fetch_slot
 
 if TYPE_CHECKING:
     from .rendezvous import RendezvousInfo
 
-__all__ = ["Fetched", "restore_from_peers"]
+__all__ = ["Fetched", "restore_from_peers", "restore_replicated"]
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +129,78 @@ def restore_from_peers(directory: Path, me: str, info: RendezvousInfo, nproc: in
             log.error("checkpoint: no node could give rank %d step %d: its load will fail",
                       rank, step)  # fmt: skip
     return out
+
+
+def _any_copy(directory: Path, mine: CheckpointsDoc | None, job: str,
+              step: int) -> Path | None:  # fmt: skip
+    """A slot of ``step`` on this node that its record ``mine`` lists as verified, any
+    rank's: its slots first, then its replicas."""
+    if mine is None or mine.job != job:
+        return None
+    for folder, listed in ((directory, mine.ranks), (directory / REPLICA_DIR_NAME, mine.replicas)):
+        for slot in committed_slots(folder, job):
+            if slot.step == step and step in listed.get(slot.rank, ()):
+                return slot_path(folder, slot.rank, slot.slot)
+    return None
+
+
+def restore_replicated(directory: Path, me: str, info: RendezvousInfo, nproc: int,
+                       records: Mapping[str, CheckpointsDoc | None], job: str,
+                       step: int) -> list[Fetched]:  # fmt: skip
+    """Give each of this node's ranks in ``info``'s round that its own record does not
+    hold ``step`` for a copy of another rank's ``step`` of the replicated state (see the
+    module doc): from the node's own slots or replicas, else fetched from each of
+    :func:`~kelastic.etcd_values.checkpoints.replicated_sources` in turn until one is
+    whole (checked in full). Call it after the agreement (tier memory or peer), before
+    the workers start.
+
+    Returns:
+        What was put in place (``bytes`` 0 for a copy on the node). A rank that none
+        could be got for is logged and left: its worker's ``load()`` raises and the
+        round fails.
+
+    Raises:
+        OSError: the slot folder cannot be read or written.
+    """
+    mine = records.get(me)
+    out: list[Fetched] = []
+    adopted: Path | None = None  # a copy made here: the node's next ranks copy it
+    for local_rank in range(nproc):
+        rank = info.group_rank * nproc + local_rank
+        if mine is not None and step in mine.ranks.get(rank, ()):
+            continue
+        started = time.monotonic()
+        dest = slot_path(directory, rank, _free_slot(directory, rank, job))
+        source, node, fetched = adopted or _any_copy(directory, mine, job, step), me, 0
+        if source is None:  # fetched into the rank's slot file, then stamped there
+            node, fetched = _fetch_any(dest, me, info, records, job, step)
+            source = dest if node else None
+        if source is None:
+            log.error("checkpoint: no node could give step %d of the replicated state: rank "
+                      "%d's load will fail", step, rank)  # fmt: skip
+            continue
+        try:
+            adopt_slot(source, dest, rank, job, step)
+        except CheckpointError as exc:
+            log.error("checkpoint: rank %d cannot adopt %s: %s", rank, source, exc)
+            continue
+        adopted = dest
+        out.append(Fetched(rank, node, fetched, time.monotonic() - started))
+    return out
+
+
+def _fetch_any(dest: Path, me: str, info: RendezvousInfo,
+               records: Mapping[str, CheckpointsDoc | None], job: str,
+               step: int) -> tuple[str, int]:  # fmt: skip
+    """``step`` of any rank fetched from a serving node into ``dest`` (checked in full as
+    that rank's slot): ``(the node, bytes)``, or ``("", 0)`` when none gave it."""
+    for node, doc, rank in replicated_sources(records, info.participants, job, step):
+        address = parse_endpoint(doc.endpoint)
+        if node == me or address is None:
+            continue
+        try:
+            return node, fetch_slot(address, doc.token, job, rank, step, dest)
+        except ReplicaError as exc:
+            log.warning("checkpoint: step %d (rank %d's) not fetched from %s: %s", step, rank,
+                        node, exc)  # fmt: skip
+    return "", 0

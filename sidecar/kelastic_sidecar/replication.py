@@ -169,9 +169,13 @@ class Replication:
         for name in sweep_fetches(self._directory):
             log.info("checkpoint replicas: removed %s, a fetch cut by the last exit", name)
         self.server.start()
-        if self._poll is not None:
+        if self._poll is not None and self._settings.replicas:  # 0: serve only
             for thread in self._threads:
                 thread.start()
+        if not self._settings.replicas:
+            log.info("checkpoint slots served at %s (a replicated state: a joining node "
+                     "fetches its step there); no replicas sent", self.endpoint)  # fmt: skip
+            return
         log.info("checkpoint replicas: serving at %s; every %d steps snapshotted and sent at "
                  "most %s bytes/s", self.endpoint, self._settings.every,
                  self._settings.rate or "unlimited")  # fmt: skip
@@ -180,8 +184,9 @@ class Replication:
                nproc: int) -> None:  # fmt: skip
         """Snapshot and send this node's ranks of ``info``'s round (``nproc`` per node; the
         slots of ranks it ran before are left alone) to the round's ring peer from now on
-        (:func:`ring_peer`); a new peer holds nothing yet: everything is sent again."""
-        peer = ring_peer(info, records, self._job)
+        (:func:`ring_peer`); a new peer holds nothing yet: everything is sent again. Serving
+        only (no replicas), there is no peer."""
+        peer = ring_peer(info, records, self._job) if self._settings.replicas else None
         first = info.group_rank * nproc
         with self._lock:
             self._ranks = frozenset(range(first, first + nproc))

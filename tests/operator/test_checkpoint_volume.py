@@ -279,9 +279,38 @@ def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them()
     assert pod_spec_hash(_replicating()) != pod_spec_hash(_spec("64Mi"))
 
 
+def test_a_replicated_state_serves_the_slots_and_says_its_layout() -> None:
+    spec = _replicating(replicas=0, stateLayout="Replicated")
+    pod = build_pod("digits", "ml", UID, spec, 0, SETTINGS)
+    sidecar = _containers(pod)["kelastic-sidecar"]
+    assert contract.REPLICA_PORT_NAME in [p["name"] for p in sidecar["ports"]]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env[contract.ENV_CHECKPOINT_LAYOUT] == "replicated"
+    assert env[contract.ENV_REPLICA_PORT] == str(contract.DEFAULT_REPLICA_PORT)
+    assert contract.ENV_CHECKPOINT_REPLICAS not in env  # served, not sent
+    from kelastic_sidecar.config import SidecarConfig
+
+    downward = {contract.ENV_POD_NAME: "digits-0", contract.ENV_NAMESPACE: "ml"}
+    cfg = SidecarConfig.from_env({k: v for k, v in env.items() if v is not None} | downward)
+    assert cfg.layout is contract.StateLayout.REPLICATED
+    assert cfg.replication is not None and cfg.replication.replicas == 0
+    kv.validate(pod, "1.33", strict=True)
+    # with replicas too: one port, one variable each
+    both = _containers(build_pod("digits", "ml", UID, _replicating(stateLayout="Replicated"),
+                                 0, SETTINGS))["kelastic-sidecar"]  # fmt: skip
+    assert [p["name"] for p in both["ports"]].count(contract.REPLICA_PORT_NAME) == 1
+    assert [e["name"] for e in both["env"]].count(contract.ENV_REPLICA_PORT) == 1
+    # Sharded, the default, leaves the Pod and its digest as they were; Replicated is a
+    # new Pod (its sidecar serves)
+    sharded = _replicating(replicas=0, stateLayout="Sharded")
+    assert pod_spec_hash(sharded) == pod_spec_hash(_spec("64Mi")) == "0be377ee2335514c"
+    assert pod_spec_hash(spec) != pod_spec_hash(sharded)
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "message"),
     [
+        ({"memory": "64Mi", "stateLayout": "replicated"}, "'Sharded' or 'Replicated'"),
         ({"replicas": 1}, "checkpoint.replicas needs checkpoint.memory"),
         ({"memory": "64Mi", "replicas": 2}, "less than or equal to 1"),
         ({"memory": "64Mi", "replicas": -1}, "greater than or equal to 0"),
@@ -289,7 +318,7 @@ def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them()
         ({"memory": "64Mi", "replicas": 1, "replicationRate": "0"}, "pattern"),
         ({"memory": "64Mi", "replicas": 1, "replicateEverySteps": 0}, "greater than or equal"),
     ],
-    ids=["no-memory", "two", "negative", "bad-rate", "zero-rate", "every-zero"],
+    ids=["bad-layout", "no-memory", "two", "negative", "bad-rate", "zero-rate", "every-zero"],
 )
 def test_a_bad_replicas_spec_is_refused_clearly(checkpoint: dict[str, Any], message: str) -> None:
     spec = load_manifest(ROOT / "examples/digits/elasticjob.yaml").spec

@@ -16,6 +16,7 @@ two sides must agree on could be defined twice.
 
 from __future__ import annotations
 
+import enum
 import os
 from pathlib import Path
 from typing import Final
@@ -107,6 +108,24 @@ DEFAULT_REPLICATION_RATE: Final = 512 * 1024 * 1024
 ENV_REPLICA_PORT: Final = "KELASTIC_REPLICA_PORT"
 DEFAULT_REPLICA_PORT: Final = 29610
 REPLICA_PORT_NAME: Final = "ckpt-replica"
+#: Set on the sidecar and in each worker's env with ``spec.checkpoint.stateLayout:
+#: Replicated`` (unset: sharded): every rank saves the same state (DDP), so a rank of a
+#: grown or renumbered world may restore any rank's copy of the agreed step
+#: (``kelastic.etcd_values.checkpoints.restore_of``). The sidecar serves its slots on
+#: :data:`ENV_REPLICA_PORT` then, replicas or not: a node that joins gets the step there.
+ENV_CHECKPOINT_LAYOUT: Final = "KELASTIC_CHECKPOINT_LAYOUT"
+
+
+class StateLayout(enum.StrEnum):
+    """:data:`ENV_CHECKPOINT_LAYOUT`'s values (``spec.checkpoint.stateLayout``'s
+    ``Sharded`` and ``Replicated``)."""
+
+    #: Each rank saves its own part (any parallelism): rank ``r`` restores rank ``r``'s.
+    SHARDED = "sharded"
+    #: Every rank saves the same state (DDP): any rank's copy restores any rank.
+    REPLICATED = "replicated"
+
+
 #: Where the sidecar (read-write) and the trainer (read only) mount the persistence volume.
 PERSIST_MOUNT: Final = "/var/run/kelastic-persist"
 #: Complete persisted steps kept by default, and the bounds of the settings.

@@ -219,7 +219,9 @@ def _load_agreed(step: int) -> tuple[int, Any]:
     rank, tier = _env_int(contract.RANK, 0), agreed_tier()
     started = time.monotonic()
     if tier == contract.CHECKPOINT_TIER_DISK:
-        out = load_persisted(step, rank, persist_root())
+        layout = os.environ.get(contract.ENV_CHECKPOINT_LAYOUT)
+        replicated = layout == contract.StateLayout.REPLICATED
+        out = load_persisted(step, rank, persist_root(), replicated=replicated)
     else:
         store = default_store()
         got = store.load(step)

@@ -31,12 +31,13 @@ from kelastic._safejson import is_int, loads_bounded
 from ._slotfile import CheckpointRestoreError
 from .persist import COMPLETE, INT_KEYS
 
-__all__ = ["load_persisted", "persist_root"]
+__all__ = ["load_persisted", "persist_root", "source_rank"]
 
 #: Largest :data:`~.persist.INT_KEYS` file read, bytes (an optimizer of a million
 #: parameter tensors lists about 20 MB).
 MAX_INT_KEYS_BYTES = 64 << 20
 _DECIMAL = re.compile(r"-?(0|[1-9][0-9]{0,18})")
+_RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,9})")
 
 
 def persist_root() -> Path | None:
@@ -46,9 +47,24 @@ def persist_root() -> Path | None:
     return Path(value) if value else None
 
 
-def load_persisted(step: int, rank: int, root: Path | None) -> tuple[int, Any]:
+def source_rank(step_dir: Path, rank: int) -> int:
+    """Which rank's folder of the persisted step at ``step_dir`` holds a *replicated*
+    state for ``rank``: its own when there is one, else ``rank mod W`` of the ``W`` rank
+    folders the step has (a world that grew since: the folders are alike)."""
+    if (step_dir / f"rank-{rank}").is_dir():
+        return rank
+    try:
+        world = sum(1 for p in step_dir.iterdir() if _RANK_DIR.fullmatch(p.name) and p.is_dir())
+    except OSError:
+        return rank
+    return rank % world if world else rank
+
+
+def load_persisted(step: int, rank: int, root: Path | None, *,
+                   replicated: bool = False) -> tuple[int, Any]:  # fmt: skip
     """``(step, state_dict)`` of ``rank``'s part of the persisted ``step`` under ``root``
-    (``root/step-<step>/rank-<rank>``), its tensors on the CPU.
+    (``root/step-<step>/rank-<rank>``; with ``replicated``, another rank's folder when
+    the step was saved by a smaller world: :func:`source_rank`), its tensors on the CPU.
 
     Raises:
         CheckpointRestoreError: ``root`` is None, the step is not complete there, or
@@ -66,6 +82,7 @@ def load_persisted(step: int, rank: int, root: Path | None) -> tuple[int, Any]:
     step_dir = root / f"step-{step}"
     if not (step_dir / COMPLETE).is_file():
         raise fail(f"{step_dir} is not complete")
+    part = step_dir / f"rank-{source_rank(step_dir, rank) if replicated else rank}"
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -73,13 +90,13 @@ def load_persisted(step: int, rank: int, root: Path | None) -> tuple[int, Any]:
 
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=FileSystemReader(step_dir / f"rank-{rank}"),
+        _load_state_dict(state, storage_reader=FileSystemReader(part),
                          planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
                          no_dist=True)  # fmt: skip
     except (Exception, CheckpointException) as exc:  # the latter is a BaseException
-        raise fail(f"{step_dir / f'rank-{rank}'}: {type(exc).__name__}: {exc}") from None
+        raise fail(f"{part}: {type(exc).__name__}: {exc}") from None
     try:
-        _int_keys(state, _read_int_keys(step_dir / f"rank-{rank}" / INT_KEYS))
+        _int_keys(state, _read_int_keys(part / INT_KEYS))
     except (OSError, ValueError) as exc:
         raise fail(f"its {INT_KEYS}: {exc}") from None
     return step, state

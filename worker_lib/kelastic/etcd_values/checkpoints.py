@@ -34,6 +34,14 @@ when equal (fastest first). Every node computes the same value
 from the same records; no step in common makes it None (the user's own fallback, for
 every rank alike: never a mixed step or tier).
 
+With a *replicated* state (``spec.checkpoint.stateLayout: Replicated``: every rank saves
+the same state, as under DDP) any rank's copy of a step serves every rank, so a world
+that grew or was renumbered still restores: from memory, :func:`replicated_step`, the
+highest step every participant holds for some rank (its ranks missing it take a copy of
+one on the node); from a peer, the highest step every participant holds or some serving
+participant does (:func:`replicated_sources`); from disk, a persisted step whatever
+world saved it.
+
 Bounds (writer and reader alike): at most :data:`MAX_CHECKPOINTS_BYTES` bytes; ``job``
 a name (1..1024 characters); at most :data:`MAX_LOCAL_RANKS` ranks, each a decimal
 global rank in 0..:data:`MAX_RANK` with at most :data:`MAX_SLOTS` distinct steps (a rank's slots)
@@ -75,6 +83,8 @@ __all__ = [
     "peer_sources",
     "peer_step",
     "persisted_step",
+    "replicated_sources",
+    "replicated_step",
     "restorable_step",
     "restore_of",
 ]
@@ -336,11 +346,13 @@ def restorable_step(records: Mapping[str, CheckpointsDoc | None], participants: 
 
 
 def persisted_step(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
-                   nproc: int, job: str) -> int | None:  # fmt: skip
+                   nproc: int, job: str, *, replicated: bool = False) -> int | None:  # fmt: skip
     """The step every rank of the round can restore from the job's persistence volume:
     the highest step that every participant's record (of ``job``) lists as persisted,
     saved by a world of at least ``len(participants) * nproc`` ranks (rank ``r`` loads
-    the step's ``rank-<r>``). None when there is none or no participants.
+    the step's ``rank-<r>``), or by any world when the state is ``replicated`` (rank
+    ``r`` loads ``rank-<r mod W>`` of a world of ``W``). None when there is none or no
+    participants.
 
     Raises:
         ValueError: ``nproc`` < 1.
@@ -352,7 +364,7 @@ def persisted_step(records: Mapping[str, CheckpointsDoc | None], participants: S
     for node in participants:
         doc = records.get(node)
         seen = doc.persisted if doc is not None and doc.job == job else ()
-        steps = {step for step, saved_by in seen if saved_by >= world}
+        steps = {step for step, saved_by in seen if replicated or saved_by >= world}
         common = steps if common is None else common & steps
         if not common:
             return None
@@ -413,16 +425,83 @@ def peer_sources(records: Mapping[str, CheckpointsDoc | None], participants: Seq
     return own + replica
 
 
+def _any_rank(doc: CheckpointsDoc | None, job: str) -> set[int]:
+    """Every step ``doc`` (of ``job``) holds for any rank, in its slots or as a replica."""
+    if doc is None or doc.job != job:
+        return set()
+    return {step for held in (doc.ranks, doc.replicas) for steps in held.values()
+            for step in steps}  # fmt: skip
+
+
+def replicated_step(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
+                    job: str, *, served: bool = False) -> int | None:  # fmt: skip
+    """The newest step of a replicated state (every rank saves the same state) that every
+    participant holds for *some* rank, in its slots or as a replica: each of its ranks
+    restores from a copy on its own node, whatever ranks the node ran before. With
+    ``served``, a step some participant that serves (its record has an ``endpoint``)
+    holds counts for every participant too: those without it fetch a copy
+    (:func:`replicated_sources`). None when there is none or no participants.
+
+    Args:
+        records: node name -> its decoded record, or None (missing or corrupt).
+        participants: the round's nodes.
+        job: the run id; a record of another run counts as none.
+        served: count the steps participants serve to the others (the peer tier).
+    """
+    offered: set[int] = set()
+    if served:
+        for node in participants:
+            doc = records.get(node)
+            if doc is not None and doc.endpoint:
+                offered |= _any_rank(doc, job)
+    common: set[int] | None = None
+    for node in participants:
+        steps = _any_rank(records.get(node), job) | offered
+        common = steps if common is None else common & steps
+        if not common:
+            return None
+    return max(common) if common else None
+
+
+def replicated_sources(records: Mapping[str, CheckpointsDoc | None],
+                       participants: Sequence[str], job: str,
+                       step: int) -> list[tuple[str, CheckpointsDoc, int]]:  # fmt: skip
+    """Where a node gets ``step`` of a replicated state it does not hold: each serving
+    participant (its record has an ``endpoint``) with its record and the lowest rank
+    whose copy it holds, in its slots before as a replica, in group-rank order."""
+    own: list[tuple[str, CheckpointsDoc, int]] = []
+    replica: list[tuple[str, CheckpointsDoc, int]] = []
+    for node in participants:
+        doc = records.get(node)
+        if doc is None or doc.job != job or not doc.endpoint:
+            continue
+        in_slots = sorted(r for r, steps in doc.ranks.items() if step in steps)
+        in_replicas = sorted(r for r, steps in doc.replicas.items() if step in steps)
+        if in_slots:
+            own.append((node, doc, in_slots[0]))
+        elif in_replicas:
+            replica.append((node, doc, in_replicas[0]))
+    return own + replica
+
+
 def restore_of(round_: int, records: Mapping[str, CheckpointsDoc | None],
-               participants: Sequence[str], nproc: int, job: str) -> Restore:  # fmt: skip
+               participants: Sequence[str], nproc: int, job: str, *,
+               replicated: bool = False) -> Restore:  # fmt: skip
     """The round's :class:`Restore`: the newest of :func:`restorable_step` (memory),
     :func:`peer_step` (peer) and :func:`persisted_step` (disk) of ``records`` (same
     arguments, same errors), memory before peer before disk when equal (the fastest),
     with where from, how many ranks, whether anything was held and when the records were
-    written. Every sidecar and the operator compute the same one from the same records."""
-    memory = restorable_step(records, participants, nproc, job)
-    peer = peer_step(records, participants, nproc, job)
-    disk = persisted_step(records, participants, nproc, job)
+    written. Every sidecar and the operator compute the same one from the same records.
+    With ``replicated`` (``spec.checkpoint.stateLayout: Replicated``) the three are
+    :func:`replicated_step`, the same with the served steps, and :func:`persisted_step`
+    of any world."""
+    if replicated:
+        memory = replicated_step(records, participants, job)
+        peer = replicated_step(records, participants, job, served=True)
+    else:
+        memory = restorable_step(records, participants, nproc, job)
+        peer = peer_step(records, participants, nproc, job)
+    disk = persisted_step(records, participants, nproc, job, replicated=replicated)
     newest = max((s for s in (memory, peer, disk) if s is not None), default=None)
     if newest is None:
         step, tier = None, RestoreTier.NONE
