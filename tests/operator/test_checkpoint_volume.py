@@ -15,6 +15,7 @@ from kelastic import contract
 from kelastic_operator.model import CheckpointSpec, ElasticJobSpec, load_manifest, parse_job
 from kelastic_operator.pods import PodSettings, build_pod, pod_spec_hash
 from kelastic_sidecar.checkpoints import prepare_volume
+from tests.k8s.cluster import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = PodSettings(sidecar_image="kelastic:test", etcd_endpoints=("etcd.kelastic:2379",))
@@ -356,3 +357,20 @@ def test_the_sidecar_refuses_bad_replication_settings(env: dict[str, str], messa
     with pytest.raises(ConfigError, match=message):
         SidecarConfig.from_env(base | env)
     assert SidecarConfig.from_env(base).replication is None
+
+
+def test_the_api_server_takes_the_layouts_and_refuses_another(k8s: Client) -> None:
+    doc = yaml.safe_load((ROOT / "examples/digits/elasticjob.yaml").read_text())
+    doc["spec"]["checkpoint"] = {"memory": "64Mi", "stateLayout": "DDP"}
+    result = k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert result.returncode != 0
+    assert 'spec.checkpoint.stateLayout: Unsupported value: "DDP"' in result.stderr, result.stderr
+    assert not k8s.objects("elasticjobs")
+    doc["spec"]["checkpoint"] = {"memory": "64Mi"}
+    k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    stored = k8s.get("elasticjob", doc["metadata"]["name"])
+    assert stored is not None and stored["spec"]["checkpoint"]["stateLayout"] == "Sharded"
+    doc["spec"]["checkpoint"]["stateLayout"] = "Replicated"
+    k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    stored = k8s.get("elasticjob", doc["metadata"]["name"])
+    assert stored is not None and parse_job(stored).spec.checkpoint.replicated
