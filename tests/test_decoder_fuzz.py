@@ -402,6 +402,7 @@ def _checkpoints_codec(raw: bytes) -> None:
         MAX_PERSISTED,
         MAX_SLOTS,
         MAX_STEP,
+        MAX_UNFETCHABLE,
         decode_checkpoints,
         encode_checkpoints,
         parse_endpoint,
@@ -421,21 +422,32 @@ def _checkpoints_codec(raw: bytes) -> None:
     assert all(0 <= s <= MAX_STEP and 1 <= w <= 2**31 - 1 for s, w in doc.persisted)
     for rank, steps in doc.replicas.items():
         assert rank >= 0 and len(steps) <= MAX_SLOTS and all(0 <= s <= MAX_STEP for s in steps)
+    assert len(doc.unfetchable) <= MAX_UNFETCHABLE
+    assert list(doc.unfetchable) == sorted(set(doc.unfetchable), reverse=True)
+    assert all(0 <= s <= MAX_STEP for s in doc.unfetchable)
     assert bool(doc.endpoint) == bool(doc.token)
     assert not doc.endpoint or parse_endpoint(doc.endpoint) is not None
     assert decode_checkpoints(encode_checkpoints(doc), "key") == doc  # written alike
     nodes = ("a",)
     step = restorable_step({"a": doc}, nodes, max(1, len(doc.ranks)), doc.job)
     assert step is None or all(step in doc.ranks.get(r, ()) for r in range(len(doc.ranks)))
-    restore = restore_of(0, {"a": doc}, nodes, max(1, len(doc.ranks)), doc.job)
     held = {s for r in (doc.ranks, doc.replicas) for ss in r.values() for s in ss}
-    assert restore.step is None or restore.step in {*steps, *held}
+    for replicated in (False, True):
+        restore = restore_of(0, {"a": doc}, nodes, max(1, len(doc.ranks)), doc.job,
+                             replicated=replicated)  # fmt: skip
+        assert restore.step is None or restore.step in {*steps, *held}
+        if restore.tier.value == "peer":
+            assert restore.step not in doc.unfetchable
 
 
-CHECKPOINTS = {"version": 3, "job": "uid", "ranks": {"0": [12, 11], "1": [12]},
+CHECKPOINTS = {"version": 4, "job": "uid", "ranks": {"0": [12, 11], "1": [12]},
                "replicas": {"2": [12, 10]}, "endpoint": "10.0.3.7:29610",
-               "token": "0123456789abcdef", "persisted": [[10, 2], [5, 2]],
-               "time": 1.5}  # fmt: skip
+               "token": "0123456789abcdef", "unfetchable": [14, 13],
+               "persisted": [[10, 2], [5, 2]], "time": 1.5}  # fmt: skip
+CHECKPOINTS_V3 = {"version": 3, "job": "uid", "ranks": {"0": [12, 11], "1": [12]},
+                  "replicas": {"2": [12, 10]}, "endpoint": "10.0.3.7:29610",
+                  "token": "0123456789abcdef", "persisted": [[10, 2], [5, 2]],
+                  "time": 1.5}  # fmt: skip
 CHECKPOINTS_V1 = {"version": 1, "job": "uid", "ranks": {"0": [12, 11], "1": [12]}, "time": 1.5}
 CHECKPOINTS_V2 = {"version": 2, "job": "uid", "ranks": {"0": [12, 11], "1": [12]},
                   "persisted": [[10, 2], [5, 2]], "time": 1.5}  # fmt: skip
@@ -481,7 +493,9 @@ DECODERS: dict[str, Decoder] = {
     "report_codec": Decoder(_report_codec, REPORT, ({**REPORT, "outcome": "succeeded"},)),
     "master_codec": Decoder(_master_codec, {"addr": "10.0.0.1", "port": 29500}),
     "departure": Decoder(_departure, {"reason": "scale_down"}),
-    "checkpoints_codec": Decoder(_checkpoints_codec, CHECKPOINTS, (CHECKPOINTS_V1, CHECKPOINTS_V2)),
+    "checkpoints_codec": Decoder(
+        _checkpoints_codec, CHECKPOINTS, (CHECKPOINTS_V1, CHECKPOINTS_V2, CHECKPOINTS_V3)
+    ),
     "restored": Decoder(_restored_codec, RESTORED),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:  # grpc, pyetcd, prometheus_client: the 'sidecar' extra
-        from .checkpoints import prepare_volume
+        from .checkpoint_volume import prepare_volume
         from .supervisor import Supervisor
     except ModuleNotFoundError as exc:
         return missing_extra("kelastic-sidecar", "sidecar", exc)

@@ -24,21 +24,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kelastic import contract
-from kelastic.checkpoint import CheckpointError
 from kelastic.checkpoint.discard import discard_newer
 from kelastic.checkpoint.persist import persisted_steps
 from kelastic.checkpoint.restored import read_restored
 from kelastic.checkpoint.scan import verified_steps
-from kelastic.checkpoint.volume import touch_volume
 from kelastic.etcd_values import CorruptValueError, ForeignValueError
 from kelastic.etcd_values.checkpoints import (
     MAX_PERSISTED,
+    MAX_UNFETCHABLE,
     CheckpointsDoc,
     Restore,
     RestoreTier,
@@ -57,7 +56,6 @@ from .replication import Replication
 
 __all__ = [
     "RoundCheckpoints",
-    "prepare_volume",
     "publish",
     "publish_record",
     "read_records",
@@ -67,45 +65,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def prepare_volume(env: Mapping[str, str]) -> int:
-    """Allocate and write the checkpoint volume in full at the sidecar's start when the
-    job has one (``$KELASTIC_CHECKPOINT_MEMORY`` bytes in
-    :func:`kelastic.contract.checkpoint_dir`; see
-    :func:`kelastic.checkpoint.volume.touch_volume`), so a volume too small fails now with
-    a clear error instead of SIGBUS in the trainer later. Returns the bytes checked (0:
-    no volume).
-
-    Raises:
-        ValueError: the variable is not a positive integer, or the volume is missing or
-            cannot hold the bytes (the message names the folder, the bytes needed and
-            free, and ``spec.checkpoint.memory``).
-    """
-    raw = env.get(contract.ENV_CHECKPOINT_MEMORY, "")
-    if not raw:
-        return 0
-    if not (raw.isascii() and raw.isdigit() and 0 < len(raw) <= 18 and int(raw) > 0):
-        raise ValueError(f"${contract.ENV_CHECKPOINT_MEMORY}={raw!r:.40} is not a size in bytes")
-    size = int(raw)
-    directory = Path(env.get(contract.ENV_CHECKPOINT_DIR) or contract.DEFAULT_CHECKPOINT_DIR)
-    started = time.monotonic()
-    try:
-        touch_volume(directory, size)
-    except (CheckpointError, OSError) as exc:
-        raise ValueError(
-            f"the checkpoint volume ({size} bytes, spec.checkpoint.memory) is unusable: {exc}"
-        ) from exc
-    log.info("checkpoint volume %s: %d bytes allocated and written in %.3f s", directory, size,
-             time.monotonic() - started)  # fmt: skip
-    return size
-
-
 def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *, stopped: bool,
-            replication: Replication | None = None) -> CheckpointsDoc | None:  # fmt: skip
+            replication: Replication | None = None,
+            unfetchable: Sequence[int] = ()) -> CheckpointsDoc | None:  # fmt: skip
     """The supervisor's step before each rendezvous: :func:`publish_record` of the
     node's slot folder (:func:`kelastic.contract.checkpoint_dir`) when its workers are
     ``stopped`` (not carried in process into the next round) and the sidecar sees the
     folder (else the workers load their own newest step, as without a sidecar), with the
-    replicas it holds and where it serves them (``replication``). Returns the record, or
+    replicas it holds and where it serves them (``replication``) and the steps it could not
+    get from any peer (``unfetchable``, newest first). Returns the record, or
     None when none was made. Workers carried on (not ``stopped``) keep saving: the node's
     record no longer says what its slots hold, so it is deleted (a node joining the
     round fresh would otherwise agree on the steps of an earlier round and load one the
@@ -116,7 +84,7 @@ def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *, stopp
     if stopped:
         persisted = cfg.persist.directory if cfg.persist is not None else None
         return publish_record(store, keys, cfg.node, directory, cfg.job_uid, persisted,
-                              replication)  # fmt: skip
+                              replication, unfetchable)  # fmt: skip
     try:
         store.delete(keys.checkpoint(cfg.node))
     except EtcdError as exc:
@@ -127,11 +95,12 @@ def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *, stopp
 
 def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info: RendezvousInfo,
                nproc: int, carried: bool, replication: Replication | None = None,
-               ) -> tuple[dict[str, str], Restore, list[Fetched]] | None:  # fmt: skip
+               ) -> tuple[dict[str, str], Restore, list[Fetched], bool] | None:  # fmt: skip
     """``$KELASTIC_CHECKPOINT_STEP`` and ``$KELASTIC_CHECKPOINT_TIER`` for the round's
     workers (the round's :func:`~kelastic.etcd_values.checkpoints.restore_of` from
     :func:`read_records`; ``"none"`` when no step is restorable by every rank, from memory,
-    a peer or disk), the round's :class:`Restore` and the slots fetched for it, or None
+    a peer or disk), the round's :class:`Restore`, the slots fetched for it and whether
+    some rank of the node could get the step from no peer (its load will fail), or None
     (no variable) when the workers are ``carried`` in process (they keep their state: no
     load) or the sidecar does not see the slot folder. The node's slots and replicas of
     steps newer than the agreed one (all, when none) are dropped first
@@ -176,6 +145,7 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
     if replication is not None:
         replication.rewind(restore.step)
     fetched: list[Fetched] = []
+    missing = False
     fill = restore_replicated if replicated else restore_from_peers
     if restore.step is not None and (
         restore.tier is RestoreTier.PEER or (replicated and restore.tier is RestoreTier.MEMORY)
@@ -187,29 +157,32 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
         for f in fetched:
             log.info("round %d: rank %d's step %d from %s (%d bytes in %.3f s)", info.round,
                      f.rank, restore.step, f.source, f.bytes, f.seconds)  # fmt: skip
+        mine = records.get(cfg.node)
+        needed = {r for r in range(info.group_rank * nproc, (info.group_rank + 1) * nproc)
+                  if mine is None or restore.step not in mine.ranks.get(r, ())}  # fmt: skip
+        missing = bool(needed - {f.rank for f in fetched})
     value = contract.CHECKPOINT_STEP_NONE if restore.step is None else str(restore.step)
     tier = (contract.CHECKPOINT_TIER_DISK if restore.tier is RestoreTier.DISK
             else contract.CHECKPOINT_TIER_MEMORY)  # fmt: skip
     env = {contract.ENV_CHECKPOINT_STEP: value, contract.ENV_CHECKPOINT_TIER: tier}
     if replicated:  # a rank of a grown world reads another rank's folder from disk
         env[contract.ENV_CHECKPOINT_LAYOUT] = contract.StateLayout.REPLICATED.value
-    return (
-        env,
-        restore,
-        fetched,
-    )
+    return env, restore, fetched, missing
 
 
 def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory: Path,
                    job: str, persisted: Path | None = None,
-                   replication: Replication | None = None) -> CheckpointsDoc:  # fmt: skip
+                   replication: Replication | None = None,
+                   unfetchable: Sequence[int] = ()) -> CheckpointsDoc:  # fmt: skip
     """Record ``node``'s verified committed steps of ``job`` in ``directory`` at
     ``keys.checkpoint(node)`` (an empty record when it holds none), with the job's steps
     complete in the persistence folder ``persisted`` (the newest
     :data:`~kelastic.etcd_values.checkpoints.MAX_PERSISTED`;
     :func:`kelastic.checkpoint.persist.persisted_steps`) and, with ``replication``, the
     verified steps of the replicas in ``directory/replicas`` and the endpoint and token
-    that serve them. Call it while no worker of the node runs (before joining a round).
+    that serve them, and ``unfetchable`` (the steps it could not get from any peer: never
+    the peer tier's again). Call it while no worker of the node runs (before joining a
+    round).
 
     Returns:
         The record written (or that could not be: the failure is logged, and the
@@ -236,7 +209,8 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
         except OSError as exc:
             log.error("checkpoint: cannot read the persisted steps in %s: %s", persisted, exc)
     served = (replication.endpoint, replication.token) if replication is not None else ("", "")
-    doc = CheckpointsDoc(job, ranks, time.time(), tuple(on_disk), replicas, *served)
+    doc = CheckpointsDoc(job, ranks, time.time(), tuple(on_disk), replicas, *served,
+                         unfetchable=tuple(unfetchable)[:MAX_UNFETCHABLE])  # fmt: skip
     key = keys.checkpoint(node)
     try:
         store.put(key, encode_checkpoints(doc))
@@ -300,6 +274,8 @@ class RoundCheckpoints:
         self._checked_s: float | None = None
         self.last: Restore | None = None
         self.fetched: list[Fetched] = []
+        #: Steps this node could get from no peer, newest first (its record lists them).
+        self.unfetchable: list[int] = []
         self.persister = persister
         self.replication = replication
 
@@ -340,7 +316,8 @@ class RoundCheckpoints:
         """Record the node's verified committed steps (see :func:`publish`)."""
         started = time.monotonic()
         if publish(self._store, self._keys, self._cfg, stopped=stopped,
-                   replication=self.replication) is not None:  # fmt: skip
+                   replication=self.replication,
+                   unfetchable=self.unfetchable) is not None:  # fmt: skip
             self._checked_s = time.monotonic() - started
             self._on_check(self._checked_s)
 
@@ -354,7 +331,16 @@ class RoundCheckpoints:
                          self.replication)  # fmt: skip
         if got is None:
             return None
-        env, self.last, self.fetched = got
+        env, self.last, self.fetched, missing = got
+        step = self.last.step
+        # newer steps are a history the job left (saved again under the same numbers)
+        kept = [s for s in self.unfetchable if step is not None and s <= step]
+        if missing and step is not None:
+            log.warning("round %d: step %d could not be got from any peer: no later round "
+                        "restores it from a peer (the next takes another step or tier)",
+                        info.round, step)  # fmt: skip
+            kept = sorted({*kept, step}, reverse=True)
+        self.unfetchable = kept[:MAX_UNFETCHABLE]
         self._on_restore(self.last)
         return env
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from kelastic import contract
 from kelastic_operator.model import CheckpointSpec, ElasticJobSpec, load_manifest, parse_job
 from kelastic_operator.pods import PodSettings, build_pod, pod_spec_hash
-from kelastic_sidecar.checkpoints import prepare_volume
+from kelastic_sidecar.checkpoint_volume import prepare_volume
 from tests.k8s.cluster import Client
 
 ROOT = Path(__file__).resolve().parents[2]

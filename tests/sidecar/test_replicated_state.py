@@ -353,4 +353,3 @@ def test_a_serve_only_replication_starts_no_thread(tmp_path: Path) -> None:
         assert not any(t.is_alive() for t in replication._threads)
     finally:
         replication.close()
-

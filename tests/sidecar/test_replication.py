@@ -188,6 +188,38 @@ def test_a_source_that_fails_is_passed_over(
     assert verified_steps(b.dir, "uid")[0] == (3,)
 
 
+def test_a_step_no_peer_could_give_is_not_agreed_on_again(
+    store: EtcdClient,
+    nodes,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """A source the network refuses every time (a NetworkPolicy closing the port, say)
+    costs one round: the node that could not fetch lists the step ``unfetchable``, and
+    the next round agrees on another step or tier instead of failing the same way until
+    the restart budget is spent."""
+    a, b = nodes("a"), nodes("b")
+    _round(monkeypatch, 0, (a, b))
+    _save(a.dir, 0, range(1, 6))
+    _save(b.dir, 1, range(1, 6))
+    assert a.replicate() == [(0, 5)] and b.replicate() == [(1, 5)]
+    b.part.close()  # b is lost; c comes in its place
+    c = nodes("c")
+    a.replication.server.close()  # a's record still names its port: refused from now on
+    envs = _round(monkeypatch, 1, (a, c))
+    assert {e[contract.ENV_CHECKPOINT_STEP] for e in envs.values()} == {"5"}  # the peer's
+    assert c.part.fetched == [] and c.part.unfetchable == [5]
+    assert a.part.unfetchable == []  # a needed nothing from a peer
+    envs = _round(monkeypatch, 2, (a, c))  # c's record now says so: 5 is not the peer's
+    record = read_records(store, contract.Keys(c.part._cfg.prefix), ("c",))["c"]
+    assert record is not None and record.unfetchable == (5,)
+    assert {e[contract.ENV_CHECKPOINT_STEP] for e in envs.values()} == {"none"}
+    status = c.part.status()
+    assert status is not None and status["tier"] == RestoreTier.NONE.value
+    # the job trains again from none: its new steps 1..5 are another history, so the
+    # mark goes with the agreement that left them behind
+    assert c.part.unfetchable == []
+
+
 def test_a_replica_gone_bad_is_not_agreed_on(
     store: EtcdClient,
     nodes,

@@ -31,6 +31,7 @@ from kelastic.etcd_values.checkpoints import (
     persisted_step,
     restorable_step,
     restore_of,
+    unfetchable,
 )
 from tests.conftest import strict_umask
 
@@ -39,17 +40,22 @@ from tests.conftest import strict_umask
 DEEP = b"[" * 500 + b"]" * 500  # nesting past the bounded reader's depth
 TOKEN = "0123456789abcdef0123456789abcdef"
 V3 = b'{"version":3,"job":"j","ranks":{},"persisted":[],"time":1,'
+V4 = b'{"version":4,"job":"j","ranks":{},"replicas":{},"endpoint":"","token":"","persisted":[],'
 
 
 def _v3(replicas: bytes = b"{}", endpoint: bytes = b'""', token: bytes = b'""') -> bytes:
     return V3 + b'"replicas":' + replicas + b',"endpoint":' + endpoint + b',"token":' + token + b"}"
 
 
+def _v4(unfetchable: bytes) -> bytes:
+    return V4 + b'"time":1,"unfetchable":' + unfetchable + b"}"
+
+
 def test_a_record_round_trips() -> None:
     doc = CheckpointsDoc("uid-1", {0: (12, 11), 3: (7,), 1: ()}, 1764190000.5, ((10, 4), (5, 2)))
     raw = encode_checkpoints(doc)
-    assert raw == (b'{"version":3,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]},'
-                   b'"replicas":{},"endpoint":"","token":"",'
+    assert raw == (b'{"version":4,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]},'
+                   b'"replicas":{},"endpoint":"","token":"","unfetchable":[],'
                    b'"persisted":[[10,4],[5,2]],"time":1764190000.5}')  # fmt: skip
     assert decode_checkpoints(raw, "k") == doc
     served = CheckpointsDoc("uid-1", {0: (12,)}, 1.5, (), {5: (12, 10)}, "10.0.3.7:29610", TOKEN)
@@ -58,6 +64,16 @@ def test_a_record_round_trips() -> None:
     assert decode_checkpoints(encode_checkpoints(v6), "k") == v6
     assert parse_endpoint("[fd00::7]:29610") == ("fd00::7", 29610)
     assert parse_endpoint("pod-1.job.ns.svc:1") == ("pod-1.job.ns.svc", 1)
+
+
+def test_a_version_3_record_is_read_as_one_that_failed_no_fetch() -> None:
+    raw = _v3(b'{"1":[4]}', b'"h:80"', f'"{TOKEN}"'.encode())
+    doc = decode_checkpoints(raw, "k")
+    assert doc.unfetchable == () and doc.replicas == {1: (4,)} and doc.endpoint == "h:80"
+    with pytest.raises(CorruptValueError, match="fields"):  # version 3 knew no unfetchable
+        decode_checkpoints(raw[:-1] + b',"unfetchable":[]}', "k")
+    failed = CheckpointsDoc("j", {}, 1.0, unfetchable=(9, 4))
+    assert decode_checkpoints(encode_checkpoints(failed), "k") == failed
 
 
 def test_a_version_2_record_is_read_as_one_that_holds_no_replica_and_serves_nothing() -> None:
@@ -117,6 +133,16 @@ def test_a_version_1_record_is_read_as_one_that_sees_no_persisted_step() -> None
         (_v3(endpoint=b'"h:80"', token=b"7"), "token is not"),
         (_v3(endpoint=b'"h:80"'), "an endpoint needs a token"),
         (_v3(token=f'"{TOKEN}"'.encode()), "an endpoint needs a token"),
+        (_v4(b"{}"), "unfetchable is not a list"),
+        (_v4(b"[" + b"1," * 16 + b"0]"), "unfetchable is not a list of at most 16"),
+        (_v4(b"[1,2]"), "unfetchable steps are not distinct, newest first"),
+        (_v4(b"[2,2]"), "unfetchable steps are not distinct"),
+        (_v4(b"[-1]"), "unfetchable is not a list"),
+        (_v4(b"[9007199254740993]"), "unfetchable is not a list"),
+        (_v4(b"[1.0]"), "unfetchable is not a list"),
+        (_v4(b"[true]"), "unfetchable is not a list"),
+        (_v4(b"[NaN]"), "corrupt checkpoint record"),
+        (_v4(b"[" * 400 + b"]" * 400), "corrupt checkpoint record"),
         (
             b'{"version":2,"job":"j","ranks":{},"persisted":[[1,1]' + b",[0,1]" * 16 + b"],"
             b'"time":1}',
@@ -153,8 +179,8 @@ def test_a_corrupt_record_is_refused_with_its_key(raw: bytes, message: str) -> N
 
 
 def test_another_version_is_foreign_and_bad_docs_are_not_written() -> None:
-    with pytest.raises(ForeignValueError, match="version 4, this kelastic reads 1, 2, 3"):
-        decode_checkpoints(b'{"version":4,"job":"j","ranks":{},"time":1}', "k")
+    with pytest.raises(ForeignValueError, match="version 5, this kelastic reads 1, 2, 3, 4"):
+        decode_checkpoints(b'{"version":5,"job":"j","ranks":{},"time":1}', "k")
     for doc in (
         CheckpointsDoc("j", {}, 1.0, ((1, 1), (2, 1))),
         CheckpointsDoc("j", {}, 1.0, ((1, 0),)),
@@ -168,6 +194,9 @@ def test_another_version_is_foreign_and_bad_docs_are_not_written() -> None:
         CheckpointsDoc("j", {}, 1.0, (), {}, "h:80"),
         CheckpointsDoc("j", {}, 1.0, (), {}, "", TOKEN),
         CheckpointsDoc("j", {}, 1.0, (), {}, "h:99999", TOKEN),
+        CheckpointsDoc("j", {}, 1.0, unfetchable=(1, 2)),
+        CheckpointsDoc("j", {}, 1.0, unfetchable=tuple(range(17, 0, -1))),
+        CheckpointsDoc("j", {}, 1.0, unfetchable=(2**53 + 1,)),
     ):
         with pytest.raises(CorruptValueError):
             encode_checkpoints(doc)
@@ -359,6 +388,23 @@ def test_a_round_restores_from_a_peer_what_no_node_of_a_rank_holds_itself(
         assert peer_step(records, ("a", "b"), 2, "j") == step
         assert restorable_step(records, ("a", "b"), 2, "j") != step
     assert got.held
+
+
+def test_a_step_a_participant_could_not_fetch_is_never_the_peers_again() -> None:
+    held = {"a": _held({0: (12, 11), 1: (12, 11)}, {2: (12, 11), 3: (12, 11)})}
+    failed = CheckpointsDoc("j", {}, 1.0, unfetchable=(12,))
+    got = restore_of(2, {**held, "b": failed}, ("a", "b"), 2, "j")
+    assert (got.step, got.tier) == (11, RestoreTier.PEER)  # the next step both can get
+    assert restore_of(2, {**held, "b": _held({})}, ("a", "b"), 2, "j").step == 12
+    both = CheckpointsDoc("j", {}, 1.0, unfetchable=(12, 11))
+    assert restore_of(2, {**held, "b": both}, ("a", "b"), 2, "j").tier is RestoreTier.NONE
+    # memory needs no fetch: a step every rank's node holds is restored all the same
+    mem = {"a": _held({0: (12,), 1: (12,)}), "b": _held({2: (12,), 3: (12,)})}
+    mem["b"] = CheckpointsDoc("j", {2: (12,), 3: (12,)}, 1.0, unfetchable=(12,))
+    assert restore_of(2, mem, ("a", "b"), 2, "j").tier is RestoreTier.MEMORY
+    # another run's marks count for nothing
+    other = CheckpointsDoc("old", {}, 1.0, unfetchable=(12,))
+    assert unfetchable({**held, "b": other}, ("a", "b"), "j") == set()
 
 
 def test_the_sources_of_a_rank_are_its_writers_nodes_first_and_only_those_that_serve() -> None:

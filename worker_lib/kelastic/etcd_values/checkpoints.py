@@ -9,17 +9,22 @@ Each node's sidecar writes, before it joins a rendezvous round (its workers stop
 its slots hold still), the steps of ``kelastic.checkpoint`` that each global rank of its
 slot folder has committed *and* that pass their checksums::
 
-    {"version": 3, "job": "<run id>", "ranks": {"0": [12, 11], "1": [12, 11]},
+    {"version": 4, "job": "<run id>", "ranks": {"0": [12, 11], "1": [12, 11]},
      "replicas": {"2": [12, 10]}, "endpoint": "10.0.3.7:29610", "token": "<hex>",
-     "persisted": [[10, 4], [5, 4]], "time": 1764190000.5}
+     "unfetchable": [20], "persisted": [[10, 4], [5, 4]], "time": 1764190000.5}
 
 ``persisted``: the job's steps complete on its persistence volume
 (``spec.checkpoint.persist``, :mod:`kelastic.checkpoint.persist`) as the node saw them,
 each with the world size it was saved in, newest first. ``replicas``: the verified steps
 of other nodes' ranks this node holds as replicas (``spec.checkpoint.replicas``; the
 peer tier), served to the job's other sidecars at ``endpoint`` (``host:port``; ``""``:
-none) to a request carrying ``token``. Versions 1 (no ``persisted``) and 2 (no
-``replicas``, ``endpoint``, ``token``) are still read, as records that hold none.
+none) to a request carrying ``token``. ``unfetchable``: the steps this node could not
+get from any peer that listed them in an earlier round (a port the network refuses, a
+transport that keeps corrupting): no round restores them from a peer again, so a fault
+that repeats costs one round, not every round until the restart budget is spent (the
+step after it goes to disk or an older step: "a checksum mismatch drops to the next
+tier"). Versions 1 (no ``persisted``), 2 (no ``replicas``, ``endpoint``, ``token``) and
+3 (no ``unfetchable``) are still read, as records that hold none.
 
 Once the round is complete, every sidecar reads its participants' records and agrees on
 :func:`restore_of`: from memory, :func:`restorable_step`, the highest step that the node
@@ -47,6 +52,7 @@ a name (1..1024 characters); at most :data:`MAX_LOCAL_RANKS` ranks, each a decim
 global rank in 0..:data:`MAX_RANK` with at most :data:`MAX_SLOTS` distinct steps (a rank's slots)
 in 0..:data:`MAX_STEP`, newest first (``replicas`` alike); at most :data:`MAX_PERSISTED`
 persisted steps, distinct, newest first, each with a world size in 1..:data:`MAX_RANK` + 1;
+at most :data:`MAX_UNFETCHABLE` ``unfetchable`` steps, distinct, newest first;
 ``endpoint`` empty or ``host:port`` (at most :data:`MAX_ENDPOINT` characters, no spaces,
 port 1..65535); ``token`` empty or 16..128 lower-case hex digits; ``time`` seconds since
 the epoch.
@@ -87,9 +93,10 @@ __all__ = [
     "replicated_step",
     "restorable_step",
     "restore_of",
+    "unfetchable",
 ]
 
-CHECKPOINTS_VERSION: Final = 3
+CHECKPOINTS_VERSION: Final = 4
 #: Largest record accepted, bytes.
 MAX_CHECKPOINTS_BYTES: Final = 256 * 1024
 #: Most ranks one node's record holds (its slot folder's ranks).
@@ -101,12 +108,27 @@ MAX_STEP: Final = 2**53
 MAX_SLOTS: Final = 3
 #: Most persisted steps a record lists (the newest; ``persist.keep`` keeps fewer by default).
 MAX_PERSISTED: Final = 16
+#: Most ``unfetchable`` steps a record lists (the newest).
+MAX_UNFETCHABLE: Final = 16
 #: Longest ``endpoint``, characters (a DNS name of 253 and a port).
 MAX_ENDPOINT: Final = 260
 _FIELDS: Final = {
     1: frozenset({"version", "job", "ranks", "time"}),
     2: frozenset({"version", "job", "ranks", "persisted", "time"}),
     3: frozenset({"version", "job", "ranks", "replicas", "endpoint", "token", "persisted", "time"}),
+    4: frozenset(
+        {
+            "version",
+            "job",
+            "ranks",
+            "replicas",
+            "endpoint",
+            "token",
+            "unfetchable",
+            "persisted",
+            "time",
+        }
+    ),
 }
 _TOKEN: Final = re.compile(r"[0-9a-f]{16,128}")
 
@@ -167,6 +189,8 @@ class CheckpointsDoc:
         endpoint: ``host:port`` where this node's sidecar serves its slots and replicas
             (``""``: it serves none).
         token: what a request to ``endpoint`` must carry (``""`` with no endpoint).
+        unfetchable: steps this node could not get from any peer in an earlier round,
+            newest first (at most :data:`MAX_UNFETCHABLE`): never the peer tier's again.
     """
 
     job: str
@@ -176,6 +200,7 @@ class CheckpointsDoc:
     replicas: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     endpoint: str = ""
     token: str = ""
+    unfetchable: tuple[int, ...] = ()
 
 
 def _check(doc: Any, where: str) -> CheckpointsDoc:
@@ -213,7 +238,18 @@ def _check(doc: Any, where: str) -> CheckpointsDoc:
         _steps_by_rank(doc.get("replicas", {}), "replicas", bad),
         endpoint,
         token,
+        _unfetchable(doc.get("unfetchable", []), bad),
     )
+
+
+def _unfetchable(value: Any, bad: Callable[[str], CorruptValueError]) -> tuple[int, ...]:
+    """The ``unfetchable`` field: distinct steps, newest first."""
+    if not (isinstance(value, list) and len(value) <= MAX_UNFETCHABLE
+            and all(is_int(s, 0, MAX_STEP) for s in value)):  # fmt: skip
+        raise bad(f"unfetchable is not a list of at most {MAX_UNFETCHABLE} steps")
+    if any(a <= b for a, b in itertools.pairwise(value)):
+        raise bad("unfetchable steps are not distinct, newest first")
+    return tuple(value)
 
 
 def parse_endpoint(value: str) -> tuple[str, int] | None:
@@ -300,6 +336,7 @@ def encode_checkpoints(doc: CheckpointsDoc) -> bytes:
         "replicas": {str(r): list(doc.replicas[r]) for r in sorted(doc.replicas)},
         "endpoint": doc.endpoint,
         "token": doc.token,
+        "unfetchable": list(doc.unfetchable),
         "persisted": [list(p) for p in doc.persisted],
         "time": doc.time,
     }
@@ -391,7 +428,7 @@ def peer_step(records: Mapping[str, CheckpointsDoc | None], participants: Sequen
     has an ``endpoint``; :func:`peer_sources` says which); same arguments and errors as
     :func:`restorable_step`, whose steps it includes. None when some rank has no step in
     common with the others. Without replication (no endpoints, no replicas) it is
-    :func:`restorable_step`."""
+    :func:`restorable_step`. A step some participant lists ``unfetchable`` is never it."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     common: set[int] | None = None
@@ -402,7 +439,15 @@ def peer_step(records: Mapping[str, CheckpointsDoc | None], participants: Sequen
             common = steps if common is None else common & steps
             if not common:
                 return None
-    return max(common) if common else None
+    return max((common or set()) - unfetchable(records, participants, job), default=None)
+
+
+def unfetchable(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
+                job: str) -> set[int]:  # fmt: skip
+    """The steps some participant's record of ``job`` lists as ``unfetchable``: the peer
+    tier never restores them."""
+    return {step for node in participants if (d := records.get(node)) is not None
+            and d.job == job for step in d.unfetchable}  # fmt: skip
 
 
 def peer_sources(records: Mapping[str, CheckpointsDoc | None], participants: Sequence[str],
@@ -440,7 +485,8 @@ def replicated_step(records: Mapping[str, CheckpointsDoc | None], participants: 
     restores from a copy on its own node, whatever ranks the node ran before. With
     ``served``, a step some participant that serves (its record has an ``endpoint``)
     holds counts for every participant too: those without it fetch a copy
-    (:func:`replicated_sources`). None when there is none or no participants.
+    (:func:`replicated_sources`), but not one a participant lists ``unfetchable``. None
+    when there is none or no participants.
 
     Args:
         records: node name -> its decoded record, or None (missing or corrupt).
@@ -454,6 +500,7 @@ def replicated_step(records: Mapping[str, CheckpointsDoc | None], participants: 
             doc = records.get(node)
             if doc is not None and doc.endpoint:
                 offered |= _any_rank(doc, job)
+        offered -= unfetchable(records, participants, job)
     common: set[int] | None = None
     for node in participants:
         steps = _any_rank(records.get(node), job) | offered
