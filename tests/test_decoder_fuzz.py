@@ -405,6 +405,7 @@ def _checkpoints_codec(raw: bytes) -> None:
         MAX_UNFETCHABLE,
         decode_checkpoints,
         encode_checkpoints,
+        is_domain,
         parse_endpoint,
         restorable_step,
         restore_of,
@@ -422,6 +423,7 @@ def _checkpoints_codec(raw: bytes) -> None:
     assert all(0 <= s <= MAX_STEP and 1 <= w <= 2**31 - 1 for s, w in doc.persisted)
     for rank, steps in doc.replicas.items():
         assert rank >= 0 and len(steps) <= MAX_SLOTS and all(0 <= s <= MAX_STEP for s in steps)
+    assert is_domain(doc.domain) and len(doc.domain) <= 63
     assert len(doc.unfetchable) <= MAX_UNFETCHABLE
     assert list(doc.unfetchable) == sorted(set(doc.unfetchable), reverse=True)
     assert all(0 <= s <= MAX_STEP for s in doc.unfetchable)
@@ -442,7 +444,7 @@ def _checkpoints_codec(raw: bytes) -> None:
 
 CHECKPOINTS = {"version": 4, "job": "uid", "ranks": {"0": [12, 11], "1": [12]},
                "replicas": {"2": [12, 10]}, "endpoint": "10.0.3.7:29610",
-               "token": "0123456789abcdef", "unfetchable": [14, 13],
+               "token": "0123456789abcdef", "unfetchable": [14, 13], "domain": "eu-west-1a",
                "persisted": [[10, 2], [5, 2]], "time": 1.5}  # fmt: skip
 CHECKPOINTS_V3 = {"version": 3, "job": "uid", "ranks": {"0": [12, 11], "1": [12]},
                   "replicas": {"2": [12, 10]}, "endpoint": "10.0.3.7:29610",

@@ -179,6 +179,10 @@ def sidecar_env(
         env.append(
             {"name": contract.ENV_CHECKPOINT_REPLICAS, "value": str(spec.checkpoint.replicas)}
         )
+        # the Node's zone, copied onto the Pod's labels at binding (Kubernetes 1.35+):
+        # the replicas' ring puts neighbours in different zones where it can
+        zone = field_ref(f"metadata.labels['{contract.ZONE_LABEL}']")
+        env.append({"name": contract.ENV_FAILURE_DOMAIN, "valueFrom": zone})
         env.append(
             {
                 "name": contract.ENV_CHECKPOINT_REPLICATION_RATE,

@@ -84,7 +84,7 @@ def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *, stopp
     if stopped:
         persisted = cfg.persist.directory if cfg.persist is not None else None
         return publish_record(store, keys, cfg.node, directory, cfg.job_uid, persisted,
-                              replication, unfetchable)  # fmt: skip
+                              replication, unfetchable, cfg.failure_domain)  # fmt: skip
     try:
         store.delete(keys.checkpoint(cfg.node))
     except EtcdError as exc:
@@ -173,7 +173,8 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
 def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory: Path,
                    job: str, persisted: Path | None = None,
                    replication: Replication | None = None,
-                   unfetchable: Sequence[int] = ()) -> CheckpointsDoc:  # fmt: skip
+                   unfetchable: Sequence[int] = (),
+                   domain: str = "") -> CheckpointsDoc:  # fmt: skip
     """Record ``node``'s verified committed steps of ``job`` in ``directory`` at
     ``keys.checkpoint(node)`` (an empty record when it holds none), with the job's steps
     complete in the persistence folder ``persisted`` (the newest
@@ -181,8 +182,8 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
     :func:`kelastic.checkpoint.persist.persisted_steps`) and, with ``replication``, the
     verified steps of the replicas in ``directory/replicas`` and the endpoint and token
     that serve them, and ``unfetchable`` (the steps it could not get from any peer: never
-    the peer tier's again). Call it while no worker of the node runs (before joining a
-    round).
+    the peer tier's again) and ``domain`` (the node's zone: the replicas' ring spreads
+    over zones). Call it while no worker of the node runs (before joining a round).
 
     Returns:
         The record written (or that could not be: the failure is logged, and the
@@ -209,8 +210,9 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
         except OSError as exc:
             log.error("checkpoint: cannot read the persisted steps in %s: %s", persisted, exc)
     served = (replication.endpoint, replication.token) if replication is not None else ("", "")
+    failed = tuple(unfetchable)[:MAX_UNFETCHABLE]
     doc = CheckpointsDoc(job, ranks, time.time(), tuple(on_disk), replicas, *served,
-                         unfetchable=tuple(unfetchable)[:MAX_UNFETCHABLE])  # fmt: skip
+                         unfetchable=failed, domain=domain)  # fmt: skip
     key = keys.checkpoint(node)
     try:
         store.put(key, encode_checkpoints(doc))

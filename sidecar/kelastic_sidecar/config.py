@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kelastic import contract, failure_policy
+from kelastic.etcd_values.checkpoints import is_domain
 
 from .hang_evidence import DEFAULT_BUDGET, ENV_BUDGET
 from .steptime import (
@@ -206,6 +207,16 @@ def _replication_settings(
     return settings
 
 
+def _failure_domain(env: Mapping[str, str], problems: list[str]) -> str:
+    """``$KELASTIC_FAILURE_DOMAIN`` (unset: ``""``); a value that is not a label value is
+    added to ``problems``."""
+    value = env.get(contract.ENV_FAILURE_DOMAIN, "").strip()
+    if not is_domain(value):
+        problems.append(f"{contract.ENV_FAILURE_DOMAIN}={value!r:.80} is not a label value")
+        return ""
+    return value
+
+
 def _layout(env: Mapping[str, str], problems: list[str]) -> contract.StateLayout:
     """``$KELASTIC_CHECKPOINT_LAYOUT`` (unset: sharded); a bad value is added to
     ``problems``."""
@@ -229,6 +240,8 @@ class SidecarConfig:
         pod_ip: address workers of other nodes reach this node at (MASTER_ADDR if rank 0).
         pod_uid: the Pod's uid (``$KELASTIC_POD_UID``; ``""`` outside Kubernetes): the
             reports the operator reads name this Pod, not an earlier one of its name.
+        failure_domain: the zone of the Node it runs on (``$KELASTIC_FAILURE_DOMAIN``;
+            ``""`` unknown): replicas go to a peer in another one where the round allows.
         host_node: the Kubernetes Node it runs on (``$KELASTIC_HOST_NODE``; ``""``
             outside Kubernetes), written into the charges this node makes.
         etcd_endpoints: ``host:port`` list.
@@ -289,6 +302,7 @@ class SidecarConfig:
     stragglers: StragglerSettings = field(default_factory=StragglerSettings)
     pod_uid: str = ""
     host_node: str = ""
+    failure_domain: str = ""
     persist: PersistSettings | None = None
     replication: ReplicationSettings | None = None
     layout: contract.StateLayout = contract.StateLayout.SHARDED
@@ -366,6 +380,7 @@ class SidecarConfig:
             pod_ip=text(contract.ENV_POD_IP, "127.0.0.1"),
             pod_uid=text(contract.ENV_POD_UID, ""),
             host_node=text(contract.ENV_HOST_NODE, ""),
+            failure_domain=_failure_domain(env, problems),
             etcd_endpoints=endpoints,
             tls_dir=Path(tls) if tls else None,
             min_nodes=num(contract.ENV_MIN_NODES, int),

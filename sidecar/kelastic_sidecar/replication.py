@@ -16,8 +16,10 @@ node losses of a job saving every step). So each sidecar first *snapshots* each 
 step of its ranks among its replicas (a kernel copy of the slot, its commit word checked
 after: a save begun over it drops the copy), where the trainer's next saves cannot
 overwrite it, and keeps the two newest; then it sends the newest snapshot of each rank
-to its *peer*, the next node of the round by group rank (a ring: every node holds one
-other's), when the peer has not acknowledged it yet, at most ``rate`` bytes per second.
+to its *peer*, the next node of the round's ring (every node holds one other's; by
+group rank, with the zones known a ring whose neighbours are in different zones wherever
+the round allows: :func:`ring_order`), when the peer has not acknowledged it yet, at
+most ``rate`` bytes per second.
 After the loss of a node, its ranks' two newest due steps are on its peer and every
 survivor holds its own two newest due steps: the newest due step they share is
 restored. A step is safe from the loss of this node once its replica is acknowledged;
@@ -38,7 +40,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
     from .config import ReplicationSettings
     from .rendezvous import RendezvousInfo
 
-__all__ = ["POLL_SECONDS", "Peer", "Replication", "newest_slots", "ring_peer"]
+__all__ = ["POLL_SECONDS", "Peer", "Replication", "newest_slots", "ring_order", "ring_peer"]
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +83,44 @@ class Peer:
     token: str
 
 
+def ring_order(participants: Sequence[str], records: Mapping[str, CheckpointsDoc | None],
+               job: str) -> list[str]:  # fmt: skip
+    """The round's ring of replicas: each node sends to the next (the last to the first).
+
+    The nodes are grouped by failure domain (each record's ``domain``, ``""`` when
+    unknown or missing) and placed largest group first on the even positions of the
+    ring, then on the odd ones, each group in group-rank order: consecutive nodes are in
+    different domains wherever the groups' sizes allow it (the fewest same-domain pairs
+    possible: ``max(0, 2 * largest - n)``), and every node still holds exactly one
+    peer's replicas (its volume is sized for one). With one domain (or none known) it is
+    group-rank order. Every sidecar computes the same ring from the same records.
+    """
+    groups: dict[str, list[str]] = {}
+    for node in participants:
+        doc = records.get(node)
+        groups.setdefault(doc.domain if doc is not None and doc.job == job else "", []).append(node)
+    if len(groups) < 2:
+        return list(participants)
+    first = {node: i for i, node in enumerate(participants)}
+    flat = [n for g in sorted(groups.values(), key=lambda g: (-len(g), first[g[0]])) for n in g]
+    order = [""] * len(flat)
+    positions = [*range(0, len(flat), 2), *range(1, len(flat), 2)]
+    for position, node in zip(positions, flat, strict=True):
+        order[position] = node
+    return order
+
+
 def ring_peer(info: RendezvousInfo, records: Mapping[str, CheckpointsDoc | None],
               job: str) -> Peer | None:  # fmt: skip
-    """The next participant after this node by group rank (the last's is the first), with
-    the endpoint of its record of ``job``; None alone in the round or when that node
-    serves nothing (no record, no endpoint: replicas off there, or an older sidecar)."""
+    """This node's next participant on the round's :func:`ring_order` (by group rank when
+    the failure domains are unknown), with the endpoint of its record of ``job``; None
+    alone in the round or when that node serves nothing (no record, no endpoint: replicas
+    off there, or an older sidecar)."""
     if info.group_world_size < 2:
         return None
-    node = info.participants[(info.group_rank + 1) % len(info.participants)]
+    ring = ring_order(info.participants, records, job)
+    me = info.participants[info.group_rank]
+    node = ring[(ring.index(me) + 1) % len(ring)]
     doc = records.get(node)
     if doc is None or doc.job != job or not doc.endpoint:
         return None

@@ -15,7 +15,8 @@ from kelastic import contract
 from kelastic_operator.model import CheckpointSpec, ElasticJobSpec, load_manifest, parse_job
 from kelastic_operator.pods import PodSettings, build_pod, pod_spec_hash
 from kelastic_sidecar.checkpoint_volume import prepare_volume
-from tests.k8s.cluster import Client
+from tests.k8s.cluster import Client, ControlPlane
+from tests.k8s.nodes import ManualNode
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = PodSettings(sidecar_image="kelastic:test", etcd_endpoints=("etcd.kelastic:2379",))
@@ -258,6 +259,9 @@ def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them()
     assert env[contract.ENV_CHECKPOINT_REPLICATION_RATE] == str(100 << 20)
     assert env[contract.ENV_REPLICA_PORT] == str(contract.DEFAULT_REPLICA_PORT)
     assert env[contract.ENV_CHECKPOINT_REPLICATE_EVERY] == "25"
+    zone = {e["name"]: e.get("valueFrom") for e in sidecar["env"]}[contract.ENV_FAILURE_DOMAIN]
+    assert zone == {"fieldRef": {"apiVersion": "v1",
+                                 "fieldPath": "metadata.labels['topology.kubernetes.io/zone']"}}
     from kelastic_sidecar.config import ReplicationSettings, SidecarConfig
 
     downward = {contract.ENV_POD_NAME: "digits-0", contract.ENV_NAMESPACE: "ml"}
@@ -274,7 +278,8 @@ def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them()
     plain = _containers(build_pod("digits", "ml", UID, _spec("64Mi"), 0, SETTINGS))
     assert [p["name"] for p in plain["kelastic-sidecar"]["ports"]] == ["kelastic-http"]
     names = {e["name"] for e in plain["kelastic-sidecar"]["env"]}
-    assert not names & {contract.ENV_CHECKPOINT_REPLICAS, contract.ENV_REPLICA_PORT}
+    assert not names & {contract.ENV_CHECKPOINT_REPLICAS, contract.ENV_REPLICA_PORT,
+                        contract.ENV_FAILURE_DOMAIN}  # fmt: skip
     # a job without replicas keeps its digest (its running Pods are not replaced)
     assert pod_spec_hash(_spec("64Mi")) == "0be377ee2335514c"
     assert pod_spec_hash(_replicating()) != pod_spec_hash(_spec("64Mi"))
@@ -374,3 +379,22 @@ def test_the_api_server_takes_the_layouts_and_refuses_another(k8s: Client) -> No
     k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     stored = k8s.get("elasticjob", doc["metadata"]["name"])
     assert stored is not None and parse_job(stored).spec.checkpoint.replicated
+
+
+def test_a_pod_bound_to_a_node_carries_its_zone_for_the_sidecar(
+    k8s_cluster: ControlPlane, k8s: Client
+) -> None:
+    """The sidecar's failure domain comes from the Pod's zone label, which the API server
+    copies from the Node at binding (PodTopologyLabels, on by default since 1.35): a Pod
+    of a job with replicas, placed on a Node of zone ``z-1``, carries the label its
+    sidecar's ``fieldRef`` reads."""
+    spec = _replicating()
+    pod = build_pod("digits", k8s.namespace, UID, spec, 0, SETTINGS)
+    with ManualNode(k8s_cluster, "zoned", labels={contract.ZONE_LABEL: "z-1"}) as node:
+        pod["spec"]["nodeName"] = node.name  # bound at creation, as the scheduler binds it
+        pod["metadata"].pop("ownerReferences", None)
+        k8s.kubectl("create", "-f", "-", input=yaml.safe_dump(pod))
+        stored = k8s.get("pod", pod["metadata"]["name"])
+        assert stored is not None
+        assert stored["metadata"]["labels"].get(contract.ZONE_LABEL) == "z-1", stored["metadata"]
+        k8s.kubectl("delete", "pod", pod["metadata"]["name"], "--grace-period=0", "--force")

@@ -345,6 +345,16 @@ def test_the_layout_variable_is_checked_and_serves_the_slots_without_replicas() 
         SidecarConfig.from_env(GOOD | {contract.ENV_CHECKPOINT_LAYOUT: "Replicated"})
 
 
+def test_the_failure_domain_variable_is_a_label_value_or_refused() -> None:
+    env = GOOD | {contract.ENV_FAILURE_DOMAIN: "eu-west-1a"}
+    assert SidecarConfig.from_env(env).failure_domain == "eu-west-1a"
+    assert SidecarConfig.from_env(GOOD).failure_domain == ""  # unknown: group-rank ring
+    assert SidecarConfig.from_env(GOOD | {contract.ENV_FAILURE_DOMAIN: ""}).failure_domain == ""
+    for bad in ("-a", "a b", "z" * 64, "a/b"):
+        with pytest.raises(ConfigError, match=r"KELASTIC_FAILURE_DOMAIN=.* is not a label value"):
+            SidecarConfig.from_env(GOOD | {contract.ENV_FAILURE_DOMAIN: bad})
+
+
 def test_a_serve_only_replication_starts_no_thread(tmp_path: Path) -> None:
     replication = Replication(SERVE_ONLY, "uid", tmp_path, "127.0.0.1")
     replication.start()

@@ -20,7 +20,7 @@ from kelastic_sidecar.checkpoints import RoundCheckpoints, read_records
 from kelastic_sidecar.config import ReplicationSettings, SidecarConfig
 from kelastic_sidecar.rendezvous import RendezvousInfo
 from kelastic_sidecar.replica import REPLICA_DIR_NAME
-from kelastic_sidecar.replication import Replication, ring_peer
+from kelastic_sidecar.replication import Replication, ring_order, ring_peer
 
 from .test_sidecar_config import GOOD
 
@@ -293,3 +293,53 @@ def test_a_due_step_overwritten_before_its_snapshot_is_skipped(
     assert a.replication.snapshot_once() == [(0, 10)]
     assert a.replication.snapshot_once() == []  # taken once
     assert verified_steps(a.dir / REPLICA_DIR_NAME, "uid") == {0: (10,)}
+
+
+def _zoned(domains: dict[str, str]) -> dict[str, CheckpointsDoc | None]:
+    return {n: CheckpointsDoc("uid", {}, 1.0, (), {}, "", "", domain=d) for n, d in domains.items()}
+
+
+def _same_zone_pairs(ring: list[str], zone: dict[str, str]) -> int:
+    return sum(zone[a] == zone[b] for a, b in zip(ring, ring[1:] + ring[:1], strict=True))
+
+
+@pytest.mark.parametrize("n", range(2, 8))
+def test_the_ring_puts_neighbours_in_other_zones_wherever_the_round_allows(n: int) -> None:
+    """Every multiset of zones over n nodes (group-rank order shuffled by the seeds):
+    the ring has the fewest same-zone neighbours any ring of those nodes can have (found
+    by trying every ring), every node once (each holds one peer's replicas), and the same
+    ring for every sidecar."""
+    import itertools
+    import random
+
+    for counts in {tuple(sorted(c, reverse=True)) for c in itertools.product(range(n + 1), repeat=3)
+                   if sum(c) == n}:  # fmt: skip
+        zones = [z for z, c in zip("abc", counts, strict=True) for _ in range(c)]
+        random.Random(n * 100 + sum(counts[:1])).shuffle(zones)
+        nodes = tuple(f"n{i}" for i in range(n))
+        zone = dict(zip(nodes, zones, strict=True))
+        ring = ring_order(nodes, _zoned(zone), "uid")
+        assert sorted(ring) == sorted(nodes)
+        best = min(_same_zone_pairs([nodes[0], *p], zone)
+                   for p in itertools.permutations(nodes[1:]))  # fmt: skip
+        assert _same_zone_pairs(ring, zone) == best == max(0, 2 * max(counts) - n), (zone, ring)
+        peers = {ring_peer(RendezvousInfo(1, g, n, nodes), {
+            k: CheckpointsDoc("uid", {}, 1.0, (), {}, "10.0.0.1:1", TOKEN, domain=v)
+            for k, v in zone.items()}, "uid").node for g in range(n)}  # type: ignore[union-attr]  # fmt: skip
+        assert peers == set(nodes)  # a ring: each node is one node's peer
+
+
+def test_without_zones_the_ring_is_group_rank_order() -> None:
+    nodes = ("c", "a", "b")
+    assert ring_order(nodes, _zoned({"a": "", "b": "", "c": ""}), "uid") == ["c", "a", "b"]
+    assert ring_order(nodes, {}, "uid") == ["c", "a", "b"]  # no records: unknown zones
+    one_zone = _zoned({"a": "z", "b": "z", "c": "z"})
+    assert ring_order(nodes, one_zone, "uid") == ["c", "a", "b"]
+    # another run's record says nothing of this node's zone: c's is unknown, not y, so
+    # the three zones ("", y, z) each get one node and every pair crosses zones
+    other = {**_zoned({"a": "y", "b": "z"}), "c": CheckpointsDoc("old", domain="y")}
+    assert ring_order(nodes, other, "uid") == ["c", "b", "a"]
+    # c and a in y, b in z: y's two on the even places, z's between them (one pair, a to
+    # c, shares a zone: the fewest three nodes in two zones allow)
+    same = {**other, "c": CheckpointsDoc("uid", domain="y")}
+    assert ring_order(nodes, same, "uid") == ["c", "b", "a"]

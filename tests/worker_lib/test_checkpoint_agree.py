@@ -47,15 +47,15 @@ def _v3(replicas: bytes = b"{}", endpoint: bytes = b'""', token: bytes = b'""') 
     return V3 + b'"replicas":' + replicas + b',"endpoint":' + endpoint + b',"token":' + token + b"}"
 
 
-def _v4(unfetchable: bytes) -> bytes:
-    return V4 + b'"time":1,"unfetchable":' + unfetchable + b"}"
+def _v4(unfetchable: bytes = b"[]", domain: bytes = b'""') -> bytes:
+    return V4 + b'"time":1,"unfetchable":' + unfetchable + b',"domain":' + domain + b"}"
 
 
 def test_a_record_round_trips() -> None:
     doc = CheckpointsDoc("uid-1", {0: (12, 11), 3: (7,), 1: ()}, 1764190000.5, ((10, 4), (5, 2)))
     raw = encode_checkpoints(doc)
     assert raw == (b'{"version":4,"job":"uid-1","ranks":{"0":[12,11],"1":[],"3":[7]},'
-                   b'"replicas":{},"endpoint":"","token":"","unfetchable":[],'
+                   b'"replicas":{},"endpoint":"","token":"","unfetchable":[],"domain":"",'
                    b'"persisted":[[10,4],[5,2]],"time":1764190000.5}')  # fmt: skip
     assert decode_checkpoints(raw, "k") == doc
     served = CheckpointsDoc("uid-1", {0: (12,)}, 1.5, (), {5: (12, 10)}, "10.0.3.7:29610", TOKEN)
@@ -74,6 +74,10 @@ def test_a_version_3_record_is_read_as_one_that_failed_no_fetch() -> None:
         decode_checkpoints(raw[:-1] + b',"unfetchable":[]}', "k")
     failed = CheckpointsDoc("j", {}, 1.0, unfetchable=(9, 4))
     assert decode_checkpoints(encode_checkpoints(failed), "k") == failed
+    zoned = CheckpointsDoc("j", {}, 1.0, domain="eu-west-1a")
+    assert decode_checkpoints(encode_checkpoints(zoned), "k") == zoned
+    assert decode_checkpoints(_v4(domain=b'"' + b"z" * 63 + b'"'), "k").domain == "z" * 63
+    assert decode_checkpoints(_v4(domain=b'"us_east.1"'), "k").domain == "us_east.1"
 
 
 def test_a_version_2_record_is_read_as_one_that_holds_no_replica_and_serves_nothing() -> None:
@@ -133,6 +137,13 @@ def test_a_version_1_record_is_read_as_one_that_sees_no_persisted_step() -> None
         (_v3(endpoint=b'"h:80"', token=b"7"), "token is not"),
         (_v3(endpoint=b'"h:80"'), "an endpoint needs a token"),
         (_v3(token=f'"{TOKEN}"'.encode()), "an endpoint needs a token"),
+        (_v4(domain=b"7"), "domain 7 is not a label value"),
+        (_v4(domain=b'"-a"'), "is not a label value"),
+        (_v4(domain=b'"a-"'), "is not a label value"),
+        (_v4(domain=b'"a b"'), "is not a label value"),
+        (_v4(domain=b'"a/b"'), "is not a label value"),
+        (_v4(domain=b'"' + b"z" * 64 + b'"'), "is not a label value"),
+        (_v4(domain=rb'"eu-west-1\u00e9"'), "is not a label value"),
         (_v4(b"{}"), "unfetchable is not a list"),
         (_v4(b"[" + b"1," * 16 + b"0]"), "unfetchable is not a list of at most 16"),
         (_v4(b"[1,2]"), "unfetchable steps are not distinct, newest first"),
@@ -197,6 +208,8 @@ def test_another_version_is_foreign_and_bad_docs_are_not_written() -> None:
         CheckpointsDoc("j", {}, 1.0, unfetchable=(1, 2)),
         CheckpointsDoc("j", {}, 1.0, unfetchable=tuple(range(17, 0, -1))),
         CheckpointsDoc("j", {}, 1.0, unfetchable=(2**53 + 1,)),
+        CheckpointsDoc("j", {}, 1.0, domain="-zone"),
+        CheckpointsDoc("j", {}, 1.0, domain="z" * 64),
     ):
         with pytest.raises(CorruptValueError):
             encode_checkpoints(doc)

@@ -294,6 +294,14 @@ ENV_POD_UID: Final = "KELASTIC_POD_UID"
 #: record's charges name it, so that the operator can tell a Node that keeps failing.
 #: Empty outside Kubernetes.
 ENV_HOST_NODE: Final = "KELASTIC_HOST_NODE"
+#: The failure domain of the Node the Pod runs on: its ``topology.kubernetes.io/zone``,
+#: which the API server copies onto the Pod's labels when it binds it (Kubernetes 1.35+,
+#: ``PodTopologyLabelsAdmission``; the downward API reads it from there). With checkpoint
+#: replicas, a node's replicas go to a peer in another zone where the round allows.
+#: Empty when unknown (an older cluster, a Node without the label, outside Kubernetes).
+ENV_FAILURE_DOMAIN: Final = "KELASTIC_FAILURE_DOMAIN"
+#: The Node (and Pod) label :data:`ENV_FAILURE_DOMAIN` comes from.
+ZONE_LABEL: Final = "topology.kubernetes.io/zone"
 ENV_ETCD_ENDPOINTS: Final = "KELASTIC_ETCD_ENDPOINTS"  # comma separated host:port
 ENV_ETCD_TLS_DIR: Final = "KELASTIC_ETCD_TLS_DIR"  # holds ca.crt, tls.crt, tls.key
 ENV_ETCD_USER: Final = "KELASTIC_ETCD_USER"  # etcd auth (user/password), beside or without TLS

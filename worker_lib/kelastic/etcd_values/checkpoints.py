@@ -11,7 +11,8 @@ slot folder has committed *and* that pass their checksums::
 
     {"version": 4, "job": "<run id>", "ranks": {"0": [12, 11], "1": [12, 11]},
      "replicas": {"2": [12, 10]}, "endpoint": "10.0.3.7:29610", "token": "<hex>",
-     "unfetchable": [20], "persisted": [[10, 4], [5, 4]], "time": 1764190000.5}
+     "unfetchable": [20], "domain": "eu-west-1a", "persisted": [[10, 4], [5, 4]],
+     "time": 1764190000.5}
 
 ``persisted``: the job's steps complete on its persistence volume
 (``spec.checkpoint.persist``, :mod:`kelastic.checkpoint.persist`) as the node saw them,
@@ -23,8 +24,11 @@ get from any peer that listed them in an earlier round (a port the network refus
 transport that keeps corrupting): no round restores them from a peer again, so a fault
 that repeats costs one round, not every round until the restart budget is spent (the
 step after it goes to disk or an older step: "a checksum mismatch drops to the next
-tier"). Versions 1 (no ``persisted``), 2 (no ``replicas``, ``endpoint``, ``token``) and
-3 (no ``unfetchable``) are still read, as records that hold none.
+tier"). ``domain``: the node's failure domain (its Node's ``topology.kubernetes.io/zone``;
+``""``: unknown), so that a node's replicas go to a peer in another zone where the
+round allows (``kelastic_sidecar.replication.ring_order``). Versions 1 (no
+``persisted``), 2 (no ``replicas``, ``endpoint``, ``token``) and 3 (no ``unfetchable``,
+``domain``) are still read, as records that hold none.
 
 Once the round is complete, every sidecar reads its participants' records and agrees on
 :func:`restore_of`: from memory, :func:`restorable_step`, the highest step that the node
@@ -52,7 +56,9 @@ a name (1..1024 characters); at most :data:`MAX_LOCAL_RANKS` ranks, each a decim
 global rank in 0..:data:`MAX_RANK` with at most :data:`MAX_SLOTS` distinct steps (a rank's slots)
 in 0..:data:`MAX_STEP`, newest first (``replicas`` alike); at most :data:`MAX_PERSISTED`
 persisted steps, distinct, newest first, each with a world size in 1..:data:`MAX_RANK` + 1;
-at most :data:`MAX_UNFETCHABLE` ``unfetchable`` steps, distinct, newest first;
+at most :data:`MAX_UNFETCHABLE` ``unfetchable`` steps, distinct, newest first; ``domain``
+empty or a label value (:data:`MAX_DOMAIN` characters of ``[A-Za-z0-9._-]``, alphanumeric
+at both ends);
 ``endpoint`` empty or ``host:port`` (at most :data:`MAX_ENDPOINT` characters, no spaces,
 port 1..65535); ``token`` empty or 16..128 lower-case hex digits; ``time`` seconds since
 the epoch.
@@ -75,6 +81,7 @@ from ._fields import CorruptValueError, ForeignValueError, is_name, is_time
 __all__ = [
     "CHECKPOINTS_VERSION",
     "MAX_CHECKPOINTS_BYTES",
+    "MAX_DOMAIN",
     "MAX_ENDPOINT",
     "MAX_LOCAL_RANKS",
     "MAX_PERSISTED",
@@ -85,6 +92,7 @@ __all__ = [
     "RestoreTier",
     "decode_checkpoints",
     "encode_checkpoints",
+    "is_domain",
     "parse_endpoint",
     "peer_sources",
     "peer_step",
@@ -110,6 +118,8 @@ MAX_SLOTS: Final = 3
 MAX_PERSISTED: Final = 16
 #: Most ``unfetchable`` steps a record lists (the newest).
 MAX_UNFETCHABLE: Final = 16
+#: Longest ``domain``, characters (a Kubernetes label value).
+MAX_DOMAIN: Final = 63
 #: Longest ``endpoint``, characters (a DNS name of 253 and a port).
 MAX_ENDPOINT: Final = 260
 _FIELDS: Final = {
@@ -125,12 +135,14 @@ _FIELDS: Final = {
             "endpoint",
             "token",
             "unfetchable",
+            "domain",
             "persisted",
             "time",
         }
     ),
 }
 _TOKEN: Final = re.compile(r"[0-9a-f]{16,128}")
+_DOMAIN: Final = re.compile(r"([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
 
 
 class RestoreTier(enum.StrEnum):
@@ -191,6 +203,7 @@ class CheckpointsDoc:
         token: what a request to ``endpoint`` must carry (``""`` with no endpoint).
         unfetchable: steps this node could not get from any peer in an earlier round,
             newest first (at most :data:`MAX_UNFETCHABLE`): never the peer tier's again.
+        domain: the node's failure domain (its zone; ``""``: unknown).
     """
 
     job: str
@@ -201,6 +214,7 @@ class CheckpointsDoc:
     endpoint: str = ""
     token: str = ""
     unfetchable: tuple[int, ...] = ()
+    domain: str = ""
 
 
 def _check(doc: Any, where: str) -> CheckpointsDoc:
@@ -230,6 +244,9 @@ def _check(doc: Any, where: str) -> CheckpointsDoc:
         raise bad("token is not 16..128 hex digits")
     if bool(endpoint) != bool(token):
         raise bad("an endpoint needs a token and a token an endpoint")
+    domain = doc.get("domain", "")
+    if not is_domain(domain):
+        raise bad(f"domain {domain!r:.80} is not a label value")
     return CheckpointsDoc(
         doc["job"],
         _steps_by_rank(doc["ranks"], "ranks", bad),
@@ -239,6 +256,7 @@ def _check(doc: Any, where: str) -> CheckpointsDoc:
         endpoint,
         token,
         _unfetchable(doc.get("unfetchable", []), bad),
+        domain,
     )
 
 
@@ -250,6 +268,12 @@ def _unfetchable(value: Any, bad: Callable[[str], CorruptValueError]) -> tuple[i
     if any(a <= b for a, b in itertools.pairwise(value)):
         raise bad("unfetchable steps are not distinct, newest first")
     return tuple(value)
+
+
+def is_domain(value: object) -> bool:
+    """Whether ``value`` is a record's ``domain``: ``""`` or a Kubernetes label value
+    (at most :data:`MAX_DOMAIN` characters)."""
+    return isinstance(value, str) and _DOMAIN.fullmatch(value) is not None
 
 
 def parse_endpoint(value: str) -> tuple[str, int] | None:
@@ -337,6 +361,7 @@ def encode_checkpoints(doc: CheckpointsDoc) -> bytes:
         "endpoint": doc.endpoint,
         "token": doc.token,
         "unfetchable": list(doc.unfetchable),
+        "domain": doc.domain,
         "persisted": [list(p) for p in doc.persisted],
         "time": doc.time,
     }
