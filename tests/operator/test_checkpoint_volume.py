@@ -260,8 +260,12 @@ def test_replicas_give_the_sidecar_its_port_and_env_and_the_sidecar_reads_them()
     assert env[contract.ENV_REPLICA_PORT] == str(contract.DEFAULT_REPLICA_PORT)
     assert env[contract.ENV_CHECKPOINT_REPLICATE_EVERY] == "25"
     zone = {e["name"]: e.get("valueFrom") for e in sidecar["env"]}[contract.ENV_FAILURE_DOMAIN]
-    assert zone == {"fieldRef": {"apiVersion": "v1",
-                                 "fieldPath": "metadata.labels['topology.kubernetes.io/zone']"}}
+    assert zone == {
+        "fieldRef": {
+            "apiVersion": "v1",
+            "fieldPath": "metadata.labels['topology.kubernetes.io/zone']",
+        }
+    }
     from kelastic_sidecar.config import ReplicationSettings, SidecarConfig
 
     downward = {contract.ENV_POD_NAME: "digits-0", contract.ENV_NAMESPACE: "ml"}

@@ -10,7 +10,8 @@ the tests' local kubelet (which runs the Pods the operator creates). There are n
 - volumes are local folders; an env value equal to or under a ``mountPath`` is rewritten
   to the folder, and the ``kelastic-run`` mount sets ``KELASTIC_RUN_DIR``;
 - ``env`` ``value`` is used as is; ``valueFrom.fieldRef`` is resolved from the fields the
-  caller gives (``metadata.name``, ``status.podIP``, ...); other sources are reported.
+  caller gives (``metadata.name``, ``status.podIP``, ...), a label or annotation the Pod
+  lacks as ``""`` (the kubelet's reading); other sources are reported.
 """
 
 from __future__ import annotations
@@ -104,12 +105,18 @@ def container_env(
         path = ref.get("fieldPath")
         if isinstance(path, str) and path in fields:
             env[name] = fields[path]
+        elif isinstance(path, str) and path.startswith(_MAP_FIELDS) and path.endswith("']"):
+            env[name] = ""  # a label or annotation the Pod lacks reads empty, as the kubelet's
         else:
             warn(f"env {name}: {item.get('valueFrom')} cannot be resolved locally; skipped")
     run_dir = mounts.get(contract.DEFAULT_RUN_DIR)
     if run_dir is not None:
         env[contract.ENV_RUN_DIR] = str(run_dir)
     return env
+
+
+#: ``fieldRef`` paths into the Pod's labels and annotations (``metadata.labels['k']``).
+_MAP_FIELDS = ("metadata.labels['", "metadata.annotations['")
 
 
 #: util-linux's ``setpriv`` (sets the parent-death signal, then execs), if installed.

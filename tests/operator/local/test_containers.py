@@ -62,3 +62,26 @@ def test_without_setpriv_the_preexec_does_it(
     monkeypatch.setattr(containers, "_SETPRIV", None)
     proc = _started_by_a_thread_that_ends(tmp_path)
     assert proc.wait(timeout=10) == -9
+
+
+def test_a_label_the_pod_lacks_reads_empty_as_on_a_node_and_other_sources_are_reported() -> None:
+    """The sidecar's zone (``metadata.labels['topology.kubernetes.io/zone']``) is empty
+    locally, as the kubelet reads a missing label; a secret reference cannot be resolved
+    here and is reported, not invented."""
+    fields = {"metadata.name": "job-0", "metadata.labels['app']": "digits"}
+    warnings: list[str] = []
+
+    def ref(path: str) -> dict[str, object]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    container = {"env": [
+        {"name": "NAME", **ref("metadata.name")},
+        {"name": "APP", **ref("metadata.labels['app']")},
+        {"name": "ZONE", **ref("metadata.labels['topology.kubernetes.io/zone']")},
+        {"name": "NOTE", **ref("metadata.annotations['x']")},
+        {"name": "IP", **ref("status.hostIP")},
+        {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+    ]}  # fmt: skip
+    env = containers.container_env(container, {}, fields, warnings.append)
+    assert env == {"NAME": "job-0", "APP": "digits", "ZONE": "", "NOTE": ""}
+    assert [w.split(":")[0] for w in warnings] == ["env IP", "env PW"]
