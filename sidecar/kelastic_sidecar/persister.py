@@ -22,7 +22,11 @@ folder renamed into place whole). This part decides *which* steps, and when:
   ``keep``-th newest complete one.
 
 "This node's ranks" are those with a committed slot of the newest round the folder shows
-(a rank of an earlier round, gone after a new rendezvous, is not waited for). The
+(a rank of an earlier round, gone after a new rendezvous, is not waited for). With a
+*replicated* state (``spec.checkpoint.stateLayout: Replicated``) only rank 0 is persisted
+(every rank's state is the same: one copy on the shared volume, not one per rank; the
+step is complete with it), so the node running rank 0 writes and the others only give
+their marked slots back. The
 semantics are DLRover's flash checkpoint (an agent persists the staged shared memory
 while training goes on; on a stop, what memory holds is saved) and NVRx's local
 checkpoints (a step counts once every rank's part is there).
@@ -44,7 +48,7 @@ from kelastic.checkpoint.scan import CommittedSlot, committed_slots
 if TYPE_CHECKING:  # a type only: the part does not depend on the configuration's module
     from .config import PersistSettings
 
-__all__ = ["Persister", "node_steps"]
+__all__ = ["Persister", "current_ranks", "node_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +56,18 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 
 
+def current_ranks(slots: list[CommittedSlot]) -> set[int]:
+    """This node's ranks: those with a committed slot of the newest round ``slots`` show."""
+    newest = max((s.round for s in slots), default=None)
+    return {s.rank for s in slots if s.round == newest}
+
+
 def node_steps(slots: list[CommittedSlot]) -> list[int]:
     """The steps every rank of this node holds committed, newest first (see the module
     doc for which ranks count)."""
     if not slots:
         return []
-    newest = max(s.round for s in slots)
-    ranks = {s.rank for s in slots if s.round == newest}
+    ranks = current_ranks(slots)
     held: set[int] | None = None
     for rank in ranks:
         steps = {s.step for s in slots if s.rank == rank}
@@ -77,6 +86,7 @@ class Persister:
         on_failure: called with each :class:`PersistError` (also logged).
         on_step: called with each step the node persisted (for one of its ranks or
             more), newer than any before.
+        replicated: the state is replicated: rank 0 alone is persisted.
     """
 
     def __init__(
@@ -88,8 +98,10 @@ class Persister:
         on_persisted: Callable[[Persisted, float], None] = lambda _p, _s: None,
         on_failure: Callable[[PersistError], None] = lambda _e: None,
         on_step: Callable[[int], None] = lambda _s: None,
+        replicated: bool = False,
     ) -> None:
         self.settings, self.job, self.slots = settings, job, slots
+        self.replicated = replicated
         self._on_persisted, self._on_failure, self._on_step = on_persisted, on_failure, on_step
         self._lock = threading.Lock()  # one writer at a time: the poll or the stop
         self._stop = threading.Event()
@@ -134,6 +146,8 @@ class Persister:
         for m in sorted(markers, key=lambda m: (m.step if m.step is not None else -1, m.rank)):
             if m.step is None:
                 log.warning("checkpoint persistence: %s is no step marker: removed", m.path.name)
+            elif self.replicated and m.rank != 0:
+                pass  # rank 0's copy is the step's: this slot goes back to the writer
             elif self._persist_rank(m.rank, m.step):
                 newest = m.step if newest is None else max(newest, m.step)
             clear(self.slots, m.rank, m.slot)
@@ -150,7 +164,10 @@ class Persister:
         if not self.settings.on_stop:
             return []
         done = []
-        for step in node_steps(self._slots()):
+        slots = self._slots()
+        if self.replicated and 0 not in current_ranks(slots):
+            return []  # rank 0's node persists the replicated state
+        for step in node_steps(slots):
             if time.monotonic() >= deadline:
                 log.warning("checkpoint persistence: the stop's deadline passed before step %d",
                             step)  # fmt: skip
@@ -169,6 +186,8 @@ class Persister:
     def _persist_step(self, step: int) -> bool:
         """Persist ``step`` for every rank of the node that holds it; True when all did."""
         ranks = sorted({s.rank for s in self._slots() if s.step == step})
+        if self.replicated:
+            ranks = [r for r in ranks if r == 0]
         ok = bool(ranks)
         for rank in ranks:
             ok = self._persist_rank(rank, step) and ok
@@ -182,7 +201,8 @@ class Persister:
         with self._lock:
             started = time.monotonic()
             try:
-                done = persist(self.slots, rank, self.job, step, self.settings.directory)
+                done = persist(self.slots, rank, self.job, step, self.settings.directory,
+                               replicated=self.replicated)  # fmt: skip
             except PersistError as exc:
                 log.error("checkpoint persistence: %s", exc)
                 self._on_failure(exc)

@@ -305,4 +305,5 @@ def persister_of(config: SidecarConfig, metrics: SidecarMetrics) -> Persister | 
     return Persister(
         config.persist, config.job_uid, contract.checkpoint_dir(), on_persisted=persisted,
         on_failure=lambda _exc: m.persist_failures.inc(), on_step=m.persisted_step.set,
+        replicated=config.layout is contract.StateLayout.REPLICATED,
     )  # fmt: skip

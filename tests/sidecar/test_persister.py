@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from kelastic import contract
 from kelastic.checkpoint import CheckpointStore
 from kelastic.checkpoint.due import due_markers
-from kelastic.checkpoint.persist import Persisted, complete_steps
+from kelastic.checkpoint.from_disk import load_persisted
+from kelastic.checkpoint.persist import Persisted, complete_steps, persisted_steps
 from kelastic.checkpoint.scan import CommittedSlot, committed_slots
 from kelastic_sidecar.config import ConfigError, PersistSettings, SidecarConfig
 from kelastic_sidecar.metrics import SidecarMetrics
@@ -77,6 +78,37 @@ def test_the_poll_persists_every_due_step_and_gives_the_slots_back(tmp_path: Pat
     dcp.load(template, checkpoint_id=str(root / "step-4" / "rank-1"), no_dist=True)
     assert template["step"] == 4 and template["w"].eq(4.0).all()
     assert Persister(PersistSettings(root, every_steps=0), JOB, slots).poll() is None
+
+
+def test_a_replicated_state_is_persisted_once_as_rank_0(tmp_path: Path) -> None:
+    """Every rank's state is the same: one copy on the shared volume, complete alone; the
+    other ranks' marked slots go back to the writer unwritten; a rank of a larger world
+    loads rank 0's folder."""
+    slots, root = tmp_path / "slots", tmp_path / "persist"
+    for rank in (0, 1):
+        _save(slots, rank, range(1, 5), world=4, every=2)
+    seen: list[Persisted] = []
+    p = Persister(PersistSettings(root, every_steps=2), JOB, slots, replicated=True,
+                  on_persisted=lambda done, _s: seen.append(done))  # fmt: skip
+    assert p.poll() == 4
+    assert complete_steps(root) == [4, 2] and due_markers(slots) == []
+    assert [(d.path.name, d.completed_step) for d in seen] == [("rank-0", True)] * 2
+    assert sorted(q.name for q in (root / "step-4").iterdir()) == ["COMPLETE", "rank-0"]
+    assert persisted_steps(root, JOB) == [(4, 4), (2, 4)]
+    got = load_persisted(4, 7, root, replicated=True)  # a world of 8 now: rank 7
+    assert got[1]["step"] == 4 and bool(got[1]["w"].eq(4.0).all())
+    # at a stop: rank 0's node writes what it holds; a node without rank 0 writes nothing
+    other = tmp_path / "other-node"
+    for rank in (2, 3):
+        _save(other, rank, range(5, 8), world=4)
+    assert Persister(PersistSettings(root, every_steps=0), JOB, other, replicated=True
+                     ).at_stop(time.monotonic() + 60) == []  # fmt: skip
+    assert complete_steps(root) == [4, 2]
+    _save(slots, 0, range(5, 8), world=4)
+    _save(slots, 1, range(5, 8), world=4)
+    stop = Persister(PersistSettings(root, every_steps=0, keep=5), JOB, slots, replicated=True)
+    assert stop.at_stop(time.monotonic() + 60) == [7, 6, 5]
+    assert not (root / "step-7" / "rank-1").exists()
 
 
 def test_a_malformed_or_stale_marker_is_removed(tmp_path: Path) -> None:

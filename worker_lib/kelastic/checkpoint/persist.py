@@ -22,7 +22,11 @@ holds its own part (no global shapes are known, so no single resharding checkpoi
 made of them). Each rank folder is written under a temporary name, its files and folder
 fsynced, then renamed into place: it is whole or absent. ``COMPLETE`` is written (a
 temporary file, fsync, rename) by whichever writer finds every rank of the world there
-after its own rename; a reader takes a step only with it (:func:`complete_steps`).
+after its own rename; a reader takes a step only with it (:func:`complete_steps`). A
+*replicated* state (``spec.checkpoint.stateLayout: Replicated``: every rank's is the
+same) is persisted once, as ``rank-0``, complete with it alone: the world's other ranks
+would write N copies of one model to the shared volume (``ranks`` in ``COMPLETE`` says
+which folders there are; a rank of any world loads ``rank-0``).
 
 The slot is read from its map as the sidecar's scan reads it (header, table, manifest and
 every chunk checked first), its tensors' bytes copied straight from the map into the
@@ -200,17 +204,18 @@ def _rank_round(folder: Path) -> int | None:
     return value if type(value) is int and -1 <= value < 2**63 else None
 
 
-def _complete(step_dir: Path, job: str, step: int, world_size: int) -> bool:
-    """Write ``COMPLETE`` when every rank's folder is in place, all of one round (one
+def _complete(step_dir: Path, job: str, step: int, world_size: int, needed: int) -> bool:
+    """Write ``COMPLETE`` when the folders of ranks ``0..needed-1`` (every rank of the
+    world; rank 0 alone for a replicated state) are in place, all of one round (one
     history), and it is not there yet."""
     marker = step_dir / COMPLETE
     if marker.exists():
         return False
-    rounds = {_rank_round(step_dir / f"rank-{r}") for r in range(world_size)}
+    rounds = {_rank_round(step_dir / f"rank-{r}") for r in range(needed)}
     if len(rounds) != 1 or None in rounds:
         return False
     body = {"job": job, "step": step, "round": rounds.pop(), "world_size": world_size,
-            "ranks": [f"rank-{r}" for r in range(world_size)]}  # fmt: skip
+            "ranks": [f"rank-{r}" for r in range(needed)]}  # fmt: skip
     tmp = step_dir / f".{COMPLETE}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     with open(tmp, "x") as fh:
         json.dump(body, fh)
@@ -221,12 +226,14 @@ def _complete(step_dir: Path, job: str, step: int, world_size: int) -> bool:
     return True
 
 
-def persist(slots: Path, rank: int, job: str, step: int, root: Path) -> Persisted:
+def persist(slots: Path, rank: int, job: str, step: int, root: Path, *,
+            replicated: bool = False) -> Persisted:  # fmt: skip
     """Write ``rank``'s committed slot of ``step`` (in the slot folder ``slots``; the
     newest commit of that step when two slots hold it) as a DCP checkpoint at
     ``root/step-<step>/rank-<rank>`` (see the module doc), and ``COMPLETE`` when that
-    makes the step whole. A rank folder already there of the same or a newer round is
-    kept as it is; one of an older round is replaced.
+    makes the step whole (with ``replicated``, rank 0's folder alone does). A rank
+    folder already there of the same or a newer round is kept as it is; one of an older
+    round is replaced.
 
     Raises:
         PersistError: see the class; its message names the rank, step and cause.
@@ -251,19 +258,21 @@ def persist(slots: Path, rank: int, job: str, step: int, root: Path) -> Persiste
             except SlotFormatError as exc:
                 causes.append(f"slot {index}: {exc}")
                 continue
-            return _persist_state(f, header, state, root, index)
+            needed = 1 if replicated else header.world_size
+            return _persist_state(f, header, state, root, index, needed)
         finally:
             _close(f)
     why = "; ".join(causes) or "no slot file"
     raise PersistError(f"rank {rank} holds no committed step {step} that passes its checks ({why})")
 
 
-def _persist_state(f: SlotFile, h: SlotHeader, state: Any, root: Path, index: int) -> Persisted:
+def _persist_state(f: SlotFile, h: SlotHeader, state: Any, root: Path, index: int,
+                   needed: int) -> Persisted:  # fmt: skip
     step_dir = root / f"step-{h.step}"
     final = step_dir / f"rank-{h.rank}"
     there = _rank_round(final) if final.is_dir() else None
     if there is not None and there >= h.round:  # this history's (or a newer one's) is there
-        return Persisted(final, 0, _complete(step_dir, h.job, h.step, h.world_size))
+        return Persisted(final, 0, _complete(step_dir, h.job, h.step, h.world_size, needed))
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp, old = step_dir / f".rank-{h.rank}.tmp-{tag}", step_dir / f".rank-{h.rank}.old-{tag}"
     try:
@@ -290,7 +299,7 @@ def _persist_state(f: SlotFile, h: SlotHeader, state: Any, root: Path, index: in
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
-    return Persisted(final, nbytes, _complete(step_dir, h.job, h.step, h.world_size))
+    return Persisted(final, nbytes, _complete(step_dir, h.job, h.step, h.world_size, needed))
 
 
 def complete_steps(root: Path) -> list[int]:
