@@ -6,11 +6,13 @@ a torn or corrupted slot is never placed, and a rate limit holds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import stat
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +35,7 @@ from kelastic_sidecar.replica import (
     snapshot,
     sweep_fetches,
 )
+from kelastic_sidecar.replica import client as client_module
 from kelastic_sidecar.replica.stream import Stream
 from kelastic_sidecar.replica.wire import (
     Op,
@@ -40,6 +43,7 @@ from kelastic_sidecar.replica.wire import (
     Request,
     decode_reply,
     decode_trailer,
+    encode_reply,
     encode_request,
     encode_trailer,
 )
@@ -425,7 +429,11 @@ def test_a_slot_corrupted_after_its_commit_is_not_placed(node_a: Path, tmp_path:
         with pytest.raises(ReplicaError, match="fails its checks"):
             fetch_slot(server.address, TOKEN, JOB, 0, 5, dest_folder / "rank-0.slot0")
         assert _listing(dest_folder) == []
-        assert server.served == 1  # served as its header says: the client's check catches it
+        # served as its header says: the client's check catches it, while it is received
+        # (the client then closes: the server's send or its trailer may be cut)
+        wait_for(lambda: server.served or server.refused[RefuseReason.PEER_CLOSED], 10,
+                 what="the get served or cut")  # fmt: skip
+        assert server.refused[RefuseReason.ERROR] == 0
     finally:
         server.close()
 
@@ -576,3 +584,231 @@ def test_a_snapshot_of_a_slot_a_save_began_over_is_dropped(
     monkeypatch.setattr(slots_module, "_copy", copy_while_a_save_begins)
     assert snapshot(path, folder, JOB, 0, 5) is None
     assert _listing(folder) == []  # no replica, no temporary file
+
+
+# ------------------------------------------------------------------ checks while receiving
+
+
+def _layout(path: Path) -> Any:
+    with open(path, "rb") as fh:
+        return decode_header(fh.read(HEADER_SIZE), file_size=path.stat().st_size).layout
+
+
+def _flip(path: Path, offset: int) -> None:
+    """Invert the byte at ``offset`` of ``path`` (after its commit: the header checks)."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _kelastic_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if "kelastic" in t.name)
+
+
+def _no_kelastic_threads() -> None:
+    """Before a fetch: none left by what the test did before (a store's commit)."""
+    wait_for(lambda: not _kelastic_threads(), 10, what="no kelastic thread")
+
+
+@pytest.mark.parametrize("buffer", [4 * MIB, 1000, 4 * MIB - 1], ids=["4MiB", "1000B", "odd"])
+@pytest.mark.parametrize(("chunk", "where"), [(0, "first"), (1, "middle"), (2, "last-short"),
+                                              (2, "last-byte")])  # fmt: skip
+def test_a_corrupt_chunk_anywhere_is_caught_and_leaves_nothing(
+    node_a: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, where: str,
+    buffer: int,
+) -> None:  # fmt: skip
+    """Three chunks (the last one short); a byte flipped in one of them fails the fetch,
+    whatever the receive buffer's size (a buffer that straddles the chunks' ends)."""
+    path = _save(node_a, 0, [5], big=True)
+    lay = _layout(path)
+    assert lay.chunk_count == 3 and 0 < lay.payload_len - 2 * lay.chunk_size < lay.chunk_size
+    start = lay.payload_offset + chunk * lay.chunk_size
+    end = min(start + lay.chunk_size, lay.payload_offset + lay.payload_len)
+    _flip(path, end - 1 if where == "last-byte" else (start + end) // 2)
+    monkeypatch.setattr(client_module, "BUFFER_BYTES", buffer)
+    server = _start(node_a)
+    dest_folder = tmp_path / "dest"
+    dest_folder.mkdir()
+    try:
+        _no_kelastic_threads()
+        with pytest.raises(
+            ReplicaError, match=rf"fails its checks .*: payload chunk {chunk} "
+        ) as info:
+            fetch_slot(server.address, TOKEN, JOB, 0, 5, dest_folder / "rank-0.slot0")
+        assert info.value.address == server.address and (info.value.rank, info.value.step) == (0, 5)
+        assert _kelastic_threads() == []  # the checker thread is gone when the fetch raised
+        assert _listing(dest_folder) == []  # no slot, no hidden temporary file
+    finally:
+        server.close()
+
+
+def _slot_of_payload(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir(exist_ok=True)
+    with CheckpointStore(folder, rank=0, job=JOB, world_size=1) as store:
+        store.save(5, tensors, blocking=True)
+    return _slot_of(folder, 0, 5)
+
+
+@pytest.mark.parametrize("shape", ["chunk-multiple", "under-one-chunk", "no-payload"])
+def test_payloads_of_whole_chunks_and_under_one_chunk_round_trip(
+    node_a: Path, tmp_path: Path, shape: str
+) -> None:
+    quarter = MIB // 4  # float32 elements of 1 MiB
+    tensors = {
+        "chunk-multiple": {"a": torch.arange(4 * quarter, dtype=torch.float32),
+                           "b": torch.ones(4 * quarter, dtype=torch.float32)},
+        "under-one-chunk": {"a": torch.arange(1000, dtype=torch.float32)},
+        "no-payload": {"a": torch.zeros(0)},
+    }[shape]  # fmt: skip
+    path = _slot_of_payload(node_a, tensors)
+    lay = _layout(path)
+    expected = {"chunk-multiple": (2, 8 * MIB), "under-one-chunk": (1, 4000),
+                "no-payload": (0, 0)}[shape]  # fmt: skip
+    assert (lay.chunk_count, lay.payload_len) == expected
+    server = _start(node_a)
+    dest_folder = tmp_path / "dest"
+    dest_folder.mkdir()
+    try:
+        dest = dest_folder / "rank-0.slot0"
+        assert fetch_slot(server.address, TOKEN, JOB, 0, 5, dest) == _used_bytes(path)
+        assert dest.read_bytes() == path.read_bytes()[: _used_bytes(path)]
+        assert _listing(dest_folder) == ["rank-0.slot0"]
+        if lay.chunk_count:  # and its last chunk is checked too
+            _flip(path, lay.payload_offset + lay.payload_len - 1)
+            with pytest.raises(ReplicaError, match=f"payload chunk {lay.chunk_count - 1} "):
+                fetch_slot(server.address, TOKEN, JOB, 0, 5, dest_folder / "again")
+            assert _listing(dest_folder) == ["rank-0.slot0"]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "buffer", [4096, 4097, 3 * 4096 + 5, 0], ids=["page", "page+1", "odd", "whole"]
+)
+def test_any_receive_buffer_checks_and_places_the_same_bytes(
+    node_a: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer: int
+) -> None:
+    """Buffers that end on and off the header's, the table's, the chunks' and the
+    manifest's ends; ``whole``: one buffer of the slot's exact size."""
+    path = _save(node_a, 0, [5], big=True)
+    size = _used_bytes(path)
+    monkeypatch.setattr(client_module, "BUFFER_BYTES", buffer or size)
+    server = _start(node_a)
+    try:
+        dest = tmp_path / "rank-0.slot0"
+        assert fetch_slot(server.address, TOKEN, JOB, 0, 5, dest) == size
+        assert dest.read_bytes() == path.read_bytes()[:size]
+        assert verified_step(dest, 0, JOB) is not None
+    finally:
+        server.close()
+
+
+def test_a_failing_checker_thread_fails_the_fetch_and_leaves_nothing(
+    node_a: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _save(node_a, 0, [5], big=True)
+    assert _used_bytes(path) > 2 * MIB
+    monkeypatch.setattr(client_module, "BUFFER_BYTES", MIB)
+    feed = client_module.SlotStreamCheck.feed
+    threads: list[str] = []
+
+    def fails_on_the_third(self: Any, data: memoryview) -> None:
+        threads.append(threading.current_thread().name)
+        if len(threads) == 3:
+            raise RuntimeError("the checker broke")
+        feed(self, data)
+
+    monkeypatch.setattr(client_module.SlotStreamCheck, "feed", fails_on_the_third)
+    server = _start(node_a)
+    try:
+        _no_kelastic_threads()
+        with pytest.raises(ReplicaError, match="checking the slot failed: RuntimeError: "
+                                               "the checker broke") as info:  # fmt: skip
+            fetch_slot(server.address, TOKEN, JOB, 0, 5, tmp_path / "rank-0.slot0")
+        assert (info.value.rank, info.value.step) == (0, 5)
+        assert isinstance(info.value.__cause__.__cause__, RuntimeError)  # type: ignore[union-attr]
+        # the header on the receiver's thread, the table and the payload behind it; none
+        # fed after the failure
+        assert threads[0] == threading.current_thread().name and len(threads) == 3
+        assert all(name.startswith("kelastic-fetch-check") for name in threads[1:])
+        assert _kelastic_threads() == []
+        assert _listing(tmp_path) == ["node-a"]
+    finally:
+        server.close()
+
+
+class _FakePeer:
+    """A replica server by hand: answers one get with ``nbytes`` and sends ``body``, then
+    holds the connection open, sending nothing more, until :meth:`close` (``hold``), or
+    closes it at once."""
+
+    def __init__(self, nbytes: int, body: bytes, *, hold: bool = True) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._release = threading.Event()
+        if not hold:
+            self._release.set()
+        self._thread = threading.Thread(
+            target=self._serve, args=(nbytes, body), name="fake-peer", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self, nbytes: int, body: bytes) -> None:
+        self._listener.settimeout(30)
+        conn, _ = self._listener.accept()
+        with conn:
+            Stream(conn, 30).read_line(30, 4096)
+            with contextlib.suppress(OSError):  # the client may close first
+                conn.sendall(encode_reply(Reply(True, nbytes=nbytes)) + body)
+            self._release.wait(60)
+
+    def close(self) -> None:
+        self._release.set()
+        self._thread.join(30)
+        self._listener.close()
+        assert not self._thread.is_alive()
+
+
+@pytest.mark.parametrize("stall", ["after-chunk-0", "before-chunk-1-ends"])
+def test_a_corrupt_chunk_is_caught_while_the_peer_still_sends(
+    node_a: Path, tmp_path: Path, stall: str
+) -> None:
+    """The peer sends a corrupt first chunk, then stops: the fetch fails on the chunk at
+    once, not when the peer's silence times out (the check runs while receiving)."""
+    path = _save(node_a, 0, [5], big=True)
+    lay = _layout(path)
+    size = _used_bytes(path)
+    _flip(path, lay.payload_offset + 10)
+    sent = lay.payload_offset + lay.chunk_size + (0 if stall == "after-chunk-0" else MIB)
+    peer = _FakePeer(size, path.read_bytes()[:sent])
+    try:
+        _no_kelastic_threads()
+        started = time.monotonic()
+        with pytest.raises(ReplicaError, match="payload chunk 0 "):
+            fetch_slot(peer.address, TOKEN, JOB, 0, 5, tmp_path / "rank-0.slot0", timeout=30)
+        assert time.monotonic() - started < 15  # the peer's silence would take 30 s
+        assert _kelastic_threads() == []
+        assert _listing(tmp_path) == ["node-a"]
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("cut", ["stalls", "closes"])
+def test_a_peer_that_stops_sending_leaves_nothing(node_a: Path, tmp_path: Path, cut: str) -> None:
+    path = _save(node_a, 0, [5], big=True)
+    size = _used_bytes(path)
+    body = path.read_bytes()[: size // 2]
+    peer = _FakePeer(size, body, hold=cut == "stalls")
+    try:
+        _no_kelastic_threads()
+        with pytest.raises(ReplicaError, match=r"rank 0 step 5 .*: failed: ") as info:
+            fetch_slot(peer.address, TOKEN, JOB, 0, 5, tmp_path / "rank-0.slot0", timeout=1)
+        assert info.value.address == peer.address
+        why = "timed out" if cut == "stalls" else "closed"
+        assert why in str(info.value)
+        assert _kelastic_threads() == []
+        assert _listing(tmp_path) == ["node-a"]
+    finally:
+        peer.close()

@@ -16,7 +16,7 @@ authenticated by the job's shared token) and its two clients (:func:`send_slot`,
 4 MiB buffer into their file (never a slot-sized object in memory); a server checks a
 replica's header only, and a replica is verified in full
 (:func:`kelastic.checkpoint.scan.verified_step`) before it is used: :func:`fetch_slot`
-does so before it places the slot.
+makes the same checks on the bytes while it receives them, before it places the slot.
 """
 
 from .client import ReplicaError, fetch_slot, send_slot, sweep_fetches

@@ -2,6 +2,15 @@
 server, :func:`fetch_slot` gets a (rank, step) back from one (the protocol: :mod:`.wire`).
 Each opens one connection per call; every failure is a :class:`ReplicaError` that names
 the peer, the rank, the step and why.
+
+A fetch checks the slot's bytes while they are received (a checker thread crc32s each
+chunk behind the receiver), as :func:`kelastic.checkpoint.scan.verified_step` checks a
+slot file: a fetch then costs about what its transfer costs, not the transfer plus a
+second pass over the file.
+
+The streaming check itself is the slot format's
+(:class:`kelastic.checkpoint.slot_stream.SlotStreamCheck`); the pipeline that runs it on
+a checker thread is here.
 """
 
 from __future__ import annotations
@@ -11,15 +20,17 @@ import errno
 import os
 import re
 import secrets
+import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO, Final
 
-from kelastic.checkpoint.scan import verified_step
 from kelastic.checkpoint.slot_format import HEADER_SIZE, SlotFormatError
+from kelastic.checkpoint.slot_stream import SlotStreamCheck, SlotTornError
 
 from .slots import commit_unchanged, read_header
-from .stream import BUFFER_BYTES, SinkError, Stream, connect
+from .stream import BUFFER_BYTES, SinkError, Stream, connect, write_all
 from .wire import (
     MAX_LINE,
     Op,
@@ -190,13 +201,80 @@ def send_slot(address: tuple[str, int], token: str, job: str, path: Path, *,
     return step
 
 
-def _receive(stream: Stream, fd: int, size: int) -> None:
-    """Receive ``size`` bytes into the file open at ``fd`` through one 4 MiB buffer
-    (``recv_into``, then ``os.write``). Measured on loopback against ``recv_into`` a
-    shared map of the file (allocated first, so that a full folder fails at once rather
-    than with SIGBUS): the buffer was faster (100 MiB: 1.3 vs 1.0 GB/s), as the map's
-    page faults and allocation cost more than the second copy."""
-    stream.recv_to_fd(fd, size, bytearray(min(BUFFER_BYTES, size)))
+class _CheckerFailed(Exception):
+    """The checker thread failed other than on the slot's bytes (its cause: the error)."""
+
+
+#: Receive buffers: one is received into while the checker thread checks and writes the
+#: other (measured on loopback, 2 cores: 3 buffers gained nothing).
+_BUFFERS: Final = 2
+
+
+def _feed(stream: Stream, check: SlotStreamCheck, view: memoryview, fd: int) -> None:
+    """The checker thread's work on one piece: check it, then write it to ``fd``. On a
+    failure it shuts the connection down, so that the receiver, waiting for the next
+    bytes, stops at once; the pieces after it are skipped."""
+    if check.failed:
+        return
+    try:
+        check.feed(view)
+        write_all(fd, view)
+    except Exception as exc:
+        check.failed = True
+        with contextlib.suppress(OSError):
+            stream.sock.shutdown(socket.SHUT_RDWR)
+        if isinstance(exc, (SlotFormatError, SinkError)):
+            raise
+        raise _CheckerFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _receive(stream: Stream, fd: int, check: SlotStreamCheck, size: int) -> None:
+    """Receive ``size`` bytes into the file open at ``fd``, checked by ``check`` while
+    they come: pieces of at most :data:`BUFFER_BYTES` (cut at each chunk's end) are
+    received (``recv_into``) into one buffer while a checker thread crc32s and writes
+    (``os.write``) the one before (both free the GIL). The header's piece is checked
+    here first (the pieces after it are cut at its chunks' ends). The checker thread is
+    joined before this returns or raises.
+
+    Measured on loopback (2 shared cores, a 100 MiB slot; medians of runs interleaved):
+    receive, then check the file (:func:`kelastic.checkpoint.scan.verified_step`):
+    0.83 GB/s; check each piece on this thread between receives: 0.98 GB/s; crc32 on the
+    checker thread, ``os.write`` here: 1.15 GB/s; crc32 and write on the checker thread
+    (this): 1.19 GB/s; receive alone: 1.31 GB/s.
+
+    Raises:
+        TimeoutError, PeerClosed, OSError: the connection failed or stalled.
+        SinkError: writing ``fd`` failed.
+        SlotFormatError: the bytes fail their checks.
+        _CheckerFailed: the checker thread failed otherwise.
+    """
+    buffers = [memoryview(bytearray(min(BUFFER_BYTES, size))) for _ in range(_BUFFERS)]
+    offset = 0
+    while not check.has_header:
+        view = buffers[0][: check.piece_end(offset, len(buffers[0])) - offset]
+        stream.recv_exact(view)
+        check.feed(view)
+        write_all(fd, view)
+        offset += len(view)
+    pending: list[Future[None]] = []  # the pieces' checks, oldest first
+    with ThreadPoolExecutor(1, thread_name_prefix="kelastic-fetch-check") as pool:
+        try:
+            turn = 0
+            while offset < size:
+                if len(pending) == len(buffers):
+                    pending.pop(0).result()  # its buffer is free (its check raised: here)
+                view = buffers[turn][: check.piece_end(offset, len(buffers[turn])) - offset]
+                stream.recv_exact(view)
+                pending.append(pool.submit(_feed, stream, check, view, fd))
+                offset += len(view)
+                turn = (turn + 1) % len(buffers)
+            while pending:
+                pending.pop(0).result()
+        except OSError:  # a failed check shut the connection down: its error, not ours
+            for future in pending:
+                if (failure := future.exception()) is not None:
+                    raise failure  # noqa: B904  (its own cause kept)
+            raise
 
 
 def _check_room(folder: Path, size: int) -> None:
@@ -217,11 +295,13 @@ def fetch_slot(address: tuple[str, int], token: str, job: str, rank: int, step: 
     """Get the committed slot of (``rank``, ``step``) of ``job`` from the replica server
     at ``address`` into the file ``dest``.
 
-    The bytes go to a hidden temporary file beside ``dest`` (``.<name>.fetch-<random>``);
-    the trailer must say ``commit: true``, and the file must pass every check of the
-    slot format (:func:`kelastic.checkpoint.scan.verified_step`: header, table, manifest,
-    every chunk's crc32) as a committed slot of ``rank`` of ``job`` holding ``step``;
-    only then it replaces ``dest`` (mode 0644).
+    The bytes go to a hidden temporary file beside ``dest`` (``.<name>.fetch-<random>``),
+    checked while they come (on a checker thread, joined before this returns or raises)
+    against every check of the slot format that
+    :func:`kelastic.checkpoint.scan.verified_step` makes (header, table, every chunk's
+    crc32, manifest) as a committed slot of ``rank`` of ``job`` holding ``step``: the
+    first check that fails ends the transfer. The trailer must say ``commit: true``; only
+    then the file replaces ``dest`` (mode 0644).
 
     Args:
         address: the peer's ``(host, port)``.
@@ -238,9 +318,9 @@ def fetch_slot(address: tuple[str, int], token: str, job: str, rank: int, step: 
 
     Raises:
         ReplicaError: the connection failed or timed out; the server refused (its error
-            quoted, e.g. it holds no such slot); the slot was torn; it fails its checks;
-            ``dest``'s folder cannot hold it. The temporary file is removed and ``dest``
-            left as it was.
+            quoted, e.g. it holds no such slot); the slot was torn; it fails its checks
+            (the check that failed named); the checker thread failed; ``dest``'s folder
+            cannot hold it. The temporary file is removed and ``dest`` left as it was.
         ValueError: a bad token, job, rank or step (:class:`~.wire.ReplicaWireError`).
     """
     request = encode_request(Request(Op.GET, job, token, rank, step))
@@ -266,10 +346,22 @@ def fetch_slot(address: tuple[str, int], token: str, job: str, rank: int, step: 
                 _check_room(dest.parent, reply.nbytes)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
                 try:
-                    _receive(stream, fd, reply.nbytes)
+                    check = SlotStreamCheck(reply.nbytes, rank, job, step)
+                    _receive(stream, fd, check, reply.nbytes)
+                    check.finish()
                 finally:
                     os.close(fd)
                 trailer = decode_trailer(stream.read_line(timeout, MAX_LINE))
+            except SlotTornError as exc:
+                raise ReplicaError(f"cannot fetch {what}: torn: the slot was rewritten while it "
+                                   f"was sent ({exc})", address, rank, step) from exc  # fmt: skip
+            except SlotFormatError as exc:  # before ValueError: it is one
+                raise ReplicaError(f"cannot fetch {what}: the slot received fails its checks "
+                                   f"(header, table, manifest or a chunk's crc32): {exc}",
+                                   address, rank, step) from exc  # fmt: skip
+            except _CheckerFailed as exc:
+                raise ReplicaError(f"cannot fetch {what}: checking the slot failed: {exc}",
+                                   address, rank, step) from exc  # fmt: skip
             except (OSError, ValueError, SinkError) as exc:  # wire, LineTooLong
                 raise ReplicaError(f"cannot fetch {what}: failed: {exc}", address, rank,
                                    step) from exc  # fmt: skip
@@ -277,18 +369,11 @@ def fetch_slot(address: tuple[str, int], token: str, job: str, rank: int, step: 
             raise ReplicaError(f"cannot fetch {what}: torn: the slot was rewritten while it "
                                "was sent", address, rank, step)  # fmt: skip
         try:
-            checked = verified_step(tmp, rank, job)
             os.chmod(tmp, _FILE_MODE)
-            if checked is not None and checked[1] == step:
-                os.replace(tmp, dest)
-                placed = True
+            os.replace(tmp, dest)
+            placed = True
         except OSError as exc:
             raise ReplicaError(f"cannot fetch {what}: {exc}", address, rank, step) from exc
-        if not placed:
-            why = ("fails its checks (header, table, manifest or a chunk's crc32)"
-                   if checked is None else f"holds step {checked[1]}")  # fmt: skip
-            raise ReplicaError(f"cannot fetch {what}: the slot received {why}", address, rank,
-                               step)  # fmt: skip
     finally:
         if not placed:
             with contextlib.suppress(FileNotFoundError):

@@ -17,7 +17,15 @@ import socket
 import time
 from typing import BinaryIO, Final
 
-__all__ = ["BUFFER_BYTES", "LineTooLong", "PeerClosed", "SinkError", "Stream", "connect"]
+__all__ = [
+    "BUFFER_BYTES",
+    "LineTooLong",
+    "PeerClosed",
+    "SinkError",
+    "Stream",
+    "connect",
+    "write_all",
+]
 
 #: Bytes received per ``os.write`` (and sent per paced ``sendfile``): a slot's chunk size.
 BUFFER_BYTES: Final = 4 * 1024 * 1024
@@ -52,7 +60,12 @@ def connect(address: tuple[str, int], timeout: float) -> socket.socket:
     return sock
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` to ``fd`` at its offset.
+
+    Raises:
+        SinkError: a write failed (no space, an I/O error).
+    """
     while view:
         try:
             written = os.write(fd, view)
@@ -116,6 +129,19 @@ class Stream:
             raise PeerClosed("the peer closed mid-transfer")
         return got
 
+    def recv_exact(self, view: memoryview) -> None:
+        """Receive exactly ``len(view)`` raw bytes into ``view``.
+
+        Raises:
+            TimeoutError: no byte came for :attr:`timeout` seconds.
+            PeerClosed: the peer closed first.
+            OSError: the connection failed.
+        """
+        self.sock.settimeout(self.timeout)
+        filled = 0
+        while filled < len(view):
+            filled += self._recv_into(view[filled:])
+
     def recv_to_fd(self, fd: int, nbytes: int, buffer: bytearray) -> None:
         """Receive exactly ``nbytes`` raw bytes and write them to ``fd`` at its offset,
         through ``buffer`` (filled, then written).
@@ -126,15 +152,12 @@ class Stream:
             OSError: the connection failed.
             SinkError: writing ``fd`` failed.
         """
-        self.sock.settimeout(self.timeout)
         view = memoryview(buffer)
         left = nbytes
         while left:
             want = min(left, len(view))
-            filled = 0
-            while filled < want:
-                filled += self._recv_into(view[filled:want])
-            _write_all(fd, view[:want])
+            self.recv_exact(view[:want])
+            write_all(fd, view[:want])
             left -= want
 
     def send(self, data: bytes) -> None:
