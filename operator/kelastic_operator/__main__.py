@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         "kelastic.dev/quarantined:NoSchedule, so that no new Pod of any job or workload "
         "lands there until its owner removes the taint; needs get and patch on Nodes",
     )
+    p.add_argument(
+        "--no-workload-watch",
+        dest="watch_workloads",
+        action="store_false",
+        help="do not watch Kueue's Workloads (no list/watch on them needed); by default they "
+        "are watched when the API server serves kueue.x-k8s.io/v1beta2, so a job labelled "
+        "kueue.x-k8s.io/queue-name starts as soon as Kueue admits it (without the watch: at "
+        "the next resync)",
+    )
     p.add_argument("--resync-seconds", type=float, default=30.0)
     p.add_argument("--kubeconfig", default=env("KUBECONFIG"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -166,7 +175,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if ctx is None:
         return 2
     health = Health()
-    registry = _registry(ctx, health, args.watch_nodes)
+    from .workload_client import kueue_served
+
+    watch_workloads = args.watch_workloads and kueue_served(ctx.api)
+    registry = _registry(ctx, health, args.watch_nodes, watch_workloads)
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=ctx.metrics.registry)
     if args.health_port:
@@ -222,16 +234,17 @@ def _context(args: argparse.Namespace) -> OperatorContext | None:
 
 
 def _registry(
-    ctx: OperatorContext, health: Health, watch_nodes: bool = True
+    ctx: OperatorContext, health: Health, watch_nodes: bool = True, watch_workloads: bool = False
 ) -> kopf.OperatorRegistry:
     """kopf's registry: the ElasticJob handlers (with the Node watch when
-    ``watch_nodes``), the login, and the event loop's heartbeat for /healthz."""
+    ``watch_nodes``, Kueue's Workloads' when ``watch_workloads``), the login, and the
+    event loop's heartbeat for /healthz."""
     import kopf
 
     from .handlers import register
 
     registry = kopf.OperatorRegistry()
-    register(registry, ctx, watch_nodes)
+    register(registry, ctx, watch_nodes, watch_workloads)
     tickers: set[asyncio.Task[None]] = set()
 
     @kopf.on.login(registry=registry)

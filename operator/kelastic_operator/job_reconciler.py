@@ -8,6 +8,10 @@ cache (the API only for what it does not know), reads the rendezvous view from e
 conditional on the job's resourceVersion, so the accounting is stored before the actions
 it counts; a failed write means this pass does nothing), then rendezvous departures and
 removals, Pod deletions and creations (slow-start batches), Events (aggregated).
+A job labelled ``kueue.x-k8s.io/queue-name`` has its Workload read (created when missing)
+before the decision, its admission's flavors placing the Pods created, and the Workload
+settled after (:mod:`~kelastic_operator.workload_client`: an evicted job's quota given
+back once its Pods are gone, a finished job's Workload marked Finished).
 Only the leader acts: a pass applies nothing while :attr:`OperatorContext.fence` is false
 (leader election on a Lease, :mod:`kelastic_operator.leader`).
 
@@ -36,6 +40,7 @@ from pydantic import ValidationError
 from kelastic import contract
 
 from .inprocess_status import restart_increases
+from .kueue import Placement, place_pods, queue_gate, queue_name
 from .labels import LABEL_UID, selector
 from .metrics import OperatorMetrics
 from .model import (
@@ -66,6 +71,7 @@ from .rendezvous_store import RendezvousStore, RendezvousStoreError, StoreCache
 from .rendezvous_watch import StatusHubs
 from .status import event_body, status_patch
 from .watch_cache import WatchCache
+from .workload_client import ensure_workload, pod_placement, settle_workload
 
 PLURAL = "elasticjobs"
 #: Most Pods created at once by one reconcile pass (slow start: 1, 2, 4, ... up to this).
@@ -238,6 +244,9 @@ class JobReconciler:
             self._invalid(obj, old, validation_message(exc), now)
             return None
         prefix = contract.job_prefix(self.namespace, self.name, uid)
+        queue = queue_name(meta.get("labels"))  # Kueue admits it: its Workload, made if missing
+        workload, refused = ensure_workload(self.custom, self.ctx.pod_settings, obj, spec,
+                                            old.phase in TERMINAL_PHASES, queue)  # fmt: skip
         view = JobView(
             name=self.name,
             namespace=self.namespace,
@@ -245,17 +254,21 @@ class JobReconciler:
             generation=int(meta.get("generation") or 1),
             spec=spec,
             status=old,
+            queue=queue_gate(queue, workload, spec),
         )
         pods = self._pods(uid, trainer_name(spec.template))
         rdzv, store = self._rendezvous(spec, prefix)
         plan = reconcile(view, pods, now, rdzv)
+        plan.events.extend(refused)
         if not self.ctx.fence():
             self.status_source = (None, None)
             log.warning(
                 "%s/%s: not the leader any more: nothing applied", self.namespace, self.name
             )
             return None
-        self._apply(obj, spec, old, plan, store, prefix, now)
+        where = pod_placement(self.custom, workload, view.queue, plan)
+        self._apply(obj, spec, old, plan, store, prefix, now, where)
+        settle_workload(self.custom, self.namespace, self.name, workload, len(pods), plan, now)
         self.ctx.metrics.set_phase(self.namespace, self.name, plan.status.phase, PHASES)
         # (a pass that raised keeps the last one: an API error does not drop the watch)
         finished = plan.status.phase in TERMINAL_PHASES
@@ -271,6 +284,7 @@ class JobReconciler:
         store: RendezvousStore | None,
         prefix: str,
         now: datetime,
+        where: Placement | None = None,
     ) -> None:
         uid = str(obj["metadata"]["uid"])
         # status first, conditional on the job as observed: the accounting (replacements,
@@ -345,6 +359,7 @@ class JobReconciler:
         except PodBuildError as exc:
             plan.events.append(Event("Warning", "FailedCreate", str(exc)))
             pods = []
+        place_pods(pods, where)  # Kueue's admission: its flavors' node labels, tolerations
         refused = self._create(pods)
         if refused is not None:
             plan.events.append(Event("Warning", "FailedCreate", refused))

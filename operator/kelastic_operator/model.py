@@ -1043,6 +1043,14 @@ class ElasticJobStatus(_Status):
         alias="targetReplicas",
         description="Pods the operator keeps now: replicas, or fewer while shrunk",
     )
+    admitted_replicas: int | None = Field(
+        default=None,
+        alias="admittedReplicas",
+        description=(
+            "Pods Kueue admitted (a job labelled kueue.x-k8s.io/queue-name): at most this "
+            "many run; 0 while it waits for admission or was evicted"
+        ),
+    )
     last_resize_time: str | None = Field(
         default=None,
         alias="lastResizeTime",

@@ -14,6 +14,9 @@ Nothing here talks to Kubernetes or etcd; :mod:`kelastic_operator.handlers` obse
    **Suspended** otherwise while ``spec.suspend`` is true: every Pod that has not
    succeeded is deleted with a departure notice (no restart spent) and none is created;
    the rules below wait until the job is resumed (:mod:`~kelastic_operator.suspend`).
+   Likewise while Kueue holds a job labelled ``kueue.x-k8s.io/queue-name`` (not admitted
+   yet, or evicted: :attr:`JobView.queue`, :mod:`~kelastic_operator.kueue`); admitted, the
+   job keeps ``min(replicas, admitted count)`` Pods (``target`` below never exceeds it).
 4. The operator keeps ``target`` Pods named ``<job>-<index>``; ``target`` is ``replicas``
    or fewer while shrunk (below). Missing ones are created at the lowest free indices (a
    deleted Pod is replaced at once, without spending the replacement budget, once it is
@@ -101,6 +104,7 @@ from kelastic.failure_policy import FailureCause
 from kelastic.hang_where import summarize
 
 from .inprocess_status import apply_inprocess
+from .kueue import QueueGate
 from .labels import selector
 from .model import (
     TERMINAL_PHASES,
@@ -216,14 +220,23 @@ def _cleanup(spec: ElasticJobSpec, pods: Sequence[PodView], plan: Plan, why: str
 
 
 def _set_conditions(
-    status: ElasticJobStatus, phase: str, reason: str, message: str, generation: int, now: str
+    status: ElasticJobStatus,
+    phase: str,
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
+    resumed: str | None = None,
 ) -> None:
     """The conditions of ``metav1.Condition`` (non-empty reason and message, times that move
     only on a change of status, ``observedGeneration``), each saying one thing:
 
     - ``RendezvousReady``: True while Running with a world size from a complete round
       (reason ``RoundComplete``); False otherwise, with the phase's reason and message;
-    - ``Complete`` / ``Failed``: added, True, when the job succeeds / fails (terminal).
+    - ``Complete`` / ``Failed``: added, True, when the job succeeds / fails (terminal);
+    - ``Suspended``: True while suspended (``reason``: ``spec.suspend``'s or Kueue's
+      :class:`~kelastic_operator.kueue.QueueReason`), False once resumed (``resumed``: the
+      message then, Kueue's admission for a queued job).
     """
     old = {c.type: c for c in status.conditions}
 
@@ -254,7 +267,9 @@ def _set_conditions(
         out.append(condition("Complete", True, reason, message or "the job succeeded"))
     if phase == "Failed":
         out.append(condition("Failed", True, reason, message or "the job failed"))
-    suspended = suspended_condition(old, phase == SUSPENDED_PHASE, message, generation, now)
+    held = phase == SUSPENDED_PHASE
+    suspended = suspended_condition(old, held, message, generation, now,
+                                    reason if held else SUSPENDED_REASON, resumed)  # fmt: skip
     if suspended is not None:
         out.append(suspended)
     slow = stragglers_condition(old, status, generation, now)
@@ -359,10 +374,23 @@ class _Pass:
     def failed(self) -> list[PodView]:
         return sorted(self.by_phase.get("Failed", []), key=lambda p: p.index)
 
+    @property
+    def admitted(self) -> int | None:
+        """Pods Kueue's admission allows (None: no Kueue gate on this job)."""
+        gate = self.job.queue
+        return None if gate is None else gate.admitted
+
+    @property
+    def wanted(self) -> int:
+        """``replicas``, capped at Kueue's admitted count for a queued job."""
+        admitted = self.admitted
+        return self.spec.replicas if admitted is None else min(self.spec.replicas, admitted)
+
     def finish(self, phase: str, reason: str | None, message: str | None) -> Plan:
+        resumed = self.job.queue.message if self.job.queue is not None else None
         return _finish(
             self.job.generation, self.old, self.st, self.plan, phase, reason, message,
-            self.stamp, self.now, self.wakeups,
+            self.stamp, self.now, self.wakeups, resumed,
         )  # fmt: skip
 
 
@@ -383,6 +411,8 @@ def _observe(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezv
     st.restarts_spent = st.restarts_spent or 0
     st.replacements = st.replacements or 0
     st.observed_generation = job.generation
+    if job.queue is not None:  # a queued job says what Kueue admitted (0: nothing yet)
+        st.admitted_replicas = job.queue.admitted or 0
     live = [p for p in pods if not p.deleting]
     by_phase: dict[str, list[PodView]] = {}
     for pod in live:
@@ -537,34 +567,43 @@ def _job_succeeded(p: _Pass) -> _Outcome | None:
     return "Succeeded", "AllPodsSucceeded", f"{len(p.succeeded)} pod(s) succeeded"
 
 
-def _suspend(p: _Pass) -> _Outcome:
+def _suspend(p: _Pass, gate: QueueGate | None = None) -> _Outcome:
     """Rule 3 (suspended): stop every Pod that has not succeeded, with departure notices;
     ``startTime`` is cleared (set again when the resumed job runs, as batch/v1 resets it on
-    resume) and so is the replacement backoff (the failed Pods go too, uncounted)."""
-    message = stop_pods(p.pods, p.plan)
+    resume) and so is the replacement backoff (the failed Pods go too, uncounted).
+    ``gate``: Kueue holds the job (not admitted yet, or evicted) rather than
+    ``spec.suspend``; its target is forgotten too (the next admission's count sets it)."""
+    if gate is not None:
+        message = stop_pods(p.pods, p.plan, f"Kueue: {gate.message}", "held by Kueue")
+        p.st.target_replicas = None
+        p.st.last_resize_time = None
+        outcome: _Outcome = (SUSPENDED_PHASE, gate.reason.value, f"{gate.message} ({message})")
+    else:
+        message = stop_pods(p.pods, p.plan)
+        outcome = SUSPENDED_PHASE, SUSPENDED_REASON, message
     p.st.stragglers = []  # no Pod runs to be slow
     p.st.start_time = None
     p.st.next_replacement_time = None
     p.st.counted_failures = None
-    return SUSPENDED_PHASE, SUSPENDED_REASON, message
+    return outcome
 
 
 def _resize(p: _Pass) -> None:
     """Rule 6: stuck Pending Pods shrink ``target`` towards ``minReplicas``; one timeout
     after the last resize it grows back; a new generation resets it."""
-    spec, st, now = p.spec, p.st, p.now
+    spec, st, now, wanted = p.spec, p.st, p.now, p.wanted
     new_generation = p.old.observed_generation != p.job.generation
-    target = st.target_replicas if st.target_replicas and not new_generation else spec.replicas
-    target = max(spec.min_nodes, min(target, spec.replicas))
+    target = st.target_replicas if st.target_replicas and not new_generation else wanted
+    target = min(wanted, max(spec.min_nodes, min(target, wanted)))
     timeout = timedelta(seconds=spec.pending_timeout_seconds)
     last_resize = parse_time(st.last_resize_time)
-    if target < spec.replicas and last_resize is not None and not p.finishing:
+    if target < wanted and last_resize is not None and not p.finishing:
         grow_at = last_resize + timeout
         if now >= grow_at:
             p.plan.events.append(
-                Event("Normal", "GrowingBack", f"trying {spec.replicas} pods again (was {target})")
+                Event("Normal", "GrowingBack", f"trying {wanted} pods again (was {target})")
             )
-            target, st.last_resize_time = spec.replicas, p.stamp
+            target, st.last_resize_time = wanted, p.stamp
             last_resize = now
         else:
             p.wakeups.append(grow_at)
@@ -587,7 +626,7 @@ def _resize(p: _Pass) -> None:
         target, st.last_resize_time = new_target, p.stamp
         p.wakeups.append(now + timeout)
     st.target_replicas = p.target = target
-    if target == spec.replicas and new_generation:
+    if target == wanted and new_generation:
         st.last_resize_time = None
 
 
@@ -712,8 +751,10 @@ def _phase(p: _Pass) -> _Outcome:
         )  # fmt: skip
     if len(running) >= spec.min_nodes:
         st.start_time = st.start_time or p.stamp
+        capped = p.admitted is not None and p.admitted < spec.replicas
+        note = f"; Kueue admitted {p.admitted} of the {spec.replicas} wanted" if capped else ""
         return "Running", "PodsRunning", (
-            f"{len(running)} pod(s) running (minReplicas {spec.min_nodes})"
+            f"{len(running)} pod(s) running (minReplicas {spec.min_nodes}){note}"
         )  # fmt: skip
     return "Pending", "WaitingForPods", f"{len(running)}/{spec.min_nodes} required pods running"
 
@@ -734,6 +775,8 @@ def _decide(job: JobView, pods: Sequence[PodView], now: datetime, rdzv: Rendezvo
             return p.finish(*outcome)
     if p.spec.suspend:
         return p.finish(*_suspend(p))
+    if p.job.queue is not None and p.job.queue.admitted is None:  # Kueue holds it
+        return p.finish(*_suspend(p, p.job.queue))
     _resize(p)
     _scale_down(p)
     outcome = _replace_failed(p)
@@ -758,10 +801,11 @@ def _finish(
     stamp: str,
     now: datetime,
     wakeups: list[datetime],
+    resumed: str | None = None,
 ) -> Plan:
     st.phase = phase  # type: ignore[assignment]
     if reason is not None:
-        _set_conditions(st, phase, reason, message or "", generation, stamp)
+        _set_conditions(st, phase, reason, message or "", generation, stamp, resumed)
     if phase in TERMINAL_PHASES and st.completion_time is None:
         st.completion_time = stamp
     if phase != old.phase:

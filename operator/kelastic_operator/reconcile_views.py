@@ -24,6 +24,7 @@ from kelastic.etcd_values.checkpoints import Restore
 from kelastic.hang_where import HangWhere
 
 from .inprocess_record import InProcessRecord
+from .kueue import QueueGate
 from .labels import ANNOTATION_SPEC_HASH, pod_index
 from .model import ElasticJobSpec, ElasticJobStatus, LastFailure, LastRestart
 
@@ -233,6 +234,8 @@ class JobView:
     Attributes:
         name, namespace, uid: identity; generation: ``metadata.generation``.
         spec: the validated spec; status: the current status (empty for a new job).
+        queue: what Kueue allows a job labelled ``kueue.x-k8s.io/queue-name``
+            (:func:`~kelastic_operator.kueue.queue_gate`); None for a job without it.
     """
 
     name: str
@@ -241,6 +244,7 @@ class JobView:
     generation: int
     spec: ElasticJobSpec
     status: ElasticJobStatus
+    queue: QueueGate | None = None
 
 
 # ---------------------------------------------------------------------------- actions

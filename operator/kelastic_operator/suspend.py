@@ -50,7 +50,12 @@ RESUMED_REASON = "JobResumed"
 SUSPEND_DELETE_REASON = "job suspended"
 
 
-def stop_pods(pods: Sequence[PodView], plan: Plan) -> str:
+def stop_pods(
+    pods: Sequence[PodView],
+    plan: Plan,
+    cause: str = "spec.suspend",
+    state: str = "the job is suspended",
+) -> str:
     """Stop the Pods of a suspended job: add to ``plan`` (in place) a deletion of each Pod
     not already being deleted and not Succeeded (a succeeded Pod stays: it says the job
     finished), highest index first, its node's departure notice (``depart_nodes``) and
@@ -59,6 +64,8 @@ def stop_pods(pods: Sequence[PodView], plan: Plan) -> str:
     Args:
         pods: the job's Pods as observed (Pods being deleted are skipped).
         plan: the pass's plan.
+        cause: what stops them (the Event's prefix: ``spec.suspend``, or Kueue's hold).
+        state: the returned message's prefix.
 
     Returns:
         The status message: how many Pods are being stopped, or that none is left.
@@ -75,15 +82,21 @@ def stop_pods(pods: Sequence[PodView], plan: Plan) -> str:
             plan.remove_nodes.append(pod.name)
     if stopping:
         names = ", ".join(x.name for x in stopping)
-        plan.events.append(Event("Normal", "Suspending", f"spec.suspend: stopping {names}"))
+        plan.events.append(Event("Normal", "Suspending", f"{cause}: stopping {names}"))
     terminating = sum(1 for x in pods if x.deleting) + len(stopping)
     if terminating:
-        return f"the job is suspended: {terminating} pod(s) stopping"
-    return "the job is suspended: no pods"
+        return f"{state}: {terminating} pod(s) stopping"
+    return f"{state}: no pods"
 
 
 def suspended_condition(
-    old: Mapping[str, Condition], suspended: bool, message: str, generation: int, now: str
+    old: Mapping[str, Condition],
+    suspended: bool,
+    message: str,
+    generation: int,
+    now: str,
+    reason: str = SUSPENDED_REASON,
+    resumed: str | None = None,
 ) -> Condition | None:
     """The ``Suspended`` condition of a pass (``metav1.Condition``; its transition time
     moves only when its status does).
@@ -93,9 +106,12 @@ def suspended_condition(
         suspended: whether the job is suspended now (phase Suspended).
         message: the status message while suspended.
         generation: ``metadata.generation``; now: the pass's time (RFC 3339).
+        reason: the reason while suspended (Kueue's hold gives its own,
+            :class:`~kelastic_operator.kueue.QueueReason`).
+        resumed: the message once resumed (default: ``spec.suspend``'s).
 
     Returns:
-        True with :data:`SUSPENDED_REASON` while suspended; False with
+        True with ``reason`` (:data:`SUSPENDED_REASON`) while suspended; False with
         :data:`RESUMED_REASON` once resumed; None for a job never suspended (no condition).
     """
     prev = old.get(SUSPENDED_CONDITION)
@@ -106,8 +122,8 @@ def suspended_condition(
     return Condition(
         type=SUSPENDED_CONDITION,
         status=flag,  # type: ignore[arg-type]
-        reason=SUSPENDED_REASON if suspended else RESUMED_REASON,
-        message=message if suspended else "the job was resumed (spec.suspend false)",
+        reason=reason if suspended else RESUMED_REASON,
+        message=message if suspended else resumed or "the job was resumed (spec.suspend false)",
         lastTransitionTime=now if changed or prev is None else prev.last_transition_time,
         observedGeneration=generation,
     )

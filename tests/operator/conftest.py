@@ -45,12 +45,17 @@ def operator_client(cluster: ControlPlane, namespace: str) -> Client:
 
 @contextlib.contextmanager
 def running_operator(
-    cluster: ControlPlane, k8s: Client, etcd_endpoint: str, **pod_settings: Any
+    cluster: ControlPlane,
+    k8s: Client,
+    etcd_endpoint: str,
+    watch_workloads: bool = False,
+    **pod_settings: Any,
 ) -> Iterator[OperatorContext]:
     """The operator's handlers in a kopf thread serving ``k8s``'s namespace as the
     operator's ServiceAccount, with a real etcd (``etcd_endpoint``: as the Pods reach it,
     :meth:`RealNode.expose`) and the image of ``Dockerfile`` as the sidecar's;
-    ``pod_settings`` add to its PodSettings.
+    ``pod_settings`` add to its PodSettings; ``watch_workloads``: Kueue's Workloads
+    watched too (Kueue's CRDs must be installed).
     On exit the namespace's jobs are deleted while the handlers still run their
     finalizers."""
     client = operator_client(cluster, k8s.namespace)
@@ -66,7 +71,7 @@ def running_operator(
         resync_seconds=30.0,
     )
     registry = kopf.OperatorRegistry()
-    register(registry, ctx)
+    register(registry, ctx, watch_workloads=watch_workloads)
     try:
         with KopfThread(client, registry):
             yield ctx

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.k8s.cluster import Client, ControlPlane, wait_until
+from tests.ship.tools import render
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -46,6 +47,33 @@ def test_the_operator_is_least_privileged() -> None:
     assert verbs[("kelastic.dev", "elasticjobs")] == {"get", "list", "watch", "patch", "delete"}
     assert all("*" not in v for v in verbs.values())
     assert not any(r == "secrets" for _, r in verbs)
+    # Kueue: the Workloads it writes for queued jobs, read-only on flavors and priorities,
+    # nothing else of Kueue's (no queues, no cluster queues, no admission checks)
+    kueue = {r: v for (g, r), v in verbs.items() if g == "kueue.x-k8s.io"}
+    assert kueue == {
+        "workloads": {"get", "list", "watch", "create", "patch", "delete"},
+        "workloads/status": {"patch"},
+        "resourceflavors": {"get"},
+        "workloadpriorityclasses": {"get"},
+    }
+
+
+def test_the_charts_kueue_rights_and_flag_follow_the_value() -> None:
+    """operator.kueue (default true): deploy/'s Kueue rules and the Workload watch; false:
+    no rule on kueue.x-k8s.io and ``--no-workload-watch``."""
+
+    def kueue(*values: str) -> tuple[list[dict[str, Any]], list[str]]:
+        objects = render(*values)
+        (role,) = [o for o in objects if o["kind"] == "ClusterRole"]
+        (dep,) = [o for o in objects if o["kind"] == "Deployment"]
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        rules = [r for r in role["rules"] if "kueue.x-k8s.io" in r["apiGroups"]]
+        return rules, [a for a in args if a == "--no-workload-watch"]
+
+    docs = list(yaml.safe_load_all((DEPLOY / "rbac.yaml").read_text()))
+    (deployed,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert kueue() == ([r for r in deployed["rules"] if "kueue.x-k8s.io" in r["apiGroups"]], [])
+    assert kueue("operator.kueue=false") == ([], ["--no-workload-watch"])
 
 
 def test_kubectl_applies_deploy(k8s_cluster: ControlPlane, k8s: Client) -> None:
