@@ -21,6 +21,7 @@ from tests.ci_skips import pytest_runtest_makereport  # noqa: F401  (a hook: by 
 from tests.k8s.cluster import Client, ControlPlane
 from tests.k8s.fixtures import namespace_for, node_startup, start_node, start_or_skip
 from tests.k8s.fixtures import startup_seconds as k8s_startup_seconds
+from tests.k8s.kueue import KueueManager, KueueUnavailable
 from tests.k8s.node import RealNode
 from tests.k8s.nodes import ManualNode
 
@@ -181,6 +182,25 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPla
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def kueue(
+    k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KueueManager]:
+    """Kueue's manager for a test module (tests/k8s/kueue.py): skipped when not built,
+    failed under ``CI=true`` or when it is built but does not start."""
+    manager = KueueManager(k8s_cluster, tmp_path_factory.mktemp("kueue"))
+    try:
+        manager.start()
+    except KueueUnavailable as exc:
+        if os.environ.get("CI") or "did not start" in str(exc):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    try:
+        yield manager
+    finally:
+        manager.stop()
 
 
 @pytest.fixture(scope="session")

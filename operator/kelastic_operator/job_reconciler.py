@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from kelastic import contract
 
+from .api_errors import api_message
 from .inprocess_status import restart_increases
 from .kueue import Placement, place_pods, queue_gate, queue_name
 from .labels import LABEL_UID, selector
@@ -426,7 +427,7 @@ class JobReconciler:
             if exc.status is None or not 400 <= exc.status < 500:
                 raise
             # refused (invalid template, quota, admission): say so, as ReplicaSets do
-            return f"creating pod {pod['metadata']['name']}: {_api_message(exc)}"
+            return f"creating pod {pod['metadata']['name']}: {api_message(exc)}"
         self.ctx.metrics.pods_created.inc()
         # raw JSON: the client's models cost ~10x the request's own CPU at thousands of Pods
         self.ctx.cache.put_pod(self.namespace, self.name, json.loads(cast(Any, created).data))
@@ -538,17 +539,6 @@ class JobReconciler:
             return  # no etcd: nothing stored
         self.ctx.stores.get(endpoints).delete_prefix(prefix)
         log.info("%s/%s: deleted etcd prefix %s", self.namespace, self.name, prefix)
-
-
-def _api_message(exc: ApiException) -> str:
-    """The ``message`` of the Status object in an API error, else its reason."""
-    try:
-        doc = json.loads(exc.body or "")
-    except (TypeError, ValueError):
-        doc = None
-    if isinstance(doc, dict) and doc.get("message"):
-        return str(doc["message"])
-    return f"{exc.status} {exc.reason}"
 
 
 def validation_message(exc: ValidationError) -> str:

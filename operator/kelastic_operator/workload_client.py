@@ -9,7 +9,6 @@ RBAC (``deploy/rbac.yaml``): ``workloads`` get/list/watch/create/patch/delete,
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -18,6 +17,7 @@ from typing import Any, cast
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from .api_errors import api_message
 from .kueue import (
     FLAVORS,
     GROUP,
@@ -266,17 +266,6 @@ def release_workload(custom: client.CustomObjectsApi, namespace: str, job: str, 
         return
 
 
-def describe(exc: ApiException) -> str:
-    """The message of an API error (Kueue's webhook's refusal), else its status."""
-    try:
-        doc = json.loads(exc.body or "")
-    except (TypeError, ValueError):
-        doc = None
-    if isinstance(doc, dict) and doc.get("message"):
-        return str(doc["message"])
-    return f"{exc.status} {exc.reason}"
-
-
 def ensure_workload(
     custom: client.CustomObjectsApi,
     settings: PodSettings,
@@ -331,7 +320,7 @@ def ensure_workload(
     except ApiException as exc:
         if exc.status is None or not 400 <= exc.status < 500:
             raise
-        return None, [Event("Warning", "FailedCreateWorkload", describe(exc))]
+        return None, [Event("Warning", "FailedCreateWorkload", api_message(exc))]
     return made, []
 
 

@@ -6,14 +6,13 @@ reason a Workload waits, and its webhooks and conversion served on loopback."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from .cluster import Client, ControlPlane, wait_until
-from .kueue import API, RESOURCE_IN_USE, KueueManager, KueueUnavailable
+from .cluster import Client, wait_until
+from .kueue import API, RESOURCE_IN_USE, KueueManager
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,25 +20,6 @@ Obj = dict[str, Any]
 WORKLOADS = "workloads.kueue.x-k8s.io"
 LOCAL_QUEUE = "team"
 CPU_QUOTA = 3
-
-
-@pytest.fixture(scope="module")
-def kueue(
-    k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KueueManager]:
-    """Kueue's manager for this module (skipped when not built, failed under ``CI=true``
-    or when it is built but does not start)."""
-    manager = KueueManager(k8s_cluster, tmp_path_factory.mktemp("kueue"))
-    try:
-        manager.start()
-    except KueueUnavailable as exc:
-        if os.environ.get("CI") or "did not start" in str(exc):
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-    try:
-        yield manager
-    finally:
-        manager.stop()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ Each digits Pod asks 550m CPU (trainer 500m, sidecar 50m) and 1088Mi: a quota of
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,7 +32,7 @@ from kelastic_operator.kueue import (
 from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.suspend import RESUMED_REASON
 from tests.k8s.cluster import Client, ControlPlane, pods_by_name, wait_until
-from tests.k8s.kueue import API, KueueManager, KueueUnavailable
+from tests.k8s.kueue import API, KueueManager
 from tests.k8s.nodes import ManualNode
 
 from .conftest import job_manifest, running_operator
@@ -44,25 +43,6 @@ POD_CPU_MILLI = 550
 Obj = dict[str, Any]
 WORKLOADS = "workloads.kueue.x-k8s.io"
 TOLERATION = {"key": "kelastic.dev/test-pool", "operator": "Exists", "effect": "NoSchedule"}
-
-
-@pytest.fixture(scope="module")
-def kueue(
-    k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KueueManager]:
-    """Kueue's manager for this module (skipped when not built, failed under ``CI=true``
-    or when it is built but does not start)."""
-    manager = KueueManager(k8s_cluster, tmp_path_factory.mktemp("kueue"))
-    try:
-        manager.start()
-    except KueueUnavailable as exc:
-        if os.environ.get("CI") or "did not start" in str(exc):
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-    try:
-        yield manager
-    finally:
-        manager.stop()
 
 
 @pytest.fixture

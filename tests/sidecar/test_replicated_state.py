@@ -32,18 +32,11 @@ from kelastic_sidecar.checkpoints import RoundCheckpoints
 from kelastic_sidecar.config import ConfigError, ReplicationSettings, SidecarConfig
 from kelastic_sidecar.rendezvous import RendezvousInfo
 from kelastic_sidecar.replication import Replication
+from tests.worker_lib.test_checkpoint_agree import _held
 
 from .test_sidecar_config import GOOD
 
-TOKEN = "0123456789abcdef0123456789abcdef"
 SERVE_ONLY = ReplicationSettings(replicas=0, every=1, rate=0, port=0, max_slot_bytes=64 << 20)
-
-
-def _held(ranks: dict[int, tuple[int, ...]], replicas: dict[int, tuple[int, ...]] | None = None,
-          serves: bool = True, persisted: tuple[tuple[int, int], ...] = (),
-          job: str = "j") -> CheckpointsDoc:  # fmt: skip
-    endpoint, token = ("10.0.0.9:29610", TOKEN) if serves else ("", "")
-    return CheckpointsDoc(job, ranks, 1.0, persisted, replicas or {}, endpoint, token)
 
 
 # ------------------------------------------------------------------ the agreement
