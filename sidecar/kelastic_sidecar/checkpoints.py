@@ -48,7 +48,7 @@ from kelastic.etcd_values.checkpoints import (
 from kelastic_etcd import EtcdClient, EtcdError
 
 from .config import SidecarConfig
-from .peer_restore import Fetched, restore_from_peers, restore_replicated
+from .peer_restore import Fetched, ranks_to_fill, restore_from_peers, restore_replicated
 from .persister import Persister
 from .rendezvous import RendezvousInfo
 from .replica import REPLICA_DIR_NAME
@@ -157,10 +157,8 @@ def worker_env(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, info:
         for f in fetched:
             log.info("round %d: rank %d's step %d from %s (%d bytes in %.3f s)", info.round,
                      f.rank, restore.step, f.source, f.bytes, f.seconds)  # fmt: skip
-        mine = records.get(cfg.node)
-        needed = {r for r in range(info.group_rank * nproc, (info.group_rank + 1) * nproc)
-                  if mine is None or restore.step not in mine.ranks.get(r, ())}  # fmt: skip
-        missing = bool(needed - {f.rank for f in fetched})
+        needed = ranks_to_fill(info, nproc, records.get(cfg.node), restore.step)
+        missing = bool(set(needed) - {f.rank for f in fetched})
     value = contract.CHECKPOINT_STEP_NONE if restore.step is None else str(restore.step)
     tier = (contract.CHECKPOINT_TIER_DISK if restore.tier is RestoreTier.DISK
             else contract.CHECKPOINT_TIER_MEMORY)  # fmt: skip

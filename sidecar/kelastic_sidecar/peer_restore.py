@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,7 +44,7 @@ from .replica import REPLICA_DIR_NAME, ReplicaError, fetch_slot
 if TYPE_CHECKING:
     from .rendezvous import RendezvousInfo
 
-__all__ = ["Fetched", "restore_from_peers", "restore_replicated"]
+__all__ = ["Fetched", "ranks_to_fill", "restore_from_peers", "restore_replicated"]
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,8 @@ def restore_from_peers(directory: Path, me: str, info: RendezvousInfo, nproc: in
     Raises:
         OSError: the slot folder cannot be read.
     """
-    mine = records.get(me)
     out: list[Fetched] = []
-    for local_rank in range(nproc):
-        rank = info.group_rank * nproc + local_rank
-        if mine is not None and step in mine.ranks.get(rank, ()):
-            continue
+    for rank in ranks_to_fill(info, nproc, records.get(me), step):
         started = time.monotonic()
         dest = slot_path(directory, rank, _free_slot(directory, rank, job))
         own = _own_replica(directory, job, rank, step)
@@ -113,22 +109,24 @@ def restore_from_peers(directory: Path, me: str, info: RendezvousInfo, nproc: in
             os.replace(tmp, dest)
             out.append(Fetched(rank, me, 0, time.monotonic() - started))
             continue
-        for node, doc in peer_sources(records, info.participants, job, rank, step):
-            address = parse_endpoint(doc.endpoint)
-            if node == me or address is None:
-                continue
-            try:
-                size = fetch_slot(address, doc.token, job, rank, step, dest)
-            except ReplicaError as exc:
-                log.warning("checkpoint: rank %d step %d not fetched from %s: %s", rank, step,
-                            node, exc)  # fmt: skip
-                continue
+        sources = [(n, d, rank) for n, d in peer_sources(records, info.participants, job,
+                                                         rank, step)]  # fmt: skip
+        node, size = _fetch_first(dest, me, sources, job, step)
+        if node:
             out.append(Fetched(rank, node, size, time.monotonic() - started))
-            break
         else:
             log.error("checkpoint: no node could give rank %d step %d: its load will fail",
                       rank, step)  # fmt: skip
     return out
+
+
+def ranks_to_fill(info: RendezvousInfo, nproc: int, mine: CheckpointsDoc | None,
+                  step: int) -> list[int]:  # fmt: skip
+    """This node's global ranks in ``info``'s round (``nproc`` per node) whose ``step``
+    its own record ``mine`` does not list: those a restore must put in place."""
+    first = info.group_rank * nproc
+    return [r for r in range(first, first + nproc)
+            if mine is None or step not in mine.ranks.get(r, ())]  # fmt: skip
 
 
 def _any_copy(directory: Path, mine: CheckpointsDoc | None, job: str,
@@ -165,15 +163,13 @@ def restore_replicated(directory: Path, me: str, info: RendezvousInfo, nproc: in
     mine = records.get(me)
     out: list[Fetched] = []
     adopted: Path | None = None  # a copy made here: the node's next ranks copy it
-    for local_rank in range(nproc):
-        rank = info.group_rank * nproc + local_rank
-        if mine is not None and step in mine.ranks.get(rank, ()):
-            continue
+    for rank in ranks_to_fill(info, nproc, mine, step):
         started = time.monotonic()
         dest = slot_path(directory, rank, _free_slot(directory, rank, job))
         source, node, fetched = adopted or _any_copy(directory, mine, job, step), me, 0
         if source is None:  # fetched into the rank's slot file, then stamped there
-            node, fetched = _fetch_any(dest, me, info, records, job, step)
+            sources = replicated_sources(records, info.participants, job, step)
+            node, fetched = _fetch_first(dest, me, sources, job, step)
             source = dest if node else None
         if source is None:
             log.error("checkpoint: no node could give step %d of the replicated state: rank "
@@ -189,12 +185,13 @@ def restore_replicated(directory: Path, me: str, info: RendezvousInfo, nproc: in
     return out
 
 
-def _fetch_any(dest: Path, me: str, info: RendezvousInfo,
-               records: Mapping[str, CheckpointsDoc | None], job: str,
-               step: int) -> tuple[str, int]:  # fmt: skip
-    """``step`` of any rank fetched from a serving node into ``dest`` (checked in full as
-    that rank's slot): ``(the node, bytes)``, or ``("", 0)`` when none gave it."""
-    for node, doc, rank in replicated_sources(records, info.participants, job, step):
+def _fetch_first(dest: Path, me: str, sources: Sequence[tuple[str, CheckpointsDoc, int]],
+                 job: str, step: int) -> tuple[str, int]:  # fmt: skip
+    """``step`` fetched into ``dest`` from the first of ``sources`` (node, its record,
+    the rank whose slot it serves) that gives it whole (checked in full as that rank's
+    slot; this node itself skipped): ``(the node, bytes)``, or ``("", 0)`` when none
+    did."""
+    for node, doc, rank in sources:
         address = parse_endpoint(doc.endpoint)
         if node == me or address is None:
             continue
