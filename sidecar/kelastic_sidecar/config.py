@@ -180,15 +180,17 @@ def _replication_settings(
     env: Mapping[str, str],
     num: Callable[[str, Callable[[str], int], int], int],
     problems: list[str],
+    layout: contract.StateLayout,
 ) -> ReplicationSettings | None:
     """:class:`ReplicationSettings` from ``env`` (None: no replicas asked for, and the
-    state not replicated: nothing to serve); a bad value is added to ``problems``."""
+    state (``layout``) not replicated: nothing to serve); a bad value is added to
+    ``problems``."""
     replicas = num(contract.ENV_CHECKPOINT_REPLICAS, int, 0)
     if not 0 <= replicas <= contract.MAX_CHECKPOINT_REPLICAS:
         problems.append(f"{contract.ENV_CHECKPOINT_REPLICAS} must be "
                         f"0..{contract.MAX_CHECKPOINT_REPLICAS}")  # fmt: skip
         return None
-    if replicas == 0 and _layout(env, []) is not contract.StateLayout.REPLICATED:
+    if replicas == 0 and layout is not contract.StateLayout.REPLICATED:
         return None
     settings = ReplicationSettings(
         replicas=replicas,
@@ -372,6 +374,7 @@ class SidecarConfig:
             contract.ENV_INPROCESS_SOFT_TIMEOUT,
             contract.ENV_INPROCESS_HARD_TIMEOUT,
         )
+        layout = _layout(env, problems)
         cfg = cls(
             job_name=text(contract.ENV_JOB_NAME),
             namespace=text(contract.ENV_NAMESPACE, "default"),
@@ -416,8 +419,8 @@ class SidecarConfig:
                 min_steps=num(ENV_STRAGGLER_MIN_STEPS, int, DEFAULT_MIN_STEPS),
             ),
             persist=_persist_settings(env, num, problems),
-            replication=_replication_settings(env, num, problems),
-            layout=_layout(env, problems),
+            replication=_replication_settings(env, num, problems, layout),
+            layout=layout,
         )
         if contract.ENV_ETCD_ENDPOINTS in env and not endpoints:
             problems.append(f"{contract.ENV_ETCD_ENDPOINTS} lists no endpoint")
