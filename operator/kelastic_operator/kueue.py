@@ -89,7 +89,7 @@ RESOURCE_IN_USE = f"{GROUP}/resource-in-use"
 POD_SET = "workers"
 
 
-class QueueReason(str, enum.Enum):
+class QueueReason(enum.StrEnum):
     """Reason of the job's ``Suspended`` condition while Kueue holds it."""
 
     #: No quota reserved yet (the Workload is new, pending or inadmissible).
