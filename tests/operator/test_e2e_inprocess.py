@@ -45,15 +45,15 @@ _INPROCESS = re.compile(r'^kelastic_restarts_total\{[^}]*level="inprocess"[^}]*\
 _HASH = re.compile(r"^\[(\d+)\]: iteration (\d+): params sha256 ([0-9a-f]{8})", re.M)
 
 
-def _manifest() -> str:
+def _manifest(epochs: int = 20) -> str:
     """The digits example with in-process restart on, the Wrapper's fault injection armed
-    (SIGUSR1 raises inside the wrapped function), fewer epochs, on the test's node."""
+    (SIGUSR1 raises inside the wrapped function), ``epochs`` epochs, on the test's node."""
     doc = yaml.safe_load(DIGITS.read_text())
     doc["spec"]["inProcess"] = {"enabled": True}
     pod = doc["spec"]["template"]["spec"]
     pod.update(PLACEMENT)
     trainer = pod["containers"][0]
-    trainer["args"] = ["--epochs", "20", "--batch-size", "8", "--step-timeout", "5"]
+    trainer["args"] = ["--epochs", str(epochs), "--batch-size", "8", "--step-timeout", "5"]
     trainer["env"].append({"name": contract.ENV_INJECT_RAISE, "value": "1"})
     return yaml.safe_dump(doc)
 
@@ -163,7 +163,9 @@ def test_a_deleted_pod_keeps_the_survivors_processes_on_kubernetes(
     other Pod's workers are not stopped: they restart in process into the next round, and
     again when the operator's replacement Pod joins, whose workers start as processes."""
     api, ns = k8s, k8s.namespace
-    doc = yaml.safe_load(_manifest())
+    # epochs enough that the two survivors (about 0.8 s an epoch) are still training when
+    # the replacement's workers start: with 20 a loaded machine finished the job first (CI)
+    doc = yaml.safe_load(_manifest(epochs=80))
     doc["spec"]["podReplacement"] = {"backoffSeconds": 0}
     api.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     wait_until(lambda: _status(api).get("worldSize") == 4, T, what="world size 4")
