@@ -397,6 +397,43 @@ def _restored_codec(raw: bytes) -> None:
 RESTORED = {"round": 3, "step": 120, "tier": "memory", "seconds": 0.0123}
 
 
+def _flight_record(raw: bytes) -> None:
+    from kelastic.flight_recorder import MAX_GROUPS, MAX_NAME, FlightRecordError, decode_record
+
+    with contextlib.suppress(FlightRecordError):
+        got = decode_record(raw)
+        assert 1 <= got.pid < 2**31 and (got.rank is None or 0 <= got.rank < 2**31)
+        assert len(got.last) <= MAX_GROUPS and len({c.group for c in got.last}) == len(got.last)
+        for c in got.last:
+            assert 1 <= c.seq < 2**63 and 0 < len(c.group) <= MAX_NAME >= len(c.name)
+            assert type(c.done) is bool
+
+
+FLIGHT_RECORD = {"version": 1, "pid": 812, "rank": 3,
+                 "last": [{"group": "default_pg", "seq": 5, "name": "gloo:all_reduce",
+                           "done": False}, {"group": "1", "seq": 2, "name": "gloo:broadcast",
+                                            "done": True}],
+                 "trace": [{"collective_seq_id": 5,
+                            "process_group": ["0", "default_pg"]}]}  # fmt: skip
+
+
+def _hang(raw: bytes) -> None:
+    from kelastic.etcd_values import CorruptValueError
+    from kelastic.etcd_values.hangs import decode_hang
+    from kelastic.hang_where import MAX_RANK_GROUPS, MAX_RANKS
+
+    with contextlib.suppress(CorruptValueError):
+        got = decode_hang(raw)
+        assert len(got.ranks) <= MAX_RANKS
+        assert all(len(r.collectives) <= MAX_RANK_GROUPS for r in got.ranks)
+
+
+HANG = {"round": 3, "node": "job-1",
+        "ranks": [{"rank": 2, "local_rank": 0, "pid": 812, "state": "S", "reaped": False,
+                   "where": "main thread at /w/train.py:231 in _epochs",
+                   "collectives": FLIGHT_RECORD["last"]}]}  # fmt: skip
+
+
 def _checkpoints_codec(raw: bytes) -> None:
     from kelastic.etcd_values.checkpoints import (
         MAX_PERSISTED,
@@ -499,6 +536,8 @@ DECODERS: dict[str, Decoder] = {
         _checkpoints_codec, CHECKPOINTS, (CHECKPOINTS_V1, CHECKPOINTS_V2, CHECKPOINTS_V3)
     ),
     "restored": Decoder(_restored_codec, RESTORED),
+    "flight_record": Decoder(_flight_record, FLIGHT_RECORD),
+    "hang": Decoder(_hang, HANG),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}
 

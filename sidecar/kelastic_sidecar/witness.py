@@ -107,10 +107,12 @@ def where_ranks_were(
     live = [pid for pid in pids.values() if pid not in reaped]
     states = {pid: process_state(pid) for pid in live}
     todo = [pid for pid in live if pid not in seen.evidence and states[pid] not in DEAD_STATES]
-    found = {pid: ev.line() for pid, ev in source.evidence(todo).items()} if todo else {}
+    evidence = source.evidence(todo) if todo else {}
+    found = {pid: ev.line() for pid, ev in evidence.items()}
     ranks: list[RankWhere] = []
     for local_rank, pid in sorted(pids.items()):
         reap = reaped.get(pid)
+        read = reap.evidence if reap is not None else evidence.get(pid)
         if reap is not None:
             state = reap.state
             where = reap.evidence.line() if reap.evidence is not None else None
@@ -122,7 +124,12 @@ def where_ranks_were(
         elif reap is None:
             where = seen.evidence.get(pid) or where
         rank = round_.rank(local_rank)
-        ranks.append(RankWhere(rank, local_rank, pid, state, reap is not None, where or NOT_READ))
+        collectives = read.collectives if read is not None else ()  # its flight record's
+        ranks.append(
+            RankWhere(
+                rank, local_rank, pid, state, reap is not None, where or NOT_READ, collectives
+            )
+        )
     return HangWhere(round_.round, round_.node, tuple(ranks))
 
 

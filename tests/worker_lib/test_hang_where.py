@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -14,7 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kelastic.etcd_values import MAX_HANG_BYTES, CorruptValueError, decode_hang, encode_hang
+from kelastic.flight_recorder import Collective
 from kelastic.hang_where import (
+    MAX_RANK_GROUPS,
     MAX_RANKS,
     MAX_SUMMARY,
     MAX_TEXT,
@@ -126,6 +129,67 @@ def test_evidence_that_names_nobody_says_it_is_inconclusive() -> None:
     assert "inconclusive" in summarize([HangWhere(2, "job-0", same)])
     assert summarize([HangWhere(2, "job-0", ())]).endswith(": no workers")
     assert summarize([]) == ""
+
+
+def _in(group: str, seq: int, name: str = "gloo:all_reduce", done: bool = False) -> Collective:
+    return Collective(group, seq, name, done)
+
+
+def _recorded(rank: int, where: str, *collectives: Collective, state: str = "S") -> RankWhere:
+    return RankWhere(rank, rank % 2, 100 + rank, state, False, where, collectives)
+
+
+def test_the_flight_records_name_the_rank_that_never_entered_the_collective() -> None:
+    """No rank stopped, every rank at a different line: the stacks alone are
+    inconclusive; the records say rank 3 never entered all-reduce #9 of default_pg that
+    the others are in, and name the collective each group waits in."""
+    ranks = (
+        _recorded(0, WAIT, _in("default_pg", 9)),
+        _recorded(1, "main thread at /w/a.py:1 in f", _in("default_pg", 9)),
+        _recorded(2, "main thread at /w/b.py:2 in g", _in("default_pg", 9)),
+        _recorded(3, STUCK, _in("default_pg", 8, "gloo:barrier", done=True)),
+    )
+    line = summarize([HangWhere(4, "job-0", ranks[:2]), HangWhere(4, "job-1", ranks[2:])])
+    assert line.startswith(
+        f"hang in round 4 (2 nodes reported): culprit: rank 3 on job-1 (state S): {STUCK} "
+        "(flight records: not in gloo:all_reduce #9 of default_pg, which the others entered); "
+        "waiting: "
+    ), line
+    assert f"rank 0 on job-0 (state S): {WAIT} [in gloo:all_reduce #9 of default_pg]" in line
+    # without the records the same stacks name nobody
+    bare = [HangWhere(4, "job-0", tuple(RankWhere(r.rank, r.local_rank, r.pid, r.state,
+                                                  r.reaped, r.where) for r in ranks))]  # fmt: skip
+    assert "inconclusive" in summarize(bare)
+
+
+def test_a_stopped_rank_wins_over_the_records_and_records_that_agree_name_nobody() -> None:
+    stopped = (_recorded(0, WAIT, _in("default_pg", 9)), _rank(1, "T", STUCK))
+    line = summarize([HangWhere(2, "job-0", stopped)])
+    assert line.startswith(f"hang in round 2 (1 node reported): culprit: rank 1 on job-0 "
+                           f"(stopped): {STUCK}; waiting: rank 0")  # fmt: skip
+    assert "flight records" not in line and "[in gloo:all_reduce #9 of default_pg]" in line
+    # every rank with a record in the group's newest collective: the records name nobody;
+    # a group one rank alone reports (a subgroup) is no evidence either
+    agree = tuple(_recorded(r, WAIT if r < 3 else STUCK, _in("default_pg", 9)) for r in range(4))
+    lone = (*agree[:3], _recorded(3, STUCK, _in("default_pg", 9), _in("tp", 7)))
+    for ranks in (agree, lone):
+        line = summarize([HangWhere(2, "job-0", ranks)])
+        assert "culprit: rank 3 on job-0 (state S)" in line and "flight records" not in line
+
+
+def test_a_rank_reports_few_collectives_those_it_is_in_first() -> None:
+    many = tuple(_in(f"g{i}", 3, done=i % 2 == 0) for i in range(9))
+    where = HangWhere(1, "n", (_recorded(0, WAIT, *many),))
+    kept = where.ranks[0].collectives
+    assert len(kept) == MAX_RANK_GROUPS and not any(c.done for c in kept)
+    assert decode_hang(encode_hang(where)) == where
+    doc = where.as_dict()
+    doc["ranks"][0]["collectives"] = [asdict(c) for c in many]  # more than a writer writes
+    assert decode_where(doc) is None
+    doc["ranks"][0]["collectives"] = [asdict(many[1]), asdict(many[1])]  # a group twice
+    assert decode_where(doc) is None
+    del doc["ranks"][0]["collectives"]  # an older writer's: none
+    assert decode_where(doc) == HangWhere(1, "n", (_rank(0, "S", WAIT),))
 
 
 def test_the_line_is_bounded() -> None:

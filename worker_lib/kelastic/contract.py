@@ -170,6 +170,19 @@ def control_socket_path(base: Path | None = None) -> Path:
     return (base or run_dir()) / CONTROL_SOCKET_NAME
 
 
+#: torch's flight recorder's ring size (entries); set in the trainer's env, > 0, it
+#: enables the recorder and kelastic's dump of it on a hang (:mod:`kelastic.flight_recorder`).
+ENV_FLIGHT_RECORDER_BUFFER: Final = "TORCH_FR_BUFFER_SIZE"
+#: Where the workers' flight records and their armed markers are, under the run dir.
+FLIGHT_RECORDS_DIR_NAME: Final = "flight-records"
+
+
+def flight_records_dir(base: Path | None = None) -> Path:
+    """Where an armed worker writes its flight record when asked (the sidecar reads it),
+    under ``base`` (default :func:`run_dir`)."""
+    return (base or run_dir()) / FLIGHT_RECORDS_DIR_NAME
+
+
 def prestop_socket_path(base: Path | None = None) -> Path:
     """Unix socket where the sidecar hears that its Pod is terminating (``kelastic.prestop``)."""
     return (base or run_dir()) / PRESTOP_SOCKET_NAME

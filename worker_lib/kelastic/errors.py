@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, ParamSpec, TypedDict, TypeVar
 
-from kelastic import contract
+from kelastic import contract, flight_recorder
 
 __all__ = [
     "FAULT_TIME_ATTR",
@@ -165,6 +165,9 @@ def record(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     exception. Like torch's ``ErrorHandler.initialize``, the wrapper enables
     :mod:`faulthandler` (if not already enabled) so fatal signals dump the Python stacks
     of all threads to stderr, which the launcher keeps in the worker's ``stderr.log``.
+    Where the job turns torch's flight recorder on (``TORCH_FR_BUFFER_SIZE`` > 0), it
+    arms the worker to write its record when its sidecar asks on a hang
+    (:func:`kelastic.flight_recorder.arm`: ``SIGUSR2`` becomes kelastic's).
 
     Use it once per process, on the top-level function::
 
@@ -180,6 +183,7 @@ def record(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(fn)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        flight_recorder.arm()  # only where TORCH_FR_BUFFER_SIZE turns torch's recorder on
         if not faulthandler.is_enabled():
             try:
                 faulthandler.enable(all_threads=True)

@@ -20,8 +20,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
+from kelastic.flight_recorder import Collective, decode_collectives
+
 __all__ = [
     "MAX_RANKS",
+    "MAX_RANK_GROUPS",
     "MAX_SUMMARY",
     "MAX_TEXT",
     "HangWhere",
@@ -34,6 +37,8 @@ __all__ = [
 MAX_RANKS: Final = 1024
 #: Most characters of a state or a location (a path and a function name).
 MAX_TEXT: Final = 1024
+#: Most process groups' collectives one rank reports (those it is in first).
+MAX_RANK_GROUPS: Final = 4
 #: Most characters of a :func:`summarize` line (the job's status and its Event).
 MAX_SUMMARY: Final = 2048
 _MAX_INT: Final = 2**31 - 1
@@ -52,6 +57,10 @@ class RankWhere:
         reaped: killed by the timer server or the in-process hard timeout for this hang.
         where: its main thread's innermost user frame and the dump's path (``main thread
             at <file>:<line> in <function> (stacks in <path>)``), or why there is none.
+        collectives: from its flight record (:mod:`kelastic.flight_recorder`), the newest
+            collective it entered per process group, at most :data:`MAX_RANK_GROUPS`;
+            empty when it had no record (the job did not turn torch's recorder on, the
+            worker was stopped, ...).
     """
 
     rank: int
@@ -60,6 +69,7 @@ class RankWhere:
     state: str
     reaped: bool
     where: str
+    collectives: tuple[Collective, ...] = ()
 
     @property
     def stopped(self) -> bool:
@@ -100,7 +110,13 @@ class HangWhere:
             "ranks",
             tuple(
                 RankWhere(
-                    r.rank, r.local_rank, r.pid, r.state[:MAX_TEXT], r.reaped, r.where[:MAX_TEXT]
+                    r.rank,
+                    r.local_rank,
+                    r.pid,
+                    r.state[:MAX_TEXT],
+                    r.reaped,
+                    r.where[:MAX_TEXT],
+                    tuple(sorted(r.collectives, key=lambda c: c.done))[:MAX_RANK_GROUPS],
                 )
                 for r in self.ranks[:MAX_RANKS]
             ),
@@ -112,7 +128,10 @@ class HangWhere:
 
     def as_dict(self) -> dict[str, Any]:
         """The ``/status`` form: ``{"round", "node", "ranks": [{...}]}``."""
-        return {"round": self.round, "node": self.node, "ranks": [asdict(r) for r in self.ranks]}
+        ranks = [
+            {**asdict(r), "collectives": [asdict(c) for c in r.collectives]} for r in self.ranks
+        ]
+        return {"round": self.round, "node": self.node, "ranks": ranks}
 
 
 def _int(value: object) -> int | None:
@@ -143,10 +162,13 @@ def decode_where(doc: object) -> HangWhere | None:
             _text(item.get("where")),
             item.get("reaped"),
         )
+        collectives = decode_collectives(item.get("collectives", []), MAX_RANK_GROUPS)
         if None in ints or state is None or where is None or type(reaped) is not bool:
             return None
+        if collectives is None:
+            return None
         rank, local_rank, pid = (int(i) for i in ints if i is not None)
-        out.append(RankWhere(rank, local_rank, pid, state, reaped, where))
+        out.append(RankWhere(rank, local_rank, pid, state, reaped, where, collectives))
     return HangWhere(round_, node, tuple(out))
 
 
@@ -163,12 +185,44 @@ def _who(members: Sequence[tuple[str, RankWhere]]) -> str:
 
 def _groups(members: Sequence[tuple[str, RankWhere]]) -> list[str]:
     """The ranks grouped by where they were, the smallest group first:
-    ``<who> (<how>[, <how>]): <location>``."""
+    ``<who> (<how>[, <how>]): <location>[ [in <collective>]]``."""
     groups: dict[str, list[tuple[str, RankWhere]]] = {}
     for node, rank in members:
         groups.setdefault(rank.location, []).append((node, rank))
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0]))
-    return [f"{_who(m)} ({', '.join(sorted({r.how for _, r in m}))}): {loc}" for loc, m in ordered]
+    return [
+        f"{_who(m)} ({', '.join(sorted({r.how for _, r in m}))}): {loc}{_inside(m)}"
+        for loc, m in ordered
+    ]
+
+
+def _inside(members: Sequence[tuple[str, RankWhere]]) -> str:
+    """`` [in gloo:all_reduce #5 of default_pg]``: the collectives the ranks' flight
+    records say they are in (entered, not done); ``""`` when none."""
+    pending = sorted({f"{c.name} #{c.seq} of {c.group}"
+                      for _, r in members for c in r.collectives if not c.done})  # fmt: skip
+    return f" [in {', '.join(pending)}]" if pending else ""
+
+
+def _behind(
+    members: Sequence[tuple[str, RankWhere]],
+) -> tuple[list[tuple[str, RankWhere]], str] | None:
+    """By the flight records: the ranks that never entered the newest collective their
+    peers of a process group entered (a lower ``seq`` in that group), and that
+    collective's description; None when the records name nobody (fewer than two ranks
+    with records, or all of a group's ranks at its newest collective)."""
+    newest: dict[str, Collective] = {}
+    for _, rank in members:
+        for c in rank.collectives:
+            if c.group not in newest or c.seq > newest[c.group].seq:
+                newest[c.group] = c
+    for group, top in newest.items():
+        holders = [m for m in members if any(c.group == group for c in m[1].collectives)]
+        late = [m for m in holders if any(c.group == group and c.seq < top.seq
+                                          for c in m[1].collectives)]  # fmt: skip
+        if late and len(holders) >= 2:
+            return late, f"{top.name} #{top.seq} of {group}"
+    return None
 
 
 def summarize(wheres: Sequence[HangWhere]) -> str:
@@ -178,9 +232,11 @@ def summarize(wheres: Sequence[HangWhere]) -> str:
     at /w/train.py:231 in _epochs; waiting: ranks 0, 1 on job-0 and rank 3 on job-1
     (reaped): main thread at /w/train.py:94 in _wait_for_peers``.
 
-    The culprit is named from the evidence alone: the stopped ranks; else, when more
-    than half of the ranks are at one place (the collective the others wait in), the
-    ranks that are not; else the summary says it is inconclusive and lists every place.
+    The culprit is named from the evidence alone: the stopped ranks; else the ranks whose
+    flight records say they never entered the newest collective their peers of a
+    process group entered; else, when more than half of the ranks are at one place (the
+    collective the others wait in), the ranks that are not; else the summary says it is
+    inconclusive and lists every place.
     At most :data:`MAX_SUMMARY` characters (cut with ``...``); ``""`` for no evidence.
     """
     if not wheres:
@@ -193,8 +249,11 @@ def summarize(wheres: Sequence[HangWhere]) -> str:
     for _, rank in members:
         places[rank.location] = places.get(rank.location, 0) + 1
     crowd = max(places, key=lambda loc: places[loc]) if places else ""
+    behind = _behind(members)
     if any(r.stopped for _, r in members):
         culprits = [m for m in members if m[1].stopped]
+    elif behind is not None:
+        culprits = behind[0]
     elif places and len(members) / 2 < places[crowd] < len(members):
         culprits = [m for m in members if m[1].location != crowd]
     else:
@@ -202,6 +261,8 @@ def summarize(wheres: Sequence[HangWhere]) -> str:
     if culprits:
         rest = [m for m in members if m not in culprits]
         parts = ["culprit: " + "; ".join(_groups(culprits))]
+        if behind is not None and culprits == behind[0]:
+            parts[0] += f" (flight records: not in {behind[1]}, which the others entered)"
         if rest:
             parts.append("waiting: " + "; ".join(_groups(rest)))
     elif members:

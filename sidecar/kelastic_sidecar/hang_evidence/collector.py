@@ -33,7 +33,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Final
 
+from kelastic.flight_recorder import FlightRecord, record_name
+
 from .evidence import Evidence, Outcome
+from .flight import await_record, request_record
 from .pyspy_text import summary, truncate
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_MAX_BYTES", "ENV_BUDGET", "StackCollector", "worker_rank"]
@@ -88,6 +91,10 @@ class StackCollector:
         library_dirs: directories whose frames are the library's, not the user's, for
             the summary (besides site-packages and the stdlib).
         on_outcome: told each collection's outcome (the metric).
+        flight_dir: where armed workers write their flight records
+            (:func:`kelastic.contract.flight_records_dir`); each armed, not stopped
+            worker is asked for its record at the start of its collection, and the
+            record is read within the same budget. None: records are not asked for.
 
     Raises:
         ValueError: ``budget`` negative or not finite, ``max_bytes`` < 1024.
@@ -102,6 +109,7 @@ class StackCollector:
         max_bytes: int = DEFAULT_MAX_BYTES,
         library_dirs: Sequence[str] = (),
         on_outcome: Callable[[Outcome], None] | None = None,
+        flight_dir: Path | None = None,
     ) -> None:
         if not 0.0 <= budget < float("inf"):
             raise ValueError(f"budget must be a finite number of seconds >= 0, got {budget}")
@@ -113,6 +121,7 @@ class StackCollector:
         self._max_bytes = max_bytes
         self._library_dirs = tuple(library_dirs)
         self._on_outcome = on_outcome
+        self.flight_dir: Final = flight_dir
 
     def __call__(self, pid: int) -> Evidence:
         """Collect ``pid``'s stacks within the budget; never raises (see the module doc)."""
@@ -128,7 +137,12 @@ class StackCollector:
 
     def _collect(self, pid: int) -> Evidence:
         rank = worker_rank(pid)
-        text, why = self._dump(pid)
+        deadline = time.monotonic() + self.budget
+        rank_no = int(rank) if rank is not None and len(rank) <= 9 else None
+        # asked first, so that the worker writes its record while py-spy reads its stacks
+        flight = self.flight_dir if self.budget > 0 else None
+        asked = request_record(flight, pid, rank_no) if flight is not None else ""
+        text, why = self._dump(pid, deadline)
         if why is not None:
             body = f"stacks of pid {pid} unavailable: {why}\n"
             line, outcome = f"stacks unavailable: {why}", Outcome.UNAVAILABLE
@@ -143,10 +157,21 @@ class StackCollector:
         # An earlier collection's dump is not overwritten by a later "unavailable".
         path = self._write(pid, rank, body, keep=outcome is Outcome.UNAVAILABLE)
         log.warning("hang evidence of pid %d (rank %s): %s", pid, rank or "?", line)
-        return Evidence(pid, outcome, line, path)
+        record: FlightRecord | str = asked or ""
+        if asked is None and flight is not None:  # asked: read it within the same budget
+            record = await_record(flight, pid, rank_no, deadline)
+        if isinstance(record, FlightRecord) and flight is not None:
+            where = str(flight / record_name(pid, rank_no))
+            last = "; ".join(c.describe() for c in record.last) or "no collective"
+            log.warning("flight record of pid %d (rank %s): %s", pid, rank or "?", last)
+            return Evidence(pid, outcome, line, path, record.last, where)
+        why_none = record if isinstance(record, str) else ""
+        if why_none:
+            log.info("no flight record of pid %d: %s", pid, why_none)
+        return Evidence(pid, outcome, line, path, flight=why_none)
 
-    def _dump(self, pid: int) -> tuple[str | None, str | None]:
-        """(py-spy's output, None), or (None, why there is none)."""
+    def _dump(self, pid: int, deadline: float) -> tuple[str | None, str | None]:
+        """(py-spy's output, None), or (None, why there is none), by ``deadline``."""
         if self.budget <= 0:
             return None, "collection is off (budget 0 s)"
         exe = _find(self._exe)
@@ -154,7 +179,6 @@ class StackCollector:
             return None, f"{self._exe} not found on PATH"
         if not os.path.exists(f"/proc/{pid}"):
             return None, f"process {pid} is gone"
-        deadline = time.monotonic() + self.budget
         for attempt in range(1, DUMP_ATTEMPTS + 1):
             text, why, torn = self._dump_once(exe, pid, deadline - time.monotonic())
             if not torn or attempt == DUMP_ATTEMPTS or time.monotonic() >= deadline:

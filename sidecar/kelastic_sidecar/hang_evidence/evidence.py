@@ -11,6 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kelastic.flight_recorder import Collective
+
 __all__ = ["Collect", "Evidence", "Outcome", "collect_all"]
 
 
@@ -36,12 +38,18 @@ class Evidence:
         path: the file holding the whole dump (or the reason none was taken); None when
             none was written (an earlier dump of the pid is not overwritten by a later
             failure).
+        collectives: from the worker's flight record, the newest collective it entered
+            per process group (empty: no record; see ``flight``).
+        flight: the flight record's path, or why there is none (``""``: not asked, the
+            collector has no records directory).
     """
 
     pid: int
     outcome: Outcome
     summary: str
     path: Path | None = None
+    collectives: tuple[Collective, ...] = ()
+    flight: str = ""
 
     def line(self) -> str:
         """The summary with where the dump is, e.g. ``main thread at /w/train.py:42 in

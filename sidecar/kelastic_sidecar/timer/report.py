@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kelastic.procstat import process_stat
+
 if TYPE_CHECKING:  # annotations only
     from ..hang_evidence import Evidence
 
@@ -107,23 +109,6 @@ def process_state(pid: int) -> str:
     """The state letter of ``pid`` from ``/proc/<pid>/stat`` (``""`` if unreadable)."""
     stat = process_stat(pid)
     return stat[0] if stat is not None else ""
-
-
-def process_stat(pid: int) -> tuple[str, int] | None:
-    """``(state, start time in clock ticks since boot)`` of ``pid`` from
-    ``/proc/<pid>/stat`` (proc(5): fields 3 and 22, counted after the name, which may hold
-    spaces and parentheses); None when gone or unreadable. The start time tells a reused
-    pid from the process first seen under it."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fp:
-            stat = fp.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return fields[0].decode(errors="replace"), int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 @dataclass

@@ -8,7 +8,9 @@ evidence of the newest hung round in the job's status and an Event
 
     {"round": 3, "node": "job-1",
      "ranks": [{"rank": 2, "local_rank": 0, "pid": 812, "state": "T", "reaped": false,
-                "where": "main thread at /w/train.py:231 in _epochs (stacks in ...)"}, ...]}
+                "where": "main thread at /w/train.py:231 in _epochs (stacks in ...)",
+                "collectives": [{"group": "default_pg", "seq": 4, "name": "gloo:barrier",
+                                 "done": true}]}, ...]}
 
 The document is :meth:`HangWhere.as_dict`'s, with its bounds (:func:`decode_where`), in at
 most :data:`MAX_HANG_BYTES` bytes nested at most 32 deep. :func:`encode_hang` is strict:
@@ -43,7 +45,7 @@ def _dump(doc: dict[str, Any]) -> bytes:
 def encode_hang(where: HangWhere) -> bytes:
     """The value of ``where``: :meth:`HangWhere.as_dict` as compact JSON, each rank's
     ``where`` cut (halved until the value fits in :data:`MAX_HANG_BYTES`, never below
-    16 characters) when it would not fit.
+    16 characters) when it would not fit, then the ranks' ``collectives`` dropped.
 
     Raises:
         CorruptValueError: it cannot fit even so (cannot happen within
@@ -57,6 +59,10 @@ def encode_hang(where: HangWhere) -> bytes:
         for rank in doc["ranks"]:
             rank["where"] = rank["where"][:share]
             rank["state"] = rank["state"][:_MIN_WHERE]
+        raw = _dump(doc)
+    if len(raw) > MAX_HANG_BYTES:  # then the flight records' collectives go
+        for rank in doc["ranks"]:
+            rank["collectives"] = []
         raw = _dump(doc)
     if len(raw) > MAX_HANG_BYTES:
         raise CorruptValueError(f"hang evidence of {where.node}: {len(raw)} bytes do not fit")
