@@ -104,6 +104,9 @@ def test_a_hung_worker_is_reaped_by_the_sidecar_across_the_container_boundary(
     culprit = r"^hang in round \d+ \(2 nodes reported\): culprit: rank 1 on digits-\d \(stopped\): "
     assert re.search(culprit, hang["message"]), (hang, node.logs(ns, SIDECAR_CONTAINER))
     assert "waiting: " in hang["message"], hang
+    # the example turns torch's flight recorder on: the waiting ranks' records, asked for
+    # across the container boundary (the trainer's FIFO, the sidecar's uid), say where
+    assert re.search(r"waiting: .*\[in gloo:\w+ #\d+ of default_pg\]", hang["message"]), hang
     said = events(k8s)
     assert any(r == "HangEvidence" and "culprit: rank 1" in m for r, m in said), said
     assert any(r == "WorkersRestarted" and ": hang: rank " in m for r, m in said), said

@@ -229,25 +229,30 @@ def test_without_the_recorder_on_nothing_is_armed(tmp_path: Path, size: str | No
     assert not contract.flight_records_dir(tmp_path).exists()
 
 
-def test_a_forked_child_arms_under_its_own_pid(tmp_path: Path) -> None:
-    """A process armed once answers once per ask; a forked child (no listening thread
-    of its parent's) arms again under its pid."""
+def test_a_forked_child_arms_under_its_own_pid_and_a_clean_exit_removes_the_fifo(
+    tmp_path: Path,
+) -> None:
+    """A process armed once is armed; a forked child (no listening thread of its
+    parent's) arms again under its pid; a clean exit removes the process's FIFO (the
+    child's ``os._exit`` leaves its own, which nobody listens on: never asked)."""
     script = textwrap.dedent(
         """
         import os
-        from kelastic import flight_recorder
+        from kelastic import contract, flight_recorder
         assert flight_recorder.arm() and flight_recorder.arm()  # once per process
         pid = os.fork()
         if pid == 0:
             os._exit(0 if flight_recorder.arm() else 3)
         _, status = os.waitpid(pid, 0)
-        print(os.waitstatus_to_exitcode(status), pid, os.getpid(), flush=True)
+        names = sorted(p.name for p in contract.flight_records_dir().iterdir())
+        print(os.waitstatus_to_exitcode(status), pid, os.getpid(), *names, flush=True)
         """
     )
     out = subprocess.run([sys.executable, "-c", script],
                          env=_env(tmp_path, TORCH_FR_BUFFER_SIZE="10"),
                          capture_output=True, check=True)  # fmt: skip
-    code, child, parent = out.stdout.split()
-    assert code == b"0", out.stderr
-    fifos = {p.name for p in contract.flight_records_dir(tmp_path).iterdir()}
-    assert fifos == {f"ask-{int(child)}", f"ask-{int(parent)}"}
+    code, child, parent, *names = out.stdout.decode().split()
+    assert code == "0", out.stderr
+    assert set(names) == {f"ask-{child}", f"ask-{parent}"}
+    left = {p.name for p in contract.flight_records_dir(tmp_path).iterdir()}
+    assert left == {f"ask-{child}"}

@@ -90,9 +90,17 @@ class RankWhere:
         """:attr:`where` without its ``(stacks in ...)`` part: ranks at one frame share it."""
         return self.where.split(" (stacks in ", 1)[0]
 
+    @property
+    def inside(self) -> tuple[str, ...]:
+        """The collectives its flight record says it is in (entered, not done):
+        ``gloo:all_reduce #5 of default_pg``."""
+        return tuple(f"{c.name} #{c.seq} of {c.group}" for c in self.collectives if not c.done)
+
     def describe(self) -> str:
-        """``rank 2 (stopped): main thread at /w/train.py:231 in _epochs (stacks in ...)``."""
-        return f"rank {self.rank} ({self.how}): {self.where}"
+        """``rank 2 (stopped): main thread at /w/train.py:231 in _epochs (stacks in ...)``,
+        then `` [in gloo:all_reduce #5 of default_pg]`` when its record says so."""
+        inside = f" [in {', '.join(self.inside)}]" if self.inside else ""
+        return f"rank {self.rank} ({self.how}): {self.where}{inside}"
 
 
 @dataclass(frozen=True)
@@ -199,8 +207,7 @@ def _groups(members: Sequence[tuple[str, RankWhere]]) -> list[str]:
 def _inside(members: Sequence[tuple[str, RankWhere]]) -> str:
     """`` [in gloo:all_reduce #5 of default_pg]``: the collectives the ranks' flight
     records say they are in (entered, not done); ``""`` when none."""
-    pending = sorted({f"{c.name} #{c.seq} of {c.group}"
-                      for _, r in members for c in r.collectives if not c.done})  # fmt: skip
+    pending = sorted({inside for _, r in members for inside in r.inside})
     return f" [in {', '.join(pending)}]" if pending else ""
 
 

@@ -21,6 +21,8 @@ signalled. Armed only where the job enables torch's recorder (``TORCH_FR_BUFFER_
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import os
@@ -104,6 +106,13 @@ def _serve(directory: Path, fifo: Path) -> None:
             log.warning("could not write the flight record: %s", exc)
 
 
+def _unlink_if_mine(fifo: Path, pid: int) -> None:
+    """At exit: the FIFO goes (a forked child exiting leaves its parent's)."""
+    if os.getpid() == pid:
+        with contextlib.suppress(OSError):
+            fifo.unlink()
+
+
 def arm(directory: Path | None = None) -> bool:
     """Make this process answer its sidecar's ask with its flight record in
     ``directory`` (default :func:`kelastic.contract.flight_records_dir`), when torch's
@@ -122,7 +131,11 @@ def arm(directory: Path | None = None) -> bool:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             fifo.unlink(missing_ok=True)  # a dead process's, under a reused pid
-            os.mkfifo(fifo, 0o600)
+            os.mkfifo(fifo)
+            # the sidecar may run as another user (root with CAP_KILL alone, no
+            # CAP_DAC_OVERRIDE, when the trainer's image picks its own): anyone in the Pod
+            # may ask (write); only the worker reads
+            os.chmod(fifo, 0o622)
         except OSError as exc:
             log.warning("flight recorder dumps are off: %s", exc)
             return False
@@ -130,4 +143,5 @@ def arm(directory: Path | None = None) -> bool:
             target=_serve, args=(directory, fifo), name="kelastic-flight-recorder", daemon=True
         ).start()
         _armed_pid = os.getpid()
+        atexit.register(_unlink_if_mine, fifo, _armed_pid)  # a clean exit leaves none behind
         return True
