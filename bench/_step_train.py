@@ -45,6 +45,9 @@ def _timer() -> Callable[[], Any]:
 
 
 def main() -> None:
+    from kelastic import flight_recorder
+
+    flight_recorder.arm()  # only with TORCH_FR_BUFFER_SIZE (the hang_evidence case's)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -36,8 +36,9 @@ from .hang import (
 TARGET = 2.0
 
 
-def _evidence(endpoint: str, round_floor: int) -> dict[str, int]:
-    """node -> round of every node's hang evidence of a round >= ``round_floor``."""
+def _evidence(endpoint: str, round_floor: int) -> dict[str, tuple[int, int]]:
+    """node -> (round, ranks whose flight record names a collective) of every node's
+    hang evidence of a round >= ``round_floor``."""
     from kelastic.etcd_values import CorruptValueError, decode_hang
     from kelastic_etcd import EtcdClient
 
@@ -52,14 +53,18 @@ def _evidence(endpoint: str, round_floor: int) -> dict[str, int]:
         except CorruptValueError:
             continue
         if where.round >= round_floor:
-            out[where.node] = where.round
+            out[where.node] = (where.round, sum(1 for r in where.ranks if r.collectives))
     return out
 
 
-def _run(tmp: Path, endpoint: str, hangs: int, settle: float) -> list[float]:
+def _run(tmp: Path, endpoint: str, hangs: int, settle: float) -> tuple[list[float], list[int]]:
+    """(seconds from detection to both nodes' evidence, ranks with a flight record) of
+    each hang; torch's flight recorder on, as in the digits example."""
     events = tmp / "kelastic-evidence.jsonl"
-    proc = start_kelastic(tmp, "evidence", TRAIN, 2, 2, events, extra_args=("--etcd", endpoint))
+    proc = start_kelastic(tmp, "evidence", TRAIN, 2, 2, events, extra_args=("--etcd", endpoint),
+                          extra_env={"TORCH_FR_BUFFER_SIZE": "2000"})  # fmt: skip
     samples: list[float] = []
+    recorded: list[int] = []
     try:
         generation = wait_generation(events, set(), 4, 180.0)
         known = {e["pid"] for e in generation}
@@ -67,20 +72,22 @@ def _run(tmp: Path, endpoint: str, hangs: int, settle: float) -> list[float]:
             time.sleep(settle)
             if proc.poll() is not None:
                 raise RuntimeError(f"kelastic run exited (code {proc.returncode})")
-            floor = max(_evidence(endpoint, 0).values(), default=-1) + 1
+            floor = max((r for r, _ in _evidence(endpoint, 0).values()), default=-1) + 1
             os.kill(_rank_pid(generation, 1), signal.SIGSTOP)
             detected = time.time() + STEP_TIMEOUT
             deadline = time.monotonic() + 60.0
-            while len(_evidence(endpoint, floor)) < 2:
+            while len(found := _evidence(endpoint, floor)) < 2:
                 if time.monotonic() > deadline:
                     raise TimeoutError("both nodes' hang evidence did not come within 60 s")
                 time.sleep(0.01)
             samples.append(time.time() - detected)
+            recorded.append(sum(n for _, n in found.values()))
             log(f"hang_evidence {i + 1}/{hangs}: both nodes' evidence {samples[-1]:.2f} s "
-                "after the deadline")  # fmt: skip
+                f"after the deadline, {recorded[-1]} of 3 waiting ranks with a flight "
+                "record")  # fmt: skip
             generation = wait_generation(events, known, 4, 120.0)
             known |= {e["pid"] for e in generation}
-        return samples
+        return samples, recorded
     finally:
         stop_session(proc, signal.SIGINT)
         kill_workers(events)
@@ -96,13 +103,18 @@ def hang_evidence(quick: bool) -> CaseResult:
     with tempfile.TemporaryDirectory(prefix="kelastic-bench-") as tmp_dir, EmbeddedEtcd() as etcd:
         tmp = Path(tmp_dir)
         try:
-            samples = _run(tmp, etcd.endpoint, hangs, settle)
+            samples, recorded = _run(tmp, etcd.endpoint, hangs, settle)
         except Exception:
             dump_logs(tmp)
             raise
     result.rows.append(Row(
         "hang_evidence", group, "kelastic run (hangs/<node> of both nodes in etcd)", "s",
-        samples, note="from the timer's deadline (SIGSTOP + 2 s, an upper bound of detection)",
+        samples, note="from the timer's deadline (SIGSTOP + 2 s, an upper bound of detection); "
+        "flight records on",
+    ))  # fmt: skip
+    result.checks.append(Check(
+        "hang_evidence", "the waiting ranks' flight records name their collective (each hang)",
+        f"{recorded} of 3 ranks", all(n >= 1 for n in recorded),
     ))  # fmt: skip
     k = median(samples)
     result.checks.append(Check(

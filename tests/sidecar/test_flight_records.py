@@ -23,7 +23,7 @@ from kelastic import contract
 from kelastic.flight_recorder import Collective, ask_fifo, decode_record, record_name
 from kelastic.hang_where import HangWhere, RankWhere, summarize
 from kelastic.sockaddr import free_port
-from kelastic_sidecar.hang_evidence import StackCollector
+from kelastic_sidecar.hang_evidence import Evidence, StackCollector
 from kelastic_sidecar.timer.report import process_state
 from tests.conftest import wait_for
 
@@ -181,11 +181,22 @@ def _listener(tmp_path: Path, answer: str) -> subprocess.Popen[bytes]:
     return _sleeper(tmp_path, code)
 
 
+def _first_heard(collect: StackCollector, pid: int) -> Evidence:
+    """The first collection that the listener heard: its thread opens the FIFO a moment
+    after the process says it is up (until then an ask finds nobody listening)."""
+    return wait_for(
+        lambda: (ev := collect(pid)).flight.startswith("not armed (nothing listens") is False
+        and ev,
+        timeout=30, what="the listener listening",
+    )  # fmt: skip
+
+
 def test_an_armed_worker_that_never_answers_costs_the_budget_only(tmp_path: Path) -> None:
     proc = _listener(tmp_path, "time.sleep(120)")
     try:
+        collect = _collector(contract.flight_records_dir(tmp_path), budget=1.0)
         started = time.monotonic()
-        ev = _collector(contract.flight_records_dir(tmp_path), budget=1.0)(proc.pid)
+        ev = _first_heard(collect, proc.pid)
         took = time.monotonic() - started
         assert ev.flight == "not written within the budget" and ev.collectives == (), ev
         assert 1.0 <= took < 1.0 + 2.0, took  # the budget, and a slack for a loaded machine
@@ -212,7 +223,7 @@ def test_a_record_that_is_not_one_is_refused_with_its_reason(
     process's): the collector says why and names no collective."""
     proc = _listener(tmp_path, answer)
     try:
-        ev = _collector(contract.flight_records_dir(tmp_path), budget=5.0)(proc.pid)
+        ev = _first_heard(_collector(contract.flight_records_dir(tmp_path), budget=5.0), proc.pid)
         assert ev.collectives == () and ev.flight.startswith(why), ev
     finally:
         proc.kill()
