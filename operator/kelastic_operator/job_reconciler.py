@@ -295,7 +295,6 @@ class JobReconciler:
         if plan.status_changed:
             body = status_patch(old, plan.status)
             body["metadata"] = {"resourceVersion": obj["metadata"]["resourceVersion"]}
-            log.debug("%s/%s: status patch %s", self.namespace, self.name, body)
             try:
                 written = self.custom.patch_namespaced_custom_object_status(
                     API_GROUP, API_VERSION, self.namespace, PLURAL, self.name, body
