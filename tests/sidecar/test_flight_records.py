@@ -20,10 +20,17 @@ from pathlib import Path
 import pytest
 
 from kelastic import contract
-from kelastic.flight_recorder import Collective, ask_fifo, decode_record, record_name
+from kelastic.flight_recorder import (
+    Collective,
+    FlightRecord,
+    ask_fifo,
+    decode_record,
+    record_name,
+)
 from kelastic.hang_where import HangWhere, RankWhere, summarize
 from kelastic.sockaddr import free_port
 from kelastic_sidecar.hang_evidence import Evidence, StackCollector
+from kelastic_sidecar.hang_evidence.flight import await_record, request_record
 from kelastic_sidecar.timer.report import process_state
 from tests.conftest import wait_for
 
@@ -267,3 +274,22 @@ def test_a_forked_child_arms_under_its_own_pid_and_a_clean_exit_removes_the_fifo
     assert set(names) == {f"ask-{child}", f"ask-{parent}"}
     left = {p.name for p in contract.flight_records_dir(tmp_path).iterdir()}
     assert left == {f"ask-{child}"}
+
+
+def test_the_record_is_named_by_the_rank_its_sidecar_asks_with(tmp_path: Path) -> None:
+    """An in-process restart may renumber a worker after its ``$RANK`` was set: the record
+    is named (and says) the rank its sidecar knows it by, the one the ask carries."""
+    code = "from kelastic import flight_recorder\nassert flight_recorder.arm()"
+    script = f"import os, time\n{code}\nprint('up', flush=True)\ntime.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            env=_env(tmp_path, RANK="7", TORCH_FR_BUFFER_SIZE="10"))  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        flight_dir = contract.flight_records_dir(tmp_path)
+        wait_for(lambda: request_record(flight_dir, proc.pid, 3) is None, what="asked")
+        record = await_record(flight_dir, proc.pid, 3, time.monotonic() + 30)
+        assert isinstance(record, FlightRecord) and (record.pid, record.rank) == (proc.pid, 3)
+        assert not (flight_dir / record_name(proc.pid, 7)).exists()
+    finally:
+        proc.kill()
+        proc.wait(30)

@@ -173,7 +173,7 @@ def control_socket_path(base: Path | None = None) -> Path:
 #: torch's flight recorder's ring size (entries); set in the trainer's env, > 0, it
 #: enables the recorder and kelastic's dump of it on a hang (:mod:`kelastic.flight_recorder`).
 ENV_FLIGHT_RECORDER_BUFFER: Final = "TORCH_FR_BUFFER_SIZE"
-#: Where the workers' flight records and their armed markers are, under the run dir.
+#: Where the workers' flight records and the FIFOs they are asked on are, under the run dir.
 FLIGHT_RECORDS_DIR_NAME: Final = "flight-records"
 
 

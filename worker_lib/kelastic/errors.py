@@ -167,7 +167,7 @@ def record(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     of all threads to stderr, which the launcher keeps in the worker's ``stderr.log``.
     Where the job turns torch's flight recorder on (``TORCH_FR_BUFFER_SIZE`` > 0), it
     arms the worker to write its record when its sidecar asks on a hang
-    (:func:`kelastic.flight_recorder.arm`: ``SIGUSR2`` becomes kelastic's).
+    (:func:`kelastic.flight_recorder.arm`: a FIFO and a thread, no signal).
 
     Use it once per process, on the top-level function::
 

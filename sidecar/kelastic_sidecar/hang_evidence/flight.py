@@ -2,7 +2,7 @@
 thread reads them: :mod:`kelastic.flight_recorder`) and reading it within the
 collection's budget. Plain functions; nothing here raises.
 
-The ask is a byte written to the worker's ``ask-<pid>`` FIFO, opened without blocking:
+The ask is a line written to the worker's ``ask-<pid>`` FIFO, opened without blocking:
 with no reader (no armed worker listens: the recorder is off, the worker died and its
 pid was reused) the open fails and nothing is asked; no signal is ever sent. A stopped
 worker (``T``) is not asked: it cannot answer, and its stop already names it.
@@ -35,8 +35,9 @@ _SILENT: Final = frozenset({"T", "t", "Z", "X", "x"})
 
 
 def request_record(directory: Path, pid: int, rank: int | None) -> str | None:
-    """Ask ``pid`` for its record (a byte on its FIFO), its earlier record removed
-    first; None when asked, else why not (``not armed ...``, ``not asked ...``)."""
+    """Ask ``pid`` for its record, named by ``rank`` (``<rank>\\n`` on its FIFO: the
+    rank the stacks' file is named by), its earlier record removed first; None when
+    asked, else why not (``not armed ...``, ``not asked ...``)."""
     proc = process_stat(pid)
     if proc is None:
         return f"process {pid} is gone"
@@ -54,7 +55,7 @@ def request_record(directory: Path, pid: int, rank: int | None) -> str | None:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             return f"could not ask: ask-{pid} is not a FIFO"
         (directory / record_name(pid, rank)).unlink(missing_ok=True)
-        os.write(fd, b"?")
+        os.write(fd, f"{'?' if rank is None else rank}\n".encode())  # the name to write
     except OSError as exc:
         return f"could not ask: {exc}"
     finally:

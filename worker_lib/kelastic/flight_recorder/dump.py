@@ -54,14 +54,16 @@ def ask_fifo(directory: Path, pid: int) -> Path:
     return directory / f"ask-{pid}"
 
 
-def _rank() -> int | None:
-    value = os.environ.get("RANK", "")
-    return int(value) if value.isdigit() and len(value) <= 9 else None
+def _rank(text: str) -> int | None:
+    return int(text) if text.isdigit() and len(text) <= 9 else None
 
 
-def write_record(directory: Path, trace: dict[str, Any] | None = None) -> Path:
+def write_record(
+    directory: Path, trace: dict[str, Any] | None = None, rank: int | None = None
+) -> Path:
     """Write this process's record to ``directory`` (whole: a temporary file renamed);
-    ``trace``: torch's dump (default: taken now from torch's recorder). Returns its path.
+    ``trace``: torch's dump (default: taken now from torch's recorder); ``rank``: the
+    rank it is named by (default ``$RANK``). Returns its path.
 
     Raises:
         OSError: the directory is not writable.
@@ -76,8 +78,9 @@ def write_record(directory: Path, trace: dict[str, Any] | None = None) -> Path:
             raise RuntimeError(f"torch's flight recorder is not available: {exc}") from exc
         trace = json.loads(_dump_fr_trace_json(includeCollectives=True, onlyActive=False))
     pid = os.getpid()
-    raw = encode_record(pid, _rank(), trace or {}, MAX_RECORD_BYTES)
-    path = directory / record_name(pid, _rank())
+    rank = rank if rank is not None else _rank(os.environ.get("RANK", ""))
+    raw = encode_record(pid, rank, trace or {}, MAX_RECORD_BYTES)
+    path = directory / record_name(pid, rank)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(raw)
     tmp.replace(path)
@@ -85,8 +88,10 @@ def write_record(directory: Path, trace: dict[str, Any] | None = None) -> Path:
 
 
 def _serve(directory: Path, fifo: Path) -> None:
-    """The listening thread: each byte-bearing open of ``fifo`` writes a record; never
-    raises (a failure is logged and it listens again)."""
+    """The listening thread: each ask on ``fifo`` (``<rank>\\n`` or ``?\\n``, the rank
+    its sidecar knows it by: an in-process restart may have renumbered it since its
+    ``$RANK``) writes a record; never raises (a failure is logged and it listens
+    again)."""
     while True:
         try:
             fd = os.open(fifo, os.O_RDONLY)  # blocks until the sidecar opens it to ask
@@ -99,8 +104,9 @@ def _serve(directory: Path, fifo: Path) -> None:
             return
         if not asked:  # opened and closed without asking
             continue
-        try:
-            path = write_record(directory)
+        try:  # the ask names the rank its sidecar reads the record by (``?``: none)
+            rank = _rank(asked.split(b"\n", 1)[0].decode("ascii", "replace"))
+            path = write_record(directory, rank=rank)
             log.info("flight record written to %s", path)
         except Exception as exc:  # a dump must not end the worker
             log.warning("could not write the flight record: %s", exc)
