@@ -322,11 +322,12 @@ def _checkpoint_metrics(r: CollectorRegistry) -> CheckpointMetrics:
                              replication_lag)  # fmt: skip
 
 
-def _hang_evidence_metric(registry: CollectorRegistry) -> Counter:
+def _hang_evidence_metrics(registry: CollectorRegistry) -> tuple[Counter, Counter]:
     """``kelastic_hang_evidence_total{outcome}``: hung workers whose stacks the sidecar
-    tried to read before killing them (:mod:`~kelastic_sidecar.hang_evidence`), every
-    outcome's series present from the start."""
-    counter = Counter(
+    tried to read before killing them, and ``kelastic_flight_records_total{outcome}``:
+    armed workers asked for their flight record (:mod:`~kelastic_sidecar.hang_evidence`),
+    every outcome's series present from the start."""
+    stacks = Counter(
         "kelastic_hang_evidence_total",
         "Hung workers whose stacks were read (py-spy) before the sidecar killed them, "
         "by outcome (collected; unavailable: py-spy missing, failed or over its "
@@ -334,9 +335,17 @@ def _hang_evidence_metric(registry: CollectorRegistry) -> Counter:
         ["outcome"],
         registry=registry,
     )
+    records = Counter(
+        "kelastic_flight_records_total",
+        "Hung workers armed with torch's flight recorder asked for their record, by "
+        "outcome (collected; unavailable: not written within the budget, or not a record)",
+        ["outcome"],
+        registry=registry,
+    )
     for outcome in Outcome:
-        counter.labels(outcome=outcome.value)
-    return counter
+        stacks.labels(outcome=outcome.value)
+        records.labels(outcome=outcome.value)
+    return stacks, records
 
 
 class SidecarMetrics:
@@ -413,7 +422,7 @@ class SidecarMetrics:
             "in-process hard timeout",
             registry=r,
         )
-        self.hang_evidence = _hang_evidence_metric(r)
+        self.hang_evidence, self.flight_records = _hang_evidence_metrics(r)
         self.stragglers = _step_metrics(r, step_times)
         self.inprocess_spares_promoted, self.inprocess_spares_waiting = _spare_metrics(r)
         self.budget_spent = Gauge(

@@ -193,6 +193,7 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         library_dirs=(str(Path(kelastic.__file__).parent),),  # kelastic's frames: not the user's
         on_outcome=lambda outcome: metrics.hang_evidence.labels(outcome=outcome.value).inc(),
         flight_dir=contract.flight_records_dir(config.run_dir),  # armed workers' records
+        on_record=lambda outcome: metrics.flight_records.labels(outcome=outcome.value).inc(),
     )
     # Step times from the timer requests: the node's histogram, straggler episodes.
     stragglers = LatestPublisher(store, keys.straggler(config.node), "stragglers")

@@ -54,6 +54,7 @@ def test_the_sidecar_exports_every_listed_metric() -> None:
         "kelastic_inprocess_sessions_dropped_total",
         "kelastic_inprocess_workers_killed_total",
         "kelastic_hang_evidence_total",
+        "kelastic_flight_records_total",
         "kelastic_step_seconds_count",
         "kelastic_stragglers_total",
     ):

@@ -29,7 +29,7 @@ from kelastic.flight_recorder import (
 )
 from kelastic.hang_where import HangWhere, RankWhere, summarize
 from kelastic.sockaddr import free_port
-from kelastic_sidecar.hang_evidence import Evidence, StackCollector
+from kelastic_sidecar.hang_evidence import Evidence, Outcome, StackCollector
 from kelastic_sidecar.hang_evidence.flight import await_record, request_record
 from kelastic_sidecar.timer.report import process_state
 from tests.conftest import wait_for
@@ -88,8 +88,12 @@ def hung_pair(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[byte
             p.wait(30)
 
 
-def _collector(flight_dir: Path, budget: float = 5.0) -> StackCollector:
-    return StackCollector(flight_dir.parent / "stacks", budget=budget, flight_dir=flight_dir)
+def _collector(
+    flight_dir: Path, budget: float = 5.0, told: list[Outcome] | None = None
+) -> StackCollector:
+    """A collector asking for records in ``flight_dir``; each ask's outcome to ``told``."""
+    return StackCollector(flight_dir.parent / "stacks", budget=budget, flight_dir=flight_dir,
+                          on_record=None if told is None else told.append)  # fmt: skip
 
 
 def test_each_rank_answers_with_its_collectives_and_the_summary_names_the_late_one(
@@ -103,7 +107,9 @@ def test_each_rank_answers_with_its_collectives_and_the_summary_names_the_late_o
         lambda: (ev := collect(rank0.pid)).collectives == (pending,) and ev,
         timeout=60, what="rank 0 in all-reduce #5",
     )  # fmt: skip
-    late = collect(rank1.pid)
+    told: list[Outcome] = []
+    late = _collector(flight_dir, told=told)(rank1.pid)
+    assert told == [Outcome.COLLECTED]  # kelastic_flight_records_total{outcome="collected"}
     assert late.collectives == (Collective("default_pg", 4, "gloo:barrier", done=True),), late
     assert late.flight == str(flight_dir / record_name(rank1.pid, 1))
     record = decode_record((flight_dir / record_name(rank0.pid, 0)).read_bytes())
@@ -149,8 +155,10 @@ def test_an_unarmed_or_reused_pid_is_not_asked(tmp_path: Path) -> None:
     flight_dir.mkdir(parents=True)
     proc = _sleeper(tmp_path)
     try:
-        ev = _collector(flight_dir, budget=1.0)(proc.pid)
+        told: list[Outcome] = []
+        ev = _collector(flight_dir, budget=1.0, told=told)(proc.pid)
         assert ev.flight.startswith("not armed (no TORCH_FR_BUFFER_SIZE"), ev
+        assert told == []  # not asked: not counted
         # the FIFO of an earlier, dead process under the same pid: nobody listens
         os.mkfifo(ask_fifo(flight_dir, proc.pid))
         started = time.monotonic()
@@ -201,11 +209,13 @@ def _first_heard(collect: StackCollector, pid: int) -> Evidence:
 def test_an_armed_worker_that_never_answers_costs_the_budget_only(tmp_path: Path) -> None:
     proc = _listener(tmp_path, "time.sleep(120)")
     try:
-        collect = _collector(contract.flight_records_dir(tmp_path), budget=1.0)
+        told: list[Outcome] = []
+        collect = _collector(contract.flight_records_dir(tmp_path), budget=1.0, told=told)
         started = time.monotonic()
         ev = _first_heard(collect, proc.pid)
         took = time.monotonic() - started
         assert ev.flight == "not written within the budget" and ev.collectives == (), ev
+        assert told == [Outcome.UNAVAILABLE]  # asked once, counted once
         assert 1.0 <= took < 1.0 + 2.0, took  # the budget, and a slack for a loaded machine
         assert proc.poll() is None
     finally:

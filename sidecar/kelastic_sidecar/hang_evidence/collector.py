@@ -91,6 +91,8 @@ class StackCollector:
         library_dirs: directories whose frames are the library's, not the user's, for
             the summary (besides site-packages and the stdlib).
         on_outcome: told each collection's outcome (the metric).
+        on_record: told the outcome of each ask for a flight record (an armed worker's;
+            not told when the worker was not asked: not armed, stopped, records off).
         flight_dir: where armed workers write their flight records
             (:func:`kelastic.contract.flight_records_dir`); each armed, not stopped
             worker is asked for its record at the start of its collection, and the
@@ -110,6 +112,7 @@ class StackCollector:
         library_dirs: Sequence[str] = (),
         on_outcome: Callable[[Outcome], None] | None = None,
         flight_dir: Path | None = None,
+        on_record: Callable[[Outcome], None] | None = None,
     ) -> None:
         if not 0.0 <= budget < float("inf"):
             raise ValueError(f"budget must be a finite number of seconds >= 0, got {budget}")
@@ -122,6 +125,7 @@ class StackCollector:
         self._library_dirs = tuple(library_dirs)
         self._on_outcome = on_outcome
         self.flight_dir: Final = flight_dir
+        self._on_record = on_record
 
     def __call__(self, pid: int) -> Evidence:
         """Collect ``pid``'s stacks within the budget; never raises (see the module doc)."""
@@ -160,6 +164,10 @@ class StackCollector:
         record: FlightRecord | str = asked or ""
         if asked is None and flight is not None:  # asked: read it within the same budget
             record = await_record(flight, pid, rank_no, deadline)
+            got = Outcome.COLLECTED if isinstance(record, FlightRecord) else Outcome.UNAVAILABLE
+            if self._on_record is not None:
+                with contextlib.suppress(Exception):
+                    self._on_record(got)
         if isinstance(record, FlightRecord) and flight is not None:
             where = str(flight / record_name(pid, rank_no))
             last = "; ".join(c.describe() for c in record.last) or "no collective"

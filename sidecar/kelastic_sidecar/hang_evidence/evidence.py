@@ -17,12 +17,13 @@ __all__ = ["Collect", "Evidence", "Outcome", "collect_all"]
 
 
 class Outcome(enum.Enum):
-    """How a collection went (the ``outcome`` label of
-    ``kelastic_hang_evidence_total``)."""
+    """How a collection went (the ``outcome`` label of ``kelastic_hang_evidence_total``
+    for the stacks, of ``kelastic_flight_records_total`` for an armed worker's record)."""
 
-    #: py-spy read the process's stacks.
+    #: py-spy read the process's stacks; the worker wrote its flight record.
     COLLECTED = "collected"
-    #: no stacks: py-spy missing, failed or too slow, the process gone, collection off.
+    #: no stacks: py-spy missing, failed or too slow, the process gone, collection off;
+    #: no record: not written within the budget, or not a record.
     UNAVAILABLE = "unavailable"
 
 
