@@ -1,6 +1,7 @@
 """``/proc/<pid>/stat`` read once for the project: a process's state letter and its start
-time (proc(5)), shared by the sidecar (a hung worker's state, a reused pid told apart) and
-the workers (the flight recorder's armed marker names its process by its start time)."""
+time (proc(5)), read by the sidecar's timer server (a hung worker's state, a reused pid
+told apart) and its hang evidence (a stopped worker is not asked for its flight record).
+Stdlib only, in the worker library so that any package may read it without a cycle."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Final
 
-from kelastic.flight_recorder import FlightRecord, record_name
+from kelastic.flight_recorder import Collective, FlightRecord, record_name
 
 from .evidence import Evidence, Outcome
 from .flight import await_record, request_record
@@ -161,22 +161,29 @@ class StackCollector:
         # An earlier collection's dump is not overwritten by a later "unavailable".
         path = self._write(pid, rank, body, keep=outcome is Outcome.UNAVAILABLE)
         log.warning("hang evidence of pid %d (rank %s): %s", pid, rank or "?", line)
-        record: FlightRecord | str = asked or ""
-        if asked is None and flight is not None:  # asked: read it within the same budget
-            record = await_record(flight, pid, rank_no, deadline)
-            got = Outcome.COLLECTED if isinstance(record, FlightRecord) else Outcome.UNAVAILABLE
-            if self._on_record is not None:
-                with contextlib.suppress(Exception):
-                    self._on_record(got)
-        if isinstance(record, FlightRecord) and flight is not None:
-            where = str(flight / record_name(pid, rank_no))
-            last = "; ".join(c.describe() for c in record.last) or "no collective"
-            log.warning("flight record of pid %d (rank %s): %s", pid, rank or "?", last)
-            return Evidence(pid, outcome, line, path, record.last, where)
-        why_none = record if isinstance(record, str) else ""
-        if why_none:
-            log.info("no flight record of pid %d: %s", pid, why_none)
-        return Evidence(pid, outcome, line, path, flight=why_none)
+        collectives, flight_note = self._record(flight, pid, rank_no, asked, deadline)
+        return Evidence(pid, outcome, line, path, collectives, flight_note)
+
+    def _record(
+        self, flight: Path | None, pid: int, rank: int | None, asked: str | None, deadline: float
+    ) -> tuple[tuple[Collective, ...], str]:
+        """``pid``'s flight record once asked (``asked`` None), read by ``deadline``:
+        (its collectives, its path), else ((), why there is none; ``""``: records off)."""
+        if asked is not None or flight is None:
+            if asked:
+                log.info("no flight record of pid %d: %s", pid, asked)
+            return (), asked or ""
+        record = await_record(flight, pid, rank, deadline)
+        got = Outcome.COLLECTED if isinstance(record, FlightRecord) else Outcome.UNAVAILABLE
+        if self._on_record is not None:
+            with contextlib.suppress(Exception):
+                self._on_record(got)
+        if not isinstance(record, FlightRecord):
+            log.info("no flight record of pid %d: %s", pid, record)
+            return (), record
+        last = "; ".join(c.describe() for c in record.last) or "no collective"
+        log.warning("flight record of pid %d (rank %s): %s", pid, rank, last)
+        return record.last, str(flight / record_name(pid, rank))
 
     def _dump(self, pid: int, deadline: float) -> tuple[str | None, str | None]:
         """(py-spy's output, None), or (None, why there is none), by ``deadline``."""

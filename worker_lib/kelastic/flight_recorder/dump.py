@@ -8,9 +8,9 @@ it waits in a C++ collective, and a process-directed signal goes to whichever th
 does not block it (torch's own threads, started at import, do not). So the ask is a
 FIFO, not a signal: :func:`arm` makes ``ask-<pid>`` in
 :func:`kelastic.contract.flight_records_dir` and a thread of its own waits on it; the
-sidecar writes a byte to it and the thread writes the record beside it
-(:func:`~.codec.record_name`, whole: a temporary file renamed), whatever the main thread
-does.
+sidecar writes a line to it (the rank to name the record by) and the thread writes the
+record beside it (:func:`~.codec.record_name`, whole: a temporary file renamed), whatever
+the main thread does.
 
 A process is asked only while it listens: the sidecar's non-blocking open of the FIFO
 fails (``ENXIO``) without a reader, so a FIFO left by a worker that died, or a pid reused
