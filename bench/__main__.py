@@ -35,6 +35,7 @@ CASES: dict[str, tuple[str, str, float, float]] = {
     "operator_scale": ("bench.operator_scale", "operator_scale", 1200, 300),
     "inprocess": ("bench.inprocess", "inprocess", 1800, 300),
     "checkpoint": ("bench.checkpoint", "checkpoint", 900, 120),
+    "preflight": ("bench.preflight", "preflight", 600, 150),
 }
 #: left out of ``all --quick`` (each starts real DDP jobs); run them by name
 NOT_QUICK = {
@@ -46,6 +47,7 @@ NOT_QUICK = {
     "operator_scale",
     "inprocess",
     "checkpoint",  # 100 MiB and 1 GiB state dicts; quick: 16 MiB, ~25 s
+    "preflight",  # starts 8 torch processes a round, each side
 }
 
 

@@ -151,3 +151,21 @@ def test_goodput_productive_time() -> None:
     assert productive_time(steps, 0.5, 2.0) == 1.0  # 0.5 of the first, 0.5 of the second
     assert productive_time(steps, 0.0, 10.0) == 3.5
     assert productive_time([], 0.0, 10.0) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_preflight_quick_measures_both_sides(tmp_path: Path) -> None:
+    """``python -m bench preflight --quick``: both sides measured, every kelastic round's
+    verdict passed (a failed or inconclusive one would be the row's status)."""
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "preflight", "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert not case["error"], case["error"]
+    sides = {r["side"].split(":")[0]: r for r in case["rows"]}
+    assert set(sides) == {"torch", "kelastic"}, sides
+    assert all(len(r["samples"]) == 3 and not r["status"] for r in sides.values()), sides

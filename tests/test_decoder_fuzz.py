@@ -434,6 +434,65 @@ HANG = {"round": 3, "node": "job-1",
                    "collectives": FLIGHT_RECORD["last"]}]}  # fmt: skip
 
 
+def _netcheck_params(raw: bytes) -> None:
+    from kelastic.netcheck import NetcheckError, decode_params
+
+    with contextlib.suppress(NetcheckError):
+        got = decode_params(raw)
+        assert 0 <= got.rank < got.world_size <= 65536 and 0 <= got.round < 2**63
+        assert 1 <= got.master_port <= 65535 and 1 <= len(got.master_addr) <= 253
+        assert math.isfinite(got.timeout_s) and 1 <= got.timeout_s <= 600
+        f = got.floors
+        assert 1e-6 <= f.max_latency_s <= 60 and 1 <= f.min_bandwidth_bps <= 1e13
+        assert 4 <= f.size_bytes <= 256 * 2**20 and f.size_bytes % 4 == 0
+        assert 1 <= f.iterations <= 100
+
+
+NETCHECK_PARAMS = {"round": 3, "rank": 1, "world_size": 4, "master_addr": "10.0.3.7",
+                   "master_port": 29500, "timeout_s": 30.0,
+                   "floors": {"max_latency_s": 0.05, "min_bandwidth_bps": 5e7,
+                              "size_bytes": 4194304, "iterations": 5}}  # fmt: skip
+
+
+def _netcheck_verdict(raw: bytes) -> None:
+    from kelastic.netcheck import (
+        MAX_FAILED,
+        MAX_INCONCLUSIVE,
+        MAX_REASON,
+        NetcheckError,
+        decode_verdict,
+    )
+
+    with contextlib.suppress(NetcheckError):
+        got = decode_verdict(raw)
+        assert 0 <= got.round < 2**63 and type(got.passed) is bool
+        assert len(got.failed) <= MAX_FAILED and len(got.inconclusive) <= MAX_INCONCLUSIVE
+        assert all(0 <= r < 65536 and len(why) <= MAX_REASON for r, why in got.failed.items())
+        assert got.passed + bool(got.failed) + bool(got.inconclusive) == 1
+        for x in (got.latency_s, got.bandwidth_bps, got.seconds):
+            assert math.isfinite(x) and x >= 0
+
+
+NETCHECK_VERDICT = {"round": 3, "passed": False,
+                    "failed": {"2": "failed every pair test it was in (with rank 1: ...)"},
+                    "inconclusive": "", "latency_s": 0.2, "bandwidth_bps": 2e7,
+                    "seconds": 3.8}  # fmt: skip
+
+
+def _netcheck_setting(raw: bytes) -> None:
+    from kelastic.netcheck import NetcheckError, decode_setting
+
+    with contextlib.suppress(NetcheckError):
+        got = decode_setting(raw.decode("utf-8", errors="replace"))
+        assert math.isfinite(got.timeout_s) and 1 <= got.timeout_s <= 600
+        f = got.floors
+        assert 1e-6 <= f.max_latency_s <= 60 and 1 <= f.min_bandwidth_bps <= 1e13
+        assert 4 <= f.size_bytes <= 256 * 2**20 and 1 <= f.iterations <= 100
+
+
+NETCHECK_SETTING = {"floors": NETCHECK_PARAMS["floors"], "timeoutSeconds": 30.0}
+
+
 def _checkpoints_codec(raw: bytes) -> None:
     from kelastic.etcd_values.checkpoints import (
         MAX_PERSISTED,
@@ -538,6 +597,16 @@ DECODERS: dict[str, Decoder] = {
     "restored": Decoder(_restored_codec, RESTORED),
     "flight_record": Decoder(_flight_record, FLIGHT_RECORD),
     "hang": Decoder(_hang, HANG),
+    "netcheck_params": Decoder(_netcheck_params, NETCHECK_PARAMS),
+    "netcheck_setting": Decoder(_netcheck_setting, NETCHECK_SETTING),
+    "netcheck_verdict": Decoder(
+        _netcheck_verdict,
+        NETCHECK_VERDICT,
+        (
+            {**NETCHECK_VERDICT, "passed": True, "failed": {}},
+            {**NETCHECK_VERDICT, "failed": {}, "inconclusive": "rank 0: forming the group failed"},
+        ),
+    ),
 }
 VALID: dict[str, dict[str, Any]] = {name: d.valid for name, d in DECODERS.items()}
 
@@ -659,6 +728,15 @@ def test_valid_documents_still_decode() -> None:
         json.dumps(EXITED).encode()
     )
     assert _parse(json.dumps(FIFO_LINE).encode()).pid == 4242
+
+
+def test_netcheck_valid_documents_decode() -> None:
+    from kelastic.netcheck import decode_params, decode_verdict, encode_params, encode_verdict
+
+    params = decode_params(json.dumps(NETCHECK_PARAMS).encode())
+    assert json.loads(encode_params(params)) == NETCHECK_PARAMS
+    for doc in (*DECODERS["netcheck_verdict"].variants, NETCHECK_VERDICT):
+        assert json.loads(encode_verdict(decode_verdict(json.dumps(doc).encode()))) == doc
 
 
 def test_loads_bounded_raises_only_its_error() -> None:

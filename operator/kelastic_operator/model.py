@@ -28,6 +28,7 @@ from pydantic import (
 
 from kelastic import contract, failure_policy, preflight
 from kelastic.checkpoint.volume import QUANTITY_PATTERN, parse_quantity
+from kelastic.netcheck import Floors, Setting
 
 API_GROUP = "kelastic.dev"
 API_VERSION = "v1alpha1"
@@ -463,14 +464,79 @@ class FailureRuleSpec(_Model):
     )
 
 
-class PreflightSpec(_Model):
-    """``spec.preflight``: a check each Pod's node passes before its workers join a round
-    (:mod:`kelastic.preflight`: the launcher runs it in the trainer container, where the
-    GPUs are; a node that fails it never joins, its Pod fails and is replaced)."""
+class NetworkCheckSpec(_Model):
+    """``spec.preflight.network``: the built-in network check of each round
+    (:mod:`kelastic.netcheck`): after the round's rendezvous, before its workers start,
+    the round's nodes run a gloo all-reduce of ``sizeMiB`` together (one process per node,
+    in the trainer container); when it misses a floor, pair tests name the nodes at
+    fault, which leave (their Pods fail and are replaced, their Nodes avoided) while the
+    round forms again without them. Defaults catch a broken node, not a slow fabric: set
+    the floors to your network's."""
 
-    command: list[
-        Annotated[str, StringConstraints(min_length=1, max_length=preflight.MAX_ARG_CHARS)]
-    ] = Field(
+    max_latency_milliseconds: float = Field(
+        default=50.0,
+        gt=0,
+        le=60_000,
+        alias="maxLatencyMilliseconds",
+        description="most milliseconds a 4-byte all-reduce of the round's nodes may take "
+        "(median of `iterations`)",
+    )
+    min_bandwidth_mbps: float = Field(
+        default=50.0,
+        gt=0,
+        le=10_000_000,
+        alias="minBandwidthMBps",
+        description="least bandwidth of the all-reduce of sizeMiB, in MB/s (10^6 bytes a "
+        "second: payload bytes over the median time)",
+    )
+    size_mib: int = Field(
+        default=4, ge=1, le=256, alias="sizeMiB", description="MiB each node all-reduces"
+    )
+    iterations: int = Field(
+        default=5, ge=1, le=100, description="timed all-reduces of each kind (their median)"
+    )
+    timeout_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=600,
+        alias="timeoutSeconds",
+        description="seconds each step may take (the group's forming, the all-reduce, each "
+        "pass of pair tests); a check that runs out is inconclusive: the workers start",
+    )
+
+    def to_setting(self) -> Setting:
+        """The setting as the sidecar and the launcher read it (:mod:`kelastic.netcheck`).
+
+        Raises:
+            kelastic.netcheck.NetcheckError: a value the codec refuses.
+        """
+        floors = Floors(
+            max_latency_s=self.max_latency_milliseconds / 1000.0,
+            min_bandwidth_bps=self.min_bandwidth_mbps * 1e6,
+            size_bytes=self.size_mib * 2**20,
+            iterations=self.iterations,
+        )
+        return Setting(floors, float(self.timeout_seconds))
+
+
+#: CEL rule of ``spec.preflight``: what :meth:`PreflightSpec._check` refuses.
+PREFLIGHT_CEL_RULES: list[JsonValue] = [
+    {"rule": "has(self.command) || has(self.network)",
+     "message": "spec.preflight needs a command, a network check, or both"},
+]  # fmt: skip
+
+
+class PreflightSpec(_Model):
+    """``spec.preflight``: checks a Pod's node passes before its workers join a round: the
+    user's ``command`` (:mod:`kelastic.preflight`: the launcher runs it once per Pod in the
+    trainer container, where the GPUs are; a node that fails it never joins, its Pod fails
+    and is replaced) and the built-in ``network`` check of each round. At least one."""
+
+    command: (
+        list[Annotated[str, StringConstraints(min_length=1, max_length=preflight.MAX_ARG_CHARS)]]
+        | None
+    ) = Field(
+        default=None,
         min_length=1,
         max_length=preflight.MAX_ARGS,
         description="the check's program and arguments (no shell), run with the trainer's "
@@ -482,15 +548,29 @@ class PreflightSpec(_Model):
         ge=1,
         le=preflight.MAX_TIMEOUT,
         alias="timeoutSeconds",
-        description="seconds the check may run; past it, it fails (its processes killed)",
+        description="seconds the command may run; past it, it fails (its processes killed)",
+    )
+    network: NetworkCheckSpec | None = Field(
+        default=None,
+        description="the round's nodes' gloo all-reduce against a latency and a bandwidth "
+        "floor, before each round's workers start ({} for the defaults)",
     )
 
-    def to_preflight(self) -> preflight.Preflight:
-        """The check as the launcher reads it (:mod:`kelastic.preflight`).
+    @model_validator(mode="after")
+    def _check(self) -> PreflightSpec:
+        if self.command is None and self.network is None:
+            raise ValueError("spec.preflight needs a command, a network check, or both")
+        return self
+
+    def to_preflight(self) -> preflight.Preflight | None:
+        """The command as the launcher reads it (:mod:`kelastic.preflight`); None when
+        there is none.
 
         Raises:
             kelastic.preflight.PreflightError: an argument the launcher would refuse.
         """
+        if self.command is None:
+            return None
         return preflight.Preflight(tuple(self.command), float(self.timeout_seconds))
 
 
@@ -694,9 +774,11 @@ class ElasticJobSpec(_Model):
     )
     preflight: PreflightSpec | None = Field(
         default=None,
-        description="a check each Pod's node passes before it joins (its program, in the "
-        "trainer container); a node that fails it never joins: its Pod fails and is "
-        "replaced (podReplacement), nothing charged to maxRestarts",
+        description="checks each Pod's node passes before it joins: its program (in the "
+        "trainer container, once per Pod) and the round's network check (before each "
+        "round's workers start); a node that fails never joins: its Pod fails and is "
+        "replaced (podReplacement), its Node avoided, nothing charged to maxRestarts",
+        json_schema_extra={"x-kubernetes-validations": PREFLIGHT_CEL_RULES},
     )
     stragglers: StragglersSpec = Field(
         default_factory=StragglersSpec,

@@ -47,6 +47,7 @@ from typing import Any
 
 from kelastic import __version__, contract, failure_policy
 from kelastic.checkpoint.volume import parse_quantity
+from kelastic.netcheck import encode_setting
 from kelastic.preflight import encode_preflight
 
 from .labels import (
@@ -161,6 +162,7 @@ def sidecar_env(
         {"name": contract.ENV_STRAGGLER_FACTOR, "value": _num(spec.stragglers.factor)},
         {"name": contract.ENV_STRAGGLER_MIN_STEPS, "value": str(spec.stragglers.min_steps)},
         *inprocess_env(spec.in_process),
+        *netcheck_env(spec),
     ]
     if spec.failure_policy is not None:  # the codec the sidecar reads them with
         rules = failure_policy.encode_rules(spec.failure_policy.to_rules())
@@ -298,11 +300,21 @@ def inprocess_env(in_process: InProcessSpec) -> list[dict[str, Any]]:
 
 def preflight_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
     """``spec.preflight`` as the trainer's ``$KELASTIC_PREFLIGHT`` entry
-    (:mod:`kelastic.preflight`'s codec); an empty list when there is none."""
-    if spec.preflight is None:
+    (:mod:`kelastic.preflight`'s codec) and :func:`netcheck_env`; an empty list when there
+    is none."""
+    check = spec.preflight.to_preflight() if spec.preflight is not None else None
+    env = [{"name": contract.ENV_PREFLIGHT, "value": encode_preflight(check)}] if check else []
+    return env + netcheck_env(spec)
+
+
+def netcheck_env(spec: ElasticJobSpec) -> list[dict[str, Any]]:
+    """``spec.preflight.network`` as ``$KELASTIC_NETCHECK`` (:mod:`kelastic.netcheck`'s
+    setting codec), in both containers: the sidecar runs the check, the launcher starts
+    its checker ahead; an empty list when there is none."""
+    network = spec.preflight.network if spec.preflight is not None else None
+    if network is None:
         return []
-    value = encode_preflight(spec.preflight.to_preflight())
-    return [{"name": contract.ENV_PREFLIGHT, "value": value}]
+    return [{"name": contract.ENV_NETCHECK, "value": encode_setting(network.to_setting())}]
 
 
 def _run_mount() -> dict[str, Any]:

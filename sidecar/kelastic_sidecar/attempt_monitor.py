@@ -30,7 +30,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kelastic.control_messages import Exited, Hello, Promote, Respawn, Started, Stop, Stopped
+from kelastic.control_messages import (
+    Checked,
+    Exited,
+    Hello,
+    Promote,
+    Respawn,
+    Started,
+    Stop,
+    Stopped,
+)
 from kelastic.failure_policy import FailureRule
 from kelastic.hang_where import HangWhere
 from kelastic_etcd import EtcdError
@@ -195,6 +204,32 @@ class AttemptMonitor:
             event = self.next_event()
             if isinstance(event, FromLauncher) and isinstance(event.message, Hello):
                 return event.message
+
+    def wait_checked(self, round_: int, timeout: float) -> Checked | Disconnected | None:
+        """Wait up to ``timeout`` seconds for the launcher's ``checked`` of ``round_``
+        (:mod:`~kelastic_sidecar.netcheck`): it, the launcher's disconnection (put back
+        for the round to see), or None at the timeout. Other events are kept, in order, for
+        :meth:`monitor`; a ``checked`` of another round is dropped."""
+        deadline = time.monotonic() + timeout
+        kept: list[Event] = []
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    event = self._events.get(timeout=left)
+                except queue.Empty:
+                    return None
+                message = event.message if isinstance(event, FromLauncher) else None
+                if isinstance(message, Checked) and message.round == round_:
+                    return message
+                if isinstance(message, Disconnected):
+                    kept.append(event)
+                    return message
+                if not isinstance(message, Checked):
+                    kept.append(event)
+            return None
+        finally:
+            for event in kept:
+                self._events.put(event)
 
     def next_event(self, timeout: float | None = None) -> Event:
         """The next event (``queue.Empty`` after ``timeout`` s); a rendezvous check taken

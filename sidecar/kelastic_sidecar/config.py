@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kelastic import contract, failure_policy
 from kelastic.etcd_values.checkpoints import is_domain
+from kelastic.netcheck import NetcheckError, Setting, decode_setting
 
 from .hang_evidence import DEFAULT_BUDGET, ENV_BUDGET
 from .steptime import (
@@ -176,6 +177,18 @@ class ReplicationSettings:
     max_slot_bytes: int = 2**40
 
 
+def _netcheck(env: Mapping[str, str], problems: list[str]) -> Setting | None:
+    """``$KELASTIC_NETCHECK`` (:mod:`kelastic.netcheck`): None when unset or empty."""
+    raw = env.get(contract.ENV_NETCHECK, "")
+    if not raw:
+        return None
+    try:
+        return decode_setting(raw)
+    except NetcheckError as exc:
+        problems.append(f"{contract.ENV_NETCHECK}: {exc}")
+        return None
+
+
 def _replication_settings(
     env: Mapping[str, str],
     num: Callable[[str, Callable[[str], int], int], int],
@@ -260,6 +273,9 @@ class SidecarConfig:
         inprocess: in-process restarts (:class:`InProcessSettings`).
         failure_rules: ``spec.failurePolicy.rules`` (``$KELASTIC_FAILURE_POLICY``,
             :mod:`kelastic.failure_policy`'s codec); empty: none.
+        netcheck: the network check of each round (``spec.preflight.network``,
+            ``$KELASTIC_NETCHECK``, :mod:`kelastic.netcheck`'s setting codec; run by
+            :mod:`~kelastic_sidecar.netcheck`); None: none.
         hang_evidence_budget: seconds the sidecar may spend reading a hung worker's
             stacks before killing it (``$KELASTIC_HANG_EVIDENCE_BUDGET``, default 2; 0:
             none read; :mod:`~kelastic_sidecar.hang_evidence`).
@@ -308,6 +324,7 @@ class SidecarConfig:
     persist: PersistSettings | None = None
     replication: ReplicationSettings | None = None
     layout: contract.StateLayout = contract.StateLayout.SHARDED
+    netcheck: Setting | None = None
 
     def rendezvous_settings(self) -> RendezvousSettings:
         """The rendezvous' settings for this node (its Pod uid as its incarnation).
@@ -375,6 +392,7 @@ class SidecarConfig:
             contract.ENV_INPROCESS_HARD_TIMEOUT,
         )
         layout = _layout(env, problems)
+        netcheck = _netcheck(env, problems)
         cfg = cls(
             job_name=text(contract.ENV_JOB_NAME),
             namespace=text(contract.ENV_NAMESPACE, "default"),
@@ -410,6 +428,7 @@ class SidecarConfig:
                 spare_ranks=num(contract.ENV_INPROCESS_SPARES, int, 0),
             ),
             failure_rules=rules,
+            netcheck=netcheck,
             hang_evidence_budget=num(ENV_BUDGET, float, DEFAULT_BUDGET),
             stopped_timeout=num(
                 contract.ENV_STOPPED_TIMEOUT, float, contract.DEFAULT_STOPPED_TIMEOUT

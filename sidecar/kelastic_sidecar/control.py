@@ -2,7 +2,8 @@
 
 The launcher in the trainer container connects to ``control.sock`` on the shared volume
 and speaks the protocol of :mod:`kelastic.contract` (``hello``, ``started``, ``exited``,
-``stopped`` upward; ``assign``, ``stop``, ``shutdown`` downward). One launcher is served
+``stopped``, ``checked`` upward; ``assign``, ``stop``, ``shutdown``, ``check`` and the
+in-process restart's ``respawn``, ``promote`` downward). One launcher is served
 at a time; a new connection replaces the old one (the trainer container restarted).
 
 Messages are handed to a callback from the reader thread; a malformed line is logged and
@@ -33,6 +34,7 @@ from kelastic.control_messages import (
     MAX_NPROC,
     MAX_PID,
     Assign,
+    Check,
     Exited,
     Hello,
     LauncherMessage,
@@ -87,7 +89,7 @@ class Disconnected:
 Message = LauncherMessage | Disconnected
 
 #: What the supervisor sends to the launcher.
-SidecarMessage = Assign | Stop | Shutdown | Respawn | Promote
+SidecarMessage = Assign | Stop | Shutdown | Respawn | Promote | Check
 
 
 class ControlServer:

@@ -40,6 +40,7 @@ from .failure import (
 )
 from .hang_evidence import Outcome
 from .ipc import DROP_REASONS
+from .vocabulary import CheckOutcome
 
 #: The ``cause`` label values of the restart and downtime counters.
 CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_OOM, CAUSE_NODE_LOST, CAUSE_SCALE, CAUSE_PEER)
@@ -348,6 +349,29 @@ def _hang_evidence_metrics(registry: CollectorRegistry) -> tuple[Counter, Counte
     return stacks, records
 
 
+def _netcheck_metrics(registry: CollectorRegistry) -> tuple[Counter, Histogram]:
+    """``kelastic_network_checks_total{outcome}`` and ``kelastic_network_check_seconds``:
+    the rounds' network preflight checks (:mod:`~kelastic_sidecar.netcheck`), every
+    outcome's series present from the start."""
+    checks = Counter(
+        "kelastic_network_checks_total",
+        "Network preflight checks of a round, by outcome (passed; self_failed: this node "
+        "was judged bad and left; peers_failed: others were, the round forms again; "
+        "inconclusive: no node could be judged, the workers started)",
+        ["outcome"],
+        registry=registry,
+    )
+    for outcome in CheckOutcome:
+        checks.labels(outcome=outcome.value)
+    seconds = Histogram(
+        "kelastic_network_check_seconds",
+        "Seconds a round's network preflight check added before the workers started",
+        buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0),
+        registry=registry,
+    )
+    return checks, seconds
+
+
 class SidecarMetrics:
     """All metrics of one sidecar, registered in :attr:`registry`.
 
@@ -423,14 +447,13 @@ class SidecarMetrics:
             registry=r,
         )
         self.hang_evidence, self.flight_records = _hang_evidence_metrics(r)
+        self.netchecks, self.netcheck_seconds = _netcheck_metrics(r)  # a round's check
         self.stragglers = _step_metrics(r, step_times)
         self.inprocess_spares_promoted, self.inprocess_spares_waiting = _spare_metrics(r)
-        self.budget_spent = Gauge(
-            "kelastic_restart_budget_spent", "Global restarts spent by the job", registry=r
-        )
-        self.budget_max = Gauge(
-            "kelastic_restart_budget_max", "Global restart budget of the job", registry=r
-        )
+        self.budget_spent = Gauge("kelastic_restart_budget_spent",
+                                  "Global restarts spent by the job", registry=r)  # fmt: skip
+        self.budget_max = Gauge("kelastic_restart_budget_max",
+                                "Global restart budget of the job", registry=r)  # fmt: skip
         self.worker_exits = Counter(
             "kelastic_worker_exits_total",
             "Worker exits by exit code (or signal name)",
@@ -477,6 +500,11 @@ class SidecarMetrics:
             for level in LEVELS:
                 self.restarts.labels(level=level, cause=cause)
             self.downtime.labels(cause=cause)
+
+    def observe_netcheck(self, outcome: CheckOutcome, seconds: float) -> None:
+        """Count a round's network check and the ``seconds`` it added."""
+        self.netchecks.labels(outcome=outcome.value).inc()
+        self.netcheck_seconds.observe(seconds)
 
 
 def _step_metrics(r: CollectorRegistry, step_times: StepRead | None) -> Counter:

@@ -70,6 +70,8 @@ from .failure import (
     FailureCause,
     signal_name,
 )
+from .metrics import SidecarMetrics
+from .netcheck import NetworkCheck
 from .rendezvous import (
     EtcdRendezvousHandler,
     RendezvousClosedError,
@@ -81,6 +83,7 @@ from .round_end import (
     RoundEndKind,
     closed_outcome,
 )
+from .vocabulary import DEPARTURE_PREFLIGHT, CheckOutcome
 from .wiring import Hooks, build_parts
 
 #: Extra variables of the round's workers (the agreed checkpoint step's), or none.
@@ -173,6 +176,8 @@ class Supervisor:
             self.metrics, config.stop_grace, self.inprocess, parts.steps, config.failure_rules,
             0.0 if config.inprocess.enabled else config.stopped_timeout, parts.hangs,
         )  # fmt: skip
+        seams = (self.control.send, self.workers.wait_checked, self.metrics.observe_netcheck)
+        self.netcheck = NetworkCheck(config.netcheck, config.node, *seams)  # a round's check
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
         self._last_failure: Failure | None = None
@@ -333,6 +338,12 @@ class Supervisor:
                 log.warning("round %d: no master address or checkpoint records (%s); "
                             "re-rendezvous", info.round, exc)  # fmt: skip
                 continue
+            checked = self.netcheck.gate(info, master, self._carried)
+            if checked and checked.outcome is CheckOutcome.PEERS_FAILED:
+                continue  # they leave: the round forms again without them, nothing charged
+            if checked and checked.outcome is CheckOutcome.SELF_FAILED:  # it never trains
+                self._leave(DEPARTURE_PREFLIGHT)
+                return self._fail_fatal(checked.text)
             self._start_workers(info, master, restore_env)
             end = self.workers.monitor(self.handler, info, self._on_started)
             self._running, self._carried = False, self.inprocess.carry(end)
@@ -373,17 +384,8 @@ class Supervisor:
         assert self.handler is not None
         self._phase = Phase.RENDEZVOUS
         started = time.monotonic()
-        info = self.handler.next_rendezvous()
-        took = time.monotonic() - started
-        self._info = info
-        self.metrics.rounds.inc()
-        self.metrics.rendezvous_duration.observe(took)
-        self.metrics.round.set(info.round)
-        self.metrics.group_world_size.set(info.group_world_size)
-        self.metrics.world_size.set(info.group_world_size * self._nproc)
-        log.info("round %d complete in %.3fs: group rank %d of %d, world size %d", info.round,
-                 took, info.group_rank, info.group_world_size,
-                 info.group_world_size * self._nproc)  # fmt: skip
+        self._info = info = self.handler.next_rendezvous()
+        observe_round(self.metrics, info, time.monotonic() - started, self._nproc)
         return info
 
     def _start_workers(self, info: RendezvousInfo, master: tuple[str, int], env: Env) -> None:
@@ -528,6 +530,18 @@ class Supervisor:
         self._report(ReportOutcome.FAILED, text)
         self._shutdown_launcher(EXIT_FAILED, text)
         return EXIT_FAILED
+
+
+def observe_round(metrics: SidecarMetrics, info: RendezvousInfo, took: float, nproc: int) -> None:
+    """Log and count a completed round (``took``: seconds in the rendezvous)."""
+    metrics.rounds.inc()
+    metrics.rendezvous_duration.observe(took)
+    metrics.round.set(info.round)
+    metrics.group_world_size.set(info.group_world_size)
+    metrics.world_size.set(info.group_world_size * nproc)
+    log.info("round %d complete in %.3fs: group rank %d of %d, world size %d", info.round,
+             took, info.group_rank, info.group_world_size,
+             info.group_world_size * nproc)  # fmt: skip
 
 
 def refused(exc: BaseException) -> bool:

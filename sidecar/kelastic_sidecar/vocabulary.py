@@ -13,12 +13,28 @@ from __future__ import annotations
 import enum
 from typing import Final
 
-__all__ = ["DEPARTURE_REJOIN", "DEPARTURE_SUCCEEDED", "CheckReason"]
+__all__ = ["DEPARTURE_PREFLIGHT", "DEPARTURE_REJOIN", "DEPARTURE_SUCCEEDED", "CheckOutcome",
+           "CheckReason"]  # fmt: skip
 
 #: Departure reason recorded when a participant exits a round to re-rendezvous.
 DEPARTURE_REJOIN: Final = "rejoin"
 #: Departure of a node whose workers all exited 0: its peers carry on.
 DEPARTURE_SUCCEEDED: Final = "succeeded"
+#: Departure of a node the round's network check judged bad: it never trains.
+DEPARTURE_PREFLIGHT: Final = "preflight_failed"
+
+
+class CheckOutcome(enum.StrEnum):
+    """What a round's network check decided for this node (:mod:`~kelastic_sidecar.netcheck`)."""
+
+    #: The group met the floors, or the pair tests cleared every node: the workers start.
+    PASSED = "passed"
+    #: This node was judged bad: it leaves and its Pod fails.
+    SELF_FAILED = "self_failed"
+    #: Other nodes were judged bad: rendezvous again without them.
+    PEERS_FAILED = "peers_failed"
+    #: No node could be judged: the workers start.
+    INCONCLUSIVE = "inconclusive"
 
 
 class CheckReason(enum.StrEnum):

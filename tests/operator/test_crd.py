@@ -164,6 +164,13 @@ def doc_with(**spec: object) -> str:
          "spec.checkpoint.persist.path"),
         ({"checkpoint": {"memory": "64Mi", "persist": {"volume": "data", "keep": 0}}},
          "spec.checkpoint.persist.keep"),
+        ({"preflight": {"timeoutSeconds": 5}},
+         "spec.preflight needs a command, a network check, or both"),
+        ({"preflight": {"network": {"minBandwidthMBps": 0}}},
+         "spec.preflight.network.minBandwidthMBps"),
+        ({"preflight": {"network": {"sizeMiB": 257}}}, "spec.preflight.network.sizeMiB"),
+        ({"preflight": {"network": {"timeoutSeconds": 601}}},
+         "spec.preflight.network.timeoutSeconds"),
         ({"bogus": 1}, "bogus"),
     ],
 )  # fmt: skip

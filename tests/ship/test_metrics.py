@@ -55,6 +55,8 @@ def test_the_sidecar_exports_every_listed_metric() -> None:
         "kelastic_inprocess_workers_killed_total",
         "kelastic_hang_evidence_total",
         "kelastic_flight_records_total",
+        "kelastic_network_checks_total",
+        "kelastic_network_check_seconds_count",
         "kelastic_step_seconds_count",
         "kelastic_stragglers_total",
     ):

@@ -150,3 +150,37 @@ def test_the_operator_writes_the_spec_into_the_trainers_env_and_refuses_a_bad_on
                 {"command": ["x" * (MAX_ARG_CHARS + 1)]}):  # fmt: skip
         with pytest.raises(ValidationError):
             PreflightSpec.model_validate(bad)
+
+
+def test_the_network_check_reaches_both_containers_by_its_codec() -> None:
+    """``spec.preflight.network`` alone (no command) is a preflight: ``$KELASTIC_NETCHECK``
+    in the trainer (its checker started ahead) and the sidecar (it runs the check), with
+    the spec's units turned into the codec's (ms -> s, MB/s -> bytes/s, MiB -> bytes)."""
+    from pydantic import ValidationError
+
+    from kelastic.netcheck import Floors, Setting, decode_setting
+    from kelastic_operator.labels import SIDECAR_CONTAINER
+    from kelastic_operator.model import PreflightSpec, load_manifest
+    from kelastic_operator.pods import PodSettings, build_pod
+
+    root = Path(__file__).resolve().parents[2]
+    spec = load_manifest(root / "examples/digits/elasticjob.yaml").spec
+    check = PreflightSpec.model_validate({"network": {
+        "maxLatencyMilliseconds": 5, "minBandwidthMBps": 800, "sizeMiB": 8, "iterations": 3,
+        "timeoutSeconds": 20}})  # fmt: skip
+    settings = PodSettings(sidecar_image="kelastic:test", etcd_endpoints=("etcd:2379",))
+    pod = build_pod("digits", "ml", "uid-1", spec.model_copy(update={"preflight": check}), 0,
+                    settings)  # fmt: skip
+    want = Setting(Floors(max_latency_s=0.005, min_bandwidth_bps=8e8, size_bytes=8 * 2**20,
+                          iterations=3), timeout_s=20.0)  # fmt: skip
+    containers = {c["name"]: c for c in pod["spec"]["containers"] + pod["spec"].get(
+        "initContainers", [])}  # fmt: skip
+    for name in ("trainer", SIDECAR_CONTAINER):
+        env = containers[name]["env"]
+        (value,) = [e["value"] for e in env if e["name"] == contract.ENV_NETCHECK]
+        assert decode_setting(value) == want, name
+        assert all(e["name"] != contract.ENV_PREFLIGHT for e in env)  # no command: none
+    defaults = PreflightSpec.model_validate({"network": {}}).network
+    assert defaults is not None and defaults.to_setting() == Setting()
+    with pytest.raises(ValidationError, match="needs a command, a network check, or both"):
+        PreflightSpec.model_validate({"timeoutSeconds": 30})

@@ -343,6 +343,11 @@ ENV_STRAGGLER_MIN_STEPS: Final = "KELASTIC_STRAGGLER_MIN_STEPS"
 #: [...], "timeoutSeconds": N}`` (:mod:`kelastic.preflight`), set by the operator from
 #: ``spec.preflight`` in the trainer container.
 ENV_PREFLIGHT: Final = "KELASTIC_PREFLIGHT"
+#: The job's network preflight check (``spec.preflight.network``), in the trainer and the
+#: sidecar container: ``{"floors": {...}, "timeoutSeconds": N}``
+#: (:func:`kelastic.netcheck.decode_setting`). The sidecar runs it before each round's
+#: workers start; the launcher starts its checker ahead when it is set.
+ENV_NETCHECK: Final = "KELASTIC_NETCHECK"
 #: How the sidecar of a node whose preflight check failed begins its report and the
 #: trainer's termination message (``preflight failed on <node>: <why>``); the operator
 #: keeps new Pods off that Pod's Node (``status.quarantinedNodes``).
@@ -516,6 +521,9 @@ MSG_STARTED: Final = "started"  # {"type", "attempt", "pids": {local_rank: pid},
 MSG_EXITED: Final = "exited"  # {"type", "attempt", "local_rank", "pid", "exitcode",
 #                                  "signal", "error", "tail"}
 MSG_STOPPED: Final = "stopped"  # {"type", "attempt"}: all workers of attempt are gone
+#: {"type", "round", "verdict" | "error"}: the network check of ``round`` ended (the
+#: checker's verdict line, :mod:`kelastic.netcheck`), or why it gave none
+MSG_CHECKED: Final = "checked"
 # supervisor -> launcher
 MSG_ASSIGN: Final = "assign"  # {"type", "attempt", "round", "workers": [{"local_rank", "env"}]}
 MSG_STOP: Final = "stop"  # {"type", "attempt", "reason"}
@@ -524,6 +532,9 @@ MSG_RESPAWN: Final = "respawn"  # {"type", "attempt", "local_rank", "env"}: star
 #: {"type", "attempt", "spare_slot", "local_rank", "pid"}: the waiting spare (pid) in that
 #: slot is now the (dead) worker of local_rank; start a new spare in the slot
 MSG_PROMOTE: Final = "promote"
+#: {"type", "round", "params", "timeout"}: run the network check of ``round`` (``params``:
+#: the checker's params line, :mod:`kelastic.netcheck`), killed past ``timeout`` seconds
+MSG_CHECK: Final = "check"
 
 # ------------------------------------------------- in-process socket (JSON lines)
 # Typed in kelastic.inprocess_messages. wrapped worker -> sidecar coordinator:

@@ -32,11 +32,15 @@ from kelastic._safejson import BadEnvError, UnsafeJSONError, env_map, is_int, lo
 from kelastic.preflight import MAX_ERROR_CHARS
 
 __all__ = [
+    "MAX_CHECK_LINE",
+    "MAX_CHECK_TIMEOUT",
     "MAX_COUNTER",
     "MAX_LOCAL_RANK",
     "MAX_NPROC",
     "MAX_PID",
     "Assign",
+    "Check",
+    "Checked",
     "Exited",
     "Hello",
     "LauncherMessage",
@@ -178,6 +182,24 @@ class Promote:
 
 
 @dataclass(frozen=True)
+class Check:
+    """``{"type": "check", "round", "params", "timeout"}``: run the network check of
+    ``round`` (:mod:`kelastic.netcheck`): ``params`` is the checker's params line, passed
+    to it unread (its codec checks it), ``timeout`` the seconds after which the checker
+    is killed (1..:data:`MAX_CHECK_TIMEOUT`). Answered by ``checked``."""
+
+    type: ClassVar[str] = contract.MSG_CHECK
+    round: int
+    params: str
+    timeout: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """The wire form."""
+        return {"type": self.type, "round": self.round, "params": self.params,
+                "timeout": self.timeout}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Unknown:
     """A well-formed message of a type this launcher does not know (version skew)."""
 
@@ -188,7 +210,12 @@ class Unknown:
         return {"type": self.type}
 
 
-Message = Assign | Stop | Shutdown | Respawn | Promote | Unknown
+Message = Assign | Stop | Shutdown | Respawn | Promote | Check | Unknown
+
+#: Longest network check the sidecar may ask for, seconds.
+MAX_CHECK_TIMEOUT: Final = 3600
+#: Longest params line of a ``check`` and verdict line of a ``checked``, bytes (UTF-8).
+MAX_CHECK_LINE: Final = 256 * 1024
 
 
 def excerpt(line: bytes, limit: int = 200) -> str:
@@ -295,6 +322,24 @@ def _parse_promote(obj: dict[str, Any], line: bytes) -> Promote:
     )  # fmt: skip
 
 
+def _parse_check(obj: dict[str, Any], line: bytes) -> Check:
+    params, timeout = obj.get("params"), obj.get("timeout")
+    if not isinstance(params, str) or not 0 < len(params.encode()) <= MAX_CHECK_LINE:
+        raise ProtocolError(f"check params must be a string of 1..{MAX_CHECK_LINE} bytes: "
+                            + excerpt(line))  # fmt: skip
+    if "\n" in params:
+        raise ProtocolError("check params must be one line: " + excerpt(line))
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 1 <= timeout <= MAX_CHECK_TIMEOUT
+    ):
+        raise ProtocolError(f"check timeout must be 1..{MAX_CHECK_TIMEOUT} seconds, got "
+                            f"{timeout!r:.40}: " + excerpt(line))  # fmt: skip
+    return Check(round=_int_field(obj, "round", line, minimum=0), params=params,
+                 timeout=float(timeout))  # fmt: skip
+
+
 def parse_message(line: bytes) -> Message:
     """Decode and validate one line from the sidecar.
 
@@ -303,7 +348,7 @@ def parse_message(line: bytes) -> Message:
 
     Returns:
         :class:`Assign`, :class:`Stop`, :class:`Shutdown`, :class:`Respawn`,
-        :class:`Promote`, or :class:`Unknown` for a
+        :class:`Promote`, :class:`Check`, or :class:`Unknown` for a
         JSON object whose ``type`` is a string this version does not know (extra fields
         of known types are ignored, for forward compatibility).
 
@@ -345,6 +390,8 @@ def parse_message(line: bytes) -> Message:
         )
     if kind == contract.MSG_PROMOTE:
         return _parse_promote(obj, line)
+    if kind == contract.MSG_CHECK:
+        return _parse_check(obj, line)
     if kind == contract.MSG_SHUTDOWN:
         exitcode = _int_field(obj, "exitcode", line, minimum=0)
         if exitcode > 255:
@@ -464,7 +511,30 @@ class Stopped:
         return {"type": self.type, "attempt": self.attempt}
 
 
-LauncherMessage = Hello | Started | Exited | Stopped | Unknown
+@dataclass(frozen=True)
+class Checked:
+    """``{"type": "checked", "round", "verdict"}`` or ``{..., "error"}``: the network
+    check of ``round`` ended: ``verdict`` is the checker's verdict line (decoded by the
+    sidecar with :func:`kelastic.netcheck.decode_verdict`), ``error`` why there is none
+    (the checker timed out, died, or could not start; at most :data:`MAX_ERROR_CHARS`
+    characters). Exactly one of the two."""
+
+    type: ClassVar[str] = contract.MSG_CHECKED
+    round: int
+    verdict: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The wire form (the one of ``verdict`` and ``error`` that is set)."""
+        doc: dict[str, Any] = {"type": self.type, "round": self.round}
+        if self.verdict is not None:
+            doc["verdict"] = self.verdict
+        else:
+            doc["error"] = self.error or "no verdict"
+        return doc
+
+
+LauncherMessage = Hello | Started | Exited | Stopped | Checked | Unknown
 
 
 def _up_int(
@@ -529,6 +599,21 @@ def _parse_exited(msg: dict[str, Any]) -> Exited:
     )
 
 
+def _parse_checked(msg: dict[str, Any]) -> Checked:
+    round_ = _up_int(msg, "round", 0, MAX_COUNTER)
+    assert round_ is not None
+    verdict, error = msg.get("verdict"), msg.get("error")
+    if (verdict is None) == (error is None):
+        raise ProtocolError("'checked' message needs exactly one of 'verdict' and 'error'")
+    if verdict is not None and not (
+        isinstance(verdict, str) and 0 < len(verdict.encode()) <= MAX_CHECK_LINE
+    ):
+        raise ProtocolError(f"'checked' message: 'verdict' must be 1..{MAX_CHECK_LINE} bytes")
+    if error is not None and not (isinstance(error, str) and 0 < len(error) <= MAX_ERROR_CHARS):
+        raise ProtocolError(f"'checked' message: 'error' must be 1..{MAX_ERROR_CHARS} characters")
+    return Checked(round=round_, verdict=verdict, error=error)
+
+
 def parse_launcher_message(line: bytes) -> LauncherMessage:
     """Decode and validate one line from the launcher (newline excluded).
 
@@ -539,7 +624,8 @@ def parse_launcher_message(line: bytes) -> LauncherMessage:
     (``attempt``, ``pids`` mapping local ranks to pids, ``warm``), ``exited``
     (``attempt``, ``local_rank``, ``pid``, ``exitcode``, ``signal`` in 1..64, ``error``
     object, ``tail`` strings, ``oom`` bool),
-    ``stopped`` (``attempt``). Other types decode as :class:`Unknown` (a string
+    ``stopped`` (``attempt``), ``checked`` (``round``, one of ``verdict`` text and
+    ``error`` text). Other types decode as :class:`Unknown` (a string
     ``type`` of 1..64 characters).
 
     Raises:
@@ -570,4 +656,6 @@ def parse_launcher_message(line: bytes) -> LauncherMessage:
         return _parse_exited(msg)
     if kind == contract.MSG_STOPPED:
         return Stopped(attempt=_up_attempt(msg))
+    if kind == contract.MSG_CHECKED:
+        return _parse_checked(msg)
     return Unknown(type=kind)

@@ -43,13 +43,14 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from kelastic import contract
+from kelastic._checker import Checker
 from kelastic._control import LineBuffer
 from kelastic._oom import OomWatch
 from kelastic._spares import SpareKeeper
@@ -64,6 +65,7 @@ from kelastic._workers import (
 )
 from kelastic.control_messages import (
     Assign,
+    Check,
     Exited,
     Hello,
     LauncherMessage,
@@ -263,6 +265,53 @@ def _cap_error(error: ErrorInfo | None) -> ErrorInfo | None:
     return capped
 
 
+def connect_to_sidecar(
+    run_dir: Path, timeout: float, wait: Callable[[float], None]
+) -> socket.socket:
+    """Connect to the sidecar's control socket in ``run_dir``, trying again (with backoff,
+    at most 0.5 s apart, calling ``wait(seconds)`` in between) for up to ``timeout``
+    seconds; the socket returned has the send timeout set.
+
+    Raises:
+        _Exit: the path is too long for a Unix socket, or no connection within
+            ``timeout`` (the message says what to check); whatever ``wait`` raises.
+    """
+    path = contract.control_socket_path(run_dir)
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    last_error = "no socket"
+    logger.info("connecting to the sidecar at %s", path)
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # A full listen backlog makes connect() block: bound each try.
+        sock.settimeout(min(5.0, max(0.1, deadline - time.monotonic())))
+        try:
+            with unix_address(path) as address:
+                sock.connect(address)
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.ENAMETOOLONG or "too long" in str(e):
+                raise _Exit(
+                    1, f"kelastic launcher: cannot use control socket path {path}: {e}"
+                ) from None
+            last_error = f"{type(e).__name__}: {e}"
+        else:
+            sock.settimeout(SEND_TIMEOUT)
+            logger.info("connected to the sidecar")
+            return sock
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Exit(
+                1,
+                f"kelastic launcher: the sidecar's control socket {path} did not accept a "
+                f"connection within {timeout:g}s (last error: {last_error}). Is the kelastic "
+                f"sidecar running in this pod and sharing the {contract.RUN_VOLUME_NAME} "
+                f"volume at {run_dir}?",
+            )
+        wait(min(delay, left))
+        delay = min(delay * 2, 0.5)
+
+
 class Launcher:
     """The control loop: one connection to the sidecar, one worker group at a time.
 
@@ -284,6 +333,8 @@ class Launcher:
         #: How workers start (cold, or warm from a zygote): set by :meth:`run`.
         self._starter: WorkerStarter = ColdStart()
         self._spares = SpareKeeper(config.cmd)  # in-process restart's spare ranks
+        #: the round's network check (kelastic.netcheck), started ahead when the job has one
+        self._checker = Checker(bool(os.environ.get(contract.ENV_NETCHECK)))
 
     # ------------------------------------------------------------------ entry point
     def run(self) -> int:
@@ -306,6 +357,7 @@ class Launcher:
                     failed = check_node(self.config.preflight)  # before the node joins a round
                     self._connect()
                     self._send(Hello(os.getpid(), self.config.nproc, failed))
+                    self._checker.prestart(os.environ)  # its import overlaps the rendezvous
                     self._loop()
                 except _Exit as e:
                     return self._finish(e)
@@ -325,6 +377,7 @@ class Launcher:
         if group is not None and not group.stopped:
             self._reap()
             group.terminate(self.config.stop_grace, self._wait_during_stop)
+        self._checker.close()
         self._starter.close()
         self._reap()
         write_termination_log(exit_.summary)
@@ -333,45 +386,11 @@ class Launcher:
 
     # --------------------------------------------------------------------- connect
     def _connect(self) -> None:
-        path = contract.control_socket_path(self.config.run_dir)
-        deadline = time.monotonic() + self.config.connect_timeout
-        delay = 0.05
-        last_error = "no socket"
-        logger.info("connecting to the sidecar at %s", path)
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            # A full listen backlog makes connect() block: bound each try.
-            sock.settimeout(min(5.0, max(0.1, deadline - time.monotonic())))
-            try:
-                with unix_address(path) as address:
-                    sock.connect(address)
-            except OSError as e:
-                sock.close()
-                if e.errno == errno.ENAMETOOLONG or "too long" in str(e):
-                    raise _Exit(
-                        1, f"kelastic launcher: cannot use control socket path {path}: {e}"
-                    ) from None
-                last_error = f"{type(e).__name__}: {e}"
-            else:
-                sock.settimeout(SEND_TIMEOUT)
-                self._sock = sock
-                logger.info("connected to the sidecar")
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _Exit(
-                    1,
-                    f"kelastic launcher: the sidecar's control socket {path} did not accept a "
-                    f"connection within {self.config.connect_timeout:g}s (last error: "
-                    f"{last_error}). Is the kelastic sidecar running in this pod and sharing "
-                    f"the {contract.RUN_VOLUME_NAME} volume at {self.config.run_dir}?",
-                )
-            select.select([self._signals], [], [], min(delay, left))
-            self._on_signals(self._signals.drain())
-            self._reap()
-            if self._term_signal is not None:
-                raise self._signal_exit()
-            delay = min(delay * 2, 0.5)
+        def wait(seconds: float) -> None:  # signals and reaping go on meanwhile
+            select.select([self._signals], [], [], seconds)
+            self._on_wake()
+
+        self._sock = connect_to_sidecar(self.config.run_dir, self.config.connect_timeout, wait)
 
     # ------------------------------------------------------------------ main loop
     def _loop(self) -> None:
@@ -382,6 +401,7 @@ class Launcher:
             sel.register(self._signals, selectors.EVENT_READ)
             sel.register(sock, selectors.EVENT_READ)
             while True:
+                self._checker.watch(sel)  # its output, while a network check runs
                 events = sel.select(timeout=1.0)
                 self._on_signals(self._signals.drain())
                 self._reap()
@@ -389,7 +409,10 @@ class Launcher:
                 self._spares.tend(self._group, self._starter.spawner())
                 if self._term_signal is not None:
                     raise self._signal_exit()
-                if not any(key.fileobj is sock for key, _ in events):
+                ready = {key.fileobj for key, _ in events}
+                if (checked := self._checker.answer(ready)) is not None:
+                    self._send(checked)
+                if sock not in ready:
                     continue
                 try:
                     data = sock.recv(65536)
@@ -432,6 +455,11 @@ class Launcher:
             self._on_assign(msg)
         elif isinstance(msg, Stop):
             self._on_stop(msg)
+            self._checker.prestart(os.environ)  # for the next round's check
+        elif isinstance(msg, Check):
+            answer = self._checker.begin(msg, os.environ)
+            if answer is not None:
+                self._send(answer)
         elif isinstance(msg, Respawn):
             self._on_respawn(msg)
         elif isinstance(msg, Promote):
@@ -624,6 +652,8 @@ class Launcher:
             worker = group.by_pid(pid) if group is not None else None
             if worker is not None:
                 worker.set_reaped(returncode)
+            elif self._checker.on_reaped(pid, returncode):
+                continue
             elif not self._starter.on_reaped(pid, returncode):
                 logger.debug("reaped descendant %d (returncode %d)", pid, returncode)
 

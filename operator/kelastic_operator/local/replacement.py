@@ -110,7 +110,8 @@ class ReplacementPolicy:
         if sidecar is not None and sidecar < 0 and trainer != 0:
             why = f"its kelastic sidecar {exit_text(sidecar)}: node lost"
         elif trainer not in (None, 0) and not pod.job_failed():
-            why = f"its trainer {exit_text(trainer)}"
+            said = pod.termination_message().splitlines()[:1]  # e.g. its preflight's failure
+            why = f"its trainer {exit_text(trainer)}" + (f" ({said[0][:400]})" if said else "")
             if pod.sidecar is not None and sidecar is None:
                 return  # wait for its sidecar: it reports the job failed or not
         if not why:
