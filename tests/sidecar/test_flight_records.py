@@ -303,3 +303,26 @@ def test_the_record_is_named_by_the_rank_its_sidecar_asks_with(tmp_path: Path) -
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_the_in_process_hard_timeouts_kill_carries_the_waiting_ranks_record(
+    hung_pair: tuple[Path, list[subprocess.Popen[bytes]]],
+) -> None:
+    """The in-process hard timeout's ``on_kill`` (``wiring.kill_reporter``, what the
+    coordinator calls just before its SIGKILL) reads a worker that waits in a collective
+    (not stopped) with the same collector: it asks for the flight record, and the reap it
+    queues says which collective the worker was in."""
+    from kelastic_sidecar.events import WorkerReaped
+    from kelastic_sidecar.wiring import kill_reporter
+
+    flight_dir, (rank0, _) = hung_pair
+    pending = Collective("default_pg", 5, "gloo:all_reduce", done=False)
+    wait_for(lambda: _collector(flight_dir)(rank0.pid).collectives == (pending,),
+             timeout=60, what="rank 0 in all-reduce #5")  # fmt: skip
+    queued: list[object] = []
+    kill_reporter(_collector(flight_dir), queued.append)(rank0.pid, "no barrier within 10 s")
+    [event] = queued
+    assert isinstance(event, WorkerReaped) and event.reap.evidence is not None
+    assert event.reap.evidence.collectives == (pending,), event.reap.evidence
+    assert event.reap.evidence.flight == str(flight_dir / record_name(rank0.pid, 0))
+    assert event.reap.why.startswith("no barrier within 10 s; "), event.reap.why
