@@ -363,11 +363,16 @@ class ReplicaServer:
                 with self._lock:
                     self.served += 1
                     self.served_bytes += size
-            else:
-                self._refuse(RefuseReason.TORN)
-                log.warning("replica server: rank %d step %d was rewritten while it was sent",
-                            req.rank, req.step)  # fmt: skip
-            stream.send(encode_trailer(commit))
+                stream.send(encode_trailer(commit))
+                return
+            self._refuse(RefuseReason.TORN)  # one refusal per connection: this one
+            log.warning("replica server: rank %d step %d was rewritten while it was sent",
+                        req.rank, req.step)  # fmt: skip
+            # the fetcher may have seen the rewrite in the bytes (sendfile sends the page
+            # cache as it is when the bytes leave, not when it was called) and left
+            # already: a trailer it does not read is no second refusal
+            with contextlib.suppress(OSError):
+                stream.send(encode_trailer(commit))
 
 
 def _reply(stream: Stream, reply: Reply) -> None:
