@@ -33,6 +33,7 @@ CASES: dict[str, tuple[str, str, float, float]] = {
     "hang_evidence": ("bench.hang_evidence", "hang_evidence", 300, 150),
     "goodput": ("bench.goodput", "goodput", 420, 200),
     "operator_scale": ("bench.operator_scale", "operator_scale", 1200, 300),
+    "operator_idle": ("bench.operator_scale", "operator_idle", 1200, 300),
     "inprocess": ("bench.inprocess", "inprocess", 1800, 300),
     "checkpoint": ("bench.checkpoint", "checkpoint", 900, 120),
     "preflight": ("bench.preflight", "preflight", 600, 150),
@@ -45,6 +46,7 @@ NOT_QUICK = {
     "hang_evidence",
     "goodput",
     "operator_scale",
+    "operator_idle",
     "inprocess",
     "checkpoint",  # 100 MiB and 1 GiB state dicts; quick: 16 MiB, ~25 s
     "preflight",  # starts 8 torch processes a round, each side

@@ -133,13 +133,23 @@ def _own_namespace() -> str:
 
 
 def api_client(kubeconfig: str | None) -> Any:
-    """An ApiClient of the official client: in-cluster if possible, else the kubeconfig."""
+    """An ApiClient of the official client: in-cluster if possible, else the kubeconfig;
+    with :data:`~kelastic_operator.job_reconciler.API_CONNECTIONS` kept-alive connections.
+
+    Raises:
+        kubernetes.config.ConfigException: no credentials either way.
+    """
     from kubernetes import client, config
 
+    from .job_reconciler import API_CONNECTIONS
+
+    cfg = client.Configuration()
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        return client.ApiClient()
-    return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    else:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
+    cfg.connection_pool_maxsize = API_CONNECTIONS
+    return client.ApiClient(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

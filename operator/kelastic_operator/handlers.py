@@ -37,7 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from . import kueue
-from .job_reconciler import PLURAL, JobReconciler, OperatorContext
+from .job_reconciler import PLURAL, RECONCILE_POOL, JobReconciler, OperatorContext
 from .labels import LABEL_JOB
 from .model import (
     API_GROUP,
@@ -172,7 +172,9 @@ async def _reconcile_until_stopped(
         wake.clear()
         try:
             with ctx.metrics.time_reconcile():  # duration, outcome, errors by kind
-                due = await asyncio.to_thread(reconciler.reconcile_once)
+                due = await asyncio.get_running_loop().run_in_executor(
+                    RECONCILE_POOL, reconciler.reconcile_once
+                )
         except ApiException as exc:
             if exc.status == 409:  # the job changed since it was read: decide again
                 log.debug("%s/%s: status write conflicted; reconciling again", namespace, name)

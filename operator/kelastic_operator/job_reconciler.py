@@ -81,6 +81,19 @@ MAX_CREATE_BATCH = 16
 _WRITE_POOL = concurrent.futures.ThreadPoolExecutor(
     max_workers=MAX_CREATE_BATCH, thread_name_prefix="kelastic-write"
 )
+#: Reconcile passes run at once, over every job (each pass blocks on the API while it
+#: reads, creates through :data:`_WRITE_POOL` and writes the status). asyncio's default
+#: executor has min(32, cores + 4) threads: 6 on a 2-core operator Pod, where a queue
+#: admitting 100 jobs at once waited for 6 passes at a time (reconcile p99 30 s).
+RECONCILE_THREADS = 32
+RECONCILE_POOL = concurrent.futures.ThreadPoolExecutor(
+    max_workers=RECONCILE_THREADS, thread_name_prefix="kelastic-reconcile"
+)
+#: Kept-alive connections of the operator's API client: every reconcile and write thread
+#: at once, and a few for the rest (the Node and Kueue clients). The official client's
+#: default is 5 per core: with more threads than that, each request beyond it opened a
+#: connection (a TLS handshake on both sides) and threw it away.
+API_CONNECTIONS = RECONCILE_THREADS + MAX_CREATE_BATCH + 8
 log = logging.getLogger("kelastic_operator")
 
 

@@ -127,6 +127,7 @@ class AttemptMonitor:
         self.node = node
         self.nproc = nproc
         self._events = events
+        self._hello: Hello | None = None  # the launcher's, once it connected
         self._control = control
         self._timer = timer
         self._metrics = metrics
@@ -199,11 +200,17 @@ class AttemptMonitor:
     # --------------------------------------------------------------------- events
 
     def wait_hello(self) -> Hello:
-        """Block until the launcher sends ``hello``; other events are dropped."""
+        """Block until the launcher sends ``hello`` (kept: :meth:`launcher_checks`); other
+        events are dropped."""
         while True:
             event = self.next_event()
             if isinstance(event, FromLauncher) and isinstance(event.message, Hello):
+                self._hello = event.message
                 return event.message
+
+    def launcher_checks(self) -> bool:
+        """Whether the launcher said it answers ``check`` (an older one does not)."""
+        return self._hello is not None and self._hello.netcheck
 
     def wait_checked(self, round_: int, timeout: float) -> Checked | Disconnected | None:
         """Wait up to ``timeout`` seconds for the launcher's ``checked`` of ``round_``

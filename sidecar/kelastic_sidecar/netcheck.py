@@ -76,6 +76,9 @@ class NetworkCheck:
         node: this node's name (for the texts).
         send, wait: the control socket's send and the attempt monitor's ``wait_checked``.
         observe: called with each outcome and its seconds (metrics); optional.
+        launcher_checks: whether the launcher answers ``check`` (its ``hello`` said so; an
+            older launcher's does not, and it is never asked: it would ignore the message
+            and the round would wait for the whole deadline).
     """
 
     def __init__(
@@ -85,18 +88,29 @@ class NetworkCheck:
         send: Send,
         wait: Wait,
         observe: Callable[[CheckOutcome, float], None] | None = None,
+        launcher_checks: Callable[[], bool] = lambda: True,
     ) -> None:
         self.setting = setting
         self.node = node
         self._send = send
         self._wait = wait
         self._observe = observe
+        self._launcher_checks = launcher_checks
+        self._skew_told = False
 
     def applies(self, info: RendezvousInfo, carried: bool) -> bool:
-        """Whether ``info``'s round runs the check: a setting, two nodes or more, and
-        workers that start as new processes (``carried``: an in-process restart keeps
-        them)."""
-        return self.setting is not None and info.group_world_size >= 2 and not carried
+        """Whether ``info``'s round runs the check: a setting, two nodes or more, workers
+        that start as new processes (``carried``: an in-process restart keeps them), and a
+        launcher that answers ``check``."""
+        if self.setting is None or info.group_world_size < 2 or carried:
+            return False
+        if not self._launcher_checks():
+            if not self._skew_told:
+                log.warning("the job has a network check but this node's launcher is older "
+                            "and cannot run it; its rounds start without it")  # fmt: skip
+                self._skew_told = True
+            return False
+        return True
 
     def gate(
         self, info: RendezvousInfo, master: tuple[str, int], carried: bool

@@ -176,7 +176,8 @@ class Supervisor:
             self.metrics, config.stop_grace, self.inprocess, parts.steps, config.failure_rules,
             0.0 if config.inprocess.enabled else config.stopped_timeout, parts.hangs,
         )  # fmt: skip
-        seams = (self.control.send, self.workers.wait_checked, self.metrics.observe_netcheck)
+        seams = (self.control.send, self.workers.wait_checked, self.metrics.observe_netcheck,
+                 self.workers.launcher_checks)  # fmt: skip
         self.netcheck = NetworkCheck(config.netcheck, config.node, *seams)  # a round's check
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE

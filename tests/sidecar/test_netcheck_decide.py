@@ -116,3 +116,19 @@ def test_which_rounds_run_the_check() -> None:
     assert check.gate(alone, ("10.0.0.7", 1), carried=False) is None and not launcher.sent
     off = NetworkCheck(None, "job-1", launcher.sent.append, lambda r, t: None)
     assert not off.applies(INFO, carried=False)
+
+
+def test_an_older_launcher_is_never_asked_and_that_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A launcher whose ``hello`` did not say ``netcheck`` would ignore ``check`` (an
+    unknown type to it), and the round would wait for the whole deadline: not asked."""
+    launcher = Launcher(Checked(round=4, verdict=_verdict()))
+    check = NetworkCheck(SETTING, "job-1", launcher.sent.append, launcher._wait,
+                         launcher_checks=lambda: False)  # fmt: skip
+    with caplog.at_level("WARNING", logger="kelastic_sidecar.netcheck"):
+        assert check.gate(INFO, ("10.0.0.7", 1), carried=False) is None
+        assert check.gate(INFO, ("10.0.0.7", 1), carried=False) is None
+    assert launcher.sent == [] and launcher.waited == []
+    said = [r.message for r in caplog.records if "launcher is older" in r.message]
+    assert len(said) == 1, caplog.records

@@ -11,6 +11,7 @@ from kelastic.control_messages import (
     MAX_CHECK_LINE,
     Check,
     Checked,
+    Hello,
     ProtocolError,
     Unknown,
     encode_message,
@@ -92,3 +93,14 @@ def test_an_older_peer_sees_an_unknown_type_not_an_error() -> None:
     """A launcher without the check parses ``check`` as this version parses a newer type."""
     assert parse_message(b'{"type": "check2", "round": 1}') == Unknown(type="check2")
     assert parse_launcher_message(b'{"type": "checked2"}') == Unknown(type="checked2")
+
+
+def test_hello_says_whether_the_launcher_answers_check() -> None:
+    new = Hello(pid=7, nproc=2, netcheck=True)
+    assert parse_launcher_message(encode_message(new.as_dict()).rstrip(b"\n")) == new
+    older = b'{"type": "hello", "pid": 7, "nproc": 2}'  # no key: it cannot run the check
+    assert parse_launcher_message(older) == Hello(pid=7, nproc=2, netcheck=False)
+    assert "netcheck" not in Hello(pid=7).as_dict()
+    for bad in (b'"yes"', b"1", b"null"):
+        with pytest.raises(ProtocolError, match="'netcheck' must be true or false"):
+            parse_launcher_message(older[:-1] + b', "netcheck": ' + bad + b"}")

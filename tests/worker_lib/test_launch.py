@@ -313,7 +313,7 @@ class Env:
         launcher = self.launch(nproc=nproc)
         sup.accept()
         hello = sup.expect("hello")
-        assert hello == {"type": "hello", "pid": launcher.pid, "nproc": nproc}
+        assert hello == {"type": "hello", "pid": launcher.pid, "nproc": nproc, "netcheck": True}
         return sup, launcher
 
     def cleanup(self) -> None:

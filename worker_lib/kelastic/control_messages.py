@@ -426,21 +426,26 @@ _MAX_TYPE_LEN: Final = 64
 
 @dataclass(frozen=True)
 class Hello:
-    """``{"type": "hello", "pid", "nproc", "preflight_error"}``: the launcher connected
-    (each may be null). ``preflight_error``: how the node's preflight check failed
-    (:mod:`kelastic.preflight`; at most :data:`MAX_ERROR_CHARS` characters); null when it
-    passed or there is none (an older launcher sends no such key)."""
+    """``{"type": "hello", "pid", "nproc", "preflight_error", "netcheck"}``: the launcher
+    connected (each may be null). ``preflight_error``: how the node's preflight check
+    failed (:mod:`kelastic.preflight`; at most :data:`MAX_ERROR_CHARS` characters); null
+    when it passed or there is none (an older launcher sends no such key). ``netcheck``:
+    the launcher answers ``check`` (:mod:`kelastic.netcheck`); absent (false) from an
+    older one, which the sidecar then never asks."""
 
     type: ClassVar[str] = contract.MSG_HELLO
     pid: int | None = None
     nproc: int | None = None
     preflight_error: str | None = None
+    netcheck: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The wire form."""
         doc: dict[str, Any] = {"type": self.type, "pid": self.pid, "nproc": self.nproc}
         if self.preflight_error is not None:  # a check failed (an older sidecar: no key)
             doc["preflight_error"] = self.preflight_error
+        if self.netcheck:
+            doc["netcheck"] = True
         return doc
 
 
@@ -620,7 +625,7 @@ def parse_launcher_message(line: bytes) -> LauncherMessage:
     The line is decoded by :func:`kelastic._safejson.loads_bounded` (at most
     :data:`kelastic.contract.CONTROL_MAX_LINE` bytes, nested at most 32 deep, integers
     of at most 19 digits, finite numbers). Known types are checked: ``hello`` (``pid``,
-    ``nproc`` in 1..:data:`MAX_NPROC`, ``preflight_error`` text), ``started``
+    ``nproc`` in 1..:data:`MAX_NPROC`, ``preflight_error`` text, ``netcheck`` bool), ``started``
     (``attempt``, ``pids`` mapping local ranks to pids, ``warm``), ``exited``
     (``attempt``, ``local_rank``, ``pid``, ``exitcode``, ``signal`` in 1..64, ``error``
     object, ``tail`` strings, ``oom`` bool),
@@ -649,7 +654,11 @@ def parse_launcher_message(line: bytes) -> LauncherMessage:
                 f"'hello' message: 'preflight_error' must be 1..{MAX_ERROR_CHARS} characters"
             )
         nproc = _up_int(msg, "nproc", 1, MAX_NPROC, optional=True)
-        return Hello(pid=pid, nproc=nproc, preflight_error=error)
+        netcheck = msg.get("netcheck", False)
+        if type(netcheck) is not bool:
+            raise ProtocolError(f"'hello' message: 'netcheck' must be true or false, got "
+                                f"{netcheck!r:.40}")  # fmt: skip
+        return Hello(pid=pid, nproc=nproc, preflight_error=error, netcheck=netcheck)
     if kind == contract.MSG_STARTED:
         return _parse_started(msg)
     if kind == contract.MSG_EXITED:

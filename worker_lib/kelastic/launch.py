@@ -356,7 +356,7 @@ class Launcher:
                 try:
                     failed = check_node(self.config.preflight)  # before the node joins a round
                     self._connect()
-                    self._send(Hello(os.getpid(), self.config.nproc, failed))
+                    self._send(Hello(os.getpid(), self.config.nproc, failed, netcheck=True))
                     self._checker.prestart(os.environ)  # its import overlaps the rendezvous
                     self._loop()
                 except _Exit as e:
