@@ -56,21 +56,33 @@ def _answer(checker: Checker, deadline: float = 20.0) -> Checked:
 
 
 def _reap(checker: Checker) -> None:
-    while True:
+    """Reap what the test started (as the launcher, a subreaper, reaps its children), not
+    the session's processes."""
+    for child in psutil.Process().children():
+        if child.pid in _SESSION:
+            continue
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(child.pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        checker.on_reaped(pid, os.waitstatus_to_exitcode(status))
+            continue
+        if pid:
+            checker.on_reaped(pid, os.waitstatus_to_exitcode(status))
+
+
+#: The processes this pytest process had before the test (a test cluster's, an etcd).
+_SESSION: set[int] = set()
 
 
 @pytest.fixture(autouse=True)
 def _no_leftovers() -> Iterator[None]:
+    """Kill what the test started and left, and only that: the session's own processes
+    (a test cluster's API server, an embedded etcd) are children of this process too."""
+    _SESSION.clear()
+    _SESSION.update(p.pid for p in psutil.Process().children(recursive=True))
     yield
     for child in psutil.Process().children(recursive=True):
-        child.kill()
+        if child.pid not in _SESSION:
+            child.kill()
 
 
 def test_the_verdict_line_is_passed_up_unread(tmp_path: Path, fake: Path) -> None:
