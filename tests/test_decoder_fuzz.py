@@ -28,7 +28,7 @@ from kelastic import contract, etcd_values
 from kelastic import inprocess_messages as ipm
 from kelastic._control import ProtocolError, encode_message, parse_message
 from kelastic._safejson import UnsafeJSONError, loads_bounded
-from kelastic.control_messages import Assign, Exited, Promote
+from kelastic.control_messages import MAX_CHECK_LINE, Assign, Checked, Exited, Promote
 from kelastic.errors import parse_error_data
 from kelastic.etcd_values import MAX_RANK, MAX_ROUND, decode_master
 from kelastic.prestop import parse_reply, reply_left, reply_not_left
@@ -147,6 +147,12 @@ def _report(raw: bytes) -> None:
     assert view.round is None or isinstance(view.round, int)
 
 
+#: The network check's messages (and the hello that says the launcher answers it).
+CHECK = {"type": "check", "round": 2, "params": '{"round": 2}', "timeout": 120.0}
+CHECKED = {"type": "checked", "round": 2, "verdict": '{"round": 2}'}
+HELLO = {"type": "hello", "pid": 4242, "nproc": 2, "netcheck": True}
+
+
 def _launcher_side(raw: bytes) -> None:
     with contextlib.suppress(ProtocolError):
         parse_message(raw)
@@ -158,6 +164,9 @@ def _sidecar_side(raw: bytes) -> None:
     except ControlProtocolError:
         return
     assert isinstance(msg.type, str)
+    if isinstance(msg, Checked):  # exactly one of the two, within its bound
+        assert (msg.verdict is None) != (msg.error is None)
+        assert len((msg.verdict or msg.error or "").encode()) <= MAX_CHECK_LINE
 
 
 def _fifo(raw: bytes) -> None:
@@ -572,8 +581,8 @@ DECODERS: dict[str, Decoder] = {
     "envelope": Decoder(_envelope, json.loads(encode_envelope(b"torch-state"))),
     "master": Decoder(_master, {"addr": "10.0.0.1", "port": 29500}),
     "node_report": Decoder(_report, json.loads(node_report("failed", "job-0", "job failed: x"))),
-    "control_launcher": Decoder(_launcher_side, ASSIGN),
-    "control_sidecar": Decoder(_sidecar_side, EXITED),
+    "control_launcher": Decoder(_launcher_side, ASSIGN, (CHECK,)),
+    "control_sidecar": Decoder(_sidecar_side, EXITED, (CHECKED, HELLO)),
     "fifo": Decoder(_fifo, FIFO_LINE),
     "inprocess_record": Decoder(_inprocess_record, IP_RECORD),
     "inprocess_record_operator": Decoder(_inprocess_record_operator, IP_RECORD),
