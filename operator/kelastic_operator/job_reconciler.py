@@ -282,7 +282,7 @@ class JobReconciler:
             return None
         where = pod_placement(self.custom, workload, view.queue, plan)
         self._apply(obj, spec, old, plan, store, prefix, now, where)
-        settle_workload(self.custom, self.namespace, self.name, workload, len(pods), plan, now)
+        settle_workload(self.custom, view, workload, len(pods), plan, now)
         self.ctx.metrics.set_phase(self.namespace, self.name, plan.status.phase, PHASES)
         # (a pass that raised keeps the last one: an API error does not drop the watch)
         finished = plan.status.phase in TERMINAL_PHASES

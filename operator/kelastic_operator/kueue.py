@@ -24,6 +24,15 @@ Kueue 0.17 grows a running workload only through *workload slices* (the alpha fe
 so the job stays at the admitted count; the Workload already asks for ``maxReplicas``, so
 Kueue admits the most the quota allows at the start.
 
+Scaled down below its admission (``kubectl scale`` to fewer Pods), the job gives the quota
+of the Pods it no longer runs back once they are gone: the Workload's
+``status.reclaimablePods`` (:func:`reclaim`; Kueue's ``ReclaimablePods``, beta and on in
+0.17), so a queue's waiting jobs get those GPUs at once. Kueue never lets that count fall
+while the quota is held, so the job cannot grow back into it before it is admitted again.
+A waiting Workload whose Pod template asks for other resources or placement than the job's
+Pods would now (:func:`quota_hash`, kept in :data:`QUOTA_HASH_ANNOTATION`) is made again,
+as one of other sizes is.
+
 Over ~400 lines because it is one cohesive thing: the operator's half of Kueue's Workload
 protocol (what it writes, what it reads, the status patches it makes, where the admission
 puts the Pods), each piece small and read against the others.
@@ -34,6 +43,7 @@ from __future__ import annotations
 import copy
 import enum
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +58,7 @@ __all__ = [
     "PRIORITY_CLASSES",
     "PRIORITY_LABEL",
     "QUEUE_LABEL",
+    "QUOTA_HASH_ANNOTATION",
     "RESOURCE_IN_USE",
     "VERSION",
     "WORKLOADS",
@@ -66,6 +77,9 @@ __all__ = [
     "placement",
     "queue_gate",
     "queue_name",
+    "quota_hash",
+    "reclaim",
+    "reclaim_patch",
     "workload_name",
     "workload_view",
 ]
@@ -87,6 +101,19 @@ JOB_UID_LABEL = f"{GROUP}/job-uid"
 RESOURCE_IN_USE = f"{GROUP}/resource-in-use"
 #: The one pod set's name.
 POD_SET = "workers"
+#: The Workload's annotation holding :func:`quota_hash` of the template it was made with.
+QUOTA_HASH_ANNOTATION = f"{API_GROUP}/pod-set-quota-hash"
+#: The Pod spec's fields Kueue's quota and placement read (:func:`quota_hash`).
+_QUOTA_FIELDS = (
+    "nodeSelector",
+    "affinity",
+    "tolerations",
+    "topologySpreadConstraints",
+    "priorityClassName",
+    "overhead",
+    "resourceClaims",
+    "runtimeClassName",
+)
 
 
 class QueueReason(enum.StrEnum):
@@ -114,6 +141,8 @@ class WorkloadView:
         cluster_queue: the admission's ClusterQueue ("" without one).
         conditions: the status's conditions as read (for :func:`cleared_reservation`).
         pod_set_count, pod_set_min_count: what the Workload asks (spec.podSets[0]).
+        quota_hash: its :data:`QUOTA_HASH_ANNOTATION` ("" without one).
+        reclaimable: ``status.reclaimablePods``' count of the pod set (0 without one).
     """
 
     name: str
@@ -132,6 +161,8 @@ class WorkloadView:
     conditions: tuple[Mapping[str, Any], ...] = ()
     pod_set_count: int = 0
     pod_set_min_count: int | None = None
+    quota_hash: str = ""
+    reclaimable: int = 0
 
 
 @dataclass(frozen=True)
@@ -215,6 +246,7 @@ def build_workload(
     if spec.min_nodes < spec.max_nodes:
         pod_set["minCount"] = spec.min_nodes
     wl_spec: dict[str, Any] = {"queueName": queue, "podSets": [pod_set]}
+    template_hash = quota_hash(pod_set["template"]["spec"])
     priority_class = labels.get(PRIORITY_LABEL)
     if priority_class and priority is not None:  # Kueue's CRD: a class needs its priority
         wl_spec["priorityClassRef"] = {
@@ -228,6 +260,7 @@ def build_workload(
             "name": workload_name(job, uid),
             "namespace": namespace,
             "labels": {JOB_UID_LABEL: uid},
+            "annotations": {QUOTA_HASH_ANNOTATION: template_hash},
             "finalizers": [RESOURCE_IN_USE],
             "ownerReferences": [
                 {
@@ -242,6 +275,26 @@ def build_workload(
         },
         "spec": wl_spec,
     }
+
+
+def quota_hash(pod_spec: Mapping[str, Any]) -> str:
+    """A digest (16 hex characters) of what Kueue's quota and placement read in a pod set's
+    template: each container's and init container's name and ``resources`` (an init
+    container's ``restartPolicy`` too: a native sidecar's requests add up), and the
+    spec's scheduling fields (:data:`_QUOTA_FIELDS`). An image or a command is not in it,
+    so an operator upgrade that changes only the sidecar's image replaces no waiting
+    Workload (a replacement puts it behind the jobs queued since)."""
+
+    def containers(key: str, keep: tuple[str, ...]) -> list[dict[str, Any]]:
+        return [{k: c.get(k) for k in keep} for c in pod_spec.get(key) or []]
+
+    view = {
+        "containers": containers("containers", ("name", "resources")),
+        "initContainers": containers("initContainers", ("name", "resources", "restartPolicy")),
+        **{k: pod_spec.get(k) for k in _QUOTA_FIELDS},
+    }
+    text = json.dumps(view, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _condition(conditions: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any]:
@@ -263,6 +316,8 @@ def workload_view(obj: Mapping[str, Any]) -> WorkloadView:
     first = next((a for a in assignments if a.get("name") == POD_SET), None)
     count = first.get("count") if first else None
     pod_sets = (obj.get("spec") or {}).get("podSets") or [{}]
+    reclaimable = next((r.get("count") for r in status.get("reclaimablePods") or []
+                        if isinstance(r, Mapping) and r.get("name") == POD_SET), 0)  # fmt: skip
     return WorkloadView(
         name=str(meta.get("name") or ""),
         resource_version=str(meta.get("resourceVersion") or ""),
@@ -281,6 +336,8 @@ def workload_view(obj: Mapping[str, Any]) -> WorkloadView:
         conditions=conditions,
         pod_set_count=int(pod_sets[0].get("count") or 0),
         pod_set_min_count=pod_sets[0].get("minCount"),
+        quota_hash=str((meta.get("annotations") or {}).get(QUOTA_HASH_ANNOTATION) or ""),
+        reclaimable=reclaimable if isinstance(reclaimable, int) and reclaimable > 0 else 0,
     )  # fmt: skip
 
 
@@ -312,10 +369,13 @@ def queue_gate(
         return QueueGate(queue, None, QueueReason.QUEUED,
                          f"waiting for Kueue to admit it (LocalQueue {queue}){detail}")  # fmt: skip
     count = workload.count if workload.count is not None else workload.pod_set_count
-    admitted = max(0, min(count, spec.max_nodes))
+    kept = workload.pod_set_count - workload.reclaimable  # quota given back stays given
+    admitted = max(0, min(count, spec.max_nodes, kept))
+    back = f", {count - admitted} given back" if workload.reclaimable and admitted < count else ""
     return QueueGate(queue, admitted, QueueReason.QUEUED,
                      f"admitted by Kueue (LocalQueue {queue}, ClusterQueue "
-                     f"{workload.cluster_queue}): {admitted} of {spec.max_nodes} pods")  # fmt: skip
+                     f"{workload.cluster_queue}): {admitted} of {spec.max_nodes} pods"
+                     f"{back}")  # fmt: skip
 
 
 def placement(flavors: Sequence[Mapping[str, Any]]) -> Placement:
@@ -344,16 +404,20 @@ def place_pod(pod: dict[str, Any], where: Placement) -> None:
         pspec["tolerations"] = have
 
 
-def outdated(workload: WorkloadView, spec: ElasticJobSpec) -> bool:
+def outdated(workload: WorkloadView, spec: ElasticJobSpec, template_hash: str) -> bool:
     """Whether a Workload that holds no quota asks for other sizes than the spec now does
-    (``maxReplicas``/``minReplicas`` edited while the job waits): it is replaced, as
-    Kueue's jobframework replaces a job's Workload that no longer matches it. One that
-    holds quota (admitted, or evicted and not yet given back) is kept: the job runs at
-    its admission until it ends or is evicted."""
+    (``maxReplicas``/``minReplicas`` edited while the job waits), or for another Pod:
+    its :attr:`~WorkloadView.quota_hash` is not ``template_hash`` (:func:`quota_hash` of
+    the Pod the job would run now: its requests or placement edited, or the operator's
+    sidecar resources changed). It is replaced, as Kueue's jobframework replaces a job's
+    Workload that no longer matches it. One that holds quota (admitted, or evicted and
+    not yet given back) is kept: the job runs at its admission until it ends or is
+    evicted (Kueue refuses a change of an admitted Workload's pod sets)."""
     if workload.quota_reserved or workload.deleting:
         return False
     min_count = spec.min_nodes if spec.min_nodes < spec.max_nodes else None
-    return (workload.pod_set_count, workload.pod_set_min_count) != (spec.max_nodes, min_count)
+    sizes = (workload.pod_set_count, workload.pod_set_min_count)
+    return sizes != (spec.max_nodes, min_count) or workload.quota_hash != template_hash
 
 
 def place_pods(pods: Sequence[dict[str, Any]], where: Placement | None) -> None:
@@ -393,7 +457,40 @@ def cleared_reservation(workload: WorkloadView, now: str) -> dict[str, Any]:
                      message),
     })  # fmt: skip
     patch["status"]["admission"] = None
+    patch["status"]["reclaimablePods"] = None  # given back with the rest: admitted anew
     return patch
+
+
+def reclaim(workload: WorkloadView | None, spec: ElasticJobSpec, pods_seen: int) -> int | None:
+    """The Workload's new ``reclaimablePods`` count when the job was scaled down below its
+    admission and the Pods beyond ``replicas`` are gone; None when nothing is to be
+    written (not admitted, evicted, or as much given back already).
+
+    Kueue counts an admitted pod set's quota as ``min(admitted, count - reclaimable)``
+    (``podSetsCountsAfterReclaim``), so giving back all but ``n`` Pods is
+    ``count - n``; its webhook refuses a count that falls while the quota is held.
+
+    Args:
+        workload: the Workload as read; spec: the job's spec (``replicas``).
+        pods_seen: the job's Pods the pass observed, being deleted included: quota is
+            given back only for Pods that are gone, never for one still stopping.
+    """
+    if workload is None or workload.evicted or not (workload.admitted and workload.quota_reserved):
+        return None
+    count = workload.count if workload.count is not None else workload.pod_set_count
+    held = min(count, workload.pod_set_count - workload.reclaimable)
+    keep = max(spec.replicas, pods_seen)
+    if keep >= held:
+        return None
+    return workload.pod_set_count - keep
+
+
+def reclaim_patch(workload: WorkloadView, count: int) -> dict[str, Any]:
+    """The status merge patch that gives ``count`` of the pod set's Pods back
+    (``status.reclaimablePods``, the list replaced whole: it has one pod set),
+    conditional on the Workload's resourceVersion."""
+    return {"metadata": {"resourceVersion": workload.resource_version},
+            "status": {"reclaimablePods": [{"name": POD_SET, "count": count}]}}  # fmt: skip
 
 
 def finished(workload: WorkloadView, succeeded: bool, message: str, now: str) -> dict[str, Any]:

@@ -36,12 +36,15 @@ from .kueue import (
     needs_clearing,
     outdated,
     placement,
+    quota_hash,
+    reclaim,
+    reclaim_patch,
     workload_name,
     workload_view,
 )
 from .model import TERMINAL_PHASES, ElasticJobSpec
 from .pods import PodBuildError, PodSettings, build_pod
-from .reconcile_views import Event, Plan, format_time
+from .reconcile_views import Event, JobView, Plan, format_time
 
 __all__ = [
     "PriorityClassMissing",
@@ -307,13 +310,18 @@ def ensure_workload(
             # between): lift it again, else it stays Terminating and the job waits forever
             release_workload(custom, namespace, name, uid)
             return None, []
-        if found is not None and not finished_job and outdated(found, spec):
+        if found is not None and (finished_job or found.quota_reserved or found.deleting):
+            return found, []  # (outdated() keeps these: no Pod to build)
+        if finished_job:
+            return None, []
+        pod = build_pod(name, namespace, uid, spec, 0, settings)
+        if found is not None and outdated(found, spec, quota_hash(pod["spec"])):
             release_workload(custom, namespace, name, uid)  # made again once it is gone
             return None, [Event("Normal", "WorkloadReplaced", f"Workload {found.name} asked "
-                                f"for other sizes than spec now does: replaced")]  # fmt: skip
-        if found is not None or finished_job:
+                                f"for other sizes or Pods than the job now does: "
+                                f"replaced")]  # fmt: skip
+        if found is not None:
             return found, []
-        pod = build_pod(name, namespace, uid, spec, 0, settings)
         made = create_workload(custom, name, namespace, uid, spec, meta.get("labels") or {}, pod)
     except (PodBuildError, PriorityClassMissing) as exc:
         return None, [Event("Warning", "FailedCreateWorkload", str(exc))]
@@ -326,18 +334,19 @@ def ensure_workload(
 
 def settle_workload(
     custom: client.CustomObjectsApi,
-    namespace: str,
-    job: str,
+    view: JobView,
     workload: WorkloadView | None,
     pods_seen: int,
     plan: Plan,
     now: datetime,
 ) -> None:
     """After a queued job's pass: an evicted Workload none of whose Pods is left gets its
-    quota reservation cleared (Kueue queues it again); a finished job's Workload is
-    marked Finished (its quota goes back).
+    quota reservation cleared (Kueue queues it again); a job scaled down below its
+    admission gives the quota of the Pods gone back (:func:`~kelastic_operator.kueue.reclaim`);
+    a finished job's Workload is marked Finished (its quota goes back).
 
     Args:
+        view: the job the pass read (its namespace, name and spec's ``replicas``).
         pods_seen: the job's Pods the pass observed (any state, being deleted included).
         plan: the pass's applied plan; now: the pass's time.
 
@@ -346,12 +355,19 @@ def settle_workload(
     """
     if workload is None:  # not queued, or its Workload is not there yet
         return
+    namespace, job, spec = view.namespace, view.name, view.spec
     stamp = format_time(now)
     clear = needs_clearing(workload, pods_seen) and not plan.create
     if clear and patch_workload_status(custom, namespace, workload.name,
                                        cleared_reservation(workload, stamp)):  # fmt: skip
         log.info("%s/%s: evicted, pods gone: cleared Workload %s's reservation",
                  namespace, job, workload.name)  # fmt: skip
+    back = reclaim(workload, spec, pods_seen) if not clear else None
+    if back is not None and patch_workload_status(custom, namespace, workload.name,
+                                                  reclaim_patch(workload, back)):  # fmt: skip
+        log.info("%s/%s: scaled down to %d pods: gave the rest of Workload %s's quota back "
+                 "(reclaimablePods %d)", namespace, job, workload.pod_set_count - back,
+                 workload.name, back)  # fmt: skip
     phase = plan.status.phase
     if phase in TERMINAL_PHASES and not is_finished(workload):
         message = next((c.message for c in plan.status.conditions if c.type == phase), "")

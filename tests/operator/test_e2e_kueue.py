@@ -203,8 +203,24 @@ def test_a_short_quota_admits_a_job_partially_and_it_runs_that_many_pods(
     ready = next(c for c in status_of(k8s, "partial")["conditions"]
                  if c["type"] == "RendezvousReady")  # fmt: skip
     assert "Kueue admitted 3 of the 4 wanted" in ready["message"]
+    # scaled down to 2: once the third Pod is gone its quota goes back to the queue
+    # (reclaimablePods 4 - 2), and a job of one Pod that did not fit is admitted at once
+    k8s.kubectl("scale", "elasticjob", "partial", "--replicas=2")
+    wait(kueue, k8s, "2 pods", lambda: job_pods(k8s, "partial") == pods[:2])
+    given = wait(kueue, k8s, "the quota given back", lambda: (w := workload_of(
+        k8s, "partial", uid)) and (w.get("status") or {}).get("reclaimablePods") and w)  # fmt: skip
+    assert given["status"]["reclaimablePods"] == [{"name": "workers", "count": 2}]
+    one = submit(k8s, "one", replicas=1, minReplicas=1, maxReplicas=1)
+    wait(kueue, k8s, "the one-Pod job admitted", lambda: admitted_count(k8s, "one", one) == 1)
+    wait(kueue, k8s, "its pod", lambda: job_pods(k8s, "one") == ["one-0"])
+    # scaling back up cannot take that quota again: the job stays at the 2 it kept
+    k8s.kubectl("scale", "elasticjob", "partial", "--replicas=3")
+    wait(kueue, k8s, "the scale seen", lambda: (s := status_of(k8s, "partial")).get(
+        "observedGeneration") == k8s.get("elasticjob", "partial")["metadata"]["generation"]
+        and s["admittedReplicas"] == 2)  # type: ignore[index]  # fmt: skip
+    assert job_pods(k8s, "partial") == pods[:2]
     # deleting the job releases its Workload (Kueue leaves an owned one's finalizer)
-    k8s.kubectl("delete", "elasticjob", "partial", "--wait=false")
+    k8s.kubectl("delete", "elasticjob", "partial", "one", "--wait=false")
     gone = lambda: workload_of(k8s, "partial", uid) is None and not job_pods(k8s, "partial")  # noqa: E731
     wait(kueue, k8s, "the Workload gone with the job", gone)
 
@@ -230,6 +246,16 @@ def test_two_jobs_compete_for_one_quota_the_second_waits_then_runs(
     wl = wait(kueue, k8s, "second's Workload replaced", lambda: (w := workload_of(
         k8s, "second", second)) and w["metadata"]["uid"] != old_uid and w)  # fmt: skip
     assert wl["spec"]["podSets"][0]["minCount"] == 1 and wl["spec"]["podSets"][0]["count"] == 2
+    # its Pods' requests edited while it waits: made again, asking for what they will
+    k8s.kubectl("patch", "ej", "second", "--type=json", "-p", json.dumps([{
+        "op": "replace", "value": "2Gi",
+        "path": "/spec/template/spec/containers/0/resources/requests/memory"}]))  # fmt: skip
+    sized = wl["metadata"]["uid"]
+    wl = wait(kueue, k8s, "replaced for its requests", lambda: (w := workload_of(
+        k8s, "second", second)) and w["metadata"]["uid"] != sized and w)  # fmt: skip
+    (trainer,) = [c for c in wl["spec"]["podSets"][0]["template"]["spec"]["containers"]
+                  if c["name"] == "trainer"]  # fmt: skip
+    assert trainer["resources"]["requests"]["memory"] == "2Gi"
     assert job_pods(k8s, "second") == []  # still no quota: first holds all of it
     k8s.kubectl("delete", "elasticjob", "first", "--wait=false")
     wait(kueue, k8s, "second admitted", lambda: admitted_count(k8s, "second", second) == 2)

@@ -4,6 +4,7 @@ control plane with the real Kueue it is tests/operator/test_e2e_kueue.py."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 from datetime import timedelta
@@ -15,6 +16,7 @@ from kelastic_operator.kueue import (
     JOB_UID_LABEL,
     PRIORITY_LABEL,
     QUEUE_LABEL,
+    QUOTA_HASH_ANNOTATION,
     RESOURCE_IN_USE,
     Placement,
     QueueGate,
@@ -28,6 +30,9 @@ from kelastic_operator.kueue import (
     placement,
     queue_gate,
     queue_name,
+    quota_hash,
+    reclaim,
+    reclaim_patch,
     workload_name,
     workload_view,
 )
@@ -53,15 +58,22 @@ def _cond(kind: str, status: str, reason: str = "R", message: str = "") -> dict[
             "lastTransitionTime": "2026-01-01T11:00:00Z"}  # fmt: skip
 
 
-def kueue_workload(count: int | None = None, *conds: dict[str, Any], flavors: Any = None
-                   ) -> dict[str, Any]:  # fmt: skip
-    """A Workload as Kueue leaves it: admitted ``count`` Pods when given."""
+HASH = "0123456789abcdef"
+
+
+def kueue_workload(count: int | None = None, *conds: dict[str, Any], flavors: Any = None,
+                   reclaimable: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """A Workload as Kueue leaves it (made with template hash :data:`HASH`): admitted
+    ``count`` Pods when given, ``reclaimable`` of them given back when given."""
     status: dict[str, Any] = {"conditions": list(conds)}
+    if reclaimable is not None:
+        status["reclaimablePods"] = [{"name": "workers", "count": reclaimable}]
     if count is not None:
         status["admission"] = {"clusterQueue": "cq", "podSetAssignments": [{
             "name": "workers", "count": count,
             "flavors": flavors or {"cpu": "default", "memory": "default"}}]}  # fmt: skip
     return {"metadata": {"name": "wl", "resourceVersion": "7",
+                         "annotations": {QUOTA_HASH_ANNOTATION: HASH},
                          "finalizers": [RESOURCE_IN_USE]},
             "spec": {"podSets": [{"name": "workers", "count": 4, "minCount": 2}]},
             "status": status}  # fmt: skip
@@ -369,13 +381,91 @@ def test_ensure_workload_says_why_it_cannot_make_one() -> None:
     assert "priorityClassRef" not in wl["spec"] and "priority" not in wl["spec"]
 
 
-def test_a_waiting_workload_of_other_sizes_is_outdated_an_admitted_one_is_kept() -> None:
+def test_a_waiting_workload_of_other_sizes_or_pods_is_outdated_an_admitted_one_is_kept() -> None:
     from kelastic_operator.kueue import outdated
 
     waiting = workload_view(kueue_workload(None))  # asks 4, at least 2
-    assert not outdated(waiting, spec(replicas=4, minReplicas=2, maxReplicas=4))
-    assert outdated(waiting, spec(replicas=4, minReplicas=3, maxReplicas=4))
-    assert outdated(waiting, spec(replicas=4, minReplicas=2, maxReplicas=6))
-    assert outdated(waiting, spec(replicas=4))  # fixed size: no minCount
+    same = spec(replicas=4, minReplicas=2, maxReplicas=4)
+    assert not outdated(waiting, same, HASH)
+    assert outdated(waiting, spec(replicas=4, minReplicas=3, maxReplicas=4), HASH)
+    assert outdated(waiting, spec(replicas=4, minReplicas=2, maxReplicas=6), HASH)
+    assert outdated(waiting, spec(replicas=4), HASH)  # fixed size: no minCount
+    assert outdated(waiting, same, "fedcba9876543210")  # its Pods ask for other things
+    unmarked = workload_view({**kueue_workload(None), "metadata": {"name": "wl"}})
+    assert outdated(unmarked, same, HASH)  # an older operator's: made again while it waits
     admitted = workload_view(kueue_workload(3, *ADMITTED))
-    assert not outdated(admitted, spec(replicas=4, minReplicas=3, maxReplicas=6))
+    assert not outdated(admitted, spec(replicas=4, minReplicas=3, maxReplicas=6), "other")
+    evicted_held = workload_view(kueue_workload(3, *ADMITTED, _cond("Evicted", "True")))
+    assert not outdated(evicted_held, same, "other")  # its quota is not given back yet
+
+
+def test_the_quota_hash_follows_requests_and_placement_not_images_or_commands() -> None:
+    s = spec(replicas=2)
+    base = build_pod("j", "ns", UID, s, 0, SETTINGS)["spec"]
+    h = quota_hash(base)
+    assert len(h) == 16 and int(h, 16) >= 0 and quota_hash(base) == h
+    # what Kueue's quota and placement read changes it
+    more = dataclasses.replace(SETTINGS, sidecar_image="kelastic:other")
+    assert quota_hash(build_pod("j", "ns", UID, s, 0, more)["spec"]) == h  # image: no
+    for path, value in (
+        (("containers", 0, "resources"), {"requests": {"cpu": "3", "nvidia.com/gpu": "8"}}),
+        (("initContainers", 0, "resources"), {"requests": {"memory": "9Gi"}}),
+        (("nodeSelector",), {"pool": "h100"}),
+        (("tolerations",), [{"key": "gpu", "operator": "Exists"}]),
+        (("priorityClassName",), "high"),
+    ):
+        edited = copy.deepcopy(base)
+        where: Any = edited
+        for key in path[:-1]:
+            where = where[key]
+        where[path[-1]] = value
+        assert quota_hash(edited) != h, path
+    for key, value in (("image", "other:1"), ("command", ["sleep"]), ("env", [])):
+        edited = copy.deepcopy(base)
+        edited["containers"][0][key] = value
+        assert quota_hash(edited) == h, key
+    # the Workload carries the hash of its template
+    wl = build_workload("j", "ns", UID, s, LABELS, {"spec": base})
+    assert wl["metadata"]["annotations"] == {QUOTA_HASH_ANNOTATION: h}
+    assert workload_view(wl).quota_hash == h
+
+
+def test_a_job_scaled_down_gives_the_quota_of_its_pods_gone_back() -> None:
+    # admitted 3 of 4 (at least 2): count 4 in the pod set, Kueue holds 3 Pods' quota
+    wl = workload_view(kueue_workload(3, *ADMITTED))
+    assert reclaim(wl, spec(replicas=3, minReplicas=2, maxReplicas=4), 3) is None
+    assert reclaim(wl, spec(replicas=4, minReplicas=2, maxReplicas=4), 3) is None
+    two = spec(replicas=2, minReplicas=2, maxReplicas=4)
+    assert reclaim(wl, two, 3) is None  # the third Pod still there (stopping): not yet
+    assert reclaim(wl, two, 2) == 2  # Kueue then counts min(3, 4 - 2) = 2 Pods
+    patch = reclaim_patch(wl, 2)
+    assert patch == {"metadata": {"resourceVersion": "7"},
+                     "status": {"reclaimablePods": [{"name": "workers", "count": 2}]}}  # fmt: skip
+    given = workload_view(kueue_workload(3, *ADMITTED, reclaimable=2))
+    assert given.reclaimable == 2
+    assert reclaim(given, two, 2) is None  # written already: nothing again
+    assert reclaim(given, spec(replicas=4, minReplicas=2, maxReplicas=4), 2) is None
+    assert reclaim(given, spec(replicas=1, minReplicas=1, maxReplicas=4), 1) == 3
+    # the gate holds the job at what it kept: growing back waits for a new admission
+    g = queue_gate("team", given, spec(replicas=4, minReplicas=2, maxReplicas=4))
+    assert g is not None and g.admitted == 2 and "2 of 4 pods, 1 given back" in g.message
+    # nothing is given back while not admitted, evicted, or without a Workload
+    assert reclaim(None, two, 0) is None
+    assert reclaim(workload_view(kueue_workload(None)), two, 0) is None
+    evicted = workload_view(kueue_workload(3, *ADMITTED, _cond("Evicted", "True")))
+    assert reclaim(evicted, two, 0) is None
+    # crafted counts read as none given back
+    for bad in (-1, "2", None, 2.5):
+        odd = kueue_workload(3, *ADMITTED)
+        odd["status"]["reclaimablePods"] = [{"name": "workers", "count": bad}]
+        assert workload_view(odd).reclaimable == 0, bad
+    other = kueue_workload(3, *ADMITTED)
+    other["status"]["reclaimablePods"] = [{"name": "driver", "count": 2}, "junk"]
+    assert workload_view(other).reclaimable == 0
+
+
+def test_a_cleared_reservation_gives_the_reclaimed_count_back_too() -> None:
+    evicted = workload_view(kueue_workload(3, *ADMITTED, _cond("Evicted", "True", "Preempted"),
+                                           reclaimable=2))  # fmt: skip
+    patch = cleared_reservation(evicted, STAMP)
+    assert patch["status"]["reclaimablePods"] is None  # re-admitted anew, all of it
