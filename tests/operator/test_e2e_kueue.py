@@ -6,12 +6,15 @@ their graceful deletions). Each test gets its own ResourceFlavor (its ``nodeLabe
 the Pods on that node), ClusterQueue and the LocalQueue ``team``.
 
 Each digits Pod asks 550m CPU (trainer 500m, sidecar 50m) and 1088Mi: a quota of
-``n * 550m`` CPU fits ``n`` Pods. The pure decisions are tests/operator/test_kueue.py.
+``n * 550m`` CPU fits ``n`` Pods. The last test runs real training on the real node
+(kubelet, containerd, runc) and is preempted by Kueue: its step survives on the claim.
+The pure decisions are tests/operator/test_kueue.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +22,7 @@ import pytest
 import yaml
 
 from kelastic import contract, etcd_values
+from kelastic.checkpoint.persist import complete_steps
 from kelastic_etcd import EtcdClient
 from kelastic_operator.job_reconciler import OperatorContext
 from kelastic_operator.kueue import (
@@ -33,9 +37,11 @@ from kelastic_operator.local.etcd import EmbeddedEtcd
 from kelastic_operator.suspend import RESUMED_REASON
 from tests.k8s.cluster import Client, ControlPlane, pods_by_name, wait_until
 from tests.k8s.kueue import API, KueueManager
+from tests.k8s.node import PLACEMENT, RealNode
+from tests.k8s.node import TOLERATION as NODE_TOLERATION
 from tests.k8s.nodes import ManualNode
 
-from .conftest import job_manifest, running_operator
+from .conftest import DIGITS, job_manifest, running_operator
 
 pytestmark = pytest.mark.timeout(240)
 T = 45.0  # seconds any single expectation may take
@@ -320,5 +326,109 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_later(
     wait(kueue, k8s, "low re-admitted", lambda: admitted_count(k8s, "low", low) == 3)
     wait(kueue, k8s, "low's pods back", lambda: job_pods(k8s, "low") == pods)
     assert suspended(k8s, "low")[:2] == ("False", RESUMED_REASON)  # type: ignore[index]
+    k8s.cluster.admin.kubectl("delete", "workloadpriorityclasses.kueue.x-k8s.io",
+                              "kelastic-test-low", "kelastic-test-high", check=False)  # fmt: skip
+
+
+# ------------------------------------------------- preempted while training, on the real node
+
+
+@pytest.fixture
+def training_operator(
+    kueue: KueueManager, k8s_cluster: ControlPlane, k8s: Client, etcd_server: EmbeddedEtcd,
+    node: RealNode,
+) -> Iterator[OperatorContext]:  # fmt: skip
+    """The operator, watching Workloads, for jobs whose Pods the real node runs (kubelet,
+    containerd, runc: the images built here), with the example's checkpoint claim."""
+    k8s.kubectl("label", "namespace", k8s.namespace,
+                "pod-security.kubernetes.io/enforce=restricted")  # fmt: skip
+    k8s.claim("digits-checkpoints")
+    etcd = node.expose(etcd_server.endpoint)
+    with running_operator(k8s_cluster, k8s, etcd, watch_workloads=True, stop_grace=3) as ctx:
+        yield ctx
+        k8s.kubectl("delete", "elasticjobs", "--all", "--timeout=90s", check=False)
+
+
+def _epoch_steps(logs: str) -> int:
+    """The step count of the newest ``epoch N/M step S`` line of the digits trainer."""
+    return max((int(s) for s in re.findall(r"epoch \d+/\d+ step (\d+)", logs)), default=0)
+
+
+def _training_queues(k8s: Client) -> str:
+    """A flavor of the real node (its label and taint), a ClusterQueue of two digits Pods'
+    CPU that preempts within itself by priority, the LocalQueue ``team``, and the two
+    WorkloadPriorityClasses; returns the ClusterQueue's (and flavor's) name."""
+    name = k8s.namespace
+    quota = [{"name": "cpu", "nominalQuota": f"{2 * POD_CPU_MILLI}m"},
+             {"name": "memory", "nominalQuota": "100Gi"}]  # fmt: skip
+    docs: list[Obj] = [
+        {"apiVersion": API, "kind": "ResourceFlavor", "metadata": {"name": name},
+         "spec": {"nodeLabels": PLACEMENT["nodeSelector"], "tolerations": [NODE_TOLERATION]}},
+        {"apiVersion": API, "kind": "ClusterQueue", "metadata": {"name": name}, "spec": {
+            "namespaceSelector": {}, "preemption": {"withinClusterQueue": "LowerPriority"},
+            "resourceGroups": [{"coveredResources": ["cpu", "memory"],
+                                "flavors": [{"name": name, "resources": quota}]}]}},
+        {"apiVersion": API, "kind": "LocalQueue",
+         "metadata": {"name": "team", "namespace": k8s.namespace},
+         "spec": {"clusterQueue": name}},
+    ]  # fmt: skip
+    for prio, value in (("kelastic-test-low", 10), ("kelastic-test-high", 1000)):
+        docs.append({"apiVersion": API, "kind": "WorkloadPriorityClass",
+                     "metadata": {"name": prio}, "value": value})  # fmt: skip
+    for doc in docs:
+        k8s.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    return name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_job_preempted_while_training_persists_and_resumes_from_its_step(
+    kueue: KueueManager, k8s: Client, training_operator: OperatorContext, node: RealNode,
+    queue_names: list[str],
+) -> None:  # fmt: skip
+    """Real DDP training on the real node, admitted by Kueue; a job of higher priority
+    preempts it: its Pods stop (their sidecars write the newest step every rank holds in
+    memory to the claim), the quota goes to the other job; re-admitted, its ranks load
+    that step from disk and train on, nothing charged."""
+    queue_names.append(_training_queues(k8s))
+    logs = lambda: node.logs(k8s.namespace, "trainer")  # noqa: E731
+    slow = 4 * T
+    # the stop's write is the only one (everySteps far beyond the run)
+    ckpt = {"memory": "64Mi", "persist": {"volume": "checkpoints", "everySteps": 1_000_000}}
+    # (a gang of 2: with minReplicas 1 Kueue admits it again at once at 1 beside high)
+    low = submit(k8s, "low", priority="kelastic-test-low", replicas=2, minReplicas=2,
+                 maxReplicas=2, checkpoint=ckpt)  # fmt: skip
+    wait(kueue, k8s, "low admitted", lambda: admitted_count(k8s, "low", low) == 2, slow)
+    wait(kueue, k8s, "low training", lambda: "epoch 3/" in logs(), slow)
+    trained = _epoch_steps(logs())
+    # a job of higher priority that never runs a Pod here (its selector matches no Node)
+    nowhere = yaml.safe_load(DIGITS.read_text())["spec"]["template"]
+    nowhere["spec"]["nodeSelector"] = {"kelastic.dev/nowhere": "true"}
+    high = submit(k8s, "high", priority="kelastic-test-high", replicas=1, minReplicas=1,
+                  maxReplicas=1, checkpoint={"memory": "64Mi"}, template=nowhere)  # fmt: skip
+    evicted = wait(kueue, k8s, "low evicted", lambda: (s := suspended(k8s, "low"))
+                   and s[1] == QueueReason.EVICTED.value and s, slow)  # fmt: skip
+    assert evicted[0] == "True" and "Preempted" in evicted[2], evicted
+    wait(kueue, k8s, "low's pods gone", lambda: not [
+        n for n in pods_by_name(k8s) if n.startswith("low-")], slow)  # fmt: skip
+    root = k8s.cluster.workdir / "volumes" / f"{k8s.namespace}-digits-checkpoints"[:63]
+    steps = complete_steps(root / "kelastic-checkpoints")
+    assert steps, "the stopped Pods' sidecars persisted no complete step"
+    persisted = max(steps)
+    assert persisted >= trained > 0, (persisted, trained)  # what it had trained is kept
+    wait(kueue, k8s, "high admitted", lambda: admitted_count(k8s, "high", high) == 1, slow)
+    # high goes; low is admitted again and its ranks load the persisted step from disk
+    k8s.kubectl("delete", "elasticjob", "high", "--wait=false")
+    wait(kueue, k8s, "low re-admitted", lambda: admitted_count(k8s, "low", low) == 2, slow)
+    line = wait(kueue, k8s, "low resumed", lambda: re.search(
+        r"resumed from checkpoint: epoch (\d+) step \d+ \(on disk, update (\d+)", logs()),
+        slow)  # fmt: skip
+    assert int(line.group(2)) == persisted, (line.group(0), persisted)
+    epoch = int(line.group(1))
+    wait(kueue, k8s, "an epoch trained after it", lambda: f"epoch {epoch + 2}/" in logs(), slow)
+    st = status_of(k8s, "low")
+    assert (st.get("restartsSpent") or 0) == 0, st  # a preemption charges nothing
+    last = st.get("lastCheckpoint") or {}
+    assert (last.get("tier"), last.get("step")) == ("disk", persisted), last
     k8s.cluster.admin.kubectl("delete", "workloadpriorityclasses.kueue.x-k8s.io",
                               "kelastic-test-low", "kelastic-test-high", check=False)  # fmt: skip
