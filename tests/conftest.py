@@ -234,8 +234,29 @@ def k8s(k8s_cluster: ControlPlane, request: pytest.FixtureRequest) -> Iterator[C
     k8s_cluster.delete_namespace(name)
 
 
+_no_gpu: list[str] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the tests marked ``gpu`` where torch sees no CUDA device (never a skip:
+    the run's summary says how many and why)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    config.hook.pytest_deselected(items=gpu)
+    items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    _no_gpu.append(f"{len(gpu)} tests marked gpu deselected: torch sees no CUDA device here")
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Say how long the test cluster took to start, when one was started."""
+    """Say how long the test cluster took to start, when one was started, and how many
+    GPU tests this machine could not run."""
+    for line in _no_gpu:
+        terminalreporter.write_line(line)
     for seconds in k8s_startup_seconds:
         terminalreporter.write_line(f"kubernetes test cluster: ready in {seconds:.1f} s")
     for line in node_startup:

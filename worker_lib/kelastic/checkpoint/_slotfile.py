@@ -20,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -106,7 +107,16 @@ class SlotFile:
                 os.fchmod(self.fd, SLOT_MODE)
         self.size = os.fstat(self.fd).st_size
         self.map: mmap.mmap | None = None
+        #: Called with the map before it is unmapped (the CUDA path unregisters it).
+        self.before_unmap: Callable[[mmap.mmap], None] | None = None
         self._map()
+
+    def _unmap(self) -> None:
+        if self.map is not None:
+            if self.before_unmap is not None:
+                self.before_unmap(self.map)
+            self.map.close()
+            self.map = None
 
     def _map(self) -> None:
         if self.size < HEADER_SIZE:
@@ -131,9 +141,7 @@ class SlotFile:
         if size <= self.size:
             return
         old = self.size
-        if self.map is not None:
-            self.map.close()
-            self.map = None
+        self._unmap()
         try:
             os.posix_fallocate(self.fd, old, size - old)
             zeros = bytes(_TOUCH_BLOCK)
@@ -156,9 +164,7 @@ class SlotFile:
         """Map the file again if another process resized it (a reader's view)."""
         size = os.fstat(self.fd).st_size
         if size != self.size:
-            if self.map is not None:
-                self.map.close()
-                self.map = None
+            self._unmap()
             self.size = size
             self._map()
 
@@ -182,9 +188,7 @@ class SlotFile:
                 self.map.flush()
 
     def close(self) -> None:
-        if self.map is not None:
-            self.map.close()
-            self.map = None
+        self._unmap()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

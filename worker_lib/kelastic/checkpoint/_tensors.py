@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ._cuda import is_cuda
 from .slot_format import DTYPE_SIZES, TENSOR_ALIGN, SlotFormatError, TensorEntry, chunk_crcs
 from .tree import TreeError
 
@@ -67,7 +68,8 @@ def stage(buffer: Any, payload_offset: int, items: Sequence[TensorEntry],
     """Copy ``tensors`` into ``buffer`` (a writable buffer: the slot's map) at their
     entries' offsets after ``payload_offset``: one ``Tensor.copy_`` each into a view of
     the buffer (no intermediate copy, non-contiguous sources included; torch's copy may
-    use its intra-op threads)."""
+    use its intra-op threads). A CUDA tensor's copy is queued (``non_blocking``): the
+    caller waits for it before reading the bytes (:mod:`._cuda`)."""
     import torch
 
     if sys.byteorder != "little":
@@ -81,7 +83,7 @@ def stage(buffer: Any, payload_offset: int, items: Sequence[TensorEntry],
             if entry.nbytes:  # no name holds a view: a raised error keeps no export alive
                 whole[entry.offset : entry.offset + entry.nbytes].view(tensor.dtype).view(
                     tensor.shape
-                ).copy_(tensor.detach())
+                ).copy_(tensor.detach(), non_blocking=is_cuda(tensor))
     finally:
         del whole
 

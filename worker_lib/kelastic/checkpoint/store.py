@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
+from ._cuda import Pinning, copies_done, is_cuda, wait_copies
 from ._handle import SaveHandle
 from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
 from ._tensors import entries, is_tensor, read_verified, stage, tensors_from
@@ -166,6 +167,7 @@ class CheckpointStore:
         self._pending: SaveHandle | None = None
         self._lock_fd = lock_rank(self.directory / f"rank-{rank}.lock") if writable else -1
         self._files: list[SlotFile] = []
+        self._pinning = Pinning()  # slot maps locked for CUDA copies (none until one)
         try:
             for slot in range(SLOTS):
                 path = slot_path(self.directory, rank, slot)
@@ -193,11 +195,15 @@ class CheckpointStore:
 
         Args:
             step: the training step, 0..2**53.
-            state_dict: tensors (CPU; CUDA ones are copied synchronously, unmeasured) in
-                dicts, lists and tuples with plain values, as torch's ``state_dict()``
-                and ``optimizer.state_dict()``; non-contiguous, empty and 0-dim tensors
-                are stored contiguous. Tensors are copied before this returns: the
-                trainer may change them at once.
+            state_dict: tensors (CPU or CUDA) in dicts, lists and tuples with plain
+                values, as torch's ``state_dict()`` and ``optimizer.state_dict()``;
+                non-contiguous, empty and 0-dim tensors are stored contiguous. CPU
+                tensors are copied before this returns: the trainer may change them at
+                once. CUDA tensors' copies are queued on each device's current stream
+                into the slot (page-locked for the device when the driver allows:
+                :mod:`._cuda`) and the commit waits for them: a later kernel on that
+                stream may change them at once; one on another stream must wait for the
+                handle. (The GPU path is unmeasured: no GPU machine has run it yet.)
             blocking: commit before returning (else on the store's thread).
 
         Returns:
@@ -230,16 +236,20 @@ class CheckpointStore:
         f.flush(0, PAGE)
         self._seqs[target] = 0
         assert f.map is not None
+        if any(is_cuda(t) for t in tensors):  # one DMA into the slot where it can be locked
+            f.before_unmap = self._pinning.unpin
+            self._pinning.pin(f.map)
         stage(f.map, lay.payload_offset, items, tensors)
+        copies = copies_done(tensors)
         f.write(lay.manifest_offset, manifest)
         handle = SaveHandle(step, target)
         if blocking:
-            self._commit(target, header)
+            self._commit(target, header, copies)
         else:
             # pending before its thread starts: an exception raised into this thread
             # meanwhile (an in-process abort) must not hide a commit that runs
             self._pending = handle
-            handle._start(lambda: self._commit(target, header))
+            handle._start(lambda: self._commit(target, header, copies))
         return handle
 
     def _target(self) -> int:
@@ -254,7 +264,8 @@ class CheckpointStore:
         clear(self.directory, self.rank, target)
         return target
 
-    def _commit(self, target: int, header: SlotHeader) -> None:
+    def _commit(self, target: int, header: SlotHeader, copies: list[Any]) -> None:
+        wait_copies(copies)  # the CUDA copies queued by the save are in the slot
         f, lay = self._files[target], header.layout
         assert f.map is not None
         with memoryview(f.map) as view:
