@@ -560,6 +560,22 @@ CHECKPOINTS_V2 = {"version": 2, "job": "uid", "ranks": {"0": [12, 11], "1": [12]
                   "persisted": [[10, 2], [5, 2]], "time": 1.5}  # fmt: skip
 
 
+def _checkpoint_load(raw: bytes) -> None:
+    from kelastic.etcd_values import CorruptValueError
+    from kelastic.etcd_values.loads import MAX_LOCAL_RANKS, decode_load, encode_load
+
+    for partial in (False, True):
+        with contextlib.suppress(CorruptValueError):
+            got = decode_load(raw, partial=partial)
+            assert 1 <= got.ranks <= MAX_LOCAL_RANKS and got.tier in ("memory", "peer", "disk")
+            assert math.isfinite(got.seconds) and 0 <= got.seconds <= 86400
+            assert decode_load(encode_load(got)) == got  # what it read, the writer writes
+
+
+CHECKPOINT_LOAD = {"round": 3, "step": 120, "tier": "disk", "ranks": 2, "seconds": 0.0123,
+                   "time": 1764190000.5}  # fmt: skip
+
+
 # ------------------------------------------------------------------ the registry
 
 
@@ -604,6 +620,7 @@ DECODERS: dict[str, Decoder] = {
         _checkpoints_codec, CHECKPOINTS, (CHECKPOINTS_V1, CHECKPOINTS_V2, CHECKPOINTS_V3)
     ),
     "restored": Decoder(_restored_codec, RESTORED),
+    "checkpoint_load": Decoder(_checkpoint_load, CHECKPOINT_LOAD),
     "flight_record": Decoder(_flight_record, FLIGHT_RECORD),
     "hang": Decoder(_hang, HANG),
     "netcheck_params": Decoder(_netcheck_params, NETCHECK_PARAMS),

@@ -20,6 +20,7 @@ from kelastic.etcd_values.checkpoints import (
     decode_checkpoints,
     restore_of,
 )
+from kelastic.etcd_values.loads import LoadDoc, decode_load
 
 from .inprocess_record import decode_record
 from .model import LastRestart
@@ -42,6 +43,7 @@ def status_keys(prefix: str) -> list[str]:
         keys.hangs_prefix,
         keys.stragglers_prefix,
         keys.checkpoints_prefix,
+        keys.checkpoint_loads_prefix,
     ]
 
 
@@ -188,7 +190,12 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int, *,
     departing = frozenset(k[len(keys.departing_prefix) :] for k in kv
                           if k.startswith(keys.departing_prefix))  # fmt: skip
     hangs, stragglers = [], []
+    loads: dict[str, LoadDoc] = {}
     for key, raw in kv.items():
+        if key.startswith(keys.checkpoint_loads_prefix):
+            load = _read(partial(decode_load, where=key, partial=True), raw)
+            if load is not None:
+                loads[key[len(keys.checkpoint_loads_prefix) :]] = load
         if key.startswith(keys.hangs_prefix):
             hang = _read(etcd_values.decode_hang, raw)
             if hang is not None:
@@ -220,4 +227,5 @@ def view_from_keys(prefix: str, kv: Mapping[str, bytes], nproc_per_node: int, *,
         stragglers=tuple(stragglers),
         charges=_charges(restarts),
         restore=_restore(keys, kv, state, nproc_per_node, replicated),
+        loads=loads,
     )

@@ -1063,6 +1063,20 @@ class LastCheckpoint(_Status):
         description="when the newest of the nodes' records of their slots was written",
         json_schema_extra=_TIME,
     )
+    loaded_ranks: int | None = Field(
+        default=None,
+        alias="loadedRanks",
+        ge=0,
+        description="how many of the round's ranks have loaded the step so far (their nodes "
+        "say so once all of a node's workers have); absent before the first node does",
+    )
+    load_seconds: float | None = Field(
+        default=None,
+        alias="loadSeconds",
+        ge=0,
+        description="the slowest of those ranks' load() calls, seconds: what the restore "
+        "cost the job, beside where it came from",
+    )
 
 
 #: Most Nodes ``status.quarantinedNodes`` holds (the oldest drop out first).

@@ -513,9 +513,13 @@ def _note_checkpoint(p: _Pass) -> None:
         return
     old = p.st.last_checkpoint
     when = datetime.fromtimestamp(restore.time, timezone.utc) if restore.time > 0 else None
+    loads = [d for d in p.rdzv.loads.values()
+             if (d.round, d.step) == (restore.round, restore.step)]  # fmt: skip
     p.st.last_checkpoint = LastCheckpoint(
         round=restore.round, step=restore.step, tier=restore.tier.value,
         time=format_time(when) if when is not None else None,
+        loadedRanks=sum(d.ranks for d in loads) if loads else None,
+        loadSeconds=round(max(d.seconds for d in loads), 4) if loads else None,
     )  # fmt: skip
     if restore.step is None and (old is None or old.round != restore.round):
         p.plan.events.append(Event(

@@ -21,6 +21,7 @@ from typing import Any
 from kelastic import contract
 from kelastic._safejson import is_int
 from kelastic.etcd_values.checkpoints import Restore
+from kelastic.etcd_values.loads import LoadDoc
 from kelastic.hang_where import HangWhere
 
 from .inprocess_record import InProcessRecord
@@ -211,6 +212,8 @@ class RendezvousView:
         restore: what the current round's workers restored from the checkpoint slots
             (its participants' records, as every sidecar agreed on it); None when no
             participant recorded any (the job uses none) or no round is complete.
+        loads: what each node's workers loaded as their round began and how long the
+            slowest took (``checkpoint-loads/<node>``, any round; node -> record).
     """
 
     round: int | None = None
@@ -225,6 +228,7 @@ class RendezvousView:
     stragglers: tuple[StragglerView, ...] = ()
     charges: tuple[ChargeView, ...] = ()
     restore: Restore | None = None
+    loads: Mapping[str, LoadDoc] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from kelastic.etcd_values.checkpoints import (
 )
 from kelastic_etcd import EtcdClient, EtcdError
 
+from .checkpoint_loads import LoadReporter
 from .config import SidecarConfig
 from .peer_restore import Fetched, ranks_to_fill, restore_from_peers, restore_replicated
 from .persister import Persister
@@ -262,14 +263,18 @@ class RoundCheckpoints:
         on_check: called with the seconds each check of the node's slots took.
         on_restore: called with each :class:`Restore` of a round whose workers start
             anew (none for workers carried in process).
+        loads: tells the operator when the workers have loaded the round's step and how
+            long it took (:class:`~kelastic_sidecar.checkpoint_loads.LoadReporter`).
     """
 
     def __init__(self, store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *,
                  on_check: Callable[[float], None] = lambda _s: None,
                  on_restore: Callable[[Restore], None] = lambda _r: None,
                  persister: Persister | None = None,
-                 replication: Replication | None = None) -> None:  # fmt: skip
+                 replication: Replication | None = None,
+                 loads: LoadReporter | None = None) -> None:  # fmt: skip
         self._store, self._keys, self._cfg = store, keys, cfg
+        self.loads = loads
         self._on_check, self._on_restore = on_check, on_restore
         self._checked_s: float | None = None
         self.last: Restore | None = None
@@ -306,7 +311,9 @@ class RoundCheckpoints:
                          time.monotonic() - started)  # fmt: skip
 
     def close(self) -> None:
-        """Stop the persistence's poll and the replication."""
+        """Stop the persistence's poll, the replication and the loads' watch."""
+        if self.loads is not None:
+            self.loads.close()
         if self.persister is not None:
             self.persister.close()
         if self.replication is not None:
@@ -342,6 +349,8 @@ class RoundCheckpoints:
             kept = sorted({*kept, step}, reverse=True)
         self.unfetchable = kept[:MAX_UNFETCHABLE]
         self._on_restore(self.last)
+        if self.loads is not None and step is not None:  # tell the operator their load time
+            self.loads.begin(info.round, step, self.last.tier.value, nproc)
         return env
 
     def status(self) -> dict[str, Any] | None:

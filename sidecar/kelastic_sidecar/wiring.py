@@ -26,6 +26,7 @@ from kelastic.etcd_values.checkpoints import Restore
 from kelastic.hang_where import HangWhere
 from kelastic_etcd import EtcdClient, EtcdError
 
+from .checkpoint_loads import LoadReporter
 from .checkpoints import RoundCheckpoints
 from .config import SidecarConfig
 from .control import ControlServer
@@ -247,6 +248,7 @@ def build_parts(config: SidecarConfig, store: EtcdClient | None, hooks: Hooks) -
         store, keys, config, on_check=metrics.checkpoint.check.observe,
         on_restore=restore_reporter(metrics), persister=persister_of(config, metrics),
         replication=replication_of(config, metrics),
+        loads=LoadReporter(store, keys.checkpoint_load(config.node), contract.checkpoint_dir()),
     )  # fmt: skip
     termination = PodTermination()
     prestop = PrestopServer(

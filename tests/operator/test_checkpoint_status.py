@@ -112,3 +112,36 @@ def test_a_corrupt_or_foreign_record_is_read_as_missing_never_raises(record: byt
     # only refused values: nothing to say
     alone = view_from_keys(PREFIX, _kv(2, {"j-0": record, "j-1": record}), 2)
     assert alone.restore is None
+
+
+def test_the_workers_load_time_shows_once_their_nodes_said_it() -> None:
+    from kelastic.etcd_values.loads import LoadDoc, encode_load
+
+    assert KEYS.checkpoint_loads_prefix in status_keys(PREFIX)  # a load wakes the job
+    records = {"j-0": _doc({0: (8,), 1: (8,)}), "j-1": _doc({2: (8,), 3: (8,)})}
+    kv = _kv(4, records)
+    # none said yet: where from, no load time
+    last = reconcile(job(phase="Running"), PODS, T0, view_from_keys(PREFIX, kv, 2)
+                     ).status.last_checkpoint  # fmt: skip
+    assert last is not None and last.loaded_ranks is None and last.load_seconds is None
+    kv[KEYS.checkpoint_load("j-0")] = encode_load(LoadDoc(4, 8, "memory", 2, 0.0123, 1.0e9))
+    # another round's or another step's record (an earlier round) is not counted
+    kv[KEYS.checkpoint_load("j-1")] = encode_load(LoadDoc(3, 8, "memory", 2, 9.0, 1.0e9))
+    last = reconcile(job(phase="Running"), PODS, T0, view_from_keys(PREFIX, kv, 2)
+                     ).status.last_checkpoint  # fmt: skip
+    assert last is not None and (last.loaded_ranks, last.load_seconds) == (2, 0.0123)
+    kv[KEYS.checkpoint_load("j-1")] = encode_load(LoadDoc(4, 8, "memory", 2, 0.25, 1.0e9))
+    plan = reconcile(job(phase="Running"), PODS, T0, view_from_keys(PREFIX, kv, 2))
+    last = plan.status.last_checkpoint
+    assert last is not None and (last.loaded_ranks, last.load_seconds) == (4, 0.25)
+    assert plan.status.as_patch()["lastCheckpoint"]["loadSeconds"] == 0.25
+    # a crafted record reads as missing: the status keeps what the others said
+    for bad in (
+        b'{"round":4,"step":8,"tier":"memory","ranks":2,"seconds":1e999,"time":1}',
+        b"[" * 100_000,
+        b'{"round":4}',
+        b"\xff",
+    ):
+        kv[KEYS.checkpoint_load("j-1")] = bad
+        view = view_from_keys(PREFIX, kv, 2)
+        assert set(view.loads) == {"j-0"}, bad[:40]

@@ -430,5 +430,9 @@ def test_a_job_preempted_while_training_persists_and_resumes_from_its_step(
     assert (st.get("restartsSpent") or 0) == 0, st  # a preemption charges nothing
     last = st.get("lastCheckpoint") or {}
     assert (last.get("tier"), last.get("step")) == ("disk", persisted), last
+    # and how long the slowest of the 4 ranks took to load it, once both nodes said so
+    last = wait(kueue, k8s, "the load time", lambda: (c := status_of(k8s, "low").get(
+        "lastCheckpoint") or {}).get("loadedRanks") == 4 and c, slow)  # fmt: skip
+    assert 0 < last["loadSeconds"] < 60, last
     k8s.cluster.admin.kubectl("delete", "workloadpriorityclasses.kueue.x-k8s.io",
                               "kelastic-test-low", "kelastic-test-high", check=False)  # fmt: skip

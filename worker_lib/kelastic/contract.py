@@ -449,6 +449,17 @@ class Keys:
         return self.checkpoints_prefix + node
 
     @property
+    def checkpoint_loads_prefix(self) -> str:
+        """Prefix of the per-node records of what the workers loaded."""
+        return self.prefix + "checkpoint-loads/"
+
+    def checkpoint_load(self, node: str) -> str:
+        """What ``node``'s workers loaded as the current round began and how long it took,
+        written by its sidecar once all of them have (codec:
+        :mod:`kelastic.etcd_values.loads`)."""
+        return self.checkpoint_loads_prefix + node
+
+    @property
     def restarts(self) -> str:
         """The job's global restart budget record (JSON; codec:
         :mod:`kelastic.etcd_values.restarts`)."""

@@ -26,6 +26,7 @@ key                            codec                           written by / read
 ``inprocess/ready/<m>/<node>`` ``kelastic_sidecar.inprocess.    sidecars / sidecars
                                record`` (sidecars only)
 ``checkpoints/<node>``         :mod:`.checkpoints`             a sidecar / sidecars
+``checkpoint-loads/<node>``    :mod:`.loads`                   a sidecar / the operator
 ``hangs/<node>``               :mod:`.hangs`                   a sidecar / the operator
 ``stragglers/<node>``          :mod:`.stragglers`              a sidecar / the operator
 =============================  ==============================  ============================
