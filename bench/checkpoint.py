@@ -30,7 +30,12 @@ repetitions than within one); the ratio of the medians is shown beside it.
 - **restore from a peer** (:mod:`bench.peer_restore`): a slot replicated to a peer's
   replica server on loopback and fetched back (checked), then loaded, vs ``torch.load``.
 
-DCP's ``async_save``, DLRover, ML Flashpoint and NVRx are the later parts' rows.
+- **torch DCP async_save** (``no_dist``), with two of its staging options: staged into
+  CPU memory before it returns (the stall), and staged into shared memory on a thread
+  (the stall is until staging completes: the trainer may change no tensor before); each
+  also until it is on disk. No pinned memory (no GPU here).
+
+Sides not measured, each for the reason in :data:`ABSENT` (the case logs them at its start).
 """
 
 from __future__ import annotations
@@ -52,6 +57,19 @@ MIB = 1 << 20
 #: a model's tensors (MiB) by kind, repeated to fill a third of the state; AdamW's two
 #: moments make the other two thirds
 _SHAPES_MIB = (16, 8, 4, 4, 2, 1, 1, 0.5, 0.25)
+
+
+#: The issue's other sides and why each is not measured here (checked 2026-11-28 against
+#: the package index with ``torch==2.13.0``).
+ABSENT: dict[str, str] = {
+    "ML Flashpoint 0.0.10": "only an sdist, whose CMake build clones abseil-cpp from GitHub "
+    "(FetchContent): this machine reaches the package index, not GitHub; it cannot be built",
+    "NVRx 0.4.1 local checkpoints": "LocalCheckpointManager takes only CUDA tensors "
+    "(BasicTensorAwareStateDict) and synchronizes CUDA in save(): no GPU here",
+    "DLRover 0.6.1 flash checkpoint": "installs (its Python part), but the trainer's "
+    "checkpoint engine waits for the saver its agent creates (dlrover-run with its master "
+    "and gRPC stack): not set up as a side yet",
+}
 
 
 def state_dict(total: int) -> dict[str, Any]:
@@ -104,6 +122,24 @@ def _save_fsync(torch: Any, state: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _dcp_stagers() -> dict[str, Any]:
+    """torch DCP ``async_save``'s stagers, one per staging option measured (made once
+    and reused, as a trainer would: their buffers are kept between saves): ``sync``, the
+    state copied into CPU memory before ``async_save`` returns; ``shm``, copied into
+    shared memory on a thread (``use_async_staging``), the trainer waiting for the
+    staging before it changes a tensor. No pinned memory (no GPU here)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return {
+        "sync": DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                             use_async_staging=False,
+                                             use_non_blocking_copy=False)),
+        "shm": DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                            use_async_staging=True,
+                                            use_non_blocking_copy=False)),
+    }  # fmt: skip
+
+
 def _time(fn: Callable[[], Any]) -> float:
     started = time.perf_counter()
     fn()
@@ -127,7 +163,9 @@ def _measure_size(result: CaseResult, label: str, total: int, reps: int) -> None
     disk = Path(tempfile.mkdtemp(prefix="kelastic-bench-ckpt-"))
     samples: dict[str, list[float]] = {k: [] for k in
                                        ("floor", "stall", "commit", "disk", "tmpfs", "fsync",
-                                        "kload", "tload", "persist", "dcp")}  # fmt: skip
+                                        "kload", "tload", "persist", "dcp", "async_stall",
+                                        "async_done", "staged", "staged_done")}  # fmt: skip
+    stagers = _dcp_stagers()
     try:
         store = CheckpointStore(shm, job="bench", capacity=slot_bytes(state))
         saved = disk / "state.pt"
@@ -153,8 +191,26 @@ def _measure_size(result: CaseResult, label: str, total: int, reps: int) -> None
                                                          no_dist=True)))  # fmt: skip
             shutil.rmtree(target)
 
+        def dcp_async(staging: str) -> None:  # torch's async_save, with one staging option
+            target = disk / f"dcp-async-{staging}"
+            started = time.perf_counter()
+            got: Any = dcp.async_save(state, checkpoint_id=str(target), no_dist=True,
+                                      async_stager=stagers[staging])  # fmt: skip
+            if staging == "sync":  # staged before it returned: the trainer may go on
+                samples["async_stall"].append(time.perf_counter() - started)
+                got.result()
+                samples["async_done"].append(time.perf_counter() - started)
+            else:  # staged on a thread: the trainer may change no tensor before it is
+                got.staging_completion.result()
+                samples["staged"].append(time.perf_counter() - started)
+                got.upload_completion.result()
+                samples["staged_done"].append(time.perf_counter() - started)
+            shutil.rmtree(target)
+
         sides: list[tuple[str, Callable[[], None]]] = [
             ("floor", lambda: samples["floor"].append(_time(lambda: _floor(tensors, buffer)))),
+            ("dcp_async", lambda: dcp_async("sync")),
+            ("dcp_async_shm", lambda: dcp_async("shm")),
             ("kelastic", kelastic),
             ("persist", persisted),
             ("dcp", dcp_save),
@@ -185,6 +241,8 @@ def _measure_size(result: CaseResult, label: str, total: int, reps: int) -> None
                 f"{k} {v[-1]:.3f}" for k, v in samples.items()))  # fmt: skip
         store.close()
     finally:
+        for stager in stagers.values():
+            stager.close()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     _rows(result, label, samples)
@@ -202,6 +260,14 @@ def _rows(result: CaseResult, label: str, samples: dict[str, list[float]]) -> No
         Row("checkpoint", save, "kelastic save (stall)", "s", samples["stall"]),
         Row("checkpoint", save, "kelastic save -> committed", "s", samples["commit"],
             note="checksums + commit on the store's thread, after the stall"),
+        Row("checkpoint", save, "torch DCP async_save (stall: staged in memory)", "s",
+            samples["async_stall"], note="DefaultStager, synchronous staging, no_dist"),
+        Row("checkpoint", save, "torch DCP async_save -> on disk", "s", samples["async_done"]),
+        Row("checkpoint", save, "torch DCP async_save, async staging to shared memory "
+            "(stall: until staged)", "s", samples["staged"],
+            note="use_async_staging + use_shared_memory: no tensor may change before"),
+        Row("checkpoint", save, "torch DCP async_save, async staging -> on disk", "s",
+            samples["staged_done"]),
         Row("checkpoint", f"persist, {label} state dict", "torch DCP save -> disk (no_dist)",
             "s", samples["dcp"], ref=True, note="torch's FileSystemWriter, fsync per file"),
         Row("checkpoint", f"persist, {label} state dict",
@@ -241,6 +307,8 @@ def _available() -> int:
 
 def checkpoint(quick: bool) -> CaseResult:
     result = CaseResult("checkpoint")
+    for side, why in ABSENT.items():
+        log(f"checkpoint: {side} not measured: {why}")
     sizes = [("16 MiB", 16 * MIB, 3)] if quick else [("100 MiB", 100 * MIB, 15)]
     if not quick:
         # the state, the floor's buffer, three slots, two torch.save files, a load: ~8x
