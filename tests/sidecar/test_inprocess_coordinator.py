@@ -410,8 +410,9 @@ def test_a_restart_reads_no_barrier_key_per_node(
     restart, on etcd, for N nodes). At N = 64 (threads of this process, one etcd): a
     restart costs N writes (the ready keys), one compare-and-set and at most one read in
     all; what grows as N^2 is only the watch's events (each node sees each ready key),
-    which etcd sends without a read. (At N = 128 the restart took 19 s here and at 256
-    the barrier did not pass within its 90 s, with the CPU mostly idle: open.)"""
+    which etcd sends without a read. (At N = 128 the restart took 14-19 s here and at
+    256 the barrier did not pass within its 90 s, the threads waiting on those N^2
+    events through Python gRPC in one process: open, see docs/architecture.md.)"""
     names = tuple(f"node-{i}" for i in range(n))
     store = EtcdClient([etcd_endpoint])  # the nodes' requests, counted together
     try:
