@@ -368,14 +368,24 @@ def queue_gate(
         detail = f": {workload.pending_message}" if workload.pending_message else ""
         return QueueGate(queue, None, QueueReason.QUEUED,
                          f"waiting for Kueue to admit it (LocalQueue {queue}){detail}")  # fmt: skip
-    count = workload.count if workload.count is not None else workload.pod_set_count
-    kept = workload.pod_set_count - workload.reclaimable  # quota given back stays given
-    admitted = max(0, min(count, spec.max_nodes, kept))
+    count = _admitted(workload)
+    admitted = max(0, min(_held(workload), spec.max_nodes))  # quota given back stays given
     back = f", {count - admitted} given back" if workload.reclaimable and admitted < count else ""
     return QueueGate(queue, admitted, QueueReason.QUEUED,
                      f"admitted by Kueue (LocalQueue {queue}, ClusterQueue "
                      f"{workload.cluster_queue}): {admitted} of {spec.max_nodes} pods"
                      f"{back}")  # fmt: skip
+
+
+def _admitted(workload: WorkloadView) -> int:
+    """The admission's Pod count (the pod set's count when the admission names none)."""
+    return workload.count if workload.count is not None else workload.pod_set_count
+
+
+def _held(workload: WorkloadView) -> int:
+    """The Pods whose quota the Workload holds: Kueue's ``min(admitted, count -
+    reclaimable)`` (``podSetsCountsAfterReclaim``)."""
+    return min(_admitted(workload), workload.pod_set_count - workload.reclaimable)
 
 
 def placement(flavors: Sequence[Mapping[str, Any]]) -> Placement:
@@ -477,10 +487,8 @@ def reclaim(workload: WorkloadView | None, spec: ElasticJobSpec, pods_seen: int)
     """
     if workload is None or workload.evicted or not (workload.admitted and workload.quota_reserved):
         return None
-    count = workload.count if workload.count is not None else workload.pod_set_count
-    held = min(count, workload.pod_set_count - workload.reclaimable)
     keep = max(spec.replicas, pods_seen)
-    if keep >= held:
+    if keep >= _held(workload):
         return None
     return workload.pod_set_count - keep
 
