@@ -104,6 +104,7 @@ class Watcher:
         self._broken_since: float | None = None
         self._broken_reason = ""
         self._closing = threading.Event()
+        self._woken = False  # wake() called; the next wait returns at once
         self._call: Any = None
         self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
         self._thread.start()
@@ -140,8 +141,8 @@ class Watcher:
 
         Returns:
             True on a change, and at once when ``since_revision`` is older than
-            :attr:`covered_from` (a change may have been missed: re-read); False when
-            ``timeout`` passed without one.
+            :attr:`covered_from` (a change may have been missed: re-read), or after
+            :meth:`wake`; False when ``timeout`` passed without one.
 
         Raises:
             EtcdUnavailable: the stream has been broken for ``store.timeout``
@@ -152,6 +153,9 @@ class Watcher:
             while True:
                 if self._closing.is_set() or self._store.closed:
                     raise EtcdUnavailable(self._netloc(), "watch: closed")
+                if self._woken:
+                    self._woken = False
+                    return True
                 covered = self._covered_from
                 if covered is not None and (
                     since_revision < covered or self._latest > since_revision
@@ -170,6 +174,14 @@ class Watcher:
                 if left <= 0:
                     return False
                 self._cond.wait(left)
+
+    def wake(self) -> None:
+        """Make the current :meth:`wait`, or the next one if none is waiting, return True
+        at once: a caller whose thread waits here learns that something else changed
+        (what it must watch, say) without waiting out its timeout. Thread-safe."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     def value_if_only_change(self, key: str, since_revision: int) -> tuple[bytes, int] | None:
         """``(value, mod_revision)`` of ``key`` when every change seen after

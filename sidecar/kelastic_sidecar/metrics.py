@@ -50,7 +50,8 @@ CAUSES = (CAUSE_WORKER_FAILURE, CAUSE_HANG, CAUSE_OOM, CAUSE_NODE_LOST, CAUSE_SC
 LEVELS = ("process", "inprocess")
 #: The ``source`` label values of ``kelastic_corrupt_values_total``.
 CORRUPT_SOURCES = (
-    "rdzv_state", "restart_record", "master_record", "inprocess_record", "inprocess_ready"
+    "rdzv_state", "restart_record", "master_record", "inprocess_record", "inprocess_ready",
+    "inprocess_go",
 )  # fmt: skip
 
 
@@ -487,7 +488,7 @@ class SidecarMetrics:
             "Corrupt or hostile values refused, by where they were read: rdzv_state and "
             "restart_record (etcd; replaced with fresh ones), master_record (etcd), "
             "inprocess_record (etcd; that fault restarts the processes), inprocess_ready "
-            "(etcd; not counted as ready)",
+            "(etcd; not counted as ready), inprocess_go (etcd; no go: the barrier times out)",
             ["source"],
             registry=r,
         )

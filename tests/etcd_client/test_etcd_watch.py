@@ -185,6 +185,22 @@ def test_compacted_history_means_re_read(etcd_endpoint: str, job_prefix: str) ->
         direct.close()
 
 
+def test_wake_ends_a_wait_or_the_next_one_once(store: EtcdClient, job_prefix: str) -> None:
+    watcher = Watcher(store, [job_prefix + "state"])
+    try:
+        since = store.read([job_prefix + "state"]).revision
+        thread, out = _wait_in_thread(watcher, since, 60)
+        wait_for(lambda: thread.is_alive(), 5)
+        watcher.wake()  # a waiter: it returns True, nothing having changed
+        thread.join(10)
+        assert not thread.is_alive() and out == [True]
+        watcher.wake()  # nobody waiting: the next wait returns at once, the one after waits
+        assert watcher.wait(since, 30) is True
+        assert watcher.wait(since, 0.05) is False
+    finally:
+        watcher.close()
+
+
 def test_close_wakes_waiters_and_ends_the_thread(store: EtcdClient, job_prefix: str) -> None:
     watcher = Watcher(store, [job_prefix + "state"])
     since = store.read([job_prefix + "state"]).revision

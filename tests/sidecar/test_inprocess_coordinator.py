@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -366,7 +367,7 @@ def test_a_rank_failing_to_leave_gets_give_up_and_the_others_wait(
         assert status is not None and status["phase"] == "aborting"
 
 
-def test_ready_keys_are_bound_to_the_nodes_lease(store: EtcdClient, job_prefix: str) -> None:
+def test_ready_and_go_keys_are_bound_to_the_nodes_lease(store: EtcdClient, job_prefix: str) -> None:
     lease = store.grant_lease(30)
     keys = contract.Keys(job_prefix)
     try:
@@ -379,8 +380,10 @@ def test_ready_keys_are_bound_to_the_nodes_lease(store: EtcdClient, job_prefix: 
             n.ranks[0].fault(0)
             _restart((n,), 1)
             assert store.get(keys.inprocess_ready(1, "solo")) is not None
-            lease.revoke()  # the node is gone: so is its ready key
+            assert store.get(keys.inprocess_go(1)) is not None  # group rank 0's go
+            lease.revoke()  # the node is gone: so are its ready key and its go
             assert store.get(keys.inprocess_ready(1, "solo")) is None
+            assert store.get(keys.inprocess_go(1)) is None
     finally:
         lease.revoke()
 
@@ -401,18 +404,26 @@ def test_etcd_unreachable_falls_back_to_the_process_path(job_prefix: str) -> Non
         dead.close()
 
 
-@pytest.mark.parametrize("n", [6, pytest.param(64, marks=pytest.mark.slow)])
-def test_a_restart_reads_no_barrier_key_per_node(
+def _events_sent(endpoint: str) -> float:
+    """etcd's count of the watch events it sent (``etcd_debugging_mvcc_events_total``)."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith("etcd_debugging_mvcc_events_total "):
+            return float(line.split()[1])
+    raise AssertionError("etcd_debugging_mvcc_events_total not in etcd's metrics")
+
+
+@pytest.mark.parametrize("n", [6, 64, 256])
+def test_a_restart_costs_o_n_requests_and_watch_events(
     etcd_endpoint: str, job_prefix: str, n: int
 ) -> None:
-    """Each node keeps a copy of the barrier keys from its watch's events: the ready key
-    of each of N nodes costs the others no read (it did: N^2 reads of up to N keys per
-    restart, on etcd, for N nodes). At N = 64 (threads of this process, one etcd): a
-    restart costs N writes (the ready keys), one compare-and-set and at most one read in
-    all; what grows as N^2 is only the watch's events (each node sees each ready key),
-    which etcd sends without a read. (At N = 128 the restart took 14-19 s here and at
-    256 the barrier did not pass within its 90 s, the threads waiting on those N^2
-    events through Python gRPC in one process: open, see docs/architecture.md.)"""
+    """A restart of N nodes costs etcd O(N) requests and O(N) watch events: each node
+    writes its ready key, group rank 0's node alone watches them and writes one ``go``,
+    which every node watches. (When every node watched every ready key, the events were
+    N^2: 256 nodes did not pass the barrier within its 90 s here, their threads waiting
+    on 65,536 events through Python gRPC in one process, and at N = 64 each restart sent
+    etcd over 4,096.) Threads of this process, one etcd; the events counted by etcd."""
     names = tuple(f"node-{i}" for i in range(n))
     store = EtcdClient([etcd_endpoint])  # the nodes' requests, counted together
     try:
@@ -420,17 +431,19 @@ def test_a_restart_reads_no_barrier_key_per_node(
             nodes = [stack.enter_context(make_node(x, store, job_prefix)) for x in names]
             for i, node in enumerate(nodes):
                 node.begin(1, i, names, nproc=1)
-            before = dict(store.request_counts())
+            before, events = dict(store.request_counts()), _events_sent(etcd_endpoint)
             started = time.monotonic()
             nodes[3].ranks[0].fault(0)
             _restart(tuple(nodes), 1, timeout=max(20.0, n))  # N nodes' threads, 2 cores
             took = time.monotonic() - started
-            after = store.request_counts()
+            after, events = store.request_counts(), _events_sent(etcd_endpoint) - events
     finally:
         store.close()
     spent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     reads = {k: v for k, v in spent.items() if k in ("read", "get", "get_prefix", "range")}
     print(f"\n{n} nodes, one restart (fault -> go on every rank, {took:.2f} s): etcd "
-          f"requests {spent}")  # fmt: skip
+          f"requests {spent}, watch events {events:.0f}")  # fmt: skip
     assert sum(reads.values()) <= 1, reads  # the faulting node's record read, at most
     assert sum(spent.values()) <= 3 * n + 10, spent  # O(N) requests in all
+    # the record to N, the ready keys to 1, the go to N (no deletion: a first restart)
+    assert events <= 3 * n + 10, events

@@ -23,7 +23,7 @@ from kelastic_sidecar.inprocess.record import (
     encode_iteration_record,
     encode_ready,
 )
-from kelastic_sidecar.inprocess.round import RoundContext, barrier_verdict, go_env
+from kelastic_sidecar.inprocess.round import RoundContext, barrier_verdict, go_env, go_verdict
 
 
 def _advance(
@@ -229,3 +229,26 @@ def test_the_earliest_fault_names_a_restart_another_node_recorded_first(
     moved = store.get(key)
     assert fault("steps-0", 0, "early", 999.0).kind is Advance.SUPERSEDED
     assert store.get(key) == moved
+
+
+def test_a_go_counts_only_from_group_rank_0_of_this_round() -> None:
+    key, ctx = "/p/inprocess/go/4", _ctx()
+    master = ReadyRecord(0, "10.0.0.1", 4242, 3)
+    assert go_verdict({}, key, ctx) == (None, None)
+    assert go_verdict({key: (encode_ready(master), 9)}, key, ctx) == (master, None)
+    other = {"/p/inprocess/go/3": (encode_ready(master), 9)}  # another iteration's go
+    assert go_verdict(other, key, ctx) == (None, None)
+    ended = ReadyRecord(0, "10.0.0.1", 4242, 2)  # the ended round's: a carried node's wait
+    assert go_verdict({key: (encode_ready(ended), 9)}, key, ctx) == (None, None)
+    not_zero = ReadyRecord(1, "10.0.0.2", 4242, 3)  # only group rank 0 writes a go
+    assert go_verdict({key: (encode_ready(not_zero), 9)}, key, ctx) == (None, None)
+    for raw in (
+        b"",
+        b"[]",
+        b'{"port": 1e999}',
+        b'{"group_rank": NaN}',
+        b"[" * 10000,
+        b'{"group_rank": 0, "addr": "a", "port": 99999999999999999999, "round": 3}',
+    ):
+        got, error = go_verdict({key: (raw, 9)}, key, ctx)
+        assert got is None and error is not None and key in error, raw[:40]

@@ -523,6 +523,19 @@ class Keys:
         on). Bound to the node's lease."""
         return self.inprocess_ready_prefix(iteration) + node
 
+    @property
+    def inprocess_go_prefix(self) -> str:
+        """Prefix of the termination barrier's ``go`` keys (one per iteration)."""
+        return f"{self.prefix}inprocess/go/"
+
+    def inprocess_go(self, iteration: int) -> str:
+        """Every node of the round passed the termination barrier of ``iteration``:
+        written once by the round's group rank 0 when it has seen every ready key (the
+        value is its own ready key's: the iteration's ``MASTER_ADDR``/``PORT``); the
+        other nodes watch this key, not each other's ready keys. Bound to that node's
+        lease."""
+        return f"{self.inprocess_go_prefix}{iteration}"
+
 
 # ------------------------------------------------------------- control socket (JSON lines)
 # launcher -> supervisor

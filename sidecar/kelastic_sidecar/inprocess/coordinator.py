@@ -21,7 +21,9 @@ protocol :mod:`kelastic.inprocess_messages`) and agrees with the other nodes thr
    the launcher's to report: the process path).
 3. Every local rank ``ready(m)``: write ``inprocess/ready/<m>/<node>`` (group rank, pod IP,
    a port picked now), bound to the node's rendezvous lease; once every node of the round
-   wrote one: ``go(m)`` to each local rank with the round's env, ``MASTER_ADDR``/``PORT``
+   wrote one, group rank 0's node (the only one watching them) writes
+   ``inprocess/go/<m>`` (:mod:`~kelastic_sidecar.inprocess.barrier`); at that key:
+   ``go(m)`` to each local rank with the round's env, ``MASTER_ADDR``/``PORT``
    from group rank 0's key and ``KELASTIC_INPROCESS_ITERATION=m``. A barrier not complete
    within ``barrier_timeout`` after the abort gives up (``give_up`` to every local rank).
 4. A new abort during the barrier (another fault, ``m2 > m``) supersedes it: only the
@@ -187,6 +189,10 @@ class InProcessCoordinator:
         self._status: dict[str, Any] | None = self.machine.status_doc() if self.enabled else None
         #: The watch thread's copy of the record and barrier keys: key -> (value, revision).
         self._view: dict[str, tuple[bytes, int]] = {}
+        self._ready_root = keys.inprocess_ready_prefix(0)[: -len("0/")]
+        #: The watch thread's current watch and what it covers (:meth:`_watched`).
+        self._watcher: Watcher | None = None
+        self._watching: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ supervisor API
 
@@ -214,6 +220,9 @@ class InProcessCoordinator:
             return
         self._stop.set()
         self._events.put(lambda: None)
+        watcher = self._watcher
+        if watcher is not None:  # its wait raises now, not at its timeout
+            watcher.close()
         self.server.close()
         for thread in self._threads:
             if thread is not threading.current_thread():
@@ -255,6 +264,10 @@ class InProcessCoordinator:
         except TimeoutError:
             log.error("the in-process coordinator is stuck; round %d starts without it", ctx.round)
             return record.iteration
+        finally:
+            watcher = self._watcher
+            if watcher is not None and self._watched() != self._watching:
+                watcher.wake()  # group rank 0 now, or no longer: the watch changes
 
     def end_round(self, reason: str) -> None:
         """The round ended for this node: ``give_up`` to every connected rank, forget the
@@ -358,24 +371,39 @@ class InProcessCoordinator:
                 log.exception("in-process coordinator: unexpected error")
             self._status = self.machine.status_doc()
 
+    def _watched(self) -> tuple[str, ...]:
+        """What this node's watch covers: the record and the ``go`` keys, and the ready
+        keys while it is its round's group rank 0 (the ``go``'s one writer: see
+        :mod:`~kelastic_sidecar.inprocess.barrier`)."""
+        ctx = self.machine.ctx  # the loop thread's; a reference read is atomic
+        keys = (self._keys.inprocess_iteration, self._keys.inprocess_go_prefix)
+        return (*keys, self._ready_root) if ctx is not None and ctx.group_rank == 0 else keys
+
     def _watch(self) -> None:
-        """The etcd watch on ``inprocess/`` (record and barrier keys): keep a copy of
-        those keys (one read, then each change applied from the watch's events: no read
-        per ready key, which for N nodes would be N^2 key reads per restart, on etcd),
-        hand the record and the current iteration's barrier keys to the loop."""
-        ready_root = self._keys.inprocess_ready_prefix(0)[: -len("0/")]
+        """The etcd watch on the record and the barrier's keys (:meth:`_watched`): keep a
+        copy of those keys (one read, then each change applied from the watch's events:
+        no read per change), hand the record and the current iteration's barrier keys to
+        the loop. Re-created when the node becomes or stops being group rank 0."""
         watcher: Watcher | None = None
         since = 0
         while not self._stop.is_set():
             try:
-                if watcher is None:
-                    watcher = Watcher(self._store, [self._keys.inprocess_iteration, ready_root],
-                                      journal=True)  # fmt: skip
-                    since = 0
+                want = self._watched()
+                if watcher is None or want != self._watching:
+                    if watcher is not None:
+                        watcher.close()
+                    watcher = None
+                    watcher = self._watcher = Watcher(self._store, want, journal=True)
+                    self._watching, since = want, 0
+                    continue  # the role may have changed meanwhile: look again first
                 if since and not watcher.wait(since, 1.0):
                     continue
-                since = self._read_view(watcher, since, ready_root)
+                if self._watched() != self._watching:
+                    continue  # woken by a new role (begin): re-create the watch first
+                since = self._read_view(watcher, since)
             except Exception as exc:  # EtcdError, or a bug: the watch must go on
+                if self._stop.is_set():
+                    break  # closed (close() closes the watch)
                 if isinstance(exc, EtcdError):
                     log.warning("in-process watch: %s; retrying", exc)
                 else:
@@ -387,11 +415,11 @@ class InProcessCoordinator:
         if watcher is not None:
             watcher.close()
 
-    def _read_view(self, watcher: Watcher, since: int, ready_root: str) -> int:
-        """Bring the copy of the record and barrier keys up to date (the watch's events
-        since ``since``; a read of them all at first, or when the events are not all
-        known), queue what the machine needs; return the revision the copy is at. When
-        the only change was a write of the record (an abort), the machine gets it alone.
+    def _read_view(self, watcher: Watcher, since: int) -> int:
+        """Bring the copy of the watched keys up to date (the watch's events since
+        ``since``; a read of them all at first, or when the events are not all known),
+        queue what the machine needs; return the revision the copy is at. When the only
+        change was a write of the record (an abort), the machine gets it alone.
 
         Raises:
             EtcdError: etcd did not answer.
@@ -399,7 +427,7 @@ class InProcessCoordinator:
         key = self._keys.inprocess_iteration
         events = watcher.events_since(since) if since else None
         if not events:  # the first time, or events not all known (or none: read anyway)
-            snap = self._store.read([key, ready_root])
+            snap = self._store.read(list(self._watching))
             self._view = dict(snap.values)
             revision = snap.revision
         else:
@@ -418,9 +446,9 @@ class InProcessCoordinator:
         if raw is not None:
             with contextlib.suppress(IterationRecordError):
                 target = max(target, decode_iteration_record(raw[0], key).iteration)
-        prefix = self._keys.inprocess_ready_prefix(target)
-        ready = {k: v for k, v in self._view.items() if k.startswith(prefix)}
-        self._events.put(lambda: self.machine.view(raw, target, ready))
+        prefix, go = self._keys.inprocess_ready_prefix(target), self._keys.inprocess_go(target)
+        barrier = {k: v for k, v in self._view.items() if k.startswith(prefix) or k == go}
+        self._events.put(lambda: self.machine.view(raw, target, barrier))
         return revision
 
     def _read_or_repair(self) -> IterationRecord | None:

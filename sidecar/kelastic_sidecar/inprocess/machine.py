@@ -472,7 +472,7 @@ class RestartMachine:
         ready: Mapping[str, tuple[bytes, int]],
     ) -> None:
         """A read of the record (``raw``: value and revision, None when missing) and of
-        ``iteration``'s barrier keys."""
+        ``iteration``'s barrier keys (its ``go`` key; for group rank 0, its ready keys)."""
         if raw is None or self.known is None or raw[1] >= self.known[1]:
             self.known = raw if raw is not None else (None, 0)
         if raw is not None:
@@ -484,7 +484,7 @@ class RestartMachine:
                     self.give_up_all("the in-process record is corrupt")
                 return
             self.apply(record)
-        if iteration == self.iteration and self.phase == BARRIER:
+        if iteration == self.iteration and self.phase in (BARRIER, RUNNING):
             self._barrier.check(self, ready)
 
     def go(self, ctx: RoundContext, master: ReadyRecord) -> None:

@@ -4,7 +4,8 @@
 :class:`RoundContext` is what the supervisor hands the coordinator per rendezvous round;
 :func:`barrier_verdict` reads the ready keys of an iteration (NVIDIA's termination
 barrier, ``nvidia_resiliency_ext.inprocess``, kept in etcd instead of rank 0's
-store) and :func:`go_env` builds the env a rank re-enters the function with.
+store), :func:`go_verdict` the ``go`` key group rank 0 writes once it saw them all, and
+:func:`go_env` builds the env a rank re-enters the function with.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "barrier_verdict",
     "cause_label",
     "go_env",
+    "go_verdict",
     "restart_log_line",
 ]
 
@@ -120,6 +122,36 @@ def barrier_verdict(
     complete = len(by_rank) >= ctx.group_world_size
     master = by_rank.get(0) if complete else None
     return BarrierVerdict(master, frozenset(by_rank), tuple(corrupt[:_MAX_ERRORS]))
+
+
+def go_verdict(
+    values: Mapping[str, tuple[bytes, int]], key: str, ctx: RoundContext
+) -> tuple[ReadyRecord | None, str | None]:
+    """Whether group rank 0 of ``ctx``'s round said ``go`` for the iteration of ``key``
+    (:meth:`kelastic.contract.Keys.inprocess_go`).
+
+    Args:
+        values: key -> ``(value, mod_revision)``; only ``key`` is read.
+        key: the iteration's ``go`` key.
+        ctx: the round.
+
+    Returns:
+        ``(master, error)``: the value (group rank 0's ready value: the iteration's
+        ``MASTER_ADDR``/``PORT``) when it decodes and names this round and group rank 0,
+        else None; ``error``: why a value present was corrupt (None when it was not).
+        A ``go`` of another round (a node carried into the next round meets the ended
+        round's) is None without an error.
+    """
+    got = values.get(key)
+    if got is None:
+        return None, None
+    try:
+        master = decode_ready(got[0], key)
+    except IterationRecordError as exc:
+        return None, str(exc)
+    if master.round != ctx.round or master.group_rank != 0:
+        return None, None
+    return master, None
 
 
 def go_env(

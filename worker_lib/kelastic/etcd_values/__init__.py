@@ -25,6 +25,8 @@ key                            codec                           written by / read
                                                                operator, ``kelastic run``
 ``inprocess/ready/<m>/<node>`` ``kelastic_sidecar.inprocess.    sidecars / sidecars
                                record`` (sidecars only)
+``inprocess/go/<m>``           the ready key's codec (its value  group rank 0 / sidecars
+                               is group rank 0's ready value)
 ``checkpoints/<node>``         :mod:`.checkpoints`             a sidecar / sidecars
 ``checkpoint-loads/<node>``    :mod:`.loads`                   a sidecar / the operator
 ``hangs/<node>``               :mod:`.hangs`                   a sidecar / the operator
