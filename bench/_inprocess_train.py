@@ -53,12 +53,32 @@ def _event(iteration: int) -> None:
     os.close(fd)
 
 
+def _probe(what: str, iteration: int) -> None:
+    """With ``$BENCH_PROBE`` (a file): append ``{"what", "rank", "iteration", "t"}``, the
+    moments of an iteration (entered, group made, DDP made, left) for a breakdown."""
+    path = os.environ.get("BENCH_PROBE")
+    if path:
+        line = {"what": what, "rank": int(os.environ.get("RANK", "-1")), "iteration": iteration,
+                "t": time.time()}  # fmt: skip
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, (json.dumps(line) + "\n").encode())
+        os.close(fd)
+
+
 def train(call_wrapper: Any = None, base_store: Any = None) -> None:
     """Train until killed; ``call_wrapper`` comes from either wrapper (``.iteration``,
     ``.ping()``), ``base_store`` only under NVRx (its examples' PrefixStore pattern)."""
+    iteration = call_wrapper.iteration if call_wrapper is not None else 0
+    _probe("entered", iteration)
+    try:
+        _train(call_wrapper, base_store, iteration)
+    finally:
+        _probe("left", iteration)
+
+
+def _train(call_wrapper: Any, base_store: Any, iteration: int) -> None:
     global _hang
     _hang = False
-    iteration = call_wrapper.iteration if call_wrapper is not None else 0
     if base_store is not None:
         store = dist.PrefixStore(str(iteration), base_store)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -68,7 +88,9 @@ def train(call_wrapper: Any = None, base_store: Any = None) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group("gloo")
+    _probe("group", iteration)
     model = DDP(MODEL)
+    _probe("ddp", iteration)
     step = 0
     while True:
         while _hang:  # a hung rank: no step, no ping, until its iteration is aborted

@@ -363,6 +363,26 @@ def test_exceptions_and_summary() -> None:
     assert summary(KeyError()) == "KeyError"
 
 
+def test_a_teardown_without_connections_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The monitor repeats the teardown each tick while the function has not left,
+    holding the lock the main thread's leaving takes: with nothing to shut down it must
+    not sleep (it waited two 5 ms looks for sends on no connection)."""
+    slept: list[float] = []
+    monkeypatch.setattr(ip_abort.time, "sleep", slept.append)
+    before = ip_abort.snapshot()
+    assert ip_abort.shutdown_connections(before) == 0
+    assert slept == []
+    server = socket.create_server(("127.0.0.1", 0))
+    conn = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:  # with one, the sends are awaited as before: two looks a few ms apart
+        assert ip_abort.shutdown_connections(before, store_port=1) == 2
+        assert slept and all(0 < s <= 0.02 for s in slept)
+    finally:
+        for sock in (server, conn, peer):
+            sock.close()
+
+
 def test_shutdown_connections_spares_listeners_the_store_and_older_sockets() -> None:
     old_server = socket.create_server(("127.0.0.1", 0))
     old = socket.create_connection(old_server.getsockname())
