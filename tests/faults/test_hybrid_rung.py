@@ -90,7 +90,7 @@ def test_a_killed_worker_alone_starts_again_its_peers_restart_in_process(
     assert "fault: SIGKILL rank 1 after 1s" in out, out
     assert re.search(r"in-process restart 1/10 \(iteration 1\): rank 1 worker_died: local rank "
                      r"1 \(pid \d+\) killed by SIGKILL", logs), logs  # fmt: skip
-    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    assert "local rank 1 starts again as a process now, to enter iteration 1" in logs, logs
     # what kelastic run says of it: the rung, the dead worker and its signal
     assert re.search(r"in-process restart 1/10 \(iteration 1\): rank 1 worker_died: local rank "
                      r"1 \(pid \d+\) killed by SIGKILL; it alone starts again as a process; "
@@ -133,7 +133,7 @@ def test_the_budget_spent_or_a_respawn_failing_takes_the_process_path(
     finally:
         run.interrupt()
     out, logs = run.output, _sidecar_logs(tmp_path / "runs")
-    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    assert "local rank 1 starts again as a process now, to enter iteration 1" in logs, logs
     assert "in-process restart budget of 1 spent" in logs, logs
     assert "restart 1/3: worker_failure: rank 2" in out, out
     assert run.restarts_charged() == 1
@@ -317,7 +317,7 @@ def test_a_hung_ddp_rank_alone_is_killed_its_blocked_peers_restart_in_process(
     # else by the coordinator's hard-timeout kill
     assert set(re.findall(r"timer server: reaped pid (\d+)", logs)) <= {str(old)}, logs
     assert re.search(rf"local rank 1 \(pid {old}\) killed by (SIGKILL|the sidecar)", logs), logs
-    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    assert "local rank 1 starts again as a process now, to enter iteration 1" in logs, logs
     took = re.findall(r"stepping again after (\d+\.\d+)s", out)
     print(f"\nSIGSTOP of rank 3 of DDP -> every rank stepping again: {took} s")
     assert "process restart" not in out.replace("in-process restart", ""), out
@@ -395,7 +395,7 @@ def test_a_hung_rank_alone_is_killed_its_peers_abort_in_process_one_record_of_th
     assert re.search(rf"worker pid {old} hung: {re.escape(why)}", logs), logs
     died = rf"local rank 1 \(pid {old}\) killed by SIGKILL: {re.escape(why)}"
     assert re.search(died, logs), logs
-    assert "local rank 1 starts again as a process in iteration 1" in logs, logs
+    assert "local rank 1 starts again as a process now, to enter iteration 1" in logs, logs
     # what kelastic run says: one restart, named after the stopped rank (its silence
     # began before its peers' timers expired), its kill and its start (on that line when
     # every rank stepped again before it was said, else on a follow-up), and the time to

@@ -156,7 +156,7 @@ def test_spares_used_up_fall_back_to_the_respawn(tmp_path: Path) -> None:
     logs = out + _logs(runs)  # the launchers log to kelastic run's output
     assert "local rank 1 replaced by the spare of slot 2" in out, out
     assert "slot left empty" in logs, logs
-    assert "local rank 0 starts again as a process in iteration 2" in logs, logs
+    assert "local rank 0 starts again as a process now, to enter iteration 2" in logs, logs
     zero = [(int(p), int(it)) for r, p, it in START.findall(out) if r == "0"]
     assert len(zero) == 2 and zero[1][1] == 2, out  # a new process for rank 0, in 2
     assert run.restarts_charged() == 0, out

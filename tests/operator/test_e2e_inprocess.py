@@ -266,7 +266,7 @@ def test_a_killed_or_hung_worker_alone_starts_again_on_kubernetes(
     last = status["lastInProcessRestart"]
     assert last["iteration"] == 1 and last["cause"] in causes, last
     sidecar = node.logs(ns, SIDECAR_CONTAINER)
-    assert "local rank 1 starts again as a process in iteration 1" in sidecar, sidecar
+    assert "local rank 1 starts again as a process now, to enter iteration 1" in sidecar, sidecar
     if fault == "hang":  # one record of the hang, whoever killed it
         assert re.search(r"worker pid \d+ hung: .*(reaped by the timer server|killed by the "
                          r"sidecar)", sidecar), sidecar  # fmt: skip

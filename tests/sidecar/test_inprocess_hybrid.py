@@ -169,22 +169,30 @@ def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
     a, b, respawned = two_nodes("b")
     started = time.monotonic()
     assert _kill(b, 1)  # global rank 3
+    # started again at once (the early respawn), before any peer is ready: it waits in
+    # the barrier of iteration 1 for the go that names the iteration's store
+    round_, local_rank, env = respawned.next()
+    assert (round_, local_rank) == (1, 1)
+    assert env[contract.ENV_INPROCESS_AWAIT_GO] == "1"
+    assert env[contract.ENV_INPROCESS_ITERATION] == "1" and env[contract.RANK] == "3"
+    assert env[contract.KELASTIC_TIMER_TOKEN] == "token-node-b-1"
     survivors = [*a.ranks, b.ranks[0]]
     for r in survivors:
         assert r.expect(Abort).iteration == 1  # type: ignore[attr-defined]
+    new = Rank(b.socket_path, 1, 3, iteration=1)  # its Wrapper: hello(1), then ready(1)
+    b.ranks[1] = new
+    new.ready(1)
     for r in survivors:
         r.ready(1)  # the dead rank counts as ready: the barrier needs no more
-    gos = [r.expect(Go) for r in survivors]
-    round_, local_rank, env = respawned.next()
+    gos = [r.expect(Go) for r in [*survivors, new]]
     took = time.monotonic() - started
-    print(f"\ndeath -> go and respawn, 2 nodes x 2 ranks, real etcd: {took * 1000:.1f} ms")
-    assert (round_, local_rank) == (1, 1)
+    print(f"\ndeath -> respawn and go, 2 nodes x 2 ranks, real etcd: {took * 1000:.1f} ms")
     # the respawned rank enters iteration 1 with what its peers got with the go
-    go_env = gos[0].env  # type: ignore[attr-defined]
-    assert env[contract.MASTER_ADDR] == go_env[contract.MASTER_ADDR] == "127.0.0.1"
-    assert env[contract.MASTER_PORT] == go_env[contract.MASTER_PORT]
-    assert env[contract.ENV_INPROCESS_ITERATION] == "1" and env[contract.RANK] == "3"
-    assert env[contract.KELASTIC_TIMER_TOKEN] == "token-node-b-1"
+    go_env, its = gos[0].env, gos[3].env  # type: ignore[attr-defined]
+    assert its[contract.MASTER_ADDR] == go_env[contract.MASTER_ADDR] == "127.0.0.1"
+    assert its[contract.MASTER_PORT] == go_env[contract.MASTER_PORT]
+    assert its[contract.RANK] == "3" and gos[3].iteration == 1  # type: ignore[attr-defined]
+    assert respawned.calls.empty()  # once: not again at the go
     record = _record(store, job_prefix)
     assert (record.iteration, record.restarts, record.cause, record.rank) == (
         1, 1, CAUSE_WORKER_DIED, 3,
@@ -192,9 +200,6 @@ def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
     assert record.message == (
         "local rank 1 (pid 4242) killed by SIGKILL; it alone starts again as a process"
     )
-    # the new process says hello in iteration 1: a rank of the running iteration
-    new = Rank(b.socket_path, 1, 3, iteration=1)
-    b.ranks[1] = new
     for r in [*survivors, new]:
         r.progress(1)
     for node in (a, b):
@@ -213,11 +218,68 @@ def test_a_dead_worker_restarts_its_peers_in_process_and_alone_as_a_process(
     assert status is not None and status["respawns"] == 1
     assert status["last"]["signal"] == "SIGKILL"
     assert status["last"]["died"] == ["local rank 1 (pid 4242) killed by SIGKILL"]
-    assert not new.got  # no abort for the newcomer: it is in the running iteration
+    assert [type(m) for m in new.got] == [Go]  # no abort for the newcomer: only its go
     # a raise afterwards restarts all four, the respawned one included
     a.ranks[0].fault(1)
     for r in [*survivors, new]:
         assert r.expect(Abort).iteration == 2  # type: ignore[attr-defined]
+
+
+def test_an_early_respawn_slower_than_the_barrier_gets_the_go_at_its_hello(
+    store: EtcdClient, job_prefix: str, two_nodes: StartPair
+) -> None:
+    """The dead rank's new process connects after its peers' go (a cold start): it is
+    sent that go at its hello, once; with a newer restart meanwhile it is aborted into
+    that one instead, never sent the older go."""
+    a, b, respawned = two_nodes("b")
+    assert _kill(b, 1)
+    assert respawned.next()[1] == 1
+    survivors = [*a.ranks, b.ranks[0]]
+    for r in survivors:
+        r.expect(Abort)
+        r.ready(1)
+    gos = [r.expect(Go) for r in survivors]
+    new = Rank(b.socket_path, 1, 3, iteration=1)  # late: the go went out before its hello
+    b.ranks[1] = new
+    go = new.expect(Go)
+    assert go.iteration == 1  # type: ignore[attr-defined]
+    assert go.env[contract.MASTER_PORT] == gos[0].env[contract.MASTER_PORT]  # type: ignore[attr-defined]
+    new.ready(1)  # what its Wrapper sends before the go it awaits: ignored when running
+    b.flush()
+    assert [type(m) for m in new.got] == [Go] and respawned.calls.empty()
+    # again, but a raise restarts the others before the late process connects
+    assert _kill(b, 1, pid=4343)
+    assert respawned.next()[1] == 1
+    for r in survivors:
+        r.expect(Abort)
+        r.ready(2)
+    for r in survivors:
+        r.expect(Go)
+    a.ranks[0].fault(2)
+    for r in survivors:
+        assert r.expect(Abort).iteration == 3  # type: ignore[attr-defined]
+    late = Rank(b.socket_path, 1, 3, iteration=2)
+    b.ranks[1] = late
+    assert late.expect(Abort).iteration == 3  # type: ignore[attr-defined]
+    for r in [*survivors, late]:
+        r.ready(3)
+    for r in [*survivors, late]:
+        assert r.expect(Go).iteration == 3  # type: ignore[attr-defined]
+    assert [type(m) for m in late.got] == [Abort, Go]  # never the go of iteration 2
+
+
+def test_an_early_respawn_dying_before_the_go_takes_the_process_path(
+    store: EtcdClient, job_prefix: str, two_nodes: StartPair
+) -> None:
+    """A process started again at the death that dies before its go (after its hello,
+    too) is not started once more: that would repeat without end and spend nothing."""
+    _, b, respawned = two_nodes("b")
+    assert _kill(b, 1)
+    respawned.next()
+    b.ranks[1] = Rank(b.socket_path, 1, 3, iteration=1)
+    b.flush()
+    assert not _kill(b, 1, pid=4343)  # refused: the round ends on the process path
+    assert respawned.calls.empty()
 
 
 def test_deaths_during_a_restart_join_it_and_all_start_again(

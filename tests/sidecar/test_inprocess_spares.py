@@ -190,6 +190,37 @@ def test_a_waiting_spare_takes_the_dead_ranks_place_then_the_respawn(
         assert promoted.calls.empty()
 
 
+def test_a_death_a_spare_was_waiting_for_is_started_at_the_go_if_the_spare_left(
+    store: EtcdClient, job_prefix: str
+) -> None:
+    """A spare waits at the death: the dead rank is not started early (the spare takes
+    it). The spare goes away before the go: the rank is started at the go, its env
+    naming the go's store and no early wait (the launcher keeps env of an earlier
+    early start, so it is said)."""
+    a_cm, b_cm = _nodes(store, job_prefix)
+    with a_cm as a, b_cm as b:
+        respawned = Calls()
+        b.coordinator.machine.on_respawn = respawned
+        a.begin(1, 0, AB)
+        b.begin(1, 1, AB)
+        spare = _spare(b)
+        assert _kill(b, 1)
+        survivors = [*a.ranks, b.ranks[0]]
+        for r in survivors:
+            r.expect(Abort)
+        b.flush()
+        assert respawned.calls.empty()  # the spare is to take it
+        spare.close()
+        wait_for(lambda: (b.flush(), not _waiting(b))[1], 10, what="the spare gone")
+        for r in survivors:
+            r.ready(1)
+        gos = [r.expect(Go) for r in survivors]
+        round_, local_rank, env = respawned.next()
+        assert (round_, local_rank) == (1, 1)
+        assert env[contract.ENV_INPROCESS_AWAIT_GO] == "0"
+        assert env[contract.MASTER_PORT] == gos[0].env[contract.MASTER_PORT]  # type: ignore[attr-defined]
+
+
 def test_spares_outside_the_rules_are_dropped_or_sent_away(
     store: EtcdClient, job_prefix: str
 ) -> None:

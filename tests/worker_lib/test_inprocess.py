@@ -30,6 +30,7 @@ from kelastic.inprocess_messages import (
     Abort,
     Done,
     Fault,
+    GiveUp,
     Go,
     Hello,
     Progress,
@@ -301,6 +302,45 @@ def test_started_into_a_running_job_says_its_iteration(run_dir: Path) -> None:
         assert j.log.wait(msg(Hello))["msg"].iteration == 7
         j.log.wait(msg(Done, iteration=7), what="done(7)")
         assert j.wait_exit() == [0]
+
+
+def test_started_again_at_its_death_it_waits_for_the_go_before_its_first_call(
+    run_dir: Path,
+) -> None:
+    """The hybrid rung's early respawn: with ``KELASTIC_INPROCESS_AWAIT_GO=1`` the Wrapper
+    says hello in the iteration being restarted into, passes the termination barrier
+    (ready, a newer abort moving it on) and calls the function only at the go, with the
+    go's env (its store); the flag is not left in the function's env."""
+    env = {contract.ENV_INPROCESS_ITERATION: "4", contract.ENV_INPROCESS_AWAIT_GO: "1",
+           "KL_STEPS": "1"}  # fmt: skip
+    with job(run_dir, 1, env=env, auto=False) as j:
+        assert j.coord is not None
+        assert j.log.wait(msg(Hello), what="hello")["msg"].iteration == 4
+        j.log.wait(msg(Ready, iteration=4), what="ready(4) before any call")
+        j.coord.send(0, Abort(iteration=5, reason="another fault meanwhile"))
+        j.log.wait(msg(Ready, iteration=5), what="ready(5)")
+        assert not j.log.find(ev("enter"))  # not called before its go
+        j.coord.go(5)
+        entered = j.log.wait(ev("enter", iteration=5), what="iteration 5")
+        go = j.log.wait(lambda e: isinstance(e.get("sent"), Go))["sent"]
+        assert entered["port"] == go.env[contract.MASTER_PORT]
+        assert entered["await_go"] is None  # a respawn of it later is not told to wait
+        j.log.wait(msg(Done, iteration=5), what="done(5)")
+        assert j.wait_exit() == [0]
+        assert not j.log.find(ev("enter", iteration=4))
+
+
+def test_started_again_at_its_death_and_given_up_it_exits_without_a_call(
+    run_dir: Path,
+) -> None:
+    env = {contract.ENV_INPROCESS_ITERATION: "2", contract.ENV_INPROCESS_AWAIT_GO: "1"}
+    with job(run_dir, 1, env=env, auto=False) as j:
+        assert j.coord is not None
+        j.log.wait(msg(Ready, iteration=2), what="ready(2)")
+        j.coord.send(0, GiveUp(reason="budget spent"))
+        assert j.wait_exit() != [0]
+        assert not j.log.find(ev("enter"))
+        assert any("before this rank's start" in line for line in j.workers[0].stderr)
 
 
 # ------------------------------------------------------------------ in this process

@@ -105,7 +105,8 @@ WORKER = textwrap.dedent(
     def train(call_wrapper: CallWrapper | None = None):
         cw = call_wrapper
         it = cw.iteration
-        emit("enter", iteration=it, port=os.environ.get("MASTER_PORT"), sockets=sockets())
+        emit("enter", iteration=it, port=os.environ.get("MASTER_PORT"), sockets=sockets(),
+             await_go=os.environ.get("KELASTIC_INPROCESS_AWAIT_GO"))
         if opt("DO") == "early" and it == FAULT_AT[0]:  # the peers wait in init
             while not flag("fault_now"):
                 time.sleep(0.005)

@@ -272,6 +272,11 @@ ENV_INPROCESS_SPARES: Final = "KELASTIC_INPROCESS_SPARES"
 #: and waits for a ``go`` naming the rank it replaces; its ``LOCAL_RANK`` is its spare
 #: slot (nproc..nproc+spares-1) and its ``RANK`` is at or above ``WORLD_SIZE`` until then.
 ENV_INPROCESS_SPARE: Final = "KELASTIC_INPROCESS_SPARE"
+#: "1" in the env of a dead rank's process started again at its death (the hybrid rung's
+#: early respawn): its Wrapper says hello in the iteration being restarted into and waits
+#: for that iteration's ``go`` (which brings ``MASTER_ADDR``/``PORT``) before its first
+#: call, so that its start overlaps its peers' abort and termination barrier.
+ENV_INPROCESS_AWAIT_GO: Final = "KELASTIC_INPROCESS_AWAIT_GO"
 #: Most spare ranks per node.
 MAX_INPROCESS_SPARES: Final = 64
 DEFAULT_INPROCESS_MAX_RESTARTS: Final = 10

@@ -378,7 +378,7 @@ class RestartMachine:
         if msg.spare:
             self.spares.hello(self, session, msg)
             return
-        self.respawn.hello(msg)
+        self.respawn.hello(session, msg)
         ctx = self.ctx
         if ctx is not None and msg.local_rank >= ctx.nproc:
             log.error("%r: local rank %d, but this node runs %d; dropping it",

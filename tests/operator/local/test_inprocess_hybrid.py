@@ -55,7 +55,7 @@ def test_digits_recovers_from_a_killed_worker_with_the_hybrid_rung(tmp_path: Pat
     logs = "\n".join(p.read_text() for p in (tmp_path / "runs").glob("*/pods/*/*sidecar.log"))
     assert re.search(r"in-process restart 1/\d+ \(iteration 1\): rank 2 worker_died: local rank "
                      rf"0 \(pid {dead}\) killed by SIGKILL", logs), logs  # fmt: skip
-    assert "local rank 0 starts again as a process in iteration 1" in logs, logs
+    assert "local rank 0 starts again as a process now, to enter iteration 1" in logs, logs
     assert re.search(r"in-process restart 1/\d+ \(iteration 1\): rank 2 worker_died: local rank "
                      rf"0 \(pid {dead}\) killed by SIGKILL; it alone starts again as a process",
                      out), out  # kelastic run names the rung  # fmt: skip

@@ -107,6 +107,7 @@ class Session(Generic[R]):
         self._fn = fn
         self._args = args
         self._spare = os.environ.get(contract.ENV_INPROCESS_SPARE) == "1"
+        self._await_go = os.environ.pop(contract.ENV_INPROCESS_AWAIT_GO, "") == "1"
         self._local_rank = _int_env(contract.LOCAL_RANK)
         self._rank = _int_env(contract.RANK)
         self._first = _int_env(contract.ENV_INPROCESS_ITERATION)
@@ -167,6 +168,8 @@ class Session(Generic[R]):
             self._monitor.start()
             if self._spare:
                 self._await_promotion()
+            elif self._await_go:
+                self._await_first_go()
             with self._injector:
                 return self._loop()
         finally:
@@ -208,6 +211,22 @@ class Session(Generic[R]):
               f"{self._local_rank} (rank {self._rank}) in iteration {item.iteration}",
               file=sys.stderr, flush=True)  # fmt: skip
         wait_for_store()
+
+    def _await_first_go(self) -> None:
+        """Started again at its death (the hybrid rung's early respawn): this rank's
+        peers are still leaving the iteration it died in; pass the termination barrier
+        with them (ready, then the ``go``, whose env names the iteration's store) before
+        the first call.
+
+        Raises:
+            GiveUpError: the sidecar gave up the restart or went away.
+        """
+        try:
+            self._first = self._barrier(self._first)
+        except _Stop as stop:
+            why = f"in-process restart ended before this rank's start: {stop}"
+            raise GiveUpError(why) from None
+        self.call_wrapper.set_iteration(self._first)
 
     # --------------------------------------------------------------- the course
 
