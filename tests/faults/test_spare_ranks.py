@@ -252,3 +252,29 @@ def test_a_spare_takes_a_killed_ddp_rank_and_all_ranks_end_with_the_same_paramet
     assert len(set(params.values())) == 1, params  # the spare's parameters are its peers'
     assert "replaced by the spare of slot 2" in out and run.restarts_charged() == 0, out
     assert run.strays() == []
+
+
+def test_a_spare_dying_right_after_its_go_is_that_ranks_death(tmp_path: Path) -> None:
+    """The spare promoted in place of killed rank 1 dies as it enters the function (its
+    go sent, the launcher's promote before or after): its exit is rank 1's death, which
+    the hybrid rung takes at once (another in-process restart; rank 1 starts again), not
+    a rank missing until the termination barrier's timeout."""
+    job, stop = _job(tmp_path, env={"STEPS_PROMOTED_DIES": str(tmp_path / "died")})
+    runs = tmp_path / "runs"
+    run = KelasticRun(job, "--in-process", "--spares", "1", "--fault", "kill:rank=1,after=1",
+                      workdir=runs)  # fmt: skip
+    try:
+        _wait(run, runs, lambda: run.has("in-process restart 2/10 (iteration 2)"),
+              "the promoted spare's death restarting in process")  # fmt: skip
+        _wait(run, runs, lambda: any(2 in _entered(run.output, int(p))
+                                     for r, p, _ in ENTER.findall(run.output) if r == "1"),
+              "rank 1 in iteration 2")  # fmt: skip
+        run.finish(stop, rank=0, more=10)
+    finally:
+        run.interrupt()
+    out, logs = run.output, run.output + _logs(runs)
+    assert "promoted spare dying at once" in out, out
+    assert "in-process restart 2/10 (iteration 2): rank 1 worker_died" in out, out
+    assert "not passed within" not in logs, logs  # no barrier timeout
+    assert run.restarts_charged() == 0 and "job succeeded" in out, out
+    assert run.strays() == []

@@ -11,6 +11,9 @@ each time the function is entered, then ``step S`` lines. Env (all optional):
   STEPS_SPARE_ONCE    a spare (KELASTIC_INPROCESS_SPARE=1) exits 3 before its hello when
                       it is not the first of its node (``<path>.<GROUP_RANK>`` exists;
                       the first creates it): the node's spares run out after one
+  STEPS_PROMOTED_DIES a process started as a spare exits 3 as it enters the function, once
+                      in the job (the file at this path records that one did): a spare
+                      dying right after its go made it a rank
   STEPS_HANG_RANK     that global rank stops itself (SIGSTOP) at step STEPS_HANG_STEP
   STEPS_HANG_STEP     (default 20) of iteration 0: inside its step's timer (it holds it),
   STEPS_HANG_BETWEEN  or, when this is 1, after the step (holding no timer: only its
@@ -46,6 +49,8 @@ def main() -> None:
             print("spare dying before the hello", flush=True)
             os._exit(3)
         mine.touch()
+    was_spare = os.environ.get("KELASTIC_INPROCESS_SPARE") == "1"
+    promoted_dies = os.environ.get("STEPS_PROMOTED_DIES")
     stop = os.environ.get("STEPS_STOP_FILE")
     hang = (int(os.environ.get("STEPS_HANG_RANK") or -1), int(os.environ.get("STEPS_HANG_STEP")
             or 20), os.environ.get("STEPS_HANG_BETWEEN") == "1")  # fmt: skip
@@ -60,6 +65,10 @@ def main() -> None:
     def train(call_wrapper: Any = None) -> None:
         iteration = call_wrapper.iteration if call_wrapper is not None else 0
         print(f"pid {os.getpid()} enter iteration {iteration}", flush=True)
+        if was_spare and promoted_dies and not Path(promoted_dies).exists():
+            Path(promoted_dies).touch()
+            print(f"pid {os.getpid()} promoted spare dying at once", flush=True)
+            os._exit(3)
         step = 0
         while not (stop and Path(stop).exists()):
             with expires(after=5.0, scope="step"):
