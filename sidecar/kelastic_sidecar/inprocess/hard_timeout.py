@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only
@@ -98,6 +98,14 @@ class HardTimeouts:
         for local_rank in late:
             del self._at[local_rank]
         return late
+
+    def expire(self, sessions: Mapping[int, Session], iteration: int, now: float) -> None:
+        """Kill each rank of ``sessions`` (local rank -> session) past its deadline at
+        ``now``, aborted into ``iteration``."""
+        for local_rank in self.due(now):
+            session = sessions.get(local_rank)
+            if session is not None and session.hello is not None:
+                self.kill(session, iteration)
 
     def kill(self, session: Session, iteration: int, why: str | None = None) -> int | None:
         """Start the SIGKILL of ``session``'s rank, which did not pass the termination

@@ -72,6 +72,7 @@ from .round import (
     restart_log_line,
 )
 from .silence import SilenceWatch
+from .unanswered import UnansweredConnects
 
 if TYPE_CHECKING:  # annotations only: the machine imports none of its collaborators
     from kelastic_etcd import EtcdClient
@@ -189,6 +190,7 @@ class RestartMachine:
         self.ready: set[int] = set()
         self._hard = HardTimeouts(settings.hard_timeout, clock, kill, metrics, on_kill)
         self._silence = SilenceWatch(settings.soft_timeout, clock)
+        self._unanswered = UnansweredConnects(self._hard)
         self.barrier_until: float | None = None
         self.known: tuple[bytes | None, int] | None = None
         self.corrupt = CorruptRecords(metrics)
@@ -202,10 +204,10 @@ class RestartMachine:
 
     def next_deadline(self) -> float | None:
         """The earliest hard-timeout, silence, barrier or rung deadline (monotonic s)."""
-        found = [*self._hard.deadlines(), *self.respawn.deadlines(), *self._silence.deadlines(self)]
-        if self.barrier_until is not None:
-            found.append(self.barrier_until)
-        return min(found, default=None)
+        until = () if self.barrier_until is None else (self.barrier_until,)
+        return min((*self._hard.deadlines(), *self.respawn.deadlines(), *until,
+                    *self._silence.deadlines(self), *self._unanswered.deadlines(self)),
+                   default=None)  # fmt: skip
 
     # ------------------------------------------------------------------ loop: round
 
@@ -504,14 +506,13 @@ class RestartMachine:
     # ------------------------------------------------------------------ loop: timeouts
 
     def expire(self) -> None:
-        """Kill the ranks past their hard timeout; fault a silent rank (:mod:`.silence`);
-        give up a barrier past its timeout; the rungs' deadlines."""
+        """Kill the ranks past their hard timeout, or connecting to a host that does not
+        answer (:mod:`.unanswered`); fault a silent rank (:mod:`.silence`); give up a
+        barrier past its timeout; the rungs' deadlines."""
         now = self.clock()
         self._silence.check(self, self._hard.kill)
-        for local_rank in self._hard.due(now):
-            session = self.sessions.get(local_rank)
-            if session is not None and session.hello is not None:
-                self._hard.kill(session, self.iteration)  # its exit: a reap (a hang)
+        self._unanswered.check(self, now)
+        self._hard.expire(self.sessions, self.iteration, now)  # its exit: a reap (a hang)
         if self.barrier_until is not None and self.barrier_until <= now:
             self.give_up_all(
                 f"termination barrier of iteration {self.iteration} not passed within "
