@@ -21,6 +21,11 @@ Such a rank is killed like one past its hard timeout
 (:meth:`~.hard_timeout.HardTimeouts.kill`: told to the supervisor as a reap first); the
 hybrid rung then starts it again, with its peers in process. A host that answers (a
 refusal, a reset) leaves no such socket: that rank waits for the hard timeout as before.
+Reading another process's ``fd`` links takes ptrace's read access: the sidecar has it
+when it runs as the trainer's user (what the operator sets when the Pod template names
+that user, and ``kelastic run``); a trainer running as root with capabilities the
+sidecar lacks (it keeps only CAP_KILL) cannot be read, and its ranks wait for the hard
+timeout as before.
 """
 
 from __future__ import annotations
