@@ -30,19 +30,21 @@ def _line(state: str, remote: str, retransmits: int, inode: int) -> str:
 def test_only_connecting_sockets_of_the_process_that_sent_their_syn_again_count() -> None:
     v4 = "0100007F:1F90"  # 127.0.0.1:8080
     v6 = "0000000000000000FFFF00000A00000A:0050"  # ::ffff:10.0.0.10 port 80
+    v6_plain = "B80D0120000000000000000001000000:01BB"  # 2001:db8::1 port 443
     lines = [
         HEADER,
         _line("02", v4, 2, 11),  # SYN_SENT, retransmitted: counts
         _line("02", v4, 0, 12),  # SYN_SENT, first SYN still within its timeout
         _line("01", v4, 3, 13),  # established (its retransmits are data's)
         _line("02", v4, 1, 99),  # another process's socket
-        _line("02", v6, 1, 14),  # IPv6
+        _line("02", v6, 1, 14),  # IPv6, a mapped IPv4 (torch's store client)
+        _line("02", v6_plain, 1, 15),
         "garbage", "   1: zz:zz zz:zz 02 x x x x x x", "",  # malformed: skipped
         _line("02", "0100007F:GGGG", 1, 11),
         _line("02", "01007F:1F90", 1, 11),  # an address of no family
     ]  # fmt: skip
-    got = unanswered(lines, {11, 12, 13, 14})
-    assert got == [("127.0.0.1", 8080), ("0000:0000:0000:0000:0000:ffff:0a00:000a", 80)]
+    got = unanswered(lines, {11, 12, 13, 14, 15})
+    assert got == [("127.0.0.1", 8080), ("10.0.0.10", 80), ("2001:db8::1", 443)]
     assert unanswered(lines, set()) == []
     assert unanswered([], {11}) == []
 
@@ -94,19 +96,19 @@ def test_a_process_connecting_to_a_host_that_does_not_answer_is_seen() -> None:
             proc.wait()
 
 
-#: A rank (``python -c STUCK SOCKET PORT``): hello as local rank 1, then it connects to
-#: PORT (nobody answers) in C code that no abort reaches, as torch's TCPStore client
-#: connecting to a gone node does.
+#: A rank (``python -c STUCK SOCKET PORT``): hello as local rank 1, then torch's
+#: ``TCPStore`` client connects to PORT (nobody answers), in C++ that no abort reaches,
+#: as a rank in ``init_process_group`` for an iteration whose store's node is gone.
 STUCK = textwrap.dedent(
     """
-    import json, os, socket, sys
+    import datetime, json, os, socket, sys
+    import torch.distributed as dist
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(sys.argv[1])
     hello = {"type": "hello", "pid": os.getpid(), "local_rank": 1, "rank": 1, "iteration": 0}
     s.sendall(json.dumps(hello).encode() + b"\\n")
     print("connected", flush=True)
-    c = socket.socket()
-    c.connect(("127.0.0.1", int(sys.argv[2])))
+    dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, False, datetime.timedelta(seconds=600))
     """
 )
 

@@ -30,6 +30,7 @@ timeout as before.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable
@@ -56,7 +57,8 @@ _MAX_LINES: Final = 65536
 
 def _address(field: str) -> tuple[str, int] | None:
     """``/proc/net/tcp``'s ``HEXADDR:HEXPORT`` as ``(address, port)`` (IPv4: one
-    little-endian word; IPv6: four); None when malformed."""
+    little-endian word; IPv6: four, an IPv4-mapped one said as its IPv4); None when
+    malformed."""
     addr, _, port = field.partition(":")
     try:
         number = int(port, 16)
@@ -64,11 +66,10 @@ def _address(field: str) -> tuple[str, int] | None:
     except ValueError:
         return None
     if len(raw) == 4:
-        return ".".join(str(b) for b in reversed(raw)), number
+        return str(ipaddress.IPv4Address(raw[::-1])), number
     if len(raw) == 16:
-        words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]
-        groups = [b"".join(words)[i : i + 2].hex() for i in range(0, 16, 2)]
-        return ":".join(groups), number
+        v6 = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
+        return str(v6.ipv4_mapped or v6), number  # torch's store client: a mapped IPv4
     return None
 
 
