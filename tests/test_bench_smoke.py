@@ -140,8 +140,27 @@ def test_slow_cases_selectable_by_name() -> None:
     on a loaded 2-core machine) run in ``all`` and by name, not in ``--quick``."""
     from bench.__main__ import CASES, NOT_QUICK
 
-    for name in ("recovery_mttr", "hang_recovery", "hang_evidence", "goodput"):
+    for name in ("recovery_mttr", "hang_recovery", "hang_evidence", "goodput",
+                 "goodput_checkpoint"):  # fmt: skip
         assert name in CASES and name in NOT_QUICK
+
+
+def test_goodput_checkpoint_work_lost_per_kill() -> None:
+    """Per kill: the last step done before it minus the step the next rank 0 process
+    resumed from (its first step after the kill tells which process is next)."""
+    from bench.goodput_ckpt import _lost
+
+    events = [
+        {"ev": "resumed", "pid": 1, "step": -1},
+        *({"ev": "step", "pid": 1, "step": s, "t1": 1.0 + s} for s in range(10)),  # to t=10
+        {"ev": "resumed", "pid": 2, "step": 9},  # a memory checkpoint: nothing done again
+        *({"ev": "step", "pid": 2, "step": s, "t1": 2.0 + s} for s in range(10, 20)),
+        {"ev": "resumed", "pid": 3, "step": 10},  # a file of step 10: 9 steps done again
+        *({"ev": "step", "pid": 3, "step": s, "t1": 12.0 + s} for s in range(11, 15)),
+    ]
+    assert _lost(events, [10.5, 21.5]) == [0.0, 9.0]
+    assert _lost(events, [40.0]) == []  # no restart after it: nothing to say
+    assert _lost([], [1.0]) == []
 
 
 def test_goodput_productive_time() -> None:
