@@ -6,8 +6,9 @@ model's (saved and loaded with the rest), and a step counter that is the job's p
 restart resumes from the checkpoint it loads, and the steps after it are done again.
 ``BENCH_CKPT`` picks the checkpoint:
 
-- ``memory``: ``kelastic.checkpoint.save(step, state)`` every step (staged, not waited
-  for), ``kelastic.checkpoint.load()`` at the start (the step the job agreed on);
+- ``memory`` (or ``memory:N``): ``kelastic.checkpoint.save(step, state)`` every step (every
+  ``N`` steps; staged, not waited for), ``kelastic.checkpoint.load()`` at the start (the
+  step the job agreed on);
 - ``torch:N``: rank 0 ``torch.save``s the state every ``N`` steps to ``$BENCH_CKPT_PATH``
   (a temporary file, then a rename: never torn), every rank ``torch.load``s it at the
   start (the usual pattern: the other ranks wait for rank 0 at the next all-reduce).
@@ -44,9 +45,10 @@ def main() -> None:
     pad = torch.zeros(int(os.environ.get("BENCH_CKPT_MB", "0")) * (1 << 20) // 4)
     mode = os.environ.get("BENCH_CKPT", "memory")
     path = os.environ.get("BENCH_CKPT_PATH", "")
-    every = int(mode.split(":", 1)[1]) if mode.startswith("torch:") else 1
+    every = int(mode.split(":", 1)[1]) if ":" in mode else 1
     resumed = -1
-    if mode == "memory":
+    memory = mode.startswith("memory")
+    if memory:
         from kelastic import checkpoint
 
         restored = checkpoint.load()
@@ -74,9 +76,9 @@ def main() -> None:
         loss.backward()
         opt.step()
         time.sleep(0.05)  # the rest of a real step's compute
-        if mode == "memory":
+        if memory and step % every == 0:
             checkpoint.save(step, {"model": net.state_dict(), "opt": opt.state_dict(), "pad": pad})
-        elif rank == 0 and path and step % every == 0:
+        elif not memory and rank == 0 and path and step % every == 0:
             state = {"model": net.state_dict(), "opt": opt.state_dict(), "pad": pad, "step": step}
             torch.save(state, path + ".tmp")
             os.replace(path + ".tmp", path)

@@ -5,8 +5,8 @@ SIGKILLed every 20 s for 2 minutes (quick: every 12 s for 36 s), each restart re
 from its checkpoint. Every side runs under ``kelastic run`` (2 replicas, warm start, no
 in-process restart), so that the sides differ only in their checkpoint:
 
-- kelastic's memory checkpoint every step (``spec.checkpoint.memory``; the restart loads
-  the step every rank committed, from the node's own slots);
+- kelastic's memory checkpoint every step, and every 10 steps (``spec.checkpoint.memory``;
+  the restart loads the step every rank committed, from the node's own slots);
 - ``torch.save`` by rank 0 every N steps to a file, loaded by every rank at the start
   (N = 50 and 200: about 3 s and 12 s of steps).
 
@@ -137,6 +137,8 @@ def goodput_checkpoint(quick: bool) -> CaseResult:
     if not quick:
         sides.insert(1, ("torch200", "torch.save every 200 steps (rank 0, to a file)",
                          {"BENCH_CKPT": "torch:200"}, "", False))  # fmt: skip
+        sides.append(("memory10", "kelastic memory checkpoint every 10 steps",
+                      {"BENCH_CKPT": "memory:10"}, MEMORY_SPEC, False))  # fmt: skip
     measured: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kelastic-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
