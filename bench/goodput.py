@@ -48,8 +48,10 @@ def productive_time(steps: list[dict[str, float]], start: float, end: float) -> 
     return sum(max(0.0, min(e["t1"], end) - max(e["t0"], start)) for e in steps)
 
 
-def _rank1_worker(roots: list[subprocess.Popen[bytes]]) -> psutil.Process | None:
-    """The running trainer process with ``RANK=1`` among the descendants of ``roots``
+def _rank1_worker(
+    roots: list[subprocess.Popen[bytes]], train: Path = TRAIN
+) -> psutil.Process | None:
+    """The running ``train`` process with ``RANK=1`` among the descendants of ``roots``
     (whether or not it has reached its first step yet)."""
     for root in roots:
         try:
@@ -60,7 +62,7 @@ def _rank1_worker(roots: list[subprocess.Popen[bytes]]) -> psutil.Process | None
             try:
                 if (
                     proc.environ().get("RANK") == "1"
-                    and any(str(TRAIN) in part for part in proc.cmdline())
+                    and any(str(train) in part for part in proc.cmdline())
                     and proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
                 ):
                     return proc

@@ -21,7 +21,6 @@ its progress per second above ``torch.save``'s.
 from __future__ import annotations
 
 import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import psutil
 
 from .common import REPO, CaseResult, Check, Row, log, median, read_events, start_kelastic
+from .goodput import _rank1_worker
 from .hang import dump_logs, stop_session
 
 TRAIN = REPO / "bench" / "_ckpt_train.py"
@@ -37,23 +37,6 @@ TRAIN = REPO / "bench" / "_ckpt_train.py"
 STATE_MB = 16
 #: ``spec.checkpoint`` of the memory side: 3 slots per rank x 2 ranks of ~16 MiB, and room.
 MEMORY_SPEC = "  checkpoint:\n    memory: 256Mi\n"
-
-
-def _rank1(root: subprocess.Popen[bytes]) -> psutil.Process | None:
-    """The running trainer process with ``RANK=1`` under ``root``."""
-    try:
-        procs = psutil.Process(root.pid).children(recursive=True)
-    except psutil.Error:
-        return None
-    for proc in procs:
-        try:
-            ours = any(str(TRAIN) in part for part in proc.cmdline())
-            alive = proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-            if ours and alive and proc.environ().get("RANK") == "1":
-                return proc
-        except psutil.Error:
-            continue
-    return None
 
 
 def _first_step(events: Path, timeout: float) -> float:
@@ -97,10 +80,10 @@ def _side(tmp: Path, name: str, env: dict[str, str], spec: str, duration: float,
             time.sleep(max(0.0, next_kill - time.time()))
             if proc.poll() is not None:
                 raise RuntimeError("the job exited")
-            victim = _rank1(proc)
+            victim = _rank1_worker([proc], TRAIN)
             while victim is None and time.time() < next_kill + every / 2:
                 time.sleep(0.05)
-                victim = _rank1(proc)
+                victim = _rank1_worker([proc], TRAIN)
             if victim is not None:
                 try:
                     victim.kill()

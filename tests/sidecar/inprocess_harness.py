@@ -7,6 +7,8 @@ import contextlib
 import queue
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from kelastic import contract
 from kelastic.inprocess_messages import (
+    Abort,
     CoordinatorMessage,
     Fault,
     Hello,
@@ -240,3 +243,29 @@ def make_node(
 def sample(metrics: SidecarMetrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+@contextlib.contextmanager
+def rank_1_process(node: Node, script: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """Local rank 1 of ``node`` played by a real process (``python -c script SOCKET
+    *args``, which prints ``connected`` after its hello), connected; killed at the end."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(node.socket_path), *args],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "connected"
+        coord = node.coordinator
+        wait_for(lambda: coord._call(lambda: coord.machine.has_session(1)), 10, what="hello")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def fault_rank_0_and_leave(node: Node) -> None:
+    """Connect local rank 0 of ``node``, make it fault in iteration 0 and leave it: the
+    abort into iteration 1 waits for local rank 1 alone."""
+    node.ranks = [node.connect(0)]
+    node.ranks[0].fault(0)
+    assert node.ranks[0].expect(Abort).iteration == 1  # type: ignore[attr-defined]
+    node.ranks[0].ready(1)

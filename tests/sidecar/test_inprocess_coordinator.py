@@ -4,8 +4,6 @@ ranks played by clients of the real unix socket."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -27,7 +25,9 @@ from tests.sidecar.inprocess_harness import (
     NEVER_READY,
     Node,
     Rank,
+    fault_rank_0_and_leave,
     make_node,
+    rank_1_process,
     sample,
     settings,
 )
@@ -201,18 +201,8 @@ def test_budget_spent_gives_up_to_the_faulted_rank_only(store: EtcdClient, job_p
 def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdClient, job_prefix: str) -> None:
     with make_node("solo", store, job_prefix, cfg=settings(soft=0.2, hard=0.5)) as n:
         n.begin(1, 0, ("solo",), connect=False)
-        hung = subprocess.Popen(
-            [sys.executable, "-c", NEVER_READY, str(n.socket_path)],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert hung.stdout is not None and hung.stdout.readline().strip() == "connected"
-            coord = n.coordinator
-            wait_for(lambda: coord._call(lambda: coord.machine.has_session(1)), 10, what="hello")
-            n.ranks = [n.connect(0)]
-            n.ranks[0].fault(0)
-            assert n.ranks[0].expect(Abort).iteration == 1  # type: ignore[attr-defined]
-            n.ranks[0].ready(1)
+        with rank_1_process(n, NEVER_READY) as hung:
+            fault_rank_0_and_leave(n)
             assert hung.wait(timeout=20) == -9  # SIGKILL, by pid, after the hard timeout
             assert n.killed == [(hung.pid, 9)]
             # told to the supervisor as a reap before the kill (its monitor holds every
@@ -221,10 +211,6 @@ def test_a_rank_missing_the_hard_timeout_is_killed(store: EtcdClient, job_prefix
             assert n.told == [("reap", hung.pid, f"{why}; killed by the sidecar"),
                               ("kill", hung.pid, 9)]  # fmt: skip
             assert sample(n.metrics, "kelastic_inprocess_workers_killed_total") == 1
-        finally:
-            if hung.poll() is None:
-                hung.kill()
-                hung.wait()
 
 
 def test_bad_connections_are_dropped_and_the_others_unaffected(

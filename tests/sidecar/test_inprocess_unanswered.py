@@ -12,11 +12,16 @@ import sys
 import textwrap
 from collections.abc import Iterator
 
-from kelastic.inprocess_messages import Abort
 from kelastic_etcd import EtcdClient
 from kelastic_sidecar.inprocess.unanswered import connecting_nowhere, socket_inodes, unanswered
 from tests.conftest import wait_for
-from tests.sidecar.inprocess_harness import make_node, sample, settings
+from tests.sidecar.inprocess_harness import (
+    fault_rank_0_and_leave,
+    make_node,
+    rank_1_process,
+    sample,
+    settings,
+)
 
 HEADER = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid"
           "  timeout inode")  # fmt: skip
@@ -121,16 +126,8 @@ def test_a_rank_stuck_connecting_to_a_gone_host_is_killed_before_the_hard_timeou
         make_node("solo", store, job_prefix, cfg=settings(soft=30.0, hard=120.0)) as n,
     ):
         n.begin(1, 0, ("solo",), connect=False)
-        stuck = subprocess.Popen([sys.executable, "-c", STUCK, str(n.socket_path), str(port)],
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            assert stuck.stdout is not None and stuck.stdout.readline().strip() == "connected"
-            coord = n.coordinator
-            wait_for(lambda: coord._call(lambda: coord.machine.has_session(1)), 10, what="hello")
-            n.ranks = [n.connect(0)]
-            n.ranks[0].fault(0)
-            assert n.ranks[0].expect(Abort).iteration == 1  # type: ignore[attr-defined]
-            n.ranks[0].ready(1)
+        with rank_1_process(n, STUCK, str(port)) as stuck:
+            fault_rank_0_and_leave(n)
             assert stuck.wait(timeout=30) == -9  # killed long before the 120 s hard timeout
             assert n.killed == [(stuck.pid, 9)]
             why = (
@@ -139,7 +136,3 @@ def test_a_rank_stuck_connecting_to_a_gone_host_is_killed_before_the_hard_timeou
             )
             assert n.told == [("reap", stuck.pid, why), ("kill", stuck.pid, 9)]
             assert sample(n.metrics, "kelastic_inprocess_workers_killed_total") == 1
-        finally:
-            if stuck.poll() is None:
-                stuck.kill()
-                stuck.wait()

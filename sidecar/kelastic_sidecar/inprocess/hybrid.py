@@ -103,8 +103,9 @@ class RespawnRung:
         cause, message = death_cause(failure), death_message(failure, pid)
         m.forget(local_rank)
         promised = self._pending.keys() - self._early  # to waiting spares, at the go
+        spare = self.spares.note(promised)  # a waiting spare is left to take it
         if verdict.kind is Absorb.ADVANCE:
-            note = self.spares.note(promised) or RESPAWN_NOTE
+            note = spare or RESPAWN_NOTE
             record, _ = m.advance(
                 cause, rank=failure.rank if failure.rank is not None else -1,
                 message=f"{message}; {note}", now=failure.time, why=message,
@@ -120,7 +121,7 @@ class RespawnRung:
         if failure.signal is not None:
             m.history.set("signal", signal_name(failure.signal))
         self._pending[local_rank] = pid
-        if not self.spares.note(promised):  # no spare waits for it: start it now
+        if not spare:  # no spare waits for it: start it now
             self._start_early(m, ctx, local_rank)
         m.ready.add(local_rank)
         m.ready_if_all()
