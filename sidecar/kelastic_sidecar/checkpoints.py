@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kelastic import contract
+from kelastic.checkpoint.commit import finish_staged
 from kelastic.checkpoint.discard import discard_newer
 from kelastic.checkpoint.persist import persisted_steps
 from kelastic.checkpoint.restored import read_restored
@@ -84,8 +85,10 @@ def publish(store: EtcdClient, keys: contract.Keys, cfg: SidecarConfig, *, stopp
         return None
     if stopped:
         persisted = cfg.persist.directory if cfg.persist is not None else None
+        every = cfg.persist.every_steps if cfg.persist is not None else 0
         return publish_record(store, keys, cfg.node, directory, cfg.job_uid, persisted,
-                              replication, unfetchable, cfg.failure_domain)  # fmt: skip
+                              replication, unfetchable, cfg.failure_domain,
+                              persist_every=every)  # fmt: skip
     try:
         store.delete(keys.checkpoint(cfg.node))
     except EtcdError as exc:
@@ -173,7 +176,7 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
                    job: str, persisted: Path | None = None,
                    replication: Replication | None = None,
                    unfetchable: Sequence[int] = (),
-                   domain: str = "") -> CheckpointsDoc:  # fmt: skip
+                   domain: str = "", persist_every: int = 0) -> CheckpointsDoc:  # fmt: skip
     """Record ``node``'s verified committed steps of ``job`` in ``directory`` at
     ``keys.checkpoint(node)`` (an empty record when it holds none), with the job's steps
     complete in the persistence folder ``persisted`` (the newest
@@ -182,7 +185,10 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
     verified steps of the replicas in ``directory/replicas`` and the endpoint and token
     that serve them, and ``unfetchable`` (the steps it could not get from any peer: never
     the peer tier's again) and ``domain`` (the node's zone: the replicas' ring spreads
-    over zones). Call it while no worker of the node runs (before joining a round).
+    over zones). Call it while no worker of the node runs (before joining a round): a
+    save a dead worker returned from but did not commit is committed first
+    (:func:`kelastic.checkpoint.commit.finish_staged`; marked due for persistence when
+    its step is a multiple of ``persist_every``).
 
     Returns:
         The record written (or that could not be: the failure is logged, and the
@@ -192,6 +198,7 @@ def publish_record(store: EtcdClient, keys: contract.Keys, node: str, directory:
     """
     started = time.monotonic()
     try:
+        finish_staged(directory, job, persist_every=persist_every)
         ranks = verified_steps(directory, job)
     except OSError as exc:
         log.error("checkpoint: cannot read the slots in %s: %s", directory, exc)

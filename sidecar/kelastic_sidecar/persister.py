@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kelastic.checkpoint.commit import finish_staged
 from kelastic.checkpoint.due import clear, due_markers
 from kelastic.checkpoint.persist import Persisted, PersistError, persist, prune
 from kelastic.checkpoint.scan import CommittedSlot, committed_slots
@@ -159,10 +160,16 @@ class Persister:
     def at_stop(self, deadline: float) -> list[int]:
         """What the node's ranks still hold, newest first, until ``deadline`` (a
         ``time.monotonic()`` value); return the steps persisted in full. Call it once the
-        workers are stopped. Nothing when ``on_stop`` is off."""
+        workers are stopped: a save a worker returned from before the stop killed it is
+        committed first (:func:`kelastic.checkpoint.commit.finish_staged`). Nothing when
+        ``on_stop`` is off."""
         self.close()
         if not self.settings.on_stop:
             return []
+        try:  # a save a worker killed by the stop returned from, committed first
+            finish_staged(self.slots, self.job, persist_every=self.settings.every_steps)
+        except OSError as exc:
+            log.error("checkpoint persistence: cannot read the slots in %s: %s", self.slots, exc)
         done = []
         slots = self._slots()
         if self.replicated and 0 not in current_ranks(slots):

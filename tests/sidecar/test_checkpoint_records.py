@@ -4,6 +4,9 @@ says what each round restores (``/status``, metrics)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 
 from kelastic import contract
 from kelastic.checkpoint import CheckpointStore, persist
+from kelastic.checkpoint.due import due_markers
 from kelastic.checkpoint.restored import Restored, write_restored
 from kelastic.checkpoint.scan import verified_steps
 from kelastic.etcd_values.checkpoints import (
@@ -60,6 +64,45 @@ def test_two_nodes_agree_on_the_step_both_committed(
     assert agree(store, keys, ("b", "a"), 1, "uid") is None  # group ranks swapped
     assert agree(store, keys, ("a", "b"), 1, "another-run") is None
     assert agree(store, keys, ("a", "b", "c"), 1, "uid") is None  # c has no record
+
+
+_STAGED_THEN_HANG = """
+import sys, time, torch
+from kelastic.checkpoint import CheckpointStore, commit
+directory, rank, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ckpt = CheckpointStore(directory, rank=rank, job="uid")
+for step in range(1, last):
+    ckpt.save(step, {"w": torch.full((1000,), float(step))}, blocking=True)
+def never(payload, chunk_size):
+    while True:
+        time.sleep(60)
+commit.chunk_checksums = never  # the commit of the last save never ends
+ckpt.save(last, {"w": torch.full((1000,), float(last))})
+print("staged", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_save_a_killed_worker_returned_from_is_committed_and_recorded(
+    store: EtcdClient, job_prefix: str, tmp_path: Path
+) -> None:
+    keys = contract.Keys(job_prefix)
+    a, b = tmp_path / "a", tmp_path / "b"
+    _save(a, 0, range(1, 6))
+    b.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _STAGED_THEN_HANG, str(b), "1", "5"],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
+        proc.send_signal(signal.SIGKILL)  # its save of step 5 returned; its commit had not
+    finally:
+        proc.kill()
+        proc.wait()
+    assert verified_steps(b, "uid") == {1: (4, 3)}  # step 2's slot was being written
+    publish_record(store, keys, "a", a, "uid")
+    assert publish_record(store, keys, "b", b, "uid", persist_every=5).ranks == {1: (5, 4, 3)}
+    assert agree(store, keys, ("a", "b"), 1, "uid") == 5  # no step lost to the kill
+    assert [m.step for m in due_markers(b)] == [5]  # due for persistence, as its writer's
 
 
 def test_a_corrupt_or_empty_record_agrees_on_none(

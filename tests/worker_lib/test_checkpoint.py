@@ -142,20 +142,20 @@ def test_the_three_slots_take_turns_and_the_newest_loads(tmp_path: Path) -> None
 def test_a_failed_commit_is_raised_once_and_the_last_step_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kelastic.checkpoint import store as store_module
+    from kelastic.checkpoint import commit as commit_module
 
     with CheckpointStore(tmp_path) as ckpt:
         ckpt.save(1, {"w": torch.ones(4)}).wait()
-        real = store_module.chunk_checksums
+        real = commit_module.chunk_checksums
 
         def broken(payload: Any, size: int) -> list[int]:
             raise OSError("checksum thread died")
 
-        monkeypatch.setattr(store_module, "chunk_checksums", broken)
+        monkeypatch.setattr(commit_module, "chunk_checksums", broken)
         ckpt.save(2, {"w": torch.full((4,), 2.0)})
         with pytest.raises(CheckpointError, match="commit of step 2 failed"):
             ckpt.save(3, {"w": torch.full((4,), 3.0)})  # raised by the next call, once
-        monkeypatch.setattr(store_module, "chunk_checksums", real)
+        monkeypatch.setattr(commit_module, "chunk_checksums", real)
         loaded = ckpt.load()
         assert loaded is not None and loaded[0] == 1
         ckpt.save(4, {"w": torch.full((4,), 4.0)}).wait()
@@ -170,10 +170,10 @@ def test_an_abort_raised_while_a_save_waits_leaves_the_commit_pending(
     # is, also while a save waits for the previous commit. The commit still runs: the
     # next save must wait for it, not stage into the slot it is committing (the store
     # once forgot it, and two writers shared a slot).
-    from kelastic.checkpoint import store as store_module
+    from kelastic.checkpoint import commit as commit_module
 
     release = threading.Event()
-    real = store_module.chunk_checksums
+    real = commit_module.chunk_checksums
     slowed: list[int] = []
 
     def slow(payload: Any, size: int) -> list[int]:
@@ -187,7 +187,7 @@ def test_an_abort_raised_while_a_save_waits_leaves_the_commit_pending(
 
     with CheckpointStore(tmp_path) as ckpt:
         ckpt.save(1, {"w": torch.ones(4)}).wait()
-        monkeypatch.setattr(store_module, "chunk_checksums", slow)
+        monkeypatch.setattr(commit_module, "chunk_checksums", slow)
         pending = ckpt.save(2, {"w": torch.full((4,), 2.0)})
 
         def abort(signum: int, frame: Any) -> None:

@@ -11,6 +11,7 @@ import math
 import struct
 import zlib
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -74,6 +75,38 @@ def test_the_writers_header_reads_back_and_commits_only_with_its_word() -> None:
     torn[3] ^= 1
     assert decode_commit(bytes(torn), crc) == 0
     assert decode_header(forge(), file_size=FILE).seq == 5  # forge() is what the writer makes
+
+
+def test_the_staged_word_binds_its_header_as_staged_its_step_and_its_boot() -> None:
+    staged = sf.staged_header_crc(HEADER)
+    assert staged == encode_header(replace(HEADER, table_crc=0))[1]
+    word = sf.encode_staged(42, staged, b"boot-a")
+    assert sf.decode_staged(word, HEADER, b"boot-a")
+    # the commit's rewrite of the header (the table's crc filled in) still matches
+    assert sf.decode_staged(word, replace(HEADER, table_crc=999, seq=3), b"boot-a")
+    assert not sf.decode_staged(word, HEADER, b"boot-b")  # after a machine's restart
+    assert not sf.decode_staged(word, replace(HEADER, step=43), b"boot-a")
+    assert not sf.decode_staged(word, replace(HEADER, manifest_crc=1), b"boot-a")
+    assert not sf.decode_staged(bytes(16), HEADER, b"boot-a")  # dirty
+    torn = bytearray(word)
+    torn[9] ^= 1
+    assert not sf.decode_staged(bytes(torn), HEADER, b"boot-a")
+    assert not sf.decode_staged(word[:12] + b"\x01\0\0\0", HEADER, b"boot-a")  # zero field
+    with pytest.raises(SlotFormatError, match="staged word of 3 bytes"):
+        sf.decode_staged(b"abc", HEADER, b"")
+    with pytest.raises(SlotFormatError, match="step"):
+        sf.encode_staged(2**60, staged, b"")
+    # the word lies in the header's zeros, outside every field and the header's crc
+    assert sf._HEADER_END <= sf.STAGED_OFFSET and sf.STAGED_OFFSET + 16 <= HEADER_SIZE
+
+
+@FUZZ
+@given(raw=st.binary(min_size=16, max_size=16), boot=st.binary(max_size=40))
+def test_fuzz_staged_words(raw: bytes, boot: bytes) -> None:
+    """Any 16 bytes: a bool, never an error; True only for the writer's own word."""
+    assert sf.decode_staged(raw, HEADER, boot) is (
+        raw == sf.encode_staged(HEADER.step, sf.staged_header_crc(HEADER), boot)
+    )
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -7,6 +7,8 @@
   ``staging``) and sleeps: the parent kills it mid-write;
 - ``commit``: the next save stops in its commit, after the header and before the commit
   word (prints ``committing``);
+- ``staged``: the next save returns (prints ``staged 2``) and its commit stops before its
+  checksums (the kill of a trainer that goes on training while its save commits);
 - ``loop``: saves steps 2, 3, ... for ever, printing ``committed N`` after each commit.
 
 Each step's state is ``{"w": [float(step)] * ELEMENTS (4 tensors), "step": step}``, so a
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kelastic.checkpoint import CheckpointStore, _tensors, slot_format, store
+from kelastic.checkpoint import CheckpointStore, _tensors, commit, slot_format, store
 
 
 def state(step: int, elements: int) -> dict[str, Any]:
@@ -55,10 +57,20 @@ def main() -> None:
                 hang("committing")
             return real_commit(seq, crc)
 
-        store.encode_commit = stop  # type: ignore[assignment]
+        commit.encode_commit = stop  # type: ignore[assignment]
+    elif mode == "staged":
+
+        def never(payload: Any, chunk_size: int) -> list[int]:
+            while True:
+                time.sleep(60)
+
+        commit.chunk_checksums = never  # type: ignore[assignment]
     step = 2
     while True:  # the commit on the store's thread, as in training
-        ckpt.save(step, state(step, elements), blocking=mode != "loop").wait()
+        handle = ckpt.save(step, state(step, elements), blocking=mode not in ("loop", "staged"))
+        if mode == "staged":
+            print(f"staged {step}", flush=True)
+        handle.wait()
         print(f"committed {step}", flush=True)
         step += 1
 

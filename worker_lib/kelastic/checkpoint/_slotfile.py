@@ -20,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -35,6 +36,17 @@ _SPACE_ERRNOS: Final = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.ENOMEM}
 #: and may run as another user (as root with only CAP_KILL when the operator does not
 #: know the trainer's user). Only the Pod's containers mount the folder.
 SLOT_MODE: Final = 0o644
+
+
+#: Slots per rank (:mod:`kelastic.checkpoint.store`'s doc says why three).
+SLOTS: Final = 3
+#: A slot file's name: ``rank-<rank>.slot<slot>`` (group 1 the rank, 2 the slot).
+SLOT_NAME: Final = re.compile(r"rank-(0|[1-9][0-9]{0,9})\.slot([0-9])")
+
+
+def slot_path(directory: Path, rank: int, slot: int) -> Path:
+    """``<directory>/rank-<rank>.slot<0..SLOTS-1>``."""
+    return directory / f"rank-{rank}.slot{slot}"
 
 
 class CheckpointError(RuntimeError):

@@ -3,9 +3,11 @@ the slots of steps newer than ``S`` hold a future the job will never have, and t
 training that goes on from ``S`` saves steps with the same numbers. Kept, a later
 agreement could pick step ``S + 1`` from the abandoned run on one rank and from the
 new one on another: a mixed restore. :func:`discard_newer` marks them uncommitted
-(their commit word zeroed, as a save does before it stages), so every slot left
-committed belongs to one history. When the job agreed on no step, every slot is
-dropped: the training starts from elsewhere (the user's own checkpoint, or anew).
+(their commit word and staged word zeroed, as a save does before it stages; a staged
+slot of such a step too, which :func:`kelastic.checkpoint.commit.finish_staged` could
+otherwise commit later), so every slot left committed belongs to one history. When the
+job agreed on no step, every slot is dropped: the training starts from elsewhere (the
+user's own checkpoint, or anew).
 
 The sidecar calls it for its node's slot folder before it starts a round's workers (no
 writer runs then: the previous workers are stopped), whether or not the training
@@ -18,7 +20,14 @@ import logging
 import os
 from pathlib import Path
 
-from .slot_format import COMMIT_OFFSET, HEADER_SIZE, SlotFormatError, decode_header, encode_commit
+from .slot_format import (
+    COMMIT_OFFSET,
+    HEADER_SIZE,
+    STAGED_OFFSET,
+    SlotFormatError,
+    decode_header,
+    encode_commit,
+)
 from .store import SLOT_NAME
 
 __all__ = ["discard_newer"]
@@ -33,8 +42,9 @@ def discard_newer(directory: str | os.PathLike[str], job: str,
     while no worker writes the slots.
 
     Returns:
-        ``(rank, step)`` of each slot dropped. Slots of another job, uncommitted or not
-        slots at all (a header that does not decode) are left as they are.
+        ``(rank, step)`` of each committed slot dropped (a staged one is cleared too,
+        not listed). Slots of another job, uncommitted and unstaged, or not slots at all
+        (a header that does not decode) are left as they are.
 
     Raises:
         OSError: a slot file cannot be opened or written (a missing folder holds none).
@@ -54,11 +64,14 @@ def discard_newer(directory: str | os.PathLike[str], job: str,
             except SlotFormatError:
                 continue
             newer = step is None or header.step > step
-            if header.job != job or not header.seq or not newer:
+            staged = os.pread(fd, 16, STAGED_OFFSET) != bytes(16)
+            if header.job != job or not (header.seq or staged) or not newer:
                 continue
             os.pwrite(fd, encode_commit(0, 0), COMMIT_OFFSET)
+            os.pwrite(fd, bytes(16), STAGED_OFFSET)
             os.fdatasync(fd)  # a disk-backed folder: on disk before the workers start
-            dropped.append((header.rank, header.step))
+            if header.seq:
+                dropped.append((header.rank, header.step))
         finally:
             os.close(fd)
     if dropped:

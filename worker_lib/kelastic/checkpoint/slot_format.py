@@ -27,6 +27,15 @@ The commit word is written last, alone (:func:`encode_commit`): its check is
 slots is the one with the higher sequence. The write order, the reason a crash never
 tears the last committed step, is in :mod:`kelastic.checkpoint.store`.
 
+The **staged word** at bytes 512..528 (step u64, check u32, zero u32; in the header's
+zeros, outside its crc) says that every byte of the payload and the manifest was written
+before it: :func:`encode_staged` binds it to the header as staged (its chunk table's
+crc still 0: :func:`staged_header_crc`) and to the machine's boot (``boot``, the kernel's
+boot id), so that a slot whose writer died between the end of its staging and its commit
+can be committed by whoever next holds the rank's lock (:mod:`kelastic.checkpoint.finish`)
+in the same boot, and never after a machine restart (a disk-backed folder may then hold
+the word without the payload). A slot marked dirty has zeros there too.
+
 The manifest (:func:`encode_manifest` / :func:`decode_manifest`)::
 
     {"format": 1,
@@ -59,7 +68,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from kelastic._safejson import UnsafeJSONError, loads_bounded
@@ -76,6 +85,7 @@ __all__ = [
     "MAX_RANK",
     "MAX_ROUND",
     "MAX_STEP",
+    "STAGED_OFFSET",
     "TENSOR_ALIGN",
     "Layout",
     "Manifest",
@@ -87,12 +97,15 @@ __all__ = [
     "decode_commit",
     "decode_header",
     "decode_manifest",
+    "decode_staged",
     "decode_table_and_manifest",
     "encode_commit",
     "encode_header",
     "encode_manifest",
+    "encode_staged",
     "encode_table",
     "layout",
+    "staged_header_crc",
     "verify_chunks",
 ]
 
@@ -105,6 +118,9 @@ HEADER_SIZE: Final = 4096
 #: Where the commit word (seq u64, check u32, zero u32) lies in the header.
 COMMIT_OFFSET: Final = 16
 _COMMIT: Final = struct.Struct("<QII")
+#: Where the staged word (step u64, check u32, zero u32) lies in the header.
+STAGED_OFFSET: Final = 512
+_STAGED_TAG: Final = b"kelastic-staged\0"
 _FIELDS: Final = struct.Struct("<qqIId" + "qqII" + "qqI" + "qq" + "H256s" + "I")
 _HEAD: Final = struct.Struct("<8sHHI")
 #: offset of the fields after the commit word
@@ -354,6 +370,50 @@ def decode_commit(raw: bytes, header_crc: int) -> int:
     if seq == 0 or zero != 0 or seq >= 2**63:
         return 0
     return seq if check == zlib.crc32(struct.pack("<QI", seq, header_crc)) else 0
+
+
+def staged_header_crc(h: SlotHeader) -> int:
+    """The crc of ``h`` as staged: its chunk table's crc 0 (the commit fills it in), so
+    a header rewritten by a commit cut short still matches its staged word.
+
+    Raises:
+        SlotFormatError: a field outside the format's bounds.
+    """
+    return encode_header(replace(h, table_crc=0, seq=0, header_crc=0))[1]
+
+
+def _staged_check(step: int, header_crc: int, boot: bytes) -> int:
+    tagged = zlib.crc32(struct.pack("<QI", step, header_crc), zlib.crc32(_STAGED_TAG))
+    return zlib.crc32(boot, tagged)
+
+
+def encode_staged(step: int, header_crc: int, boot: bytes) -> bytes:
+    """The staged word (16 bytes at :data:`STAGED_OFFSET`) of a slot holding ``step``
+    whose header as staged has crc ``header_crc`` (:func:`staged_header_crc`), written in
+    the boot whose id is ``boot`` (any bytes; ``b""`` when unknown).
+
+    Raises:
+        SlotFormatError: ``step`` outside 0..2**53.
+    """
+    _check_range("step", step, 0, MAX_STEP)
+    return _COMMIT.pack(step, _staged_check(step, header_crc, boot), 0)
+
+
+def decode_staged(raw: bytes, h: SlotHeader, boot: bytes) -> bool:
+    """Whether the 16-byte staged word ``raw`` says that the slot whose header is ``h``
+    was wholly staged in the boot ``boot`` (zeros, a torn word, one of another header,
+    step or boot: False). Never raises on 16 bytes of a decoded header.
+
+    Raises:
+        SlotFormatError: ``raw`` is not 16 bytes.
+    """
+    if len(raw) != _COMMIT.size:
+        raise SlotFormatError(f"staged word of {len(raw)} bytes")
+    step, check, zero = _COMMIT.unpack(raw)
+    if zero != 0 or step != h.step:
+        return False
+    expected: int = _staged_check(step, staged_header_crc(h), boot)
+    return bool(check == expected)
 
 
 def decode_header(raw: bytes, *, file_size: int) -> SlotHeader:

@@ -3,7 +3,7 @@
 Why three and not two: a save returns once staged and commits on a thread, and the next
 save waits for that commit. In lockstep (DDP: a rank stages step ``n + 1`` only after
 every rank staged ``n``), a kill can find one rank with ``n + 1`` committed and a slower
-one with ``n - 1`` only (its commit of ``n`` unfinished). With two slots the faster rank
+one with ``n - 1`` only (killed while it staged ``n``). With two slots the faster rank
 has overwritten ``n - 1`` by then and the ranks share no step (a whole restore lost);
 with three, every rank still holds ``n - 1`` (tests/faults/test_checkpoint_kills.py:
 hundreds of random kills, the ranks always share the step the rules allow).
@@ -13,21 +13,27 @@ hundreds of random kills, the ranks always share the step the rules allow).
 1. pick the *target*: the slot with the lowest commit sequence (the oldest; never the
    last committed one; never one due for persistence, :mod:`.due`); grow it if the
    state no longer fits (allocated and touched, see ``_slotfile``);
-2. mark it dirty: zero its commit word, ``msync`` the header page;
+2. mark it dirty: zero its commit word and staged word, ``msync`` the header page
+   (:func:`.commit.mark_dirty`);
 3. stage: copy every tensor's bytes into the slot's map (``Tensor.copy_`` into a view of
-   it), write the manifest; **save returns here** (unless ``blocking``);
+   it), write the manifest, then the header as staged and the staged word
+   (:func:`.commit.mark_staged`; for CUDA tensors the commit's thread does it once their
+   copies are done); **save returns here** (unless ``blocking``);
 4. commit, on a thread of the store (``zlib.crc32`` releases the GIL on each 4 MiB
    chunk, so the trainer's thread keeps running: DLRover's agent does this part in
-   another process): the chunk checksums into the table, the header (its crc over
-   every field, the commit word still zero), ``msync`` of the whole slot (on a
-   disk-backed folder the bytes reach the disk before the commit; on tmpfs it returns
-   at once), then the commit word (sequence = the highest slot's + 1, checked by a crc
-   that binds it to this header), ``msync`` of the header page.
+   another process; :func:`.commit.commit_slot`): the chunk checksums into the table,
+   the header (its crc over every field, the commit word still zero), ``msync`` of the
+   whole slot (on a disk-backed folder the bytes reach the disk before the commit; on
+   tmpfs it returns at once), then the commit word (sequence = the highest slot's + 1,
+   checked by a crc that binds it to this header), ``msync`` of the header page.
 
-A crash anywhere before the commit word leaves the target dirty or failing its checksums,
-and the other slots, the last two committed steps, untouched: a crash never tears them (NVRx's
-dirty-then-rename, with a commit word instead of a rename: the slot's pages stay where
-they are, allocated). The next save waits for the previous commit (the slot it would
+A crash anywhere before the staged word leaves the target dirty or failing its
+checksums, and the other slots, the last two committed steps, untouched: a crash never
+tears them (NVRx's dirty-then-rename, with a commit word instead of a rename: the slot's
+pages stay where they are, allocated). A crash after the staged word (the save returned,
+its commit had not ended) loses nothing: the next holder of the rank's lock commits it
+(:func:`.commit.finish_staged`: the sidecar before it records the node's steps; this
+store at its open). The next save waits for the previous commit (the slot it would
 write is the one being committed). The writes are to a ``MAP_SHARED`` map: they are in
 the file the moment they are made, so a SIGKILLed process loses nothing it wrote.
 
@@ -51,33 +57,32 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from ._cuda import Pinning, copies_done, is_cuda, wait_copies
 from ._handle import SaveHandle
+from ._slotfile import SLOT_NAME as SLOT_NAME
+from ._slotfile import SLOTS as SLOTS
 from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
+from ._slotfile import slot_path as slot_path
 from ._tensors import entries, is_tensor, read_verified, stage, tensors_from
+from .commit import commit_slot, finish_slots, mark_dirty, mark_staged
 from .due import clear, due_slots, every_from_env, mark_due, pick_target
 from .slot_format import (
     COMMIT_OFFSET,
     HEADER_SIZE,
-    PAGE,
     SlotFormatError,
     SlotHeader,
-    chunk_checksums,
     chunk_crcs,
     decode_commit,
     decode_header,
     decode_table_and_manifest,
-    encode_commit,
     encode_header,
     encode_manifest,
-    encode_table,
     layout,
 )
 from .tree import build, flatten
@@ -88,15 +93,6 @@ _log = logging.getLogger(__name__)
 #: that grows a little (an optimizer's first step) does not grow the slot every save.
 _GROW_HEADROOM: Final = 8
 _MIB: Final = 1 << 20
-#: Slots per rank (the module doc says why three).
-SLOTS: Final = 3
-#: A slot file's name: ``rank-<rank>.slot<slot>`` (group 1 the rank, 2 the slot).
-SLOT_NAME: Final = re.compile(r"rank-(0|[1-9][0-9]{0,9})\.slot([0-9])")
-
-
-def slot_path(directory: Path, rank: int, slot: int) -> Path:
-    """``<directory>/rank-<rank>.slot<0..SLOTS-1>``."""
-    return directory / f"rank-{rank}.slot{slot}"
 
 
 def slot_bytes(state_dict: Any) -> int:
@@ -175,6 +171,9 @@ class CheckpointStore:
                     self._files.append(SlotFile(path, writable))
             if len(self._files) < SLOTS:  # a reader of slots never written
                 self._files = []
+            if writable:  # a save its dead writer returned from (the module doc)
+                finish_slots(self._files, rank, job, directory=self.directory,
+                             persist_every=self.persist_every)  # fmt: skip
             self._seqs = []
             for slot in range(len(self._files)):
                 header = self._header(slot)[0]
@@ -232,8 +231,7 @@ class CheckpointStore:
             size = -(-(lay.file_size + lay.file_size // _GROW_HEADROOM) // _MIB) * _MIB
             self._reserve([size - f.size], f"{f.path.name} of {size} bytes")
             f.grow(size)
-        f.write(COMMIT_OFFSET, encode_commit(0, 0))
-        f.flush(0, PAGE)
+        mark_dirty(f)
         self._seqs[target] = 0
         assert f.map is not None
         if any(is_cuda(t) for t in tensors):  # one DMA into the slot where it can be locked
@@ -242,6 +240,8 @@ class CheckpointStore:
         stage(f.map, lay.payload_offset, items, tensors)
         copies = copies_done(tensors)
         f.write(lay.manifest_offset, manifest)
+        if not copies:  # every byte is in the slot (CUDA copies: once they are done)
+            mark_staged(f, header)
         handle = SaveHandle(step, target)
         if blocking:
             self._commit(target, header, copies)
@@ -265,22 +265,12 @@ class CheckpointStore:
         return target
 
     def _commit(self, target: int, header: SlotHeader, copies: list[Any]) -> None:
-        wait_copies(copies)  # the CUDA copies queued by the save are in the slot
-        f, lay = self._files[target], header.layout
-        assert f.map is not None
-        with memoryview(f.map) as view:
-            payload = view[lay.payload_offset : lay.payload_offset + lay.payload_len]
-            try:
-                table = encode_table(chunk_checksums(payload, lay.chunk_size))
-            finally:
-                payload.release()  # else the map stays exported: it could not be closed
-        raw, crc = encode_header(replace(header, table_crc=zlib.crc32(table)))
-        f.write(HEADER_SIZE, table)
-        f.write(0, raw)  # its commit word is zero: still dirty
-        f.flush()
+        f = self._files[target]
+        if copies:
+            wait_copies(copies)  # the CUDA copies queued by the save are in the slot
+            mark_staged(f, header)
         seq = max(self._seqs) + 1
-        f.write(COMMIT_OFFSET, encode_commit(seq, crc))
-        f.flush(0, PAGE)
+        commit_slot(f, header, seq)
         self._seqs[target] = seq
         if self.persist_every and header.step % self.persist_every == 0:
             try:
