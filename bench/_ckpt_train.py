@@ -13,9 +13,10 @@ restart resumes from the checkpoint it loads, and the steps after it are done ag
   (a temporary file, then a rename: never torn), every rank ``torch.load``s it at the
   start (the usual pattern: the other ranks wait for rank 0 at the next all-reduce).
 
-Appends ``{"ev": "step", "rank": 0, "pid", "step", "t0", "t1"}`` for each step of rank 0
-to ``$BENCH_EVENTS``, and ``{"ev": "resumed", "pid", "step"}`` once per rank 0 process
-(the step its checkpoint held; -1 when it started from nothing).
+Appends ``{"ev": "step", "rank", "pid", "step", "t0", "t1"}`` for each step of every rank
+to ``$BENCH_EVENTS`` (``t1`` once the step's save returned), and ``{"ev": "resumed",
+"pid", "step"}`` once per rank 0 process (the step its checkpoint held; -1 when it
+started from nothing).
 """
 
 from __future__ import annotations
@@ -83,8 +84,7 @@ def main() -> None:
             torch.save(state, path + ".tmp")
             os.replace(path + ".tmp", path)
         t1 = time.time()
-        if rank == 0:
-            _write(fd, {"ev": "step", "rank": 0, "pid": pid, "step": step, "t0": t0, "t1": t1})
+        _write(fd, {"ev": "step", "rank": rank, "pid": pid, "step": step, "t0": t0, "t1": t1})
         step += 1
 
 

@@ -12,8 +12,9 @@ in-process restart), so that the sides differ only in their checkpoint:
 
 Per side: *progress*, the steps the job advanced over the window (its step counter at the
 end minus at the start: steps done again after a restart count once), per second of wall
-time; the work lost per kill (the last step completed before the kill minus the step the
-restart resumed from); the save's cost shows in the step rate between kills. Targets
+time; the work lost per kill (the last step every rank completed before the kill, its
+save returned, minus the step the restart resumed from); the save's cost shows in the
+step rate between kills. Targets
 (issue's point 7): work lost after a process crash 0 steps with the memory checkpoint;
 its progress per second above ``torch.save``'s.
 """
@@ -39,10 +40,15 @@ STATE_MB = 16
 MEMORY_SPEC = "  checkpoint:\n    memory: 256Mi\n"
 
 
+def _rank0(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's step events (the job's progress and step time)."""
+    return [e for e in events if e.get("ev") == "step" and e.get("rank") == 0]
+
+
 def _first_step(events: Path, timeout: float) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        steps = [e for e in read_events(events) if e.get("ev") == "step"]
+        steps = _rank0(read_events(events))
         if steps:
             return float(steps[0]["t1"])
         time.sleep(0.05)
@@ -50,18 +56,26 @@ def _first_step(events: Path, timeout: float) -> float:
 
 
 def _lost(events: list[dict[str, Any]], kills: list[float]) -> list[float]:
-    """Per kill: the last step rank 0 completed before it minus the step the next rank 0
-    process resumed from (0 when nothing was done again)."""
+    """Per kill: the last step every rank completed before it (each rank's latest step
+    event before the kill; the lowest of them) minus the step the next rank 0 process
+    resumed from (0 when nothing was done again). A step one rank finished and the killed
+    rank never did is not counted: the job had not done it."""
     steps = [e for e in events if e.get("ev") == "step"]
     resumed = [e for e in events if e.get("ev") == "resumed"]
     first_step = {e["pid"]: e["t1"] for e in reversed(steps)}  # each pid's first step time
+    ranks = {e["rank"] for e in steps}
     out = []
     for killed_at in kills:
-        done = [e["step"] for e in steps if e["t1"] < killed_at]
+        latest: dict[int, dict[str, Any]] = {}
+        for e in steps:
+            if e["t1"] < killed_at and (e["rank"] not in latest or
+                                        e["t1"] > latest[e["rank"]]["t1"]):  # fmt: skip
+                latest[e["rank"]] = e
         later = [e for e in resumed if first_step.get(e["pid"], 0.0) > killed_at]
-        if done and later:
+        if latest and set(latest) == ranks and later:
+            done = min(int(e["step"]) for e in latest.values())
             nxt = min(later, key=lambda e: first_step[e["pid"]])
-            out.append(float(max(0, max(done) - int(nxt["step"]))))
+            out.append(float(max(0, done - int(nxt["step"]))))
     return out
 
 
@@ -97,7 +111,7 @@ def _side(tmp: Path, name: str, env: dict[str, str], spec: str, duration: float,
     finally:
         stop_session(proc, signal.SIGINT)
     events_list = read_events(events)
-    steps = [e for e in events_list if e.get("ev") == "step"]
+    steps = _rank0(events_list)
     at_start = max((e["step"] for e in steps if e["t1"] <= start), default=0)
     at_end = max((e["step"] for e in steps if e["t1"] <= end), default=at_start)
     times = [e["t1"] - e["t0"] for e in steps if start < e["t1"] <= end]

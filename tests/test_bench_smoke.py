@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,21 +147,29 @@ def test_slow_cases_selectable_by_name() -> None:
 
 
 def test_goodput_checkpoint_work_lost_per_kill() -> None:
-    """Per kill: the last step done before it minus the step the next rank 0 process
-    resumed from (its first step after the kill tells which process is next)."""
+    """Per kill: the last step every rank completed before it minus the step the next
+    rank 0 process resumed from (its first step after the kill tells which process is
+    next); a step only some ranks finished was not done by the job."""
     from bench.goodput_ckpt import _lost
 
+    def steps(pid: int, steps: range, t: float, ranks: tuple[int, ...] = (0, 1)) -> list[Any]:
+        return [{"ev": "step", "rank": r, "pid": pid + r, "step": s, "t1": t + s}
+                for s in steps for r in ranks]  # fmt: skip
+
     events = [
-        {"ev": "resumed", "pid": 1, "step": -1},
-        *({"ev": "step", "pid": 1, "step": s, "t1": 1.0 + s} for s in range(10)),  # to t=10
-        {"ev": "resumed", "pid": 2, "step": 9},  # a memory checkpoint: nothing done again
-        *({"ev": "step", "pid": 2, "step": s, "t1": 2.0 + s} for s in range(10, 20)),
-        {"ev": "resumed", "pid": 3, "step": 10},  # a file of step 10: 9 steps done again
-        *({"ev": "step", "pid": 3, "step": s, "t1": 12.0 + s} for s in range(11, 15)),
+        {"ev": "resumed", "pid": 10, "step": -1},
+        *steps(10, range(10), 1.0),  # both ranks to step 9, t=10
+        {"ev": "step", "rank": 0, "pid": 10, "step": 10, "t1": 10.4},  # rank 1 never did 10
+        {"ev": "resumed", "pid": 20, "step": 9},  # a memory checkpoint: nothing done again
+        *steps(20, range(10, 20), 2.0),
+        {"ev": "resumed", "pid": 30, "step": 10},  # a file of step 10: 9 steps done again
+        *steps(30, range(11, 15), 12.0),
     ]
     assert _lost(events, [10.5, 21.5]) == [0.0, 9.0]
     assert _lost(events, [40.0]) == []  # no restart after it: nothing to say
     assert _lost([], [1.0]) == []
+    one_rank = [e for e in events if e.get("rank") != 1]
+    assert _lost(one_rank, [10.5]) == [1.0]  # rank 0's step 10 counted once it is the job's
 
 
 def test_goodput_productive_time() -> None:
