@@ -1,9 +1,16 @@
-"""A save's handle: its bytes are staged; its commit runs on a thread of the store."""
+"""A save's handle: its bytes are staged; its commit runs on a thread of the store.
+
+The store's commits run on one long-lived thread (:class:`Committer`), not a thread per
+save: starting a thread waits until the new thread runs, which on a loaded node is a
+scheduler slice (0.3-2 ms measured on 2 shared cores) added to every save's stall.
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ._slotfile import CheckpointError
 
@@ -24,7 +31,7 @@ class SaveHandle:
         self.error: BaseException | None = None
         self._ended: threading.Event | None = None
 
-    def _start(self, commit: Callable[[], None]) -> None:
+    def _start(self, commit: Callable[[], None], committer: Committer) -> None:
         ended = self._ended = threading.Event()
 
         def run() -> None:
@@ -36,8 +43,8 @@ class SaveHandle:
                 ended.set()
 
         try:
-            threading.Thread(target=run, name="kelastic-checkpoint-commit").start()
-        except RuntimeError as exc:  # no thread to be had: the commit failed
+            committer.submit(run)
+        except RuntimeError as exc:  # no thread to be had (interpreter exit): it failed
             self.error = exc
             ended.set()
 
@@ -59,3 +66,30 @@ class SaveHandle:
             raise CheckpointError(f"commit of step {self.step} failed: {self.error}") from (
                 self.error
             )
+
+
+class Committer:
+    """The one thread a store's commits run on, in order, started at the first commit
+    (again in a forked child, which has no threads of its parent). A commit pending at
+    the interpreter's exit is waited for (``concurrent.futures`` joins its threads)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+
+    def submit(self, run: Callable[[], None]) -> None:
+        """Run ``run`` on the thread after the commits before it.
+
+        Raises:
+            RuntimeError: no thread can run it (the interpreter is exiting, or closed).
+        """
+        if self._pool is None or self._pid != os.getpid():
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kelastic-checkpoint-commit")
+            self._pid = os.getpid()
+        self._pool.submit(run)
+
+    def close(self) -> None:
+        """Let the thread end once its commits have (a later :meth:`submit` starts one)."""
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=True)

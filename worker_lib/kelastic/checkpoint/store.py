@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ._cuda import Pinning, copies_done, is_cuda, wait_copies
-from ._handle import SaveHandle
+from ._handle import Committer, SaveHandle
 from ._slotfile import SLOT_NAME as SLOT_NAME
 from ._slotfile import SLOTS as SLOTS
 from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
@@ -161,6 +161,7 @@ class CheckpointStore:
         #: why each slot passed over by the last load was (slot, reason), for logs
         self.skipped: list[tuple[int, str]] = []
         self._pending: SaveHandle | None = None
+        self._committer = Committer()
         self._lock_fd = lock_rank(self.directory / f"rank-{rank}.lock") if writable else -1
         self._files: list[SlotFile] = []
         self._pinning = Pinning()  # slot maps locked for CUDA copies (none until one)
@@ -249,7 +250,7 @@ class CheckpointStore:
             # pending before its thread starts: an exception raised into this thread
             # meanwhile (an in-process abort) must not hide a commit that runs
             self._pending = handle
-            handle._start(lambda: self._commit(target, header, copies))
+            handle._start(lambda: self._commit(target, header, copies), self._committer)
         return handle
 
     def _target(self) -> int:
@@ -395,7 +396,8 @@ class CheckpointStore:
     # ------------------------------------------------------------------ closing
 
     def close(self) -> None:
-        """Wait for the pending commit, unmap the slots, release the rank's lock.
+        """Wait for the pending commit, end the commit thread, unmap the slots, release
+        the rank's lock.
 
         Raises:
             CheckpointError: the pending commit failed (the store is closed anyway).
@@ -403,6 +405,7 @@ class CheckpointStore:
         try:
             self.wait()
         finally:
+            self._committer.close()  # after the commit, however the wait ended
             self._pending = None
             for f in self._files:
                 f.close()
