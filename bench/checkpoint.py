@@ -50,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import CaseResult, Check, Row, log, median, save_partial
+from .dlrover_side import VERSION as DLROVER_VERSION
+from .dlrover_side import measure_dlrover
 from .peer_restore import measure_peer_restore
 from .persist_overhead import EVERY, EVERY_SPARSE, measure_persist_overhead
 
@@ -60,15 +62,13 @@ _SHAPES_MIB = (16, 8, 4, 4, 2, 1, 1, 0.5, 0.25)
 
 
 #: The issue's other sides and why each is not measured here (checked 2026-11-28 against
-#: the package index with ``torch==2.13.0``).
+#: the package index with ``torch==2.13.0``). DLRover's flash checkpoint is measured
+#: (:mod:`bench.dlrover_side`) where its interpreter is installed.
 ABSENT: dict[str, str] = {
     "ML Flashpoint 0.0.10": "only an sdist, whose CMake build clones abseil-cpp from GitHub "
     "(FetchContent): this machine reaches the package index, not GitHub; it cannot be built",
     "NVRx 0.4.1 local checkpoints": "LocalCheckpointManager takes only CUDA tensors "
     "(BasicTensorAwareStateDict) and synchronizes CUDA in save(): no GPU here",
-    "DLRover 0.6.1 flash checkpoint": "installs (its Python part), but the trainer's "
-    "checkpoint engine waits for the saver its agent creates (dlrover-run with its master "
-    "and gRPC stack): not set up as a side yet",
 }
 
 
@@ -294,6 +294,34 @@ def _rows(result: CaseResult, label: str, samples: dict[str, list[float]]) -> No
     save_partial(result)
 
 
+def _dlrover_rows(result: CaseResult, label: str, total: int) -> None:
+    """DLRover's flash checkpoint of the same state under its own agent
+    (:func:`bench.dlrover_side.measure_dlrover`: 5 memory saves in one process, the load
+    in the process its agent restarts), as rows beside kelastic's; a reason row where it
+    cannot run here."""
+    log(f"checkpoint: {label}: DLRover {DLROVER_VERSION} flash checkpoint under dlrover-run")
+    with tempfile.TemporaryDirectory(prefix="kelastic-bench-dlrover-") as tmp:
+        got = measure_dlrover(total, 5, Path(tmp), 300.0)
+    save, load = f"save stall, {label} state dict", f"load, {label} state dict"
+    side = f"DLRover {DLROVER_VERSION} flash checkpoint"
+    if isinstance(got, str):
+        log(f"checkpoint: {got}")
+        result.rows.append(Row("checkpoint", save, f"{side} (stall)", "s", [], status=got))
+        return
+    log(f"checkpoint: {label}: DLRover " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
+    result.rows += [
+        Row("checkpoint", save, f"{side} (stall)", "s", [got["save_stall_s"]],
+            note=f"median of 5 memory saves into its agent's shared memory; the first "
+            f"(allocating it) {got['save_first_s']:.3f} s"),
+        Row("checkpoint", f"persist, {label} state dict", f"{side}: disk save -> file written",
+            "s", [got["persist_s"]], note=f"its agent's torch.save, no fsync; the call's "
+            f"stall {got['disk_save_stall_s']:.3f} s"),
+        Row("checkpoint", load, f"{side}: load after its agent's restart + copy", "s",
+            [got["restore_s"]], note=f"load_checkpoint() {got['load_s']:.3f} s returns views "
+            "of the shared memory (no check); the copy into the trainer's tensors reads it"),
+    ]  # fmt: skip
+
+
 def _available() -> int:
     """MemAvailable, bytes (0 when unknown)."""
     try:
@@ -318,6 +346,8 @@ def checkpoint(quick: bool) -> CaseResult:
             log(f"checkpoint: 1 GiB skipped: {_available() / MIB:.0f} MiB available, 9 GiB needed")
     for label, total, reps in sizes:
         _measure_size(result, label, total, reps)
+        if not quick:  # its agent, master and two trainer starts: ~15 s a size
+            _dlrover_rows(result, label, total)
     label, total, reps = sizes[0]
     state = state_dict(total)
     measure_peer_restore(result, label, state, reps)

@@ -197,3 +197,17 @@ def test_bench_preflight_quick_measures_both_sides(tmp_path: Path) -> None:
     sides = {r["side"].split(":")[0]: r for r in case["rows"]}
     assert set(sides) == {"torch", "kelastic"}, sides
     assert all(len(r["samples"]) == 3 and not r["status"] for r in sides.values()), sides
+
+
+def test_the_dlrover_side_names_why_it_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without DLRover's interpreter the side says how to install it, starts nothing."""
+    from bench.dlrover_side import measure_dlrover
+
+    monkeypatch.setenv("BENCH_DLROVER_PYTHON", str(tmp_path / "missing" / "python"))
+    got = measure_dlrover(1 << 20, 1, tmp_path / "work", 30.0)
+    assert isinstance(got, str) and "no interpreter at" in got and "dlrover==0.6.1" in got
+    monkeypatch.setenv("BENCH_DLROVER_PYTHON", sys.executable)  # torch, but no dlrover
+    got = measure_dlrover(1 << 20, 1, tmp_path / "work", 60.0)
+    assert isinstance(got, str) and "dlrover not importable" in got, got
