@@ -163,9 +163,10 @@ def _measure_size(result: CaseResult, label: str, total: int, reps: int) -> None
     disk = Path(tempfile.mkdtemp(prefix="kelastic-bench-ckpt-"))
     samples: dict[str, list[float]] = {k: [] for k in
                                        ("floor", "stall", "commit", "disk", "tmpfs", "fsync",
-                                        "kload", "tload", "persist", "dcp", "async_stall",
+                                        "kload", "kinto", "tload", "persist", "dcp", "async_stall",
                                         "async_done", "staged", "staged_done")}  # fmt: skip
     stagers = _dcp_stagers()
+    trainers = state_dict(total)  # a restarted trainer's own tensors, before its load
     try:
         store = CheckpointStore(shm, job="bench", capacity=slot_bytes(state))
         saved = disk / "state.pt"
@@ -231,10 +232,12 @@ def _measure_size(result: CaseResult, label: str, total: int, reps: int) -> None
             for _, side in sides[rep % len(sides) :] + sides[: rep % len(sides)]:
                 gc.collect()
                 side()
-            for which in ("kload", "tload") if rep % 2 == 0 else ("tload", "kload"):
+            for which in ("kload", "kinto", "tload")[:: 1 if rep % 2 == 0 else -1]:
                 gc.collect()
                 if which == "kload":
                     samples[which].append(_time(store.load))
+                elif which == "kinto":
+                    samples[which].append(_time(lambda: store.load(into=trainers)))
                 else:
                     samples[which].append(_time(lambda: torch.load(saved, weights_only=True)))
             log(f"checkpoint: {label} rep {rep + 1}: " + ", ".join(
@@ -245,10 +248,10 @@ def _measure_size(result: CaseResult, label: str, total: int, reps: int) -> None
             stager.close()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-    _rows(result, label, samples)
+    _rows(result, label, samples, nbytes)
 
 
-def _rows(result: CaseResult, label: str, samples: dict[str, list[float]]) -> None:
+def _rows(result: CaseResult, label: str, samples: dict[str, list[float]], nbytes: int) -> None:
     save, load = f"save stall, {label} state dict", f"load, {label} state dict"
     result.rows += [
         Row("checkpoint", save, "torch.save -> disk", "s", samples["disk"], ref=True,
@@ -275,8 +278,17 @@ def _rows(result: CaseResult, label: str, samples: dict[str, list[float]]) -> No
             note="the committed slot checked, written in DCP's format, fsynced, renamed"),
         Row("checkpoint", load, "torch.load <- disk (page cache)", "s", samples["tload"],
             ref=True),
-        Row("checkpoint", load, "kelastic load (crc32 checked)", "s", samples["kload"]),
+        Row("checkpoint", load, "kelastic load (crc32 checked)", "s", samples["kload"],
+            note="into fresh tensors, which load_state_dict then copies again"),
+        Row("checkpoint", load, "kelastic load into the trainer's tensors (crc32 checked)",
+            "s", samples["kinto"], note="load(into=state): every chunk checked, one copy"),
     ]  # fmt: skip
+    gib = nbytes / (1 << 30)
+    per_gib, fresh = median(samples["kinto"]) / gib, median(samples["kload"]) / gib
+    value = (f"{median(samples['kinto']):.3f} s for {gib:.2f} GiB = {per_gib:.2f} s per GiB "
+             f"(into fresh tensors: {fresh:.2f})")  # fmt: skip
+    result.checks.append(Check("checkpoint", f"{label}: load after a process restart <= 0.3 s "
+                               "per GiB", value, per_gib <= 0.3))  # fmt: skip
     stall, floor, disk, durable = (median(samples[k]) for k in ("stall", "floor", "disk", "fsync"))
 
     def paired(side: str) -> float:  # the median of each repetition's own ratio

@@ -140,7 +140,8 @@ class Training:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         rank0 = os.environ.get("RANK", "0") == "0"
         started = time.monotonic()
-        restored = checkpoint.load() if run.in_memory else None
+        # read straight into the model's and the optimizer's tensors (checked first)
+        restored = checkpoint.load(into=run.state()) if run.in_memory else None
         if restored is not None:
             run.updates, state = restored
             model.load_state_dict(state["model"])

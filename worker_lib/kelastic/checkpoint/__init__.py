@@ -7,7 +7,8 @@ Usage in a training script (the same script runs without kelastic: the folder is
     from kelastic import checkpoint
 
     start = -1
-    restored = checkpoint.load()                 # None on a fresh start
+    restored = checkpoint.load(into={"model": model.state_dict(),   # None on a fresh start
+                                     "optim": optimizer.state_dict()})
     if restored is not None:
         start, state = restored
         model.load_state_dict(state["model"])
@@ -174,8 +175,16 @@ def agreed_tier() -> str:
     return value
 
 
-def load(step: int | None = None) -> tuple[int, Any] | None:
+def load(step: int | None = None, *, into: Any = None) -> tuple[int, Any] | None:
     """``(step, state_dict)`` of the step the job agreed on, else None.
+
+    With ``into`` (say ``{"model": model.state_dict(), "optim": optimizer.state_dict()}``),
+    a tensor saved at the same place with the same dtype and shape is read from memory
+    straight into the trainer's tensor, checked before it is written (torch DCP's
+    in-place load; :meth:`CheckpointStore.load`): one copy instead of a fresh tensor that
+    ``load_state_dict`` copies again. The returned state holds those tensors, so calling
+    ``load_state_dict`` with it is right either way (a step read from disk returns fresh
+    tensors).
 
     Under kelastic's sidecar the step is the agreed one (:func:`agreed_step`: the highest
     step every rank of the round committed on its node, each slot's checksums verified
@@ -193,15 +202,16 @@ def load(step: int | None = None) -> tuple[int, Any] | None:
         CheckpointRestoreError: the agreed step cannot be loaded (the message says why).
         CheckpointError: ``$KELASTIC_CHECKPOINT_STEP`` or ``$KELASTIC_CHECKPOINT_TIER``
             is malformed; the pending commit failed.
+        kelastic.checkpoint.tree.TreeError: ``into`` holds a value no slot holds.
     """
     if step is None:
         agreed = agreed_step()
         if agreed is None:
             return None
         if agreed is not False:
-            return _load_agreed(agreed)
+            return _load_agreed(agreed, into)
     store = default_store()
-    out = store.load(step)
+    out = store.load(step, into=into)
     if out is None and step is not None:
         log.warning("checkpoint: rank %d does not hold step %d: %s", store.rank, step,
                     _skipped(store))  # fmt: skip
@@ -213,7 +223,7 @@ def _skipped(store: CheckpointStore) -> str:
     return "; ".join(f"slot {s}: {why}" for s, why in store.skipped)
 
 
-def _load_agreed(step: int) -> tuple[int, Any]:
+def _load_agreed(step: int, into: Any) -> tuple[int, Any]:
     """The agreed ``step`` from the agreed tier, or :class:`CheckpointRestoreError`;
     the load recorded for the sidecar (:mod:`.restored`)."""
     rank, tier = _env_int(contract.RANK, 0), agreed_tier()
@@ -224,7 +234,7 @@ def _load_agreed(step: int) -> tuple[int, Any]:
         out = load_persisted(step, rank, persist_root(), replicated=replicated)
     else:
         store = default_store()
-        got = store.load(step)
+        got = store.load(step, into=into)
         if got is None:
             raise CheckpointRestoreError(
                 f"rank {rank} cannot load the agreed checkpoint step {step} from memory "

@@ -141,6 +141,105 @@ def read_verified(src: Any, offset: int, length: int, table: bytes, chunk_size: 
     return whole if whole is not None else torch.empty(0, dtype=torch.uint8)
 
 
+def _pool_map(fn: Any, count: int) -> None:
+    """``fn(i)`` for ``i`` in ``range(count)`` on up to :data:`MAX_READ_THREADS` threads
+    (the CPUs this process may use); the first error is raised."""
+    workers = max(1, min(MAX_READ_THREADS, len(os.sched_getaffinity(0)), count))
+    if workers == 1:
+        for index in range(count):
+            fn(index)
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="kelastic-load") as pool:
+            list(pool.map(fn, range(count)))
+
+
+def targets_for(items: Sequence[TensorEntry], pairs: dict[int, int],
+                tensors: Sequence[Any]) -> list[Any]:  # fmt: skip
+    """For each of ``items``, the tensor of ``tensors`` that ``pairs`` places there
+    (:func:`kelastic.checkpoint.tree.pair_tensors`) when its dtype and shape are the
+    entry's, else None (a fresh tensor is read)."""
+    out: list[Any] = []
+    for index, entry in enumerate(items):
+        tensor = tensors[pairs[index]] if index in pairs else None
+        same = (tensor is not None and str(tensor.dtype).removeprefix("torch.") == entry.dtype
+                and tuple(tensor.shape) == entry.shape)  # fmt: skip
+        out.append(tensor if same else None)
+    return out
+
+
+def read_into(src: Any, offset: int, length: int, table: bytes, chunk_size: int,
+              items: Sequence[TensorEntry], targets: Sequence[Any]) -> list[Any]:  # fmt: skip
+    """The tensors of ``items`` read from ``src`` (a slot's map; the payload at ``offset``,
+    ``length`` bytes), each into its ``targets`` entry where one is given (a tensor of the
+    same dtype and shape: the trainer's own, on any device, contiguous or not; filled in
+    place and returned as it is) or into a fresh CPU tensor (``None``).
+
+    Every chunk is checked against ``table`` (crc32) on the slot's bytes **before** any
+    byte is copied: a slot that fails leaves every target as it was. Then the copies, cut
+    into pieces of at most ``chunk_size`` bytes. Both run on up to
+    :data:`MAX_READ_THREADS` threads (``zlib.crc32`` and ``Tensor.copy_`` release the GIL):
+    one pass of checks and one copy, into memory the trainer already has (DCP's in-place
+    load), where :func:`read_verified` also faults in fresh memory that the trainer's
+    ``load_state_dict`` then copies again. The caller re-reads the commit word afterwards
+    (a writer that began over the slot meanwhile: the targets then hold its bytes, and
+    must be loaded again; no writer runs beside a rank's own load).
+
+    Raises:
+        SlotFormatError: the table does not fit the length, or a chunk fails its crc32
+            (named with its range); no target was written.
+    """
+    import torch
+
+    expected = chunk_crcs(table, length, chunk_size)
+
+    def check(index: int) -> None:
+        start = index * chunk_size
+        end = min(start + chunk_size, length)
+        with memoryview(src) as view:
+            piece = view[offset + start : offset + end]
+            try:
+                if zlib.crc32(piece) != expected[index]:
+                    raise SlotFormatError(
+                        f"payload chunk {index} (bytes {start}..{end}) fails its crc32"
+                    )
+            finally:
+                piece.release()
+
+    _pool_map(check, len(expected))
+    out = [t if t is not None else torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+           for e, t in zip(items, targets, strict=True)]  # fmt: skip
+    if not length:
+        return out
+    sources = []  # emptied at the end: no export of the slot's map outlives the read
+    with warnings.catch_warnings():  # a read-only map: torch warns that it could write
+        warnings.simplefilter("ignore", UserWarning)
+        sources.append(torch.frombuffer(src, dtype=torch.uint8, count=length, offset=offset))
+    pieces: list[tuple[int, int, int]] = []  # (tensor, first byte, end byte) in the tensor
+    for index, (entry, dest) in enumerate(zip(items, out, strict=True)):
+        if dest.device.type == "cpu" and dest.is_contiguous():
+            pieces += [(index, a, min(a + chunk_size, entry.nbytes))
+                       for a in range(0, entry.nbytes, chunk_size)]  # fmt: skip
+        elif entry.nbytes:
+            pieces.append((index, 0, -1))  # whole (another device, or strided): one copy
+
+    def copy(number: int) -> None:
+        index, start, end = pieces[number]
+        entry, dest = items[index], out[index]
+        base = entry.offset
+        if end < 0:  # detached: a Parameter that requires grad is filled all the same
+            raw = sources[0][base : base + entry.nbytes]
+            dest.detach().copy_(raw.view(dest.dtype).view(dest.shape))
+        else:
+            flat = dest.detach().reshape(-1).view(torch.uint8)
+            flat[start:end].copy_(sources[0][base + start : base + end])
+
+    try:
+        _pool_map(copy, len(pieces))
+    finally:
+        sources.clear()
+    return out
+
+
 def tensors_from(whole: Any, items: Sequence[TensorEntry]) -> list[Any]:
     """The tensors of ``items`` as views of ``whole`` (the payload read back, a ``uint8``
     tensor: :func:`read_verified`; the tensors keep it alive, so nothing is copied again)."""

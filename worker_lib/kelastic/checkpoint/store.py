@@ -69,7 +69,15 @@ from ._slotfile import SLOT_NAME as SLOT_NAME
 from ._slotfile import SLOTS as SLOTS
 from ._slotfile import CheckpointError, SlotFile, free_bytes, lock_rank, space_error
 from ._slotfile import slot_path as slot_path
-from ._tensors import entries, is_tensor, read_verified, stage, tensors_from
+from ._tensors import (
+    entries,
+    is_tensor,
+    read_into,
+    read_verified,
+    stage,
+    targets_for,
+    tensors_from,
+)
 from .commit import commit_slot, finish_slots, mark_dirty, mark_staged
 from .due import clear, due_slots, every_from_env, mark_due, pick_target
 from .slot_format import (
@@ -85,7 +93,7 @@ from .slot_format import (
     encode_manifest,
     layout,
 )
-from .tree import build, flatten
+from .tree import build, flatten, pair_tensors
 
 _log = logging.getLogger(__name__)
 
@@ -344,13 +352,21 @@ class CheckpointStore:
                                     h.created, h.layout.payload_len))  # fmt: skip
         return sorted(out, key=lambda info: -info.seq)
 
-    def load(self, step: int | None = None) -> tuple[int, Any] | None:
+    def load(self, step: int | None = None, *, into: Any = None) -> tuple[int, Any] | None:
         """The newest committed step of this rank's slots that passes its checksums.
 
         Args:
             step: load this step (the job-wide agreed one: the newest step every rank
                 committed, which the sidecar will agree on through etcd), or None for
                 this rank's newest.
+            into: a state dict whose tensors receive the loaded ones in place (torch
+                DCP's ``load``): each tensor saved at the same place (same keys and
+                positions) with the same dtype and shape is read straight into it (on
+                any device) and returned as it is; the others are fresh CPU tensors. One
+                check of the slot and one copy into memory the trainer has, instead of
+                fresh memory faulted in and copied again by ``load_state_dict``. Every
+                chunk is checked before any target is written: a slot that fails leaves
+                them as they were (an older slot may then fill them).
 
         Returns:
             ``(step, state_dict)`` (tensors on the CPU, views of one buffer read from the
@@ -361,9 +377,11 @@ class CheckpointStore:
 
         Raises:
             CheckpointError: the pending save's commit failed (see :meth:`wait`).
+            kelastic.checkpoint.tree.TreeError: ``into`` holds a value no slot holds.
         """
         self.wait()
         self.skipped = []
+        into_tree, into_tensors = flatten(into, is_tensor) if into is not None else (None, [])
         found: list[tuple[int, SlotHeader]] = []
         for slot in range(len(self._files)):
             header, why = self._header(slot)
@@ -375,22 +393,28 @@ class CheckpointStore:
                 found.append((slot, header))
         for slot, header in sorted(found, key=lambda item: -item[1].seq):
             try:
-                return header.step, self._read(slot, header)
+                return header.step, self._read(slot, header, into_tree, into_tensors)
             except SlotFormatError as exc:
                 self.skipped.append((slot, str(exc)))
         return None
 
-    def _read(self, slot: int, h: SlotHeader) -> Any:
+    def _read(self, slot: int, h: SlotHeader, into_tree: Any, into_tensors: list[Any]) -> Any:
         f, lay = self._files[slot], h.layout
         table, manifest = decode_table_and_manifest(f.read, h)
         assert f.map is not None
-        if manifest.tensors:  # torch is imported: the state has tensors
+        tensors: list[Any] = []
+        if manifest.tensors and into_tree is not None:  # into the trainer's tensors
+            pairs = pair_tensors(manifest.tree, into_tree)
+            targets = targets_for(manifest.tensors, pairs, into_tensors)
+            tensors = read_into(f.map, lay.payload_offset, lay.payload_len, table,
+                                lay.chunk_size, manifest.tensors, targets)  # fmt: skip
+        elif manifest.tensors:  # torch is imported: the state has tensors
             whole = read_verified(f.map, lay.payload_offset, lay.payload_len, table, lay.chunk_size)
+            tensors = tensors_from(whole, manifest.tensors)
         else:  # nothing to copy: the (empty) payload's table is checked all the same
             chunk_crcs(table, lay.payload_len, lay.chunk_size)
         if decode_commit(f.read(COMMIT_OFFSET, 16), h.header_crc) != h.seq:
             raise SlotFormatError("the slot was rewritten while it was read")
-        tensors = tensors_from(whole, manifest.tensors) if manifest.tensors else []
         return build(manifest.tree, tensors)
 
     # ------------------------------------------------------------------ closing

@@ -30,12 +30,21 @@ twice. Stdlib only.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-__all__ = ["MAX_INT", "MAX_TREE_DEPTH", "TreeError", "build", "check_tree", "flatten"]
+__all__ = [
+    "MAX_INT",
+    "MAX_TREE_DEPTH",
+    "TreeError",
+    "build",
+    "check_tree",
+    "flatten",
+    "pair_tensors",
+]
 
 #: Deepest nesting of containers in a state dict.
 MAX_TREE_DEPTH: Final = 32
@@ -188,4 +197,38 @@ def build(tree: Any, tensors: Sequence[Any]) -> Any:
         out = {}
     for index in range(0, len(rest), 2):
         out[build(rest[index], tensors)] = build(rest[index + 1], tensors)
+    return out
+
+
+def pair_tensors(saved: Any, into: Any) -> dict[int, int]:
+    """Which tensor of the tree ``into`` lies where each tensor of the tree ``saved`` does
+    (both encoded by :func:`flatten`; ``saved`` checked by :func:`check_tree`): saved
+    index -> ``into`` index, for every tensor reached through the same dict keys (in any
+    order), list or tuple positions and containers of the same kind in both. A place
+    that differs (a key missing, a list where a dict was, a shorter list) pairs nothing
+    under it. Depth is bounded by the trees' own (:data:`MAX_TREE_DEPTH`)."""
+    out: dict[int, int] = {}
+
+    def walk(a: Any, b: Any, depth: int) -> None:
+        if depth > MAX_TREE_DEPTH + 2 or not (isinstance(a, list) and isinstance(b, list)):
+            return
+        if not a or not b or a[0] != b[0]:
+            return
+        tag = a[0]
+        if tag == "T":
+            out[a[1]] = b[1]
+        elif tag in ("l", "t"):
+            for x, y in zip(a[1:], b[1:], strict=False):
+                walk(x, y, depth + 1)
+        elif tag in ("d", "o"):
+            start = 1 if tag == "d" else 2
+            theirs = {
+                json.dumps(k): v for k, v in zip(b[start::2], b[start + 1 :: 2], strict=False)
+            }
+            for k, v in zip(a[start::2], a[start + 1 :: 2], strict=False):
+                other = theirs.get(json.dumps(k))
+                if other is not None:
+                    walk(v, other, depth + 1)
+
+    walk(saved, into, 0)
     return out
