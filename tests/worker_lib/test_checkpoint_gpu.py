@@ -33,6 +33,18 @@ def test_cuda_tensors_round_trip_through_a_pinned_slot(tmp_path: Path) -> None:
         assert torch.equal(got[1][name], tensor.cpu()), name
 
 
+def test_a_load_into_cuda_tensors_fills_them_on_the_device(tmp_path: Path) -> None:
+    state = _state(16)
+    into = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    with CheckpointStore(tmp_path, rank=0, job="j") as store:
+        store.save(1, state).wait()
+        got = store.load(into=into)
+    assert got is not None and got[0] == 1
+    for name, tensor in state.items():
+        assert got[1][name] is into[name] and into[name].is_cuda
+        assert torch.equal(into[name], tensor), name
+
+
 def test_a_kernel_queued_after_save_on_the_same_stream_does_not_reach_the_slot(
     tmp_path: Path,
 ) -> None:
