@@ -14,6 +14,7 @@ def test_the_checkpoint_bench_measures_every_side() -> None:
     expected = {"memory copy (floor)", "kelastic save (stall)", "kelastic save -> committed",
                 "torch.save -> disk", "torch.save -> disk + fsync",
                 "kelastic load (crc32 checked)", "torch.load <- disk (page cache)",
+                "kelastic load into the trainer's tensors (crc32 checked)",
                 "kelastic persist (sidecar, no torch) -> disk",
                 "torch DCP save -> disk (no_dist)"}  # fmt: skip
     assert expected <= set(sides)
@@ -21,4 +22,7 @@ def test_the_checkpoint_bench_measures_every_side() -> None:
     assert [row.side for row in result.rows if row.ref] == [
         "torch.save -> disk", "torch DCP save -> disk (no_dist)",
         "torch.load <- disk (page cache)"]  # fmt: skip
-    assert len(result.checks) == 3
+    assert [c.target for c in result.checks] == [
+        "1 MiB: load after a process restart <= 0.3 s per GiB",
+        "1 MiB: save stall <= 1.25x memory copy", "1 MiB: save stall <= 0.1x torch.save",
+        "1 MiB: save stall <= 0.1x torch.save + fsync"]  # fmt: skip

@@ -93,9 +93,12 @@ def test_a_corrupt_slot_leaves_the_targets_as_they_were(tmp_path: Path) -> None:
     with CheckpointStore(tmp_path, job="j") as ckpt:
         ckpt.save(1, {"w": torch.full((1 << 20,), 1.0)}, blocking=True)
         ckpt.save(2, {"w": torch.full((1 << 20,), 2.0)}, blocking=True)
+
+    def step_of(path: Path) -> int:
+        return decode_header(path.read_bytes()[:HEADER_SIZE], file_size=path.stat().st_size).step
+
     newest = next(p for p in (slot_path(tmp_path, 0, s) for s in range(SLOTS))
-                  if p.exists() and decode_header(p.read_bytes()[:HEADER_SIZE],
-                                                  file_size=p.stat().st_size).step == 2)  # fmt: skip
+                  if p.exists() and step_of(p) == 2)  # fmt: skip
     raw = bytearray(newest.read_bytes())
     h = decode_header(bytes(raw[:HEADER_SIZE]), file_size=len(raw))
     raw[h.layout.payload_offset + h.layout.payload_len - 5] ^= 0xFF  # the last chunk
@@ -120,8 +123,9 @@ def test_the_module_load_takes_the_agreed_step_into_the_trainers_tensors(
 ) -> None:
     monkeypatch.setattr(checkpoint, "_default", None)
     monkeypatch.setattr(checkpoint, "_sized", False)
-    for name, value in ((contract.ENV_CHECKPOINT_DIR, str(tmp_path)), ("RANK", "0"),
-                        (contract.TORCHELASTIC_RUN_ID, "run"), (contract.KELASTIC_ROUND, "-1")):  # fmt: skip
+    env = {contract.ENV_CHECKPOINT_DIR: str(tmp_path), "RANK": "0",
+           contract.TORCHELASTIC_RUN_ID: "run", contract.KELASTIC_ROUND: "-1"}  # fmt: skip
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     with CheckpointStore(tmp_path, job="run") as ckpt:
         for step in (3, 4):
