@@ -182,3 +182,14 @@ def test_another_jobs_staged_slot_is_left_alone(tmp_path: Path) -> None:
     assert finish_staged(tmp_path, "another-job") == []
     assert finish_staged(tmp_path / "missing", JOB) == []
     assert [f.step for f in finish_staged(tmp_path, JOB)] == [2]
+
+
+def test_a_due_marker_that_cannot_be_written_leaves_the_commit_standing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _killed(tmp_path, "staged", "staged 2")
+    for slot in range(SLOTS):  # a folder where each marker would go: its rename fails
+        marker_path(tmp_path, 0, slot).mkdir()
+    assert [f.step for f in finish_staged(tmp_path, JOB, persist_every=2)] == [2]
+    assert "cannot mark step 2 due for persistence" in caplog.text
+    assert _loaded(tmp_path) == 2

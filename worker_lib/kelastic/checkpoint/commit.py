@@ -145,10 +145,8 @@ def finish_slots(files: list[SlotFile], rank: int, job: str, *, directory: Path,
     ``persist_every`` is marked due for persistence (:mod:`.due`) in ``directory``.
 
     Returns:
-        The slot committed (none, or one).
-
-    Raises:
-        OSError: the due marker cannot be written (the commit stands).
+        The slot committed (none, or one). A due marker that cannot be written is
+        logged (the commit stands, as the writer's own commit does).
     """
     headers: list[SlotHeader | None] = []
     for f in files:
@@ -180,7 +178,11 @@ def finish_slots(files: list[SlotFile], rank: int, job: str, *, directory: Path,
         log.warning("checkpoint rank %d: step %d was staged by a writer that died before its "
                     "commit: committed now (slot %d)", rank, h.step, slot)  # fmt: skip
         if persist_every and h.step % persist_every == 0:
-            mark_due(directory, rank, slot, h.step)
+            try:
+                mark_due(directory, rank, slot, h.step)
+            except OSError as exc:  # the commit stands; only its persistence is lost
+                log.error("checkpoint rank %d: cannot mark step %d due for persistence: %s",
+                          rank, h.step, exc)  # fmt: skip
     return out
 
 
