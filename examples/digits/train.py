@@ -89,6 +89,15 @@ def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, ep
     os.replace(tmp, path)  # atomic: a crash never leaves a torn checkpoint
 
 
+def epoch_on_disk(path: Path, epoch: int, updates: int) -> bool:
+    """Whether rank 0's disk checkpoint holds the end of ``epoch`` after ``updates``
+    optimizer steps (written just before the epoch's line is printed)."""
+    if not path.exists():
+        return False
+    state = torch.load(path, weights_only=True)
+    return bool(state["epoch"] == epoch and state.get("updates") == updates)
+
+
 def params_digest(model: nn.Module) -> str:
     """The first 8 hex digits of the sha256 of every parameter's bytes, in order."""
     h = hashlib.sha256()
@@ -253,6 +262,9 @@ def _epochs(
     steps = len(x_tr) // (world * args.batch_size)
     while run.epoch < args.epochs:
         t0 = time.monotonic()
+        # resumed at the epoch's last step: its end (rank 0's disk checkpoint, the epoch's
+        # line) may have been done before the restart; not done again if the disk says so
+        at_end = 0 < steps <= run.step
         # Shard by rank: rank r takes every world-th sample of the epoch's permutation.
         gen = torch.Generator().manual_seed(args.seed + run.epoch)
         idx = torch.randperm(len(x_tr), generator=gen)[rank::world]
@@ -275,7 +287,7 @@ def _epochs(
                 call_wrapper.ping()
             total += loss.item()
         run.acc = test_accuracy(model, x_te, y_te)
-        if rank == 0:
+        if rank == 0 and not (at_end and epoch_on_disk(run.ckpt_path, run.epoch, run.updates)):
             save_checkpoint(run.ckpt_path, model, opt, run.epoch, run.updates)
             print(
                 f"epoch {run.epoch + 1}/{args.epochs} step {(run.epoch + 1) * steps} "

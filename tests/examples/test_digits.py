@@ -167,3 +167,41 @@ def test_the_wrapped_training_function_runs_once_without_in_process(tmp_path: Pa
     assert "resumed from checkpoint: epoch 2 done" in done[0] and "epoch 3/3" not in done[0]
     last_epoch = re.findall(r"test_acc (\d\.\d+)", again[0])[-1]
     assert re.findall(r"final test accuracy (\S+)", done[0]) == [last_epoch], done[0]
+
+
+@pytest.mark.slow
+def test_a_restore_at_an_epochs_last_step_does_not_end_that_epoch_twice(tmp_path: Path) -> None:
+    """Two plain processes with the memory checkpoint folder (no sidecar: each rank loads
+    its own newest step): the last step of epoch 2 is the newest saved, so a second run
+    resumes at that epoch's end; rank 0 finished it (its disk checkpoint says so) and
+    does not print ``epoch 2`` again (the real-node partition test once saw it twice)."""
+    fifo = tmp_path / "timer.fifo"
+    (tmp_path / "memory").mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KELASTIC_", "TORCHELASTIC"))}
+    base |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "worker_lib"), base.get("PYTHONPATH", "")]),
+             "TORCHELASTIC_TIMER_FILE": str(fifo), "MASTER_ADDR": "127.0.0.1",
+             "WORLD_SIZE": "2", "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+             "KELASTIC_CHECKPOINT_DIR": str(tmp_path / "memory")}  # fmt: skip
+
+    def run(epochs: int) -> str:
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(MANIFEST.parent / "train.py"), "--epochs", str(epochs)],
+                env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "MASTER_PORT": port},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        return outs[0]
+
+    with _drained_fifo(fifo):
+        first = run(2)
+        again = run(3)
+    assert "epoch 2/2" in first
+    assert re.search(r"resumed from checkpoint: epoch 1 step \d+ \(in memory", again), again
+    assert "epoch 2/3" not in again and "epoch 3/3" in again, again
