@@ -72,13 +72,6 @@ def _python(timeout: float, env: dict[str, str]) -> Path | str:
     return python
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _wait_port(port: int, proc: subprocess.Popen[bytes], deadline: float) -> bool:
     while time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
@@ -125,7 +118,9 @@ def measure_dlrover(
     workdir.mkdir(parents=True, exist_ok=True)
     out, ckpt_dir = workdir / "dlrover.jsonl", workdir / "dlrover-ckpt"
     out.unlink(missing_ok=True)
-    port = _free_port()
+    from kelastic_operator.local.etcd import free_port
+
+    port = free_port()
     env = child_env(
         DLROVER_MASTER_ADDR=f"127.0.0.1:{port}",
         ELASTIC_JOB_NAME=job,

@@ -120,32 +120,43 @@ def _drained_fifo(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _plain_env(tmp_path: Path, fifo: Path, **extra: str) -> dict[str, str]:
+    """The env of two plain ``train.py`` processes (no sidecar, no kelastic variables)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KELASTIC_", "TORCHELASTIC"))}
+    path = os.pathsep.join([str(ROOT / "worker_lib"), base.get("PYTHONPATH", "")])
+    return base | {"PYTHONPATH": path, "TORCHELASTIC_TIMER_FILE": str(fifo),
+                   "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2",
+                   "CHECKPOINT_DIR": str(tmp_path / "ckpt"), **extra}  # fmt: skip
+
+
+def _plain_run(base: dict[str, str], epochs: int) -> list[str]:
+    """Run ``train.py --epochs N`` as ranks 0 and 1 with ``base``; both outputs."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(MANIFEST.parent / "train.py"), "--epochs", str(epochs)],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "MASTER_PORT": port},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return outs
+
+
 @pytest.mark.slow
 def test_the_wrapped_training_function_runs_once_without_in_process(tmp_path: Path) -> None:
     """No sidecar, no ``KELASTIC_INPROCESS``: ``kelastic.inprocess.Wrapper`` calls the
     training function once (iteration 0) on each of 2 plain processes; they start from the
     same parameters, train, checkpoint, and a second run resumes from the checkpoint."""
     fifo = tmp_path / "timer.fifo"
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("KELASTIC_", "TORCHELASTIC"))}
-    base |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "worker_lib"), base.get("PYTHONPATH", "")]),
-             "TORCHELASTIC_TIMER_FILE": str(fifo), "MASTER_ADDR": "127.0.0.1",
-             "WORLD_SIZE": "2", "CHECKPOINT_DIR": str(tmp_path / "ckpt")}  # fmt: skip
+    base = _plain_env(tmp_path, fifo)
 
     def run(epochs: int) -> list[str]:
-        port = str(free_port())
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(MANIFEST.parent / "train.py"), "--epochs", str(epochs)],
-                env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "MASTER_PORT": port},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(2)
-        ]
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outs
-        return outs
+        return _plain_run(base, epochs)
 
     with _drained_fifo(fifo):
         first = run(2)
@@ -177,27 +188,10 @@ def test_a_restore_at_an_epochs_last_step_does_not_end_that_epoch_twice(tmp_path
     does not print ``epoch 2`` again (the real-node partition test once saw it twice)."""
     fifo = tmp_path / "timer.fifo"
     (tmp_path / "memory").mkdir()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("KELASTIC_", "TORCHELASTIC"))}
-    base |= {"PYTHONPATH": os.pathsep.join([str(ROOT / "worker_lib"), base.get("PYTHONPATH", "")]),
-             "TORCHELASTIC_TIMER_FILE": str(fifo), "MASTER_ADDR": "127.0.0.1",
-             "WORLD_SIZE": "2", "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-             "KELASTIC_CHECKPOINT_DIR": str(tmp_path / "memory")}  # fmt: skip
+    base = _plain_env(tmp_path, fifo, KELASTIC_CHECKPOINT_DIR=str(tmp_path / "memory"))
 
     def run(epochs: int) -> str:
-        port = str(free_port())
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(MANIFEST.parent / "train.py"), "--epochs", str(epochs)],
-                env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "MASTER_PORT": port},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(2)
-        ]
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outs
-        return outs[0]
+        return _plain_run(base, epochs)[0]
 
     with _drained_fifo(fifo):
         first = run(2)

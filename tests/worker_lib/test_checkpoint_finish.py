@@ -32,9 +32,10 @@ from kelastic.checkpoint.slot_format import (
 )
 from kelastic.checkpoint.store import SLOTS, slot_path
 
-REPO = Path(__file__).resolve().parents[2]
-SAVER = REPO / "tests" / "workers" / "checkpoint_saver.py"
-JOB = "crash"
+from .test_checkpoint import SAVER
+from .test_checkpoint import _loaded_step as _loaded
+
+JOB = "crash"  # the saver's job
 
 
 def _killed(directory: Path, mode: str, line: str) -> None:
@@ -51,16 +52,6 @@ def _killed(directory: Path, mode: str, line: str) -> None:
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-
-
-def _loaded(directory: Path) -> int:
-    """The newest step a reader loads, checked whole (every element the step's)."""
-    got = CheckpointStore(directory, job=JOB, writable=False).load()
-    assert got is not None
-    step, state = got
-    assert state["step"] == step
-    assert all(bool((t == float(step)).all()) for t in state["w"]), step
-    return step
 
 
 def _slot_of(directory: Path, step: int) -> Path:

@@ -88,6 +88,18 @@ def stage(buffer: Any, payload_offset: int, items: Sequence[TensorEntry],
         del whole
 
 
+def _pool_map(fn: Any, count: int) -> None:
+    """``fn(i)`` for ``i`` in ``range(count)`` on up to :data:`MAX_READ_THREADS` threads
+    (the CPUs this process may use); the first error is raised."""
+    workers = max(1, min(MAX_READ_THREADS, len(os.sched_getaffinity(0)), count))
+    if workers == 1:
+        for index in range(count):
+            fn(index)
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="kelastic-load") as pool:
+            list(pool.map(fn, range(count)))
+
+
 def read_verified(src: Any, offset: int, length: int, table: bytes, chunk_size: int) -> Any:
     """``length`` bytes of ``src`` (a slot's map) from ``offset``, copied into fresh memory
     chunk by chunk, each chunk checked against ``table`` (its crc32s) once copied, while it
@@ -128,29 +140,11 @@ def read_verified(src: Any, offset: int, length: int, table: bytes, chunk_size: 
                     f"payload chunk {index} (bytes {start}..{end}) fails its crc32"
                 )
 
-    workers = max(1, min(MAX_READ_THREADS, len(os.sched_getaffinity(0)), len(expected)))
     try:
-        if workers == 1:
-            for index in range(len(expected)):
-                one(index)
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="kelastic-load") as pool:
-                list(pool.map(one, range(len(expected))))  # the first error is raised
+        _pool_map(one, len(expected))  # the first error is raised
     finally:
         sources.clear()  # no export of the slot's map outlives the read
     return whole if whole is not None else torch.empty(0, dtype=torch.uint8)
-
-
-def _pool_map(fn: Any, count: int) -> None:
-    """``fn(i)`` for ``i`` in ``range(count)`` on up to :data:`MAX_READ_THREADS` threads
-    (the CPUs this process may use); the first error is raised."""
-    workers = max(1, min(MAX_READ_THREADS, len(os.sched_getaffinity(0)), count))
-    if workers == 1:
-        for index in range(count):
-            fn(index)
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="kelastic-load") as pool:
-            list(pool.map(fn, range(count)))
 
 
 def targets_for(items: Sequence[TensorEntry], pairs: dict[int, int],
