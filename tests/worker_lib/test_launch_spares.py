@@ -138,6 +138,35 @@ def test_a_spare_waits_is_promoted_to_a_dead_rank_and_is_replaced(world: Env) ->
     assert marker_procs(world.marker) == []
 
 
+def test_a_promote_naming_another_slot_does_not_lose_a_dead_spare_for_the_right_one(
+    world: Env,
+) -> None:
+    """A spare dies after its ``go`` and the launcher replaces it before the promote
+    comes; a promote that names another slot (ignored) must not forget the dead spare,
+    or the right promote that follows is ignored too and the rank's death never reported
+    (found in CI: the misfit promote took the dead spare out of the launcher's record)."""
+    sup, launcher = world.start()
+    sup.send(_assign_with_spare(2))
+    pids = sup.expect("started")["pids"]
+    wait_ready(world.run_dir, 2, [0, 1])
+    spare = _one_new_spare(world, set(), 0)
+    psutil.Process(pids["1"]).kill()
+    assert sup.expect("exited")["local_rank"] == 1
+    psutil.Process(spare).kill()  # dead after its go, before the launcher saw the promote
+    _one_new_spare(world, {spare}, 1)  # the launcher saw it die and replaced it
+    promote = {"type": "promote", "attempt": 2, "spare_slot": 2, "local_rank": 1, "pid": spare}
+    sup.send({**promote, "spare_slot": 3})
+    sup.send(promote)
+    assert sup.expect("started")["pids"] == {"1": spare}
+    gone = sup.expect("exited")
+    assert (gone["local_rank"], gone["pid"], gone["signal"]) == (1, spare, signal.SIGKILL)
+    err = launcher.stderr()
+    assert f"slot 3 to local_rank 1 ignored: pid {spare} is no spare of slot 3" in err, err
+    sup.send({"type": "shutdown", "exitcode": 0, "summary": ""})
+    assert launcher.wait() == 0
+    assert marker_procs(world.marker) == []
+
+
 def test_a_spare_told_it_is_not_needed_is_not_replaced_and_shutdown_stops_spares(
     world: Env,
 ) -> None:

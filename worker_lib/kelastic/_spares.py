@@ -179,9 +179,12 @@ class Spares:
         if spare is not None and spare.pid == pid:
             del group.spares[slot]
         else:
-            spare = self._dead.pop(pid, None)
+            # only a promote that fits takes the dead spare: one naming another slot
+            # must not lose it for the right one that follows
+            spare = self._dead.get(pid)
             if spare is None or spare.spec.local_rank != slot:
                 raise ValueError(f"pid {pid} is no spare of slot {slot}")
+            del self._dead[pid]
         spare.reported = False  # its exit, when it comes or came, is the rank's
         label = env.get(contract.RANK) or str(local_rank)
         error_file = str(spare.spec.log_dir / contract.ERROR_FILE_NAME)  # as at its start
