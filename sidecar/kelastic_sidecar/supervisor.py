@@ -56,6 +56,7 @@ from kelastic.etcd_values import (
     encode_report,
 )
 from kelastic.failure_policy import FailureAction
+from kelastic.last_status import keep_last_status
 from kelastic.sockaddr import free_port
 from kelastic_etcd import EtcdClient, EtcdError, EtcdRefused
 
@@ -258,10 +259,10 @@ class Supervisor:
             self._shutdown_launcher(128 + exc.signum, f"stopped by {exc}")
             return 128 + exc.signum
         finally:
+            keep_last_status(self.cfg.run_dir, self.status)  # readable after the HTTP's end
             self.termination.disarm()
             self.termination.left("")  # a request waiting on a node that left nothing
-            self._alive = False
-            self._running = False
+            self._alive = self._running = False
             self.workers.watch_stop.set()
             for s, h in old.items():
                 signal.signal(s, h)

@@ -4,7 +4,8 @@ step and rank 0 0.05 s. The sidecar, from the timer requests alone, names rank 1
 straggler in its ``/status`` (``step_times``), its log and ``kelastic_stragglers_total``,
 records the steps in ``kelastic_step_seconds``, and writes the verdict to etcd for the
 operator (``stragglers/<node>``, by the value's codec; the run uses the session's etcd so
-the test can read it)."""
+the test can read it). The run says the episode, and the sidecar's kept last status
+(``kelastic.last_status``) holds it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kelastic.etcd_values import StragglersDoc, decode_stragglers
+from kelastic.last_status import LAST_STATUS_NAME, read_last_status
 from kelastic_etcd import EtcdClient
 from tests.conftest import wait_for
 from tests.localrun import KelasticRun, write_job
@@ -82,6 +84,12 @@ def test_a_slow_rank_is_named_a_straggler_in_status_log_and_metrics(
         said = (r"straggler on steps-0: local rank 1's median step 0\.\d+ s \(scope 'step'\) "
                 r"is \d+\.\d+x its node's other ranks'")  # fmt: skip
         assert re.search(said, run.output), run.output
+        # said even when the episode began after the run's last poll (CI, a loaded machine:
+        # 0.3 s before the end): the sidecar kept its last status as it exited
+        (kept,) = runs.glob("*/pods/steps-0/volumes/kelastic-run/" + LAST_STATUS_NAME)
+        last = read_last_status(kept.parent)
+        assert last is not None and last["phase"] == "succeeded", last
+        assert [s["local_rank"] for s in last["step_times"]["stragglers"]] == [1], last
     finally:
         run.interrupt()
     assert run.strays() == []

@@ -51,6 +51,8 @@ class LocalContainer:
         termination_log: where its termination message lands.
         sidecar: a native sidecar (stopped after the main containers).
         http_port: the kelastic sidecar's HTTP port, 0 for other containers.
+        run_dir: the kelastic sidecar's run dir on this machine (where it keeps its last
+            status, :mod:`kelastic.last_status`); None for other containers.
     """
 
     name: str
@@ -60,6 +62,7 @@ class LocalContainer:
     termination_log: Path
     sidecar: bool
     http_port: int = 0
+    run_dir: Path | None = None
 
     @property
     def exit_code(self) -> int | None:
@@ -185,7 +188,9 @@ class LocalPod:
                     argv, full_env, self.cwd(c), out, subprocess.STDOUT, die_with_parent=tied
                 )
         image = str(c.get("image", ""))
-        return LocalContainer(c["name"], image, proc, log, termination_log, sidecar, http_port)
+        run_dir = Path(full_env.get(contract.ENV_RUN_DIR, contract.DEFAULT_RUN_DIR))
+        return LocalContainer(c["name"], image, proc, log, termination_log, sidecar, http_port,
+                              run_dir if http_port else None)  # fmt: skip
 
     def main_done(self) -> bool:
         """True once every main container has exited."""

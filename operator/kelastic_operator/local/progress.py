@@ -15,11 +15,8 @@ Nothing here decides anything about the job (:mod:`~kelastic_operator.local.runn
 
 from __future__ import annotations
 
-import http.client
-import json
 import math
 import time
-import urllib.request
 from collections.abc import Callable, Container, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -37,6 +34,7 @@ from .inprocess_lines import (
     inprocess_line,
 )
 from .replicas import Replica
+from .statuses import LAST_WORD_TIMEOUT, POLL_TIMEOUT, sidecar_status
 
 #: Seconds an in-process restart is waited for to report every rank stepping again
 #: before it is said without that figure.
@@ -77,18 +75,6 @@ def _described_failure(value: object) -> bool:
     rnd, when = value.get("round"), value.get("time")
     numeric = when is None or (isinstance(when, (int, float)) and not isinstance(when, bool))
     return bool(value["summary"]) and isinstance(rnd, int) and not isinstance(rnd, bool) and numeric
-
-
-def fetch_status(pod: Replica) -> dict[str, Any]:
-    """The sidecar's ``/status`` document ({} when it does not answer, or its answer is
-    cut off: a sidecar exiting mid-response raises ``http.client.IncompleteRead``, which
-    is no ``OSError``)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{pod.http_port}/status", timeout=1) as resp:
-            doc = json.loads(resp.read())
-            return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError, http.client.HTTPException):
-        return {}
 
 
 def restore_line(doc: object) -> tuple[int, str] | None:
@@ -170,13 +156,18 @@ class ProgressReporter:
         self._inproc: dict[str, Any] = {"said": 0, "restarts": 0, "seen_at": None,
                                         "open": None, "corrupt": set()}  # fmt: skip
 
-    def poll(self, pods: list[Replica]) -> None:
-        """Fetch each live sidecar's status (into ``pod.status``) and say what changed."""
+    def poll(
+        self, pods: list[Replica], timeout: float = POLL_TIMEOUT, last_word: bool = False
+    ) -> None:
+        """Fetch each live sidecar's status (into ``pod.status``; ``timeout`` seconds
+        each) and say what changed. With ``last_word``, an exited sidecar's status is the
+        one it kept as it exited (:mod:`kelastic.last_status`), when it kept one."""
         for pod in pods:
-            if pod.sidecar is not None and pod.sidecar.proc.poll() is None:
-                doc = fetch_status(pod)
-                if doc:
-                    pod.status = doc
+            doc, problem = sidecar_status(pod, timeout, last_word)
+            if problem:
+                self.say(f"{pod.name}: {problem}")
+            if doc:
+                pod.status = doc
         statuses = [p.status for p in pods if p.status]
         if not statuses:
             return
@@ -373,9 +364,13 @@ class ProgressReporter:
         workdir: Path,
         replacements: int = 0,
     ) -> int:
-        """Say how the job ended (the first cause when it failed) and the restarts per
+        """Say the sidecars' last word (one more :meth:`poll`, patient, that reads an
+        exited sidecar's kept status: what they reported between the loop's last poll
+        and the end, e.g. a straggler episode begun in the last steps, is said too),
+        then how the job ended (the first cause when it failed) and the restarts per
         rung (``replacements``: Pods replaced); returns ``code``'s exit status (0, 130
         or 1)."""
+        self.poll(pods, LAST_WORD_TIMEOUT, last_word=True)
         restarts = self._restarts_text(replacements)
         if code == 0:
             self.say(

@@ -63,6 +63,11 @@ class Replica:
         return self.sidecar.http_port if self.sidecar else 0
 
     @property
+    def sidecar_run_dir(self) -> Path | None:
+        """The kelastic sidecar's run dir (its last status is kept there), if any."""
+        return self.sidecar.run_dir if self.sidecar else None
+
+    @property
     def termination_log(self) -> Path:
         return self.trainer.termination_log
 

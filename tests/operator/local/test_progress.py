@@ -7,7 +7,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any, cast
 
-from kelastic_operator.local.progress import fetch_status
+from kelastic_operator.local.statuses import fetch_status
 
 
 def test_a_status_cut_off_mid_body_reads_as_no_answer() -> None:
@@ -29,3 +29,27 @@ def test_a_status_cut_off_mid_body_reads_as_no_answer() -> None:
     finally:
         thread.join(5)
         server.close()
+
+
+def test_a_crafted_status_answer_reads_as_no_answer() -> None:
+    # Another process on the sidecar's port (or a broken one) answering deep nesting, a
+    # 5000-digit number or an array: json.loads raised RecursionError past the old
+    # except clause; the bounded decoder of the kept status reads every answer now.
+    for body in (b"[" * 100_000, b'{"round": ' + b"9" * 5000 + b"}", b"[1]", b'{"r": NaN}'):
+        server = socket.create_server(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+
+        def answer(body: bytes = body, server: socket.socket = server) -> None:
+            conn, _ = server.accept()
+            conn.recv(4096)
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            conn.sendall(head + body)
+            conn.close()
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        try:
+            assert fetch_status(cast(Any, SimpleNamespace(http_port=port))) == {}, body[:20]
+        finally:
+            thread.join(5)
+            server.close()

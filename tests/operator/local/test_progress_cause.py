@@ -4,9 +4,15 @@ reads it), and only with neither "see the sidecar logs"."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import subprocess
+import threading
+import types
 from pathlib import Path
 from typing import Any
 
+from kelastic.last_status import LAST_STATUS_NAME, write_last_status
 from kelastic_operator.local.progress import ProgressReporter, loaded_line, root_cause
 from kelastic_operator.model import load_manifest
 
@@ -20,7 +26,8 @@ RAISED = ("worker_failure: rank 1 on digits-0 (round 0) exited with code 1: Inje
 class _Pod:
     def __init__(self, index: int, status: dict[str, Any]) -> None:
         self.index, self.status, self.sidecar = index, status, None
-        self.name = f"digits-{index}"
+        self.name, self.http_port = f"digits-{index}", 0
+        self.sidecar_run_dir: Path | None = None
 
 
 def _status(round_: int, spent: int, **more: Any) -> dict[str, Any]:
@@ -167,3 +174,92 @@ def test_a_crafted_checkpoint_document_says_nothing() -> None:
     lines = [s for s in said if "checkpoint" in s]
     # only the last: a valid restore whose check time is no number says it without it
     assert lines == ["round 1: the workers restore checkpoint step 3 from memory (4 ranks)"]
+
+
+class _StatusServer:
+    """A real HTTP server answering ``/status`` with :attr:`doc` (a sidecar's face)."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps(outer.doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_what_a_sidecar_reports_after_the_loops_last_poll_is_said_before_the_jobs_end(
+    tmp_path: Path,
+) -> None:
+    """The run's loop polls every quarter second and ends once the workers exited; a
+    straggler episode begun in the last steps (found in CI: 0.3 s before the end, on a
+    loaded machine) was in the sidecar's ``/status`` but never said. :meth:`finish`
+    polls the live sidecars once more first."""
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+    server = _StatusServer(_status(0, 0, node="steps-0", step_times={"stragglers": []}))
+    sidecar = subprocess.Popen(["sleep", "60"])  # the sidecar process, alive
+    try:
+        pod = _Pod(0, {})
+        pod.sidecar = types.SimpleNamespace(proc=sidecar)  # type: ignore[assignment]
+        pod.http_port = server.port
+        reporter.poll([pod])  # type: ignore[list-item]
+        assert pod.status["node"] == "steps-0" and not [s for s in said if "straggler" in s]
+        slow = {"local_rank": 1, "scope": "step", "median_s": 0.2, "ratio": 4.0}
+        server.doc = _status(0, 0, node="steps-0", step_times={"stragglers": [slow]})
+        assert reporter.finish(0, 5.0, [pod], "", tmp_path) == 0  # type: ignore[list-item]
+        heads = [s.split(":")[0] for s in said]
+        assert heads == ["round 0", "straggler on steps-0", "job succeeded in 5.0s"], said
+    finally:
+        sidecar.kill()
+        sidecar.wait()
+        server.close()
+
+
+def test_an_exited_sidecars_kept_status_is_its_last_word(tmp_path: Path) -> None:
+    """The sidecar exits as the job ends on its node, its HTTP server with it: what it
+    said after the loop's last poll is read from the status it kept in the run volume
+    (:mod:`kelastic.last_status`); a kept file that cannot be read is said, and the job's
+    end is said all the same."""
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    pods = [_Pod(0, _status(0, 0, node="steps-0")), _Pod(1, _status(0, 0, node="steps-1"))]
+    for pod in pods:
+        pod.sidecar = types.SimpleNamespace(proc=exited)  # type: ignore[assignment]
+        pod.sidecar_run_dir = tmp_path / pod.name
+        pod.sidecar_run_dir.mkdir()
+    reporter.poll(pods)  # type: ignore[arg-type]
+    slow = {"local_rank": 0, "scope": "step", "median_s": 0.3, "ratio": 3.0}
+    write_last_status(tmp_path / "digits-0",
+                      _status(0, 0, node="steps-0", step_times={"stragglers": [slow]}))  # fmt: skip
+    (tmp_path / "digits-1" / LAST_STATUS_NAME).write_bytes(b'{"node": "steps-1", "round": 0')
+    assert reporter.finish(0, 7.0, pods, "", tmp_path) == 0  # type: ignore[arg-type]
+    assert said[1:] == [
+        "digits-1: the sidecar's last status cannot be read "
+        f"({tmp_path / 'digits-1' / LAST_STATUS_NAME}: not JSON: "
+        "Expecting ',' delimiter: line 1 column 31 (char 30): "
+        'b\'{"node": "steps-1", "round": 0\'); what it said after the last poll is '
+        "not shown",
+        "straggler on steps-0: local rank 0's median step 0.300 s (scope 'step') is 3.00x its "
+        "node's other ranks'",
+        f"job succeeded in 7.0s: round 0; restarts: 0 process, 0 Pod replacements; logs in "
+        f"{tmp_path}",
+    ], said
+    assert pods[1].status["node"] == "steps-1"  # the last fetched status stays
