@@ -11,7 +11,6 @@ the Prometheus text format.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+
+from kelastic.last_status import LastStatusError, encode_last_status
 
 
 class SidecarHttpServer:
@@ -48,7 +49,7 @@ class SidecarHttpServer:
             "/metrics": metrics,
             "/healthz": lambda _: _probe(healthy()),
             "/readyz": lambda _: _probe(ready()),
-            "/status": lambda _: (200, "application/json", json.dumps(status()).encode()),
+            "/status": lambda _: _status_answer(status),
         }
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,6 +81,16 @@ class SidecarHttpServer:
         """Stop serving and close the socket."""
         self._server.shutdown()
         self._server.server_close()
+
+
+def _status_answer(status: Callable[[], dict[str, Any]]) -> tuple[int, str, bytes]:
+    """``/status`` by the document's one codec (:func:`kelastic.last_status.encode_last_status`,
+    the one its readers decode): a document it refuses (a non-finite number, too big) is a
+    500 that says why, never JSON a reader refuses."""
+    try:
+        return 200, "application/json", encode_last_status(status())
+    except LastStatusError as exc:
+        return 500, "text/plain", f"/status: {exc}\n".encode()
 
 
 def _probe(ok: bool) -> tuple[int, str, bytes]:
