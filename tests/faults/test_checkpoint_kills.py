@@ -102,11 +102,16 @@ def test_random_kills_during_saves_never_restore_a_mixed_torn_or_too_old_step(
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "kelastic.checkpoint"])
     rng = random.Random(20261127)
-    last_staged = [-1] * RANKS  # across lives: the slots outlive the processes
     agreed: int | None = None
     behind: dict[int, int] = {}  # steps between the last one sent and the agreed -> cycles
     started = time.monotonic()
     for cycle in range(CYCLES):
+        # What each rank's returned saves hold now: the agreed step, restored on every
+        # rank; a newer save one returned from in the last cycle was dropped with its
+        # history (discard_newer), since another rank never staged it. (Kept across
+        # cycles, a rank killed mid-staging in a cycle of one step showed the dropped
+        # step as its own and failed the test in CI: a wrong expectation.)
+        last_staged = [-1 if agreed is None else agreed] * RANKS
         procs, conns = [], []
         for rank in range(RANKS):
             mine, theirs = ctx.Pipe()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ from kelastic.checkpoint.scan import verified_steps
 from kelastic.checkpoint.slot_format import (
     HEADER_SIZE,
     STAGED_OFFSET,
+    SlotFormatError,
     decode_header,
+    encode_header,
     encode_staged,
     staged_header_crc,
 )
@@ -82,6 +85,47 @@ def test_a_commit_cut_after_its_header_is_finished_too(tmp_path: Path) -> None:
     _killed(tmp_path, "commit", "committing")
     assert [f.step for f in finish_staged(tmp_path, JOB)] == [2]
     assert _loaded(tmp_path) == 2
+
+
+def _tears(old: bytes, new: bytes) -> list[bytes]:
+    """Every header a copy of ``new`` over ``old`` cut by a SIGKILL may leave: each
+    prefix of ``new`` over ``old`` (a forward copy) and each suffix (a backward one)."""
+    differ = [i for i in range(len(old)) if old[i] != new[i]]
+    cuts = range(differ[0] + 1, differ[-1] + 1)
+    return [new[:k] + old[k:] for k in cuts] + [old[:k] + new[k:] for k in cuts]
+
+
+def test_a_commit_cut_within_its_header_rewrite_is_finished_too(tmp_path: Path) -> None:
+    """A SIGKILL during the commit's header copy (386 bytes) leaves the table crc and the
+    header crc torn, so the header fails its crc; the staged word binds every other
+    field, so the finisher commits it as staged. Every tear of the copy is crafted."""
+    _killed(tmp_path, "staged", "staged 2")
+    path = _slot_of(tmp_path, 2)
+    pristine = path.read_bytes()
+    staged = decode_header(pristine[:HEADER_SIZE], file_size=len(pristine))
+    committed, _ = encode_header(replace(staged, table_crc=0x5EED1234, seq=0, header_crc=0))
+    tears = _tears(pristine[: len(committed)], committed)
+    assert len(tears) >= 8, len(tears)  # the two crcs: at least 4 bytes each
+    for torn in tears:
+        path.write_bytes(torn + pristine[len(torn) :])
+        with pytest.raises(SlotFormatError, match="crc"):
+            decode_header(torn, file_size=len(pristine))
+        assert [f.step for f in finish_staged(tmp_path, JOB)] == [2], torn.hex()
+        assert _loaded(tmp_path) == 2
+    path.write_bytes(pristine[:HEADER_SIZE] + b"\xff" + pristine[HEADER_SIZE + 1 :])
+    assert [f.step for f in finish_staged(tmp_path, JOB)] == [2]  # the table: recomputed
+
+
+def test_a_torn_header_whose_fields_the_staged_word_does_not_bind_commits_nothing(
+    tmp_path: Path,
+) -> None:
+    _killed(tmp_path, "staged", "staged 2")
+    path = _slot_of(tmp_path, 2)
+    raw = bytearray(path.read_bytes())
+    raw[40] ^= 0x01  # the round field: the commit never writes it, the staged word binds it
+    path.write_bytes(bytes(raw))
+    assert finish_staged(tmp_path, JOB) == []
+    assert _loaded(tmp_path) == 1
 
 
 def test_a_save_killed_while_it_staged_is_not_committed(tmp_path: Path) -> None:

@@ -16,7 +16,11 @@ before it records the node's steps for a round, while no worker runs; a rank's s
 its open without a sidecar) commits a staged slot when
 
 - its staged word matches its header as staged and this boot (never after a machine's
-  restart: a disk-backed folder may hold the word without the payload);
+  restart: a disk-backed folder may hold the word without the payload). A header that
+  fails its crc is read as staged (:func:`.slot_format.decode_header_as_staged`): a
+  SIGKILL within the dead commit's header copy tears the table crc and the header crc,
+  the only fields a commit changes, and the staged word binds every other one (a window
+  of a few hundred bytes' copy, found by reading the commit while a fault test failed);
 - its step is newer than every step the rank committed: it was the rank's newest save.
   A staged slot of an older step is left over from a history a restore abandoned, and
   its staged word is cleared instead.
@@ -48,6 +52,7 @@ from .slot_format import (
     SlotHeader,
     chunk_checksums,
     decode_header,
+    decode_header_as_staged,
     decode_staged,
     encode_commit,
     encode_header,
@@ -150,12 +155,7 @@ def finish_slots(files: list[SlotFile], rank: int, job: str, *, directory: Path,
     """
     headers: list[SlotHeader | None] = []
     for f in files:
-        h = None
-        if f.map is not None:
-            try:
-                h = decode_header(f.read(0, HEADER_SIZE), file_size=f.size)
-            except SlotFormatError:
-                h = None
+        h = _header(f.read(0, HEADER_SIZE), f.size) if f.map is not None else None
         headers.append(h if h is not None and h.rank == rank and h.job == job else None)
     committed = [h for h in headers if h is not None and h.seq]
     newest_step = max((h.step for h in committed), default=-1)
@@ -198,13 +198,24 @@ def _has_staged(folder: Path, rank: int, slots: int, job: str) -> bool:
             continue
         if len(raw) < HEADER_SIZE or raw[STAGED_OFFSET : STAGED_OFFSET + 16] == _ZEROS:
             continue
-        try:
-            h = decode_header(raw, file_size=size)
-        except SlotFormatError:
-            continue
-        if not h.seq and h.job == job:
+        h = _header(raw, size)
+        if h is not None and not h.seq and h.job == job:
             return True
     return False
+
+
+def _header(raw: bytes, size: int) -> SlotHeader | None:
+    """The slot's header, or as staged when it fails its crc (a commit cut within the
+    header's rewrite: :func:`decode_header_as_staged`, never committed; only its staged
+    word can vouch for it), or None when it is no header."""
+    try:
+        return decode_header(raw, file_size=size)
+    except SlotFormatError:
+        pass
+    try:
+        return decode_header_as_staged(raw, file_size=size)
+    except SlotFormatError:
+        return None
 
 
 def finish_staged(directory: str | os.PathLike[str], job: str, *,

@@ -96,6 +96,7 @@ __all__ = [
     "chunk_crcs",
     "decode_commit",
     "decode_header",
+    "decode_header_as_staged",
     "decode_manifest",
     "decode_staged",
     "decode_table_and_manifest",
@@ -431,6 +432,25 @@ def decode_header(raw: bytes, *, file_size: int) -> SlotHeader:
             algorithm, a crc mismatch, or a field outside its bounds (negative lengths,
             lengths past the file, a rank past the world size, ...).
     """
+    return _decode_header(raw, file_size, check_crc=True)
+
+
+def decode_header_as_staged(raw: bytes, *, file_size: int) -> SlotHeader:
+    """A slot's header as it was staged, for a slot whose staged word then vouches for it
+    (:func:`decode_staged`): its fields without the header's crc check, with chunk table
+    crc 0 and ``seq`` 0. A commit cut within its header's rewrite (a SIGKILL during
+    that copy) leaves the table crc and the header crc torn, the only fields the commit
+    changes; the staged word binds every other one (:func:`staged_header_crc`), so a
+    header it matches is the staged one whatever the tear left.
+
+    Raises:
+        SlotFormatError: as :func:`decode_header`, but for the crc.
+    """
+    h = _decode_header(raw, file_size, check_crc=False)
+    return replace(h, table_crc=0, seq=0, header_crc=staged_header_crc(h))
+
+
+def _decode_header(raw: bytes, file_size: int, *, check_crc: bool) -> SlotHeader:
     if len(raw) < _HEADER_END:
         raise SlotFormatError(f"header of {len(raw)} bytes, under {_HEADER_END}")
     magic, version, algorithm, header_size = _HEAD.unpack_from(raw)
@@ -446,7 +466,7 @@ def decode_header(raw: bytes, *, file_size: int) -> SlotHeader:
     (step, round_, rank, world, created, table_offset, chunk_size, chunk_count, table_crc,
      manifest_offset, manifest_len, manifest_crc, payload_offset, payload_len,
      job_len, job_raw, stored_crc) = _FIELDS.unpack(fields)  # fmt: skip
-    if crc != stored_crc:
+    if check_crc and crc != stored_crc:
         raise SlotFormatError("header fails its crc32")
     if table_offset != HEADER_SIZE:
         raise SlotFormatError(f"checksum table at {table_offset}, not {HEADER_SIZE}")
