@@ -479,7 +479,8 @@ def _saver(directory: Path, mode: str, elements: int = 1 << 18) -> subprocess.Po
 
 
 def _loaded_step(directory: Path) -> int:
-    loaded = CheckpointStore(directory, job="crash", writable=False).load()
+    with CheckpointStore(directory, job="crash", writable=False) as store:
+        loaded = store.load()  # closed: an unclosed store keeps its slot files' fds
     assert loaded is not None
     step, state = loaded
     assert state["step"] == step

@@ -92,7 +92,8 @@ def _tears(old: bytes, new: bytes) -> list[bytes]:
     prefix of ``new`` over ``old`` (a forward copy) and each suffix (a backward one)."""
     differ = [i for i in range(len(old)) if old[i] != new[i]]
     cuts = range(differ[0] + 1, differ[-1] + 1)
-    return [new[:k] + old[k:] for k in cuts] + [old[:k] + new[k:] for k in cuts]
+    tears = [new[:k] + old[k:] for k in cuts] + [old[:k] + new[k:] for k in cuts]
+    return list(dict.fromkeys(tears))  # cuts between equal bytes tear alike: once each
 
 
 def test_a_commit_cut_within_its_header_rewrite_is_finished_too(tmp_path: Path) -> None:
