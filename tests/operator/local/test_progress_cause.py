@@ -4,17 +4,17 @@ reads it), and only with neither "see the sidecar logs"."""
 
 from __future__ import annotations
 
-import http.server
-import json
 import subprocess
-import threading
 import types
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from kelastic.last_status import LAST_STATUS_NAME, write_last_status
 from kelastic_operator.local.progress import ProgressReporter, loaded_line, root_cause
 from kelastic_operator.model import load_manifest
+from kelastic_sidecar.http import SidecarHttpServer
 
 ROOT = Path(__file__).resolve().parents[3]
 DIGITS = ROOT / "examples" / "digits" / "elasticjob.yaml"
@@ -176,33 +176,6 @@ def test_a_crafted_checkpoint_document_says_nothing() -> None:
     assert lines == ["round 1: the workers restore checkpoint step 3 from memory (4 ranks)"]
 
 
-class _StatusServer:
-    """A real HTTP server answering ``/status`` with :attr:`doc` (a sidecar's face)."""
-
-    def __init__(self, doc: dict[str, Any]) -> None:
-        self.doc = doc
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = json.dumps(outer.doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_what_a_sidecar_reports_after_the_loops_last_poll_is_said_before_the_jobs_end(
     tmp_path: Path,
 ) -> None:
@@ -212,7 +185,11 @@ def test_what_a_sidecar_reports_after_the_loops_last_poll_is_said_before_the_job
     polls the live sidecars once more first."""
     said: list[str] = []
     reporter = ProgressReporter(load_manifest(DIGITS), said.append)
-    server = _StatusServer(_status(0, 0, node="steps-0", step_times={"stragglers": []}))
+    doc = _status(0, 0, node="steps-0", step_times={"stragglers": []})
+    server = SidecarHttpServer(
+        "127.0.0.1", 0, CollectorRegistry(), lambda: True, lambda: True, lambda: doc
+    )  # the sidecar's own HTTP face
+    server.start()
     sidecar = subprocess.Popen(["sleep", "60"])  # the sidecar process, alive
     try:
         pod = _Pod(0, {})
@@ -221,14 +198,14 @@ def test_what_a_sidecar_reports_after_the_loops_last_poll_is_said_before_the_job
         reporter.poll([pod])  # type: ignore[list-item]
         assert pod.status["node"] == "steps-0" and not [s for s in said if "straggler" in s]
         slow = {"local_rank": 1, "scope": "step", "median_s": 0.2, "ratio": 4.0}
-        server.doc = _status(0, 0, node="steps-0", step_times={"stragglers": [slow]})
+        doc = _status(0, 0, node="steps-0", step_times={"stragglers": [slow]})
         assert reporter.finish(0, 5.0, [pod], "", tmp_path) == 0  # type: ignore[list-item]
         heads = [s.split(":")[0] for s in said]
         assert heads == ["round 0", "straggler on steps-0", "job succeeded in 5.0s"], said
     finally:
         sidecar.kill()
         sidecar.wait()
-        server.close()
+        server.stop()
 
 
 def test_an_exited_sidecars_kept_status_is_its_last_word(tmp_path: Path) -> None:
