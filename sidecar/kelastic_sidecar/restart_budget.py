@@ -135,6 +135,40 @@ def apply_charge(
     return RestartRecord(count=record.count + 1, last_round=round_, history=history)
 
 
+#: Charges a sidecar's ``/status`` says (``charges``: :func:`recent_charges`).
+RECENT_CHARGES = 8
+#: The fields of a charge's failure a ``charges`` entry keeps (the stderr tail stays in
+#: the record: a status stays small).
+CHARGE_FIELDS = ("cause", "node", "rank", "summary", "time", "stopped")
+
+
+def charge_entry(count: int, round_: int, detail: dict[str, Any]) -> dict[str, Any]:
+    """A ``charges`` entry of a sidecar's ``/status``: the restart ``count`` spent (1 for
+    the job's first), the ``round`` it was charged for and, of the failure it names
+    (``detail``, :meth:`~kelastic_sidecar.failure.Failure.as_dict`), the
+    :data:`CHARGE_FIELDS` it has."""
+    kept = {k: detail[k] for k in CHARGE_FIELDS if k in detail}
+    return {**kept, "count": count, "round": round_}
+
+
+def recent_charges(record: RestartRecord, limit: int = RECENT_CHARGES) -> list[dict[str, Any]]:
+    """The record's last ``limit`` charged restarts as :func:`charge_entry` entries, oldest
+    first. ``history``'s entries an Ignore rule left uncharged (``detail.ignored``) spent
+    nothing and are skipped; counting back from ``count``, the newest charged entry spent
+    the ``count``-th restart. A record replaced after corruption (its history gone)
+    gives what it holds."""
+    out: list[dict[str, Any]] = []
+    count = record.count
+    for entry in reversed(record.history):
+        if len(out) >= limit or count < 1:
+            break
+        if entry["detail"].get("ignored") is True:
+            continue
+        out.append(charge_entry(count, entry["round"], entry["detail"]))
+        count -= 1
+    return out[::-1]
+
+
 #: Ignored restarts (an Ignore rule's, marked ``detail.ignored``) among the record's last
 #: :data:`HISTORY_LIMIT` entries past which another is counted after all: a failure an
 #: Ignore rule matches over and over is the program's, not a disruption, and must not

@@ -79,7 +79,13 @@ from .rendezvous import (
     RendezvousError,
     RendezvousInfo,
 )
-from .restart_budget import RestartBudget, RestartRecordError
+from .restart_budget import (
+    RECENT_CHARGES,
+    RestartBudget,
+    RestartRecordError,
+    charge_entry,
+    recent_charges,
+)
 from .round_end import (
     RoundEndKind,
     closed_outcome,
@@ -183,8 +189,8 @@ class Supervisor:
         self._down_since: float | None = None
         self._down_cause = CAUSE_SCALE
         self._last_failure: Failure | None = None
-        #: the budget record's last charge (a failure's dict), as last read or written
-        self._last_charge: dict[str, Any] | None = None
+        #: the budget record's last charges (``charge_entry``s), as last read or written
+        self._charges: list[dict[str, Any]] = []
         self._shutting_down = False  # a SidecarShutdown was raised
         self._spent = 0
         self._acquired_at_start = 0  # timer acquires before the current attempt
@@ -223,7 +229,7 @@ class Supervisor:
             "timer_grace_s": stats.grace,
             "workers_warm": self.workers.warm,
             "last_failure": self._last_failure.as_dict() if self._last_failure else None,
-            "last_charge": self._last_charge,
+            "charges": self._charges,
             "etcd_unreachable": self.etcd_health.outage(),
             "inprocess": self.inprocess.status(),
             "step_times": self.workers.steps.status(),
@@ -396,7 +402,7 @@ class Supervisor:
         self._acquired_at_start = self.timer.stats().acquired
         carried = self._carried
         tokens = self.workers.tokens if carried else self.workers.new_attempt()
-        self._spent, self._last_charge = read_budget(self.budget, self._spent, self._last_charge)
+        self._spent, self._charges = read_budget(self.budget, self._spent, self._charges)
         spent = self._spent
         self.metrics.budget_spent.set(spent)
         self._phase = Phase.STARTING_WORKERS
@@ -442,11 +448,11 @@ class Supervisor:
             log.error("cannot record the restart in etcd: %s", exc)
             return False
         self._spent = charge.count
-        if charge.charged:
-            self._last_charge = failure.as_dict()
         self.metrics.budget_spent.set(charge.count)
         self.metrics.restarts.labels(level="process", cause=failure.cause).inc()
         if charge.charged:
+            entry = charge_entry(charge.count, failure.round, failure.as_dict())
+            self._charges = [*self._charges, entry][-RECENT_CHARGES:]
             log.warning(
                 "restart %d/%d (%s)", charge.count, self.cfg.max_restarts, failure.summary()
             )
@@ -606,17 +612,17 @@ def leave_rendezvous(handler: EtcdRendezvousHandler | None, reason: str) -> bool
 
 
 def read_budget(
-    budget: RestartBudget, spent: int, last: dict[str, Any] | None
-) -> tuple[int, dict[str, Any] | None]:
-    """The restarts spent and the last charge's detail, read from ``budget``'s record;
-    ``(spent, last)`` as they were when it cannot be read (logged)."""
+    budget: RestartBudget, spent: int, charges: list[dict[str, Any]]
+) -> tuple[int, list[dict[str, Any]]]:
+    """The restarts spent and the last charges (:func:`~.restart_budget.recent_charges`),
+    read from ``budget``'s record; ``(spent, charges)`` as they were when it cannot be
+    read (logged)."""
     try:
         record = budget.read()
     except (EtcdError, RestartRecordError) as exc:
         log.error("cannot read the restart budget: %s", exc)
-        return spent, last
-    detail = record.history[-1].get("detail") if record.history else None
-    return record.count, detail if isinstance(detail, dict) else None
+        return spent, charges
+    return record.count, recent_charges(record)
 
 
 def round_master(

@@ -21,6 +21,7 @@ from kelastic_sidecar.restart_budget import (
     apply_ignore,
     decode_record,
     encode_record,
+    recent_charges,
 )
 
 
@@ -281,3 +282,29 @@ def test_apply_ignore(record: RestartRecord, round_: int, applies: bool) -> None
         assert (new.count, new.last_round) == (record.count, round_)
         assert new.history[-1] == {"round": round_, "cause": "c", "node": "n", "time": 7.0,
                                    "detail": {"x": 1, "ignored": True}}  # fmt: skip
+
+
+def test_recent_charges_count_back_from_the_record_and_skip_ignored_rounds(
+    store: EtcdClient, keys: Keys
+) -> None:
+    """A sidecar's ``/status`` ``charges``: each charged restart with its count and round
+    (what ``kelastic run`` names a restart no poll saw by), the stderr tail left out."""
+    budget = RestartBudget(store, keys, max_restarts=5)
+
+    def failure(r: int, text: str) -> dict[str, object]:
+        return {"round": r, "summary": text, "time": 1.0 + r, "tail": ["line"] * 50, "rank": 3}
+
+    budget.charge(0, "worker_failure", "n0", failure(0, "a"))
+    budget.charge(1, "worker_failure", "n1", failure(1, "b"), ignored=True)  # spends nothing
+    budget.charge(2, "hang", "n0", failure(2, "c"))
+    got = recent_charges(budget.read())
+    assert [(c["count"], c["round"], c["summary"], c["rank"]) for c in got] == [
+        (1, 0, "a", 3), (2, 2, "c", 3)]  # fmt: skip
+    assert all("tail" not in c for c in got)
+    assert recent_charges(budget.read(), limit=1) == got[-1:]
+    # a record replaced after corruption keeps its count, not its history
+    (last,) = budget.read().history[-1:]
+    assert recent_charges(RestartRecord(7, 9, (last,))) == [{**got[-1], "count": 7}]
+    assert recent_charges(RestartRecord()) == []
+    # the history holds more entries than restarts spent: none is counted below 1
+    assert [c["count"] for c in recent_charges(RestartRecord(1, 9, (last, last, last)))] == [1]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -34,6 +34,7 @@ from .inprocess_lines import (
     inprocess_line,
 )
 from .replicas import Replica
+from .restart_lines import ProcessRestarts
 from .statuses import LAST_WORD_TIMEOUT, POLL_TIMEOUT, sidecar_status
 
 #: Seconds an in-process restart is waited for to report every rank stepping again
@@ -45,36 +46,6 @@ MAX_SAID_PER_POLL = 16
 
 def _finite(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and math.isfinite(value)
-
-
-def root_cause(failures: list[dict[str, Any]], charges: Sequence[Any] = ()) -> str:
-    """The summary that best explains a restart, from the sidecars' ``last_failure``
-    and, for a node no running sidecar speaks for (its sidecar killed right after the
-    fault), the budget record's last charge (``last_charge``, each sidecar's reading).
-
-    Among the failures and charges of the latest round: a hung worker that was stopped
-    (its peers' timers expire too, while they wait for it), then the earliest (a fault's
-    time is when it was raised: the fault, not the errors it caused in peers). "see
-    the sidecar logs" only when no sidecar knows any.
-    """
-    known = [f for f in [*failures, *charges] if _described_failure(f)]
-    if not known:
-        return "see the sidecar logs"
-    latest = max(int(f.get("round", -1)) for f in known)
-    pool = [f for f in known if int(f.get("round", -1)) == latest]
-    pool.sort(key=lambda f: (not f.get("stopped"), float(f.get("time") or 0)))
-    return str(pool[0].get("summary") or "see the sidecar logs")
-
-
-def _described_failure(value: object) -> bool:
-    """``value`` is a failure's description (``Failure.as_dict()``: a non-empty summary,
-    an integer round, a numeric or absent time), as a sidecar's status or the budget
-    record, which other nodes wrote, may hold it."""
-    if not isinstance(value, dict) or not isinstance(value.get("summary"), str):
-        return False
-    rnd, when = value.get("round"), value.get("time")
-    numeric = when is None or (isinstance(when, (int, float)) and not isinstance(when, bool))
-    return bool(value["summary"]) and isinstance(rnd, int) and not isinstance(rnd, bool) and numeric
 
 
 def restore_line(doc: object) -> tuple[int, str] | None:
@@ -149,7 +120,8 @@ class ProgressReporter:
     def __init__(self, job: ElasticJob, say: Callable[[str], None]) -> None:
         self.spec = job.spec
         self.say = say
-        self._seen: dict[str, Any] = {"round": None, "spent": 0, "phases": {}, "hung": {},
+        self._restarts = ProcessRestarts(job.spec.max_restarts)
+        self._seen: dict[str, Any] = {"round": None, "phases": {}, "hung": {},
                                       "summarized": -1, "slow": set(),
                                       "restored": -1, "loaded": -1}  # fmt: skip
         #: In-process restarts: the last iteration said, the count, when the next was seen.
@@ -179,41 +151,24 @@ class ProgressReporter:
         self._seen["etcd"] = outage
         # a dead sidecar's last status stays behind the restart its node will never join
         self._poll_inprocess([p.status for p in pods if p.status and not _dead(p)])
-        spent = max(int(s.get("restarts_spent") or 0) for s in statuses)
         running = [
-            s for s in statuses if s.get("phase") == "running" and s.get("round") is not None
+            s
+            for s in statuses
+            if s.get("phase") == "running" and is_int(s.get("round"), 0, MAX_STEP)
         ]
         rnd = max(int(s["round"]) for s in running) if running else None
-        if spent > self._seen["spent"]:
-            # The nodes report their failures within moments of each other: wait until
-            # each did (or a new round runs, or a second passed) to name the root cause.
-            failures = [s["last_failure"] for s in statuses if s.get("last_failure")]
-            charges = [s["last_charge"] for s in statuses if s.get("last_charge")]
-            latest = max((int(f.get("round", -1)) for f in failures), default=-1)
-            each = all(int((s.get("last_failure") or {}).get("round", -2)) == latest
-                       for s in statuses)  # fmt: skip
-            since = self._seen.setdefault("spent_at", time.monotonic())
-            moved_on = rnd is not None and rnd != self._seen["round"]
-            if each or moved_on or time.monotonic() - since >= 1.0:
-                top = self.spec.max_restarts
-                # The failure past the budget is no restart: it fails the job.
-                what = (
-                    f"process restart {spent}/{top}"
-                    if spent <= top
-                    else f"process restart budget ({top}) spent"
-                )
-                self.say(f"{what}: {root_cause(failures, charges)}")
-                self._seen["spent"] = spent
-                del self._seen["spent_at"]
+        moved_on = rnd is not None and rnd != self._seen["round"]
+        for line in self._restarts.observe(statuses, moved_on, time.monotonic()):
+            self.say(line)
         self._say_hangs(statuses)
         self._say_stragglers(statuses)
-        if rnd is not None and rnd != self._seen["round"]:
+        if moved_on:
             ws = next(s.get("world_size") for s in running if s["round"] == rnd)
             nodes = next(s.get("group_world_size") for s in running if s["round"] == rnd)
             self._seen["round"] = rnd
             self.say(
                 f"round {rnd}: world size {ws} ({nodes} nodes x {self.spec.nproc_per_node}),"
-                f" restarts {spent}/{self.spec.max_restarts}"
+                f" restarts {self._restarts.said}/{self.spec.max_restarts}"
             )
         self._say_restore(statuses)
 
@@ -327,7 +282,7 @@ class ProgressReporter:
         """``restarts: 1 in-process, 0 process, 0 Pod replacements`` (in-process only
         when the job enables it)."""
         inproc = f"{self._inproc['restarts']} in-process, " if self.spec.in_process.enabled else ""
-        return f"restarts: {inproc}{self._seen['spent']} process, {replacements} Pod replacements"
+        return f"restarts: {inproc}{self._restarts.said} process, {replacements} Pod replacements"
 
     def status_line(self, pods: list[Replica], replacing: Container[int]) -> str:
         """The periodic one-line summary (``replacing``: indexes awaiting a replacement)."""
@@ -352,7 +307,7 @@ class ProgressReporter:
             inproc = f", in-process restarts {self._inproc['restarts']}/{top}"
         return (
             f"status: {len(pods)} replicas [{phases}], round {self._seen['round']}, "
-            f"restarts {self._seen['spent']}/{self.spec.max_restarts}{inproc}{warm}{prog}{etcd}"
+            f"restarts {self._restarts.said}/{self.spec.max_restarts}{inproc}{warm}{prog}{etcd}"
         )
 
     def finish(

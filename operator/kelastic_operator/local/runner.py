@@ -46,9 +46,10 @@ from pathlib import Path
 from ..model import ElasticJob
 from .etcd import EmbeddedEtcd
 from .faults import Fault, FaultInjector
-from .progress import ProgressReporter, root_cause
+from .progress import ProgressReporter
 from .replacement import ReplacementPolicy
 from .replicas import ENV_LOCAL_RUN, Replica, Replicas
+from .restart_lines import root_cause
 from .rundirs import ETCD_DATA_DIR, clean_stale, mark_ended, write_owner
 
 __all__ = ["ENV_LOCAL_RUN", "LocalOptions", "LocalRunner", "refuse_unsupported", "root_cause"]

@@ -8,6 +8,7 @@ past here). What is said of them is :mod:`~kelastic_operator.local.progress`'s.
 from __future__ import annotations
 
 import http.client
+import subprocess
 import urllib.request
 from typing import Any, Final
 
@@ -57,9 +58,20 @@ def kept_status(pod: Replica) -> tuple[dict[str, Any], str]:
 def sidecar_status(pod: Replica, timeout: float, last_word: bool) -> tuple[dict[str, Any], str]:
     """``(document, problem)`` of ``pod``'s kelastic sidecar: its ``/status`` while it
     runs (waiting ``timeout`` seconds), else, with ``last_word``, the status it kept
-    (:func:`kept_status`); ``({}, "")`` for no answer, no sidecar or nothing kept."""
+    (:func:`kept_status`); ``({}, "")`` for no answer, no sidecar or nothing kept.
+
+    With ``last_word``, a sidecar that runs but does not answer is waited for to exit
+    (``timeout`` seconds more): one whose job ended on its node stops its HTTP server
+    first and keeps its status as it exits (found in a run: the restart that exhausted
+    the budget, charged after the loop's last poll, was never said)."""
     if pod.sidecar is None:
         return {}, ""
     if pod.sidecar.proc.poll() is None:
-        return fetch_status(pod, timeout), ""
+        doc = fetch_status(pod, timeout)
+        if doc or not last_word:
+            return doc, ""
+        try:
+            pod.sidecar.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return {}, ""
     return kept_status(pod) if last_word else ({}, "")

@@ -70,7 +70,7 @@ def test_an_existing_etcd_is_used_and_keeps_the_job_record(
 
 
 def test_root_cause_prefers_the_stopped_worker_of_the_latest_round() -> None:
-    from kelastic_operator.local.progress import root_cause
+    from kelastic_operator.local.restart_lines import root_cause
 
     peer = {"round": 3, "time": 10.0, "summary": "hang: rank 1 on j-0", "stopped": False}
     hung = {"round": 3, "time": 10.2, "summary": "hang: rank 2 on j-1", "stopped": True}

@@ -1,10 +1,13 @@
 """``kelastic run`` names each process restart's cause from what is known: the failing
-nodes' ``last_failure`` first, else the budget record's last charge (every sidecar
-reads it), and only with neither "see the sidecar logs"."""
+nodes' ``last_failure`` first, else the budget record's charge (every sidecar reads
+it), and only with neither "see the sidecar logs"."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kelastic.last_status import LAST_STATUS_NAME, write_last_status
-from kelastic_operator.local.progress import ProgressReporter, loaded_line, root_cause
+from kelastic_operator.local.progress import ProgressReporter, loaded_line
+from kelastic_operator.local.restart_lines import root_cause
 from kelastic_operator.model import load_manifest
 from kelastic_sidecar.http import SidecarHttpServer
 
@@ -28,6 +32,13 @@ class _Pod:
         self.index, self.status, self.sidecar = index, status, None
         self.name, self.http_port = f"digits-{index}", 0
         self.sidecar_run_dir: Path | None = None
+        self.launcher = types.SimpleNamespace(returncode=1)
+
+    def job_failed(self) -> bool:
+        return True
+
+    def termination_message(self) -> str:
+        return f"{self.name}: job failed"
 
 
 def _status(round_: int, spent: int, **more: Any) -> dict[str, Any]:
@@ -38,7 +49,7 @@ def _status(round_: int, spent: int, **more: Any) -> dict[str, Any]:
 def test_the_cause_comes_from_the_budget_record_when_no_running_sidecar_failed() -> None:
     """The node whose failure was charged is gone (its sidecar killed right after the
     fault): the survivors have no ``last_failure`` of that round, but their
-    ``last_charge`` (the budget record's) names it."""
+    ``charges`` (the budget record's) name it."""
     charge = {"round": 0, "summary": RAISED, "time": 5.0}
     assert root_cause([], [charge]) == RAISED
     assert root_cause([], []) == "see the sidecar logs"
@@ -52,7 +63,7 @@ def test_the_cause_comes_from_the_budget_record_when_no_running_sidecar_failed()
     reporter = ProgressReporter(load_manifest(DIGITS), said.append)
     pods = [_Pod(1, _status(0, 0))]
     reporter.poll(pods)  # type: ignore[arg-type]
-    pods[0].status = _status(1, 1, last_charge=charge)
+    pods[0].status = _status(1, 1, charges=[{**charge, "count": 1}])
     reporter.poll(pods)  # type: ignore[arg-type]
     assert f"process restart 1/3: {RAISED}" in said, said
 
@@ -240,3 +251,32 @@ def test_an_exited_sidecars_kept_status_is_its_last_word(tmp_path: Path) -> None
         f"{tmp_path}",
     ], said
     assert pods[1].status["node"] == "steps-1"  # the last fetched status stays
+
+
+def test_a_sidecar_exiting_as_the_job_ends_is_waited_for_its_kept_status(tmp_path: Path) -> None:
+    """The job ended on the sidecar's node: it stopped its HTTP server and is exiting,
+    keeping its status as it goes. Its last word is that kept status (found in a run:
+    the restart that exhausted the budget, charged after the loop's last poll, was
+    never said: the sidecar was alive, its ``/status`` gone, its kept file not read)."""
+    said: list[str] = []
+    reporter = ProgressReporter(load_manifest(DIGITS), said.append)
+    free = socket.create_server(("127.0.0.1", 0))  # a port nothing listens on
+    port = free.getsockname()[1]
+    free.close()
+    pod = _Pod(0, _status(0, 0, node="digits-0"))
+    pod.http_port, pod.sidecar_run_dir = port, tmp_path
+    spent = _status(0, 4, node="digits-0", phase="failed",
+                    last_failure={"round": 3, "summary": RAISED, "time": 9.0},
+                    charges=[{"round": 3, "summary": RAISED, "time": 9.0, "count": 4}])  # fmt: skip
+    keeps = ("import sys, json, time; from pathlib import Path; time.sleep(0.5); "
+             "from kelastic.last_status import write_last_status; "
+             "write_last_status(Path(sys.argv[1]), json.loads(sys.argv[2]))")  # fmt: skip
+    exiting = subprocess.Popen([sys.executable, "-c", keeps, str(tmp_path), json.dumps(spent)])
+    pod.sidecar = types.SimpleNamespace(proc=exiting)  # type: ignore[assignment]
+    try:
+        assert reporter.finish(1, 3.0, [pod], "", tmp_path) == 1  # type: ignore[list-item]
+    finally:
+        exiting.kill()
+        exiting.wait()
+    assert f"process restart budget (3) spent: {RAISED}" in said, said
+    assert said.index(f"process restart budget (3) spent: {RAISED}") < len(said) - 2
