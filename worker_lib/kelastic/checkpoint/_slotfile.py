@@ -21,6 +21,7 @@ import fcntl
 import mmap
 import os
 import re
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -114,6 +115,8 @@ class SlotFile:
         self.writable = writable
         flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
         self.fd = os.open(path, flags | os.O_CLOEXEC, SLOT_MODE)
+        # a SlotFile dropped unclosed gives its descriptor back when collected
+        self._release = weakref.finalize(self, os.close, self.fd)
         if writable:  # whatever the umask: the sidecar reads them, maybe as another user
             with contextlib.suppress(OSError):  # a file of another owner keeps its mode
                 os.fchmod(self.fd, SLOT_MODE)
@@ -201,9 +204,8 @@ class SlotFile:
 
     def close(self) -> None:
         self._unmap()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._release()  # closes the descriptor once, however often called
+        self.fd = -1
 
 
 def lock_rank(path: Path) -> int:

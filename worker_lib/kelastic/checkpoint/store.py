@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +172,8 @@ class CheckpointStore:
         self._pending: SaveHandle | None = None
         self._committer = Committer()
         self._lock_fd = lock_rank(self.directory / f"rank-{rank}.lock") if writable else -1
+        # a store dropped unclosed releases its lock when collected (its slots: SlotFile)
+        self._unlock = weakref.finalize(self, os.close, self._lock_fd) if writable else None
         self._files: list[SlotFile] = []
         self._pinning = Pinning()  # slot maps locked for CUDA copies (none until one)
         try:
@@ -179,6 +182,8 @@ class CheckpointStore:
                 if writable or path.exists():
                     self._files.append(SlotFile(path, writable))
             if len(self._files) < SLOTS:  # a reader of slots never written
+                for f in self._files:
+                    f.close()
                 self._files = []
             if writable:  # a save its dead writer returned from (the module doc)
                 finish_slots(self._files, rank, job, directory=self.directory,
@@ -434,9 +439,9 @@ class CheckpointStore:
             for f in self._files:
                 f.close()
             self._files = []
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+            if self._unlock is not None:
+                self._unlock()  # closes the lock's descriptor once
+            self._lock_fd = -1
 
     def __enter__(self) -> CheckpointStore:
         return self
