@@ -158,7 +158,8 @@ class ProgressReporter:
         ]
         rnd = max(int(s["round"]) for s in running) if running else None
         moved_on = rnd is not None and rnd != self._seen["round"]
-        for line in self._restarts.observe(statuses, moved_on, time.monotonic()):
+        # the last word waits for nothing more: what is known names the restart
+        for line in self._restarts.observe(statuses, moved_on or last_word, time.monotonic()):
             self.say(line)
         self._say_hangs(statuses)
         self._say_stragglers(statuses)

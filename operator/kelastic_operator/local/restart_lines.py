@@ -88,8 +88,9 @@ class ProcessRestarts:
     def observe(self, statuses: list[dict[str, Any]], moved_on: bool, now: float) -> list[str]:
         """The lines to say after a poll: none until a restart not said yet is charged;
         then one per restart not said, once every node reported its failure of the
-        latest round, a new round runs (``moved_on``) or :data:`CAUSE_WAIT` seconds
-        passed since the restart was first seen (``now``: monotonic seconds)."""
+        latest round, a new round runs or the job ended (``moved_on``) or
+        :data:`CAUSE_WAIT` seconds passed since the restart was first seen (``now``:
+        monotonic seconds)."""
         self._remember(statuses)
         spent = max((_count(s.get("restarts_spent")) for s in statuses), default=0)
         if spent <= self.said:

@@ -133,3 +133,22 @@ def test_crafted_counts_and_charges_say_a_bounded_number_of_lines() -> None:
                         "describes them any more; see the sidecar logs")  # fmt: skip
     assert lines[-1] == f"process restart budget (3) spent: {BAD.format(r=4)}"
     assert restarts.said == 10**9
+
+
+def test_a_restart_still_waiting_for_its_cause_is_said_by_the_jobs_last_word(
+    tmp_path: Path,
+) -> None:
+    # One node reported its failure, the other never will (the job ended): the end
+    # says the restart with what is known instead of leaving it out.
+    reporter, said = _reporter(max_restarts=3)
+    pods = [_Pod(0, _status("running", 0, 0)), _Pod(1, _status("running", 0, 0))]
+    reporter.poll(pods)  # type: ignore[arg-type]
+    pods[1].status = _status("stopping", 0, 1, last_failure=_failure(0))
+    reporter.poll(pods)  # type: ignore[arg-type]
+    assert not [s for s in said if s.startswith("process restart")], said
+    assert reporter.finish(0, 2.0, pods, "", tmp_path) == 0  # type: ignore[arg-type]
+    assert said[-2:] == [
+        f"process restart 1/3: {BAD.format(r=0)}",
+        f"job succeeded in 2.0s: round 0; restarts: 1 process, 0 Pod replacements; "
+        f"logs in {tmp_path}",
+    ], said
