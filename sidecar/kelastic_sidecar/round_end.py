@@ -420,6 +420,15 @@ def explain_worker_failure(failure: Failure, check_end: RoundEnd | None) -> Roun
     return RoundEnd(RoundEndKind.FAILED, failure)
 
 
+def finished_summary(me: str, node: str, round_: int) -> str:
+    """The summary of node ``me`` ending because the rendezvous was closed as finished
+    (:func:`kelastic_sidecar.rendezvous.finished_in`: every worker of ``node`` exited 0
+    in round ``round_``): it succeeds with nothing left to train (a Pod back from a
+    partition, a late scale-up, a replacement after the end: none of them failed)."""
+    return (f"succeeded: the training finished on {node} in round {round_}; {me} has "
+            "nothing left to train")  # fmt: skip
+
+
 def closed_outcome(reason: dict[str, Any] | None, max_restarts: int) -> tuple[Failure | None, str]:
     """The root cause and the one-line summary of a job whose rendezvous was closed.
 

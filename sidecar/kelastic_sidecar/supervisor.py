@@ -78,6 +78,7 @@ from .rendezvous import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousInfo,
+    finished_in,
 )
 from .restart_budget import (
     RECENT_CHARGES,
@@ -89,6 +90,7 @@ from .restart_budget import (
 from .round_end import (
     RoundEndKind,
     closed_outcome,
+    finished_summary,
 )
 from .vocabulary import DEPARTURE_PREFLIGHT, CheckOutcome
 from .wiring import Hooks, build_parts
@@ -453,9 +455,8 @@ class Supervisor:
         if charge.charged:
             entry = charge_entry(charge.count, failure.round, failure.as_dict())
             self._charges = [*self._charges, entry][-RECENT_CHARGES:]
-            log.warning(
-                "restart %d/%d (%s)", charge.count, self.cfg.max_restarts, failure.summary()
-            )
+            log.warning("restart %d/%d (%s)", charge.count, self.cfg.max_restarts,
+                        failure.summary())  # fmt: skip
         return charge.exhausted
 
     def _stop_workers(self, reason: str) -> None:
@@ -475,12 +476,11 @@ class Supervisor:
     def _shutdown_launcher(self, exitcode: int, summary: str) -> None:
         self.control.send(Shutdown(exitcode=exitcode, summary=summary))
 
-    def _finish_succeeded(self) -> int:
+    def _finish_succeeded(self, summary: str = "") -> int:
         self._phase = Phase.SUCCEEDED
-        info = self._info
-        summary = f"succeeded: all {self._nproc} workers of {self.cfg.node} exited 0"
-        if info is not None:
-            summary += f" (round {info.round}, world size {info.group_world_size * self._nproc})"
+        info, n = self._info, self._nproc
+        at = f" (round {info.round}, world size {info.group_world_size * n})" if info else ""
+        summary = summary or f"succeeded: all {n} workers of {self.cfg.node} exited 0{at}"
         log.info(summary)
         self._leave("succeeded")
         self._report(ReportOutcome.SUCCEEDED, summary)
@@ -525,6 +525,8 @@ class Supervisor:
         return self._finish_closed(reason)
 
     def _finish_closed(self, reason: dict[str, Any] | None) -> int:
+        if (done := finished_in(reason)) is not None:  # the training is done: nothing failed
+            return self._finish_succeeded(finished_summary(self.cfg.node, *done))
         self._phase = Phase.FAILED
         failure, text = closed_outcome(reason, self.cfg.max_restarts)
         self._last_failure = failure or self._last_failure

@@ -183,3 +183,29 @@ def test_an_exhausted_budget_fails_the_job_with_the_root_cause(tmp_path: Path) -
     assert len(termlogs) == 2
     assert all("ValueError: bad batch at step 3" in t.read_text() for t in termlogs)
     assert run.strays() == []
+
+
+def test_a_node_failing_after_its_peer_finished_the_training_trains_nothing_again(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's node finishes its steps first (every worker exited 0: the training is
+    done, the rendezvous closed as finished); rank 1, slower, is then killed. Its node
+    charges the restart but forms no round to train again alone: it ends with nothing
+    left to train, and the job succeeds (found on two real nodes: a node back from a
+    partition just after its peer finished trained the last epochs again)."""
+    job = write_job(
+        tmp_path / "job.yaml", replicas=2, nproc=1, min_replicas=1,
+        env={"STEPS_MAX": "40", "STEPS_SLOW_RANK": "1", "STEPS_SLOW_SECONDS": "0.3"},
+    )  # fmt: skip
+    run = KelasticRun(job, "--fault", "kill:rank=1,after=6", workdir=tmp_path / "runs")
+    assert run.wait(180) == 0, run.output
+    out = run.output
+    assert "fault: SIGKILL rank 1 after 6" in out, out
+    assert re.search(r"process restart 1/3: worker_failure: rank 1 on steps-\d \(round 0\) "
+                     r"killed by SIGKILL", out), out  # fmt: skip
+    assert "round 1:" not in out and "restart=1" not in out, out  # no round trained again
+    assert "job succeeded" in out
+    reports = list((tmp_path / "runs").glob("steps-*/pods/steps-*/trainer.termination-log"))
+    texts = sorted(t.read_text() for t in reports)
+    assert len(texts) == 2 and any("nothing left to train" in t for t in texts), texts
+    assert run.strays() == []

@@ -13,6 +13,7 @@ import pytest
 from kelastic.contract import Keys
 from kelastic.etcd_values import encode_departure
 from kelastic_etcd import EtcdClient, EtcdError, EtcdUnavailable
+from kelastic_sidecar.rendezvous.finished import finished_in, finished_reason
 from kelastic_sidecar.rendezvous.handler import (
     LEAVE_OUTAGE_TIMEOUT,
     EtcdRendezvousHandler,
@@ -280,6 +281,53 @@ def test_evaluate_round_reasons_in_order() -> None:
     assert evaluate_round(lost, info, "a", lease_lost=False).departures == (("c", "scale_down"),)
 
 
+def test_a_participant_that_succeeded_closes_the_rendezvous_as_finished() -> None:
+    """torch's agent closes the rendezvous once its worker group succeeded: the training
+    is done, and no node may form a round to train again (found on two real nodes: a
+    node back from a partition just after its peer finished trained the last epochs
+    again, alone, from a persisted step)."""
+    s = settings(min_nodes=1, max_nodes=3)
+    done = RendezvousState(run_id=RUN, round=4, complete=True, participants={"a": 0, "b": 1},
+                           wait_list=frozenset({"w"}))  # fmt: skip
+    step = leave_step(done, Clock(now=0), node="b", settings=s, reason="succeeded")
+    assert step.state is not None and step.state.closed
+    assert finished_in(step.state.closed_reason) == ("b", 4)
+    assert step.state.departed == {"b": "succeeded"}
+    info = RendezvousInfo(4, 0, 2, ("a", "b"))
+    # the round's other participant finishes its own work (the waiter changes nothing)
+    assert evaluate_round(step.state, info, "a", lease_lost=False).healthy
+    assert evaluate_round(step.state, info, "a", lease_lost=True).reason == "lease_lost"
+    older = RendezvousInfo(3, 0, 2, ("a", "b"))
+    assert evaluate_round(step.state, older, "a", lease_lost=False).reason == "closed"
+    for node in ("w", "z"):  # a waiter, a newcomer: nothing left to train
+        assert (
+            join_step(step.state, Clock(now=0), node=node, settings=s).action is Action.ERROR_CLOSED
+        )
+    # a second success keeps the first reason; other departures close nothing
+    again = leave_step(step.state, Clock(now=0), node="a", settings=s, reason="succeeded")
+    assert again.state is not None and finished_in(again.state.closed_reason) == ("b", 4)
+    for reason in ("scale_down", "shutdown", "rejoin"):
+        other = leave_step(done, Clock(now=0), node="b", settings=s, reason=reason)
+        assert other.state is not None and not other.state.closed, reason
+    forming = dataclasses.replace(done, complete=False)  # trained nothing in this round
+    left = leave_step(forming, Clock(now=0), node="b", settings=s, reason="succeeded")
+    assert left.state is not None and not left.state.closed
+    # a failure's close still ends every round
+    failed = dataclasses.replace(done, closed=True, closed_reason={"cause": "hang", "round": 4})
+    assert evaluate_round(failed, info, "a", lease_lost=False).reason == "closed"
+
+
+def test_only_a_finished_reason_reads_as_finished() -> None:
+    assert finished_in(finished_reason("n-1", 7)) == ("n-1", 7)
+    crafted: list[object] = [
+        None, {}, [], "finished", {"cause": "worker_failure", "round": 3, "node": "a"},
+        {"finished": 1}, {"finished": []}, {"finished": {"node": "a"}},
+        {"finished": {"node": 1, "round": 0}}, {"finished": {"node": "a", "round": True}},
+        {"finished": {"node": "a", "round": 1.5}}, {"finished": {"node": "a", "round": "1"}},
+    ]  # fmt: skip
+    assert [finished_in(r) for r in crafted] == [None] * len(crafted)
+
+
 # ======================================================================= on a real etcd
 
 
@@ -471,6 +519,27 @@ def test_a_peer_that_succeeded_does_not_end_the_round(cluster: Cluster) -> None:
     check = a.check_round(info_a)
     assert (check.healthy, check.reason) == (True, "")
     assert check.departures == (("b", "succeeded"),)
+
+
+def test_a_node_joining_after_the_training_finished_ends_without_a_round(
+    cluster: Cluster,
+) -> None:
+    s = settings(min_nodes=1, max_nodes=3, last_call_timeout=0.3)
+    a, b = cluster.node("a", s), cluster.node("b", s)
+    info_a, info_b = join_all([a, b])
+    waiter = Joiner(cluster.node("c", s))  # back from a partition, or a scale-up
+    wait_for(lambda: a.num_nodes_waiting() == 1, 30, what="c on the wait list")
+    assert a.check_round(info_a).reason == "nodes_waiting"
+    b.leave("succeeded")  # every worker of b exited 0
+    b.shutdown()
+    assert a.check_round(info_a).healthy  # a finishes its own work
+    with pytest.raises(RendezvousClosedError) as err:
+        waiter.result()
+    assert finished_in(err.value.reason) == ("b", info_b.round)
+    with pytest.raises(RendezvousClosedError):
+        cluster.node("d", s).next_rendezvous()
+    a.leave("succeeded")
+    assert finished_in(cluster.state().closed_reason) == ("b", info_b.round)
 
 
 def test_close_stops_everyone_with_the_reason(cluster: Cluster) -> None:

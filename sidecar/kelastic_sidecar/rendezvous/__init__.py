@@ -7,6 +7,7 @@ state held against etcd (:mod:`.holder`); operations run to completion (:mod:`.e
 """
 
 from ..vocabulary import DEPARTURE_REJOIN, DEPARTURE_SUCCEEDED, CheckReason
+from .finished import finished_in
 from .handler import (
     LEAVE_OUTAGE_TIMEOUT,
     EtcdRendezvousHandler,
@@ -40,4 +41,5 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "RoundCheck",
+    "finished_in",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 from kelastic.etcd_values import is_name
 
 from ..vocabulary import DEPARTURE_REJOIN, DEPARTURE_SUCCEEDED
+from .finished import finished_in, finished_reason
 from .state import (
     CLOSED,
     HEALTHY,
@@ -224,9 +225,17 @@ def leave_step(
     settings: RendezvousSettings,
     reason: str,
 ) -> Step:
-    """Leave the rendezvous for good, recording ``reason`` for the peers."""
+    """Leave the rendezvous for good, recording ``reason`` for the peers. A participant
+    of a complete round that leaves ``succeeded`` (every worker of its exited 0) also
+    closes the rendezvous as *finished* (:func:`~.finished.finished_reason`, torch's agent
+    closing it after success): the round's other participants finish theirs
+    (:func:`evaluate_round`), but no node forms a new round to train again (found on two
+    real nodes: a node back from a partition just after its peer finished the training
+    formed a round alone and trained the last epochs again from a persisted step)."""
     if node in state.participants:
         new = remove_participant(state, node, settings, reason)
+        if reason == DEPARTURE_SUCCEEDED and state.complete:
+            new = mark_closed(new, finished_reason(node, state.round))
     elif node in state.wait_list or node in state.redundancy_list:
         new = remove_waiter(state, node)
     else:
@@ -251,7 +260,13 @@ def evaluate_round(
     """Decide whether the round described by ``info`` can go on (see :class:`RoundCheck`)."""
     departures = tuple(sorted((n, r) for n, r in state.departed.items() if n in info.participants))
     if state.closed:
-        return RoundCheck(False, CLOSED, departures=departures)
+        done = finished_in(state.closed_reason)
+        if done is None or done[1] != info.round:
+            return RoundCheck(False, CLOSED, departures=departures)
+        if not lease_lost:
+            # the training finished in this round on another node: this one finishes its
+            # own (no scale-up, no new round; a peer that fails now fails the round alone)
+            return RoundCheck(True, HEALTHY, (), departures)
     if lease_lost:
         return RoundCheck(False, LEASE_LOST, (node,), departures)
     if state.round != info.round:
