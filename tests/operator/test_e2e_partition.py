@@ -451,6 +451,65 @@ def test_a_node_cut_off_mid_training(
     assert (measured.restarts, measured.replacements) == (1, 0), measured
 
 
+def test_a_node_back_after_its_peer_finished_the_training_trains_nothing_again(
+    k8s: Client, k8s_cluster: ControlPlane, fabric: Fabric, etcd_server: EmbeddedEtcd
+) -> None:
+    """The node without rank 0 cut from etcd until its peer, training alone, has finished
+    the job's epochs (its Pod Succeeded), then healed: the end of the training closed the
+    rendezvous, so it forms no round and succeeds with nothing left to train; no epoch is
+    trained twice. Found in CI (the 20 s cut of ``test_a_node_cut_off_mid_training``
+    healed just after the peer finished): the node back formed a round alone and trained
+    two epochs again from a persisted step."""
+    ns = k8s.namespace
+    k8s.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
+    k8s.claim("digits-checkpoints")
+    port = int(etcd_server.endpoint.rpartition(":")[2])
+    logs = Logs(k8s_cluster, ns)
+
+    def wait(condition: Any, timeout: float, what: str) -> Any:
+        def check() -> Any:
+            logs.poll(set())
+            return condition()
+
+        try:
+            return wait_until(check, timeout, 0.5, what=what)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\nstatus: {_status(k8s)}\n" +
+                        "\n".join(n.explain(ns, 25) for n in fabric.nodes))  # fmt: skip
+
+    def trainer(pod: str) -> dict[str, Any]:
+        statuses = _pod_status(k8s, pod).get("containerStatuses") or []
+        return next((c for c in statuses if c.get("name") == "trainer"), {})
+
+    with _operator(k8s_cluster, k8s, f"{ETCD_VIP}:{port}", etcd_server.endpoint):
+        k8s.kubectl("apply", "-f", "-", input=_manifest())
+        wait(lambda: _status(k8s).get("worldSize") == 4, 2 * T, "world size 4")
+        wait(lambda: "epoch 3/" in logs.text(), T, "training")
+        where = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in pods_by_name(k8s).values()}
+
+        def ranks() -> dict[int, str] | None:
+            found = {r: pod for n in fabric.nodes for pod, r, _ in worker_procs(n, ns)}
+            return found if sorted(found) == [0, 1, 2, 3] else None
+
+        holder = wait(ranks, T, "the 4 workers")[0]
+        back = next(p for p in where if p != holder)
+        fabric.cut(_by_name(fabric, where[back]), "etcd")
+        wait(lambda: _pod_status(k8s, holder).get("phase") == "Succeeded", 5 * T,
+             f"{holder} finished the training alone")  # fmt: skip
+        fabric.heal(_by_name(fabric, where[back]))
+        wait(lambda: _status(k8s).get("phase") in ("Succeeded", "Failed"), 3 * T, "done")
+        final = _status(k8s)
+        logs.poll(set())
+        ended = (trainer(back).get("state") or {}).get("terminated") or {}
+    assert final["phase"] == "Succeeded", final
+    assert ended.get("exitCode") == 0, ended
+    assert "the training finished on" in ended.get("message", "") and (
+        f"{back} has nothing left to train" in ended["message"]), ended  # fmt: skip
+    epochs = [e for _, e, _ in logs.epochs()]
+    assert len(epochs) == len(set(epochs)) == EPOCHS, epochs  # none trained twice, none lost
+    assert (final.get("restartsSpent"), final.get("replacements") or 0) == (1, 0), final
+
+
 def test_print_the_measurements() -> None:
     """One line per cut (``-s`` shows them; also in tests/k8s/README.md)."""
     for m in MEASURED:
