@@ -78,9 +78,19 @@ if TYPE_CHECKING:  # annotations only
     from .rendezvous import EtcdRendezvousHandler, RendezvousInfo
     from .timer import ReapEvent, TimerServer
 
-__all__ = ["AttemptMonitor"]
+__all__ = ["AttemptMonitor", "late_reap"]
 
 log = logging.getLogger("kelastic_sidecar.supervisor")
+
+
+def late_reap(
+    timer: TimerServer, reaped: dict[int, ReapEvent], pid: int | None
+) -> ReapEvent | None:
+    """The timer server's reap of the exited worker ``pid`` when ``reaped`` (the reaps
+    handled so far, from the queue) lacks it: its exit overtook the reap's event (the
+    kill comes first, the ``on_reap`` callback after; a loaded run named such a rank
+    ``worker_died``, not ``hang``). None when it is known, or no reap of it exists."""
+    return timer.reap_of(pid) if pid is not None and pid not in reaped else None
 
 
 class AttemptMonitor:
@@ -136,13 +146,11 @@ class AttemptMonitor:
         self.steps = steps or StepTimes()
         self._rules = tuple(rules)
         # a worker stopped past it is killed as hung (polled by the rendezvous watch)
-        self._stopped = StoppedWatch(
-            stopped_timeout, timer, lambda reap: events.put(WorkerReaped(reap))
-        )
+        self._stopped = StoppedWatch(stopped_timeout, timer,
+                                     lambda reap: events.put(WorkerReaped(reap)))  # fmt: skip
         self.attempt = 0
         self.pids: dict[int, int] = {}  # local rank -> pid
-        # local rank -> its timer token this attempt (see kelastic_sidecar.timer.server)
-        self.tokens: dict[int, str] = {}
+        self.tokens: dict[int, str] = {}  # local rank -> its timer token this attempt
         self.warm = 0  # workers of the attempt forked by the launcher's warm-start zygote
         self.reaped: dict[int, ReapEvent] = {}  # pid -> reap of the current attempt
         #: What was read of the attempt's workers while they lived (:meth:`_observe`).
@@ -407,9 +415,10 @@ class AttemptMonitor:
         is held here. A pid's first reap stands: a later one (its timer expiring after
         the watch killed it) found it dead, with no stacks to read."""
         first = self.reaped.get(ev.pid)
-        if first is not None:
-            log.info("worker pid %d: reaped again (%s; state %s) after its reap by %s; the "
-                     "first stands", ev.pid, ev.why, ev.state or "?", first.by.value)  # fmt: skip
+        if first is not None:  # (the same event: its exit overtook it, see late_reap)
+            if first is not ev:
+                log.info("worker pid %d: reaped again (%s; state %s) after its reap by %s; "
+                         "the first stands", ev.pid, ev.why, ev.state, first.by.value)  # fmt: skip
             return
         self.reaped[ev.pid] = ev
         late = f" {ev.reaped_at - ev.expiration_time:.3f}s after expiry" if ev.scope_id else ""
@@ -467,6 +476,8 @@ class AttemptMonitor:
             if len(succeeded) >= self.nproc:
                 return RoundEnd(RoundEndKind.SUCCEEDED)
             return None
+        if (late := late_reap(self._timer, self.reaped, msg.pid)) is not None:
+            self.on_reaped(late)
         hung = msg.pid is not None and msg.pid in self.reaped  # then a stopped peer is named
         live = self._observe() if hung else None
         failure = classify_exit(self.round_of(info), msg, self.pids, self.reaped, live)

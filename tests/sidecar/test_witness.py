@@ -260,3 +260,34 @@ def test_a_reap_queued_after_the_rounds_end_is_taken_into_its_evidence(
     assert (rank1.how, rank1.reaped) == ("stopped", True) and "in stuck_here" in rank1.where
     left = [events.get_nowait() for _ in range(events.qsize())]
     assert left == [RendezvousChanged(), RendezvousChanged()]
+
+
+def test_an_exit_that_overtakes_its_reaps_event_is_still_a_hang(
+    tmp_path: Path,
+    events: queue.Queue[Event],
+    server: tuple[TimerServer, list[ReapEvent]],
+    procs: list[subprocess.Popen[bytes]],
+) -> None:
+    """The timer server kills first and calls ``on_reap`` after: on a loaded machine the
+    launcher's report of the exit can reach the supervisor before the reap's event (a
+    run named the reaped rank ``worker_died`` in its in-process restart, not ``hang``).
+    The exit finds the reap at the timer server, and the late event changes nothing."""
+    timer, reaps = server
+    monitor = _monitor(tmp_path, timer, events)
+    waiting = _spawn(tmp_path, procs, WAITING, 1.0, rank=0)
+    monitor.pids.update({0: waiting.pid})
+    timer.watch_pid(waiting.pid)
+    wait_for(lambda: reaps, timeout=60, what="its timer's reap")
+    assert waiting.wait(30) == -signal.SIGKILL
+    assert timer.reap_of(waiting.pid) is reaps[0]
+    exited = Exited(attempt=monitor.attempt, local_rank=0, pid=waiting.pid, signal=signal.SIGKILL)
+    end = monitor._on_exited(exited, INFO, set())  # its WorkerReaped still in the queue
+    assert end is not None and end.failure is not None
+    assert (end.failure.cause, end.failure.rank) == ("hang", 0), end.failure
+    assert "timer 'step' expired" in end.failure.message, end.failure
+    late = events.get(timeout=10)
+    assert isinstance(late, WorkerReaped) and late.reap is reaps[0]
+    monitor.on_reaped(late.reap)  # the same reap: nothing changes
+    assert monitor.reaped == {waiting.pid: reaps[0]}
+    timer.forget_all()  # a new attempt: the old reaps are forgotten
+    assert timer.reap_of(waiting.pid) is None

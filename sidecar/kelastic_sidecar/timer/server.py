@@ -307,6 +307,13 @@ class TimerServer:
         """Drop all timers and watched pids (e.g. the worker group was stopped)."""
         self._table.forget_all()
 
+    def reap_of(self, pid: int) -> ReapEvent | None:
+        """This server's reap of ``pid`` since the last :meth:`forget_all`, or None. The
+        kill and the record happen under one lock, so an exit seen after the kill finds
+        it here even when it overtook the ``on_reap`` callback (found in a loaded run: a
+        reaped rank's exit was handled first and named ``worker_died``, not ``hang``)."""
+        return self._table.reap_of(pid)
+
     def evidence(self, pids: Sequence[int]) -> dict[int, Evidence]:
         """pid -> the stacks of each of ``pids``, read with the server's collector (in
         parallel, each within its budget), as a reap reads them; ``{}`` without one. For a

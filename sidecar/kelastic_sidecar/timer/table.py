@@ -55,6 +55,8 @@ log = logging.getLogger("kelastic_sidecar.timer")
 
 #: Most pids remembered as having had a line shed (then every pid counts as such).
 _MAX_SHED_PIDS: Final = 65536
+#: Reaps :meth:`TimerTable.reap_of` remembers (the newest; a node runs a few workers).
+MAX_REAPS_KEPT: Final = 1024
 
 
 class _Timer(NamedTuple):
@@ -114,6 +116,8 @@ class TimerTable:
         self._shed_overflow = False  # too many to remember: every pid counts as shed
         self._bad_lines = 0
         self._unknown_logged = 0
+        #: pid -> its reap, since the last :meth:`forget_all` (the newest MAX_REAPS_KEPT)
+        self._reaps: dict[int, ReapEvent] = {}
 
     # ------------------------------------------------------- taking the lock itself
 
@@ -154,6 +158,13 @@ class TimerTable:
             self.heap.clear()
             self._shed_pids.clear()
             self._shed_overflow = False
+            self._reaps.clear()
+
+    def reap_of(self, pid: int) -> ReapEvent | None:
+        """The reap of ``pid`` since the last :meth:`forget_all`, or None. Under the lock
+        the kill is sent under: an exit seen after the kill finds its reap here."""
+        with self.lock:
+            return self._reaps.get(pid)
 
     def snapshot(self) -> TimerStats:
         """A consistent snapshot of the counters."""
@@ -438,5 +449,9 @@ class TimerTable:
                 pid, scope_id, timer.signal, timer.expiration_time, time.time(), state, grace,
                 evidence=evidence,
             )  # fmt: skip
+            self._reaps.pop(pid, None)  # re-inserted: the newest last
+            self._reaps[pid] = event
+            if len(self._reaps) > MAX_REAPS_KEPT:
+                del self._reaps[next(iter(self._reaps))]
         self._clear_pid(pid)
         return event
