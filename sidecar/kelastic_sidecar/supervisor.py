@@ -15,8 +15,10 @@ trainer container (started by :mod:`kelastic.launch` over the control socket):
    (once per round, whichever node sees it first), and rejoin; scale events and peers'
    restarts cost nothing; when the budget is spent the node closes the rendezvous with
    the root cause, so every node stops and reports it;
-5. when every local worker exits 0 the node leaves the rendezvous as ``succeeded``,
-   reports success in etcd and exits 0.
+5. when every local worker exits 0 the node leaves the rendezvous as ``succeeded``
+   (which closes it as finished: :mod:`~kelastic_sidecar.rendezvous.finished`; the
+   round's other nodes finish theirs, a node joining later succeeds with nothing left
+   to train), reports success in etcd and exits 0.
 
 All inputs arrive as events on one queue, handled by the main thread; no polling loop.
 
