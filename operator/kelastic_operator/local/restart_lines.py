@@ -30,6 +30,9 @@ CAUSE_WAIT = 1.0
 MAX_SAID = 16
 #: Failures kept, by node and round (the oldest dropped first).
 MAX_FAILURES_KEPT = 64
+#: Readings of one charge kept (each sidecar reads the record when its round starts: a
+#: charge amended to name a stopped worker reads two ways for a while).
+MAX_READINGS = 4
 #: Highest restart count or round read (2**53, as the record's codec bounds them).
 MAX_COUNT = 2**53
 #: What a restart no status describes is named by.
@@ -82,7 +85,8 @@ class ProcessRestarts:
         #: restarts said (the count of the last one)
         self.said = 0
         self._failures: dict[tuple[str, int], dict[str, Any]] = {}  # (node, round) -> failure
-        self._charges: dict[int, dict[str, Any]] = {}  # count -> charge
+        # count -> each sidecar's reading of that charge (one may say it amended)
+        self._charges: dict[int, dict[str, dict[str, Any]]] = {}
         self._waiting_since: float | None = None
 
     def observe(self, statuses: list[dict[str, Any]], moved_on: bool, now: float) -> list[str]:
@@ -125,7 +129,9 @@ class ProcessRestarts:
             for charge in charges[-MAX_SAID:] if isinstance(charges, list) else ():
                 counted = described_failure(charge) and is_int(charge.get("count"), 1, MAX_COUNT)
                 if counted and charge["count"] > self.said:
-                    self._charges[charge["count"]] = charge
+                    readings = self._charges.setdefault(charge["count"], {})
+                    if len(readings) < MAX_READINGS or charge["summary"] in readings:
+                        readings[charge["summary"]] = charge
         while len(self._failures) > MAX_FAILURES_KEPT:
             del self._failures[next(iter(self._failures))]
         while len(self._charges) > MAX_SAID:
@@ -140,11 +146,11 @@ class ProcessRestarts:
             if count <= top
             else f"process restart budget ({top}) spent"
         )
-        charge = self._charges.get(count)
-        if charge is not None:
-            rnd = int(charge["round"])
+        readings = list(self._charges.get(count, {}).values())
+        if readings:  # the sidecars agree on its round; an amended reading names the culprit
+            rnd = max(int(c["round"]) for c in readings)
             seen = [f for (_, r), f in self._failures.items() if r == rnd]
-            return f"{what}: {root_cause(seen, [charge])}"
+            return f"{what}: {root_cause(seen, readings)}"
         if count == spent:  # no sidecar said its charge: the newest round's failures
             return f"{what}: {root_cause(failures)}"
         return f"{what}: {UNKNOWN}"

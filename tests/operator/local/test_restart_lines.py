@@ -152,3 +152,19 @@ def test_a_restart_still_waiting_for_its_cause_is_said_by_the_jobs_last_word(
         f"job succeeded in 2.0s: round 0; restarts: 1 process, 0 Pod replacements; "
         f"logs in {tmp_path}",
     ], said
+
+
+def test_a_charge_read_amended_by_one_sidecar_names_the_stopped_worker() -> None:
+    # The node that charged the hang keeps its own reading (a peer that waited, whose
+    # timer expired first) until its next round; another read the record amended to
+    # name the stopped worker. Whichever status comes last, the stopped one is named.
+    waited = {**_failure(2, "steps-0", t=10.0, text="hang: rank 3 on steps-0 (round {r})"),
+              "count": 1}  # fmt: skip
+    stopped = {**_failure(2, "steps-1", t=10.5, text="hang: rank 2 on steps-1 (round {r})"),
+               "stopped": True, "count": 1}  # fmt: skip
+    for order in ([waited, stopped], [stopped, waited]):
+        restarts = ProcessRestarts(3)
+        statuses = [_status("running", 3, 1, charges=[c]) for c in order]
+        assert restarts.observe(statuses, True, 0.0) == [
+            "process restart 1/3: hang: rank 2 on steps-1 (round 2)"
+        ], order
