@@ -49,7 +49,7 @@ def test_digits_survives_a_kill_and_a_hang_and_reaches_90_percent(tmp_path: Path
     assert re.search(
         r"restart 2/3: hang: rank 2 on digits-1 \(round \d+\)( killed by SIGKILL: timer "
         r"'train_step' expired; reaped by the timer server; (main thread at \S+train\.py:\d+ "
-        r"in \w+ \(stacks in \S+\)|stacks unavailable: [^(]+)|: stopped \(process state T\) "
+        r"in [\w.<>]+ \(stacks in \S+\)|stacks unavailable: [^(]+)|: stopped \(process state T\) "
         r"outside any timer[;:]? .*?) \(it was stopped, not waiting on a peer\)",
         out,
     ), out

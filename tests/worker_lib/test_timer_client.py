@@ -331,3 +331,47 @@ def test_fork_child_uses_its_own_pid_fd_and_lock(fifo: Path, reader: FifoReader)
     client.release("parent")
     reader.lines(1)
     client.close()
+
+
+class _Recording:
+    """A timer client that records what it is asked (the server's view)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, float] = {}
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        self.held[scope_id] = expiration_time
+
+    def release(self, scope_id: str) -> None:
+        self.held.pop(scope_id, None)
+
+
+class _Abort(BaseException):
+    """An in-process abort (raised asynchronously in the real thing)."""
+
+
+def test_a_timer_an_abort_left_held_in_enter_is_released_by_release_since() -> None:
+    # The abort lands in the progress hook, inside __enter__ after the acquire: __exit__
+    # never runs and the server keeps the timer (a loaded run: the rank, waiting at the
+    # termination barrier, was reaped 7 s later). release_since releases what was
+    # acquired after the snapshot, and only that.
+    client = _Recording()
+    with expires(after=60, scope="outer", client=client):
+        before = ktimer.held_scopes()
+        assert before == {"outer"}
+
+        def hook() -> None:
+            raise _Abort
+
+        previous = ktimer.set_progress_hook(hook)
+        try:
+            with pytest.raises(_Abort), expires(after=5, scope="step", client=client):
+                pytest.fail("the block never runs: the abort came in __enter__")
+        finally:
+            ktimer.set_progress_hook(previous)
+        assert set(client.held) == {"outer", "step"}  # the server still holds it
+        assert ktimer.held_scopes() == {"outer", "step"}
+        assert ktimer.release_since(before) == ["step"]
+        assert set(client.held) == {"outer"} and ktimer.held_scopes() == {"outer"}
+        assert ktimer.release_since(before) == []
+    assert client.held == {} and ktimer.held_scopes() == frozenset()

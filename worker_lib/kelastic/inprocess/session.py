@@ -120,6 +120,7 @@ class Session(Generic[R]):
         self._monitor: Monitor | None = None
         self._injector = Injector()
         self._kept_store: Any = None  # abort.keep_store(): the aborted iteration's store
+        self._timers: frozenset[str] = frozenset()  # timers held as the iteration began
         #: The exception hook before the first iteration, which each one starts with (torch's
         #: ``init_process_group`` adds a ``[rank<r>]: `` prefix to it each time it is called).
         self._excepthook = sys.excepthook
@@ -270,6 +271,7 @@ class Session(Generic[R]):
         self.call_wrapper.set_iteration(iteration)
         sys.excepthook = self._excepthook
         self._snapshot = abort.snapshot()
+        self._timers = timer.held_scopes()  # what the iteration acquires, it releases
         self._heartbeat.begin(iteration)
         self._guard.start()
         outcome: _Outcome[R] | None = None
@@ -297,6 +299,10 @@ class Session(Generic[R]):
         self._injector.armed = False
         self._heartbeat.end()
         self._guard.stop()
+        # an abort inside an expires() __enter__ skipped its __exit__ (timer.release_since)
+        for scope in timer.release_since(self._timers):
+            print(f"kelastic.inprocess: released timer {scope!r} the aborted iteration left "
+                  "held", file=sys.stderr)  # fmt: skip
 
     def _await_abort(self, iteration: int) -> int:
         """Wait for the sidecar's ``abort`` of ``iteration``; return the next iteration."""
