@@ -375,3 +375,29 @@ def test_a_timer_an_abort_left_held_in_enter_is_released_by_release_since() -> N
         assert set(client.held) == {"outer"} and ktimer.held_scopes() == {"outer"}
         assert ktimer.release_since(before) == []
     assert client.held == {} and ktimer.held_scopes() == frozenset()
+
+
+def test_a_timer_whose_acquire_or_release_fails_is_not_left_held() -> None:
+    # No server reading: the acquire (or the release) raises; nothing stays held that
+    # expired_timer could later report as a soft timeout.
+    class _Broken(_Recording):
+        def __init__(self, fail_on: str) -> None:
+            super().__init__()
+            self.fail_on = fail_on
+
+        def acquire(self, scope_id: str, expiration_time: float) -> None:
+            if self.fail_on == "acquire":
+                raise BrokenPipeError("no timer server reads the FIFO")
+            super().acquire(scope_id, expiration_time)
+
+        def release(self, scope_id: str) -> None:
+            if self.fail_on == "release":
+                raise BrokenPipeError("no timer server reads the FIFO")
+            super().release(scope_id)
+
+    with pytest.raises(BrokenPipeError), expires(after=0, scope="a", client=_Broken("acquire")):
+        pass
+    assert ktimer.held_scopes() == frozenset()
+    with pytest.raises(BrokenPipeError), expires(after=0, scope="b", client=_Broken("release")):
+        assert ktimer.held_scopes() == {"b"}
+    assert ktimer.held_scopes() == frozenset() and ktimer.expired_timer() is None

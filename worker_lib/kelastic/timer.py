@@ -335,6 +335,11 @@ def expired_timer(now: float | None = None) -> tuple[str, float] | None:
     return scope, deadline
 
 
+def _forget(scope: str) -> None:
+    with _held_lock:
+        _held.pop(scope, None)
+
+
 def held_scopes() -> frozenset[str]:
     """The scopes of this process's :func:`expires` timers held now."""
     with _held_lock:
@@ -451,7 +456,11 @@ class _Expires:
         # (:func:`release_since`)
         with _held_lock:
             _held[self._scope] = (deadline, self._client)
-        self._client.acquire(self._scope, deadline)
+        try:
+            self._client.acquire(self._scope, deadline)
+        except Exception:  # not sent (no server, a full FIFO): not held
+            _forget(self._scope)
+            raise
         hook = _progress_hook
         if hook is not None:
             hook()
@@ -462,9 +471,12 @@ class _Expires:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._client.release(self._scope)
-        with _held_lock:
-            _held.pop(self._scope, None)
+        try:
+            self._client.release(self._scope)
+        except Exception:  # not sent (no server): nothing is held any more
+            _forget(self._scope)
+            raise
+        _forget(self._scope)  # an abort inside the release skips this: the Wrapper releases
 
 
 def expires(after: float, scope: str | None = None, client: TimerClient | None = None) -> _Expires:
