@@ -280,6 +280,40 @@ def test_a_store_dropped_unclosed_gives_back_its_descriptors_and_its_lock(tmp_pa
     assert open_fds() == before
 
 
+def test_a_slot_closed_under_a_live_view_closes_its_descriptor_once(tmp_path: Path) -> None:
+    """The persister closes a slot whose map a traceback's frame still views: the close
+    raises BufferError, the descriptor is closed all the same, and the collector never
+    closes its number again (CI: 83 "Bad file descriptor" from the finalizer; a number
+    reused by then would have closed another file)."""
+    import gc
+
+    from kelastic.checkpoint._slotfile import SlotFile
+
+    seen: list[BaseException | None] = []
+    hook, sys.unraisablehook = sys.unraisablehook, lambda u: seen.append(u.exc_value)
+    try:
+        f = SlotFile(tmp_path / "slot", writable=True)
+        f.grow(4096)
+        assert f.map is not None
+        view = memoryview(f.map)
+        fd = f.fd
+        with pytest.raises(BufferError):
+            f.close()
+        assert f.fd == -1
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed
+        reused = os.open(tmp_path / "other", os.O_CREAT | os.O_RDWR)  # likely the same number
+        del view
+        f.map = None
+        del f
+        gc.collect()
+        os.fstat(reused)  # still open: nothing closed it behind our back
+        os.close(reused)
+    finally:
+        sys.unraisablehook = hook
+    assert seen == [], seen
+
+
 def test_unsupported_values_are_refused_with_their_path(tmp_path: Path) -> None:
     with CheckpointStore(tmp_path) as ckpt:
         for state, where in (

@@ -203,9 +203,17 @@ class SlotFile:
                 self.map.flush()
 
     def close(self) -> None:
-        self._unmap()
-        self._release()  # closes the descriptor once, however often called
-        self.fd = -1
+        """Unmap the slot and close its descriptor (once, however often called).
+
+        Raises:
+            BufferError: a view of the map is still alive (the map stays until the view
+                goes); the descriptor is closed all the same.
+        """
+        try:
+            self._unmap()
+        finally:
+            self._release()
+            self.fd = -1
 
 
 def lock_rank(path: Path) -> int:

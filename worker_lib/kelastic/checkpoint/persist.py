@@ -149,10 +149,8 @@ def _close(f: SlotFile) -> None:
     map, which is unmapped when the view goes."""
     try:
         f.close()
-    except BufferError:
+    except BufferError:  # its descriptor is closed; the view keeps the map
         f.map = None
-        os.close(f.fd)
-        f.fd = -1
 
 
 def _write_rank(state: Any, folder: Path, h: SlotHeader) -> int:
