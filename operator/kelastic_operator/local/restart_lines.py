@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 from kelastic._safejson import is_int
+from kelastic.etcd_values.restarts import MAX_COUNT  # the record's bound on counts, rounds
 
 __all__ = ["CAUSE_WAIT", "MAX_SAID", "ProcessRestarts", "root_cause"]
 
@@ -33,8 +34,6 @@ MAX_FAILURES_KEPT = 64
 #: Readings of one charge kept (each sidecar reads the record when its round starts: a
 #: charge amended to name a stopped worker reads two ways for a while).
 MAX_READINGS = 4
-#: Highest restart count or round read (2**53, as the record's codec bounds them).
-MAX_COUNT = 2**53
 #: What a restart no status describes is named by.
 UNKNOWN = "see the sidecar logs"
 
