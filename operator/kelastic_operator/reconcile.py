@@ -96,6 +96,7 @@ spread over modules. ``tests/operator/test_reconcile.py`` tables them the same w
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -507,21 +508,33 @@ def _note_checkpoint(p: _Pass) -> None:
     """``status.lastCheckpoint``: what the current round's workers restored from the
     in-memory checkpoints (nothing when no node recorded a step: a fresh start, or a job
     without them); a ``CheckpointNotRestored`` Warning, once per round, when some rank
-    held a step but the ranks have none in common (the workers start without one)."""
+    held a step but the ranks have none in common (the workers start without one).
+
+    A round's step and tier are the ones its sidecars agreed on: what its nodes say their
+    workers loaded (``checkpoint-loads``) when any did, else what the records gave when
+    this operator first saw the round complete. A node writes its record again once the
+    round's workers stopped (before it joins the next round), with the steps the round
+    saved; computed again from those, the status would name a step nobody restored (found
+    on real nodes: ``round 2, memory 2771`` where the workers had agreed on none)."""
     restore = p.rdzv.restore
     if restore is None or not (restore.held or restore.step is not None):
         return
     old = p.st.last_checkpoint
     when = datetime.fromtimestamp(restore.time, timezone.utc) if restore.time > 0 else None
-    loads = [d for d in p.rdzv.loads.values()
-             if (d.round, d.step) == (restore.round, restore.step)]  # fmt: skip
+    step, tier = restore.step, restore.tier.value
+    stamp = format_time(when) if when is not None else None
+    if old is not None and old.round == restore.round:
+        step, tier, stamp = old.step, old.tier, old.time  # as agreed when the round began
+    said = Counter((d.step, d.tier) for d in p.rdzv.loads.values() if d.round == restore.round)
+    if said:
+        step, tier = said.most_common(1)[0][0]  # one value unless a record was crafted
+    loads = [d for d in p.rdzv.loads.values() if (d.round, d.step) == (restore.round, step)]
     p.st.last_checkpoint = LastCheckpoint(
-        round=restore.round, step=restore.step, tier=restore.tier.value,
-        time=format_time(when) if when is not None else None,
+        round=restore.round, step=step, tier=tier, time=stamp,
         loadedRanks=sum(d.ranks for d in loads) if loads else None,
         loadSeconds=round(max(d.seconds for d in loads), 4) if loads else None,
     )  # fmt: skip
-    if restore.step is None and (old is None or old.round != restore.round):
+    if step is None and (old is None or old.round != restore.round):
         p.plan.events.append(Event(
             "Warning", "CheckpointNotRestored",
             f"round {restore.round}: no checkpoint step every one of its {restore.ranks} "

@@ -145,3 +145,36 @@ def test_the_workers_load_time_shows_once_their_nodes_said_it() -> None:
         kv[KEYS.checkpoint_load("j-1")] = bad
         view = view_from_keys(PREFIX, kv, 2)
         assert set(view.loads) == {"j-0"}, bad[:40]
+
+
+def test_a_rounds_restore_stays_what_it_was_when_its_records_change_after_it_began() -> None:
+    """A round's restore is agreed from the records written before it completed; a node
+    writes its record again once the round's workers stopped (before its next join), with
+    the steps the round saved. Found on real nodes: the status said ``round 2, memory
+    2771`` while the workers had agreed on none and started without a step."""
+    from kelastic.etcd_values.loads import LoadDoc, encode_load
+
+    # round 6 begins: j-1's Pod was replaced, its slots hold nothing: no step in common
+    kv = _kv(6, {"j-0": _doc({0: (9,), 1: (9,)}), "j-1": _doc({})})
+    first = reconcile(job(phase="Running"), PODS, T0, view_from_keys(PREFIX, kv, 2))
+    last = first.status.last_checkpoint
+    assert last is not None and (last.round, last.step, last.tier) == (6, None, "none")
+    # round 6's workers trained and stopped; both nodes recorded step 40 before rejoining
+    later = _kv(6, {"j-0": _doc({0: (40, 39), 1: (40, 39)}, 1767268900.0),
+                    "j-1": _doc({2: (40, 39), 3: (40, 39)}, 1767268901.0)})  # fmt: skip
+    view = view_from_keys(PREFIX, later, 2)
+    assert view.restore is not None and view.restore.step == 40  # what the records say now
+    again = reconcile(job(**first.status.as_patch()), PODS, T0 + timedelta(seconds=30), view)
+    assert again.status.last_checkpoint == last  # what round 6 restored: nothing
+    # an operator that first looks once the records changed (it was restarted, or the
+    # round was short) reads the round's step and tier from what its workers loaded
+    later[KEYS.checkpoint_load("j-0")] = encode_load(LoadDoc(6, 9, "memory", 2, 0.01, 1.0e9))
+    loaded = reconcile(job(phase="Running"), PODS, T0 + timedelta(seconds=30),
+                       view_from_keys(PREFIX, later, 2)).status.last_checkpoint  # fmt: skip
+    assert loaded is not None
+    assert (loaded.round, loaded.step, loaded.tier, loaded.loaded_ranks) == (6, 9, "memory", 2)
+    # the next round is computed from its own records
+    records = {"j-0": _doc({0: (40, 39), 1: (40, 39)}), "j-1": _doc({2: (40, 39), 3: (40, 39)})}
+    nxt = reconcile(job(**first.status.as_patch()), PODS, T0 + timedelta(seconds=60),
+                    view_from_keys(PREFIX, _kv(7, records), 2)).status.last_checkpoint  # fmt: skip
+    assert nxt is not None and (nxt.round, nxt.step, nxt.tier) == (7, 40, "memory")
