@@ -6,7 +6,8 @@ in memory (``kelastic.checkpoint``, when the job has ``spec.checkpoint.memory``)
 after a restart every rank loads the step its sidecars agreed on, so a killed or hung
 worker costs no step; rank 0 also saves every epoch to the shared ``--checkpoint-dir``
 (atomically), which every rank reads when memory holds no step they all have (a new
-Pod, a changed world, no kelastic), so a restart costs at most one epoch then.
+Pod, a changed world, no kelastic), so a restart costs at most one epoch then. A step
+restored in another world size goes on from the samples it had taken (``resume_step``).
 Each step runs inside ``expires(after=...)``: a worker that hangs is reaped by the
 sidecar's timer server.
 
@@ -98,6 +99,29 @@ def epoch_on_disk(path: Path, epoch: int, updates: int) -> bool:
     return bool(state["epoch"] == epoch and state.get("updates") == updates)
 
 
+def shard(n: int, seed: int, epoch: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s samples of ``epoch`` (indices into the ``n`` training samples, in
+    the order it takes them): every ``world``-th of the epoch's permutation from position
+    ``rank``, so a step of ``world`` ranks takes ``world`` consecutive batches of it."""
+    gen = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(n, generator=gen)[rank::world]
+
+
+def resume_step(step: int, saved_world: int, world: int) -> int:
+    """The step of an epoch at which ``world`` ranks go on with an epoch that
+    ``saved_world`` ranks had taken ``step`` steps of (0 for ``saved_world``: unknown).
+
+    An epoch's samples are taken in one permutation's order, ``world`` batches at a step
+    (rank ``r`` takes positions ``r, r + world, ...``), so ``step`` steps of
+    ``saved_world`` ranks took the permutation's first ``step * saved_world`` batches.
+    The new world goes on from its last whole step within them: it sees fewer than
+    ``world`` batches again and skips none. A step index kept as it was would mean other
+    samples (4 ranks at step 10 have taken 40 batches; 2 ranks at step 10, 20)."""
+    if saved_world < 1 or saved_world == world:
+        return step
+    return step * saved_world // world
+
+
 def params_digest(model: nn.Module) -> str:
     """The first 8 hex digits of the sha256 of every parameter's bytes, in order."""
     h = hashlib.sha256()
@@ -119,6 +143,8 @@ class Training:
         acc: the last epoch's test accuracy (NaN before one ended).
         updates: optimizer steps taken since the job began, whatever the world size
             (the in-memory checkpoint's step number: it only grows).
+        world: the world size ``step`` was taken in (0: not known yet); a new world
+            goes on from the same samples (:func:`resume_step`).
         in_memory: whether each step is saved in memory (the job has a checkpoint
             volume: ``kelastic.contract.checkpoint_dir()`` exists).
     """
@@ -132,6 +158,7 @@ class Training:
     step: int = 0
     acc: float = float("nan")
     updates: int = 0
+    world: int = 0
     in_memory: bool = False
 
     @classmethod
@@ -156,6 +183,7 @@ class Training:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
             run.epoch, run.step = state["epoch"], state["step"]
+            run.world = state.get("world", 0)  # a slot saved before it was kept: unknown
             if rank0:
                 tier = "on disk" if checkpoint.agreed_tier() == "disk" else "in memory"
                 print(f"resumed from checkpoint: epoch {run.epoch} step {run.step} ({tier}, "
@@ -189,12 +217,14 @@ class Training:
             self.model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["opt"])
             self.epoch, self.step, self.updates = state["epoch"], state["step"], state["updates"]
+            self.world = state["world"]
         return src
 
     def state(self) -> dict[str, Any]:
         """The model, the optimizer state and the position: what a checkpoint holds."""
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                "epoch": self.epoch, "step": self.step, "updates": self.updates}  # fmt: skip
+                "epoch": self.epoch, "step": self.step, "updates": self.updates,
+                "world": self.world}  # fmt: skip
 
 
 def train(run: Training, call_wrapper: CallWrapper | None = None) -> None:
@@ -212,6 +242,11 @@ def train(run: Training, call_wrapper: CallWrapper | None = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     src = run.sync()
+    step = resume_step(run.step, run.world, world)
+    if step != run.step and rank == 0:
+        print(f"world size {run.world} -> {world}: epoch {run.epoch} goes on at step {step} "
+              f"(step {run.step} of {run.world} ranks: the same samples)", flush=True)  # fmt: skip
+    run.step, run.world = step, world
     digest = params_digest(run.model)
     print(
         f"iteration {iteration}: params sha256 {digest} "
@@ -266,8 +301,7 @@ def _epochs(
         # line) may have been done before the restart; not done again if the disk says so
         at_end = 0 < steps <= run.step
         # Shard by rank: rank r takes every world-th sample of the epoch's permutation.
-        gen = torch.Generator().manual_seed(args.seed + run.epoch)
-        idx = torch.randperm(len(x_tr), generator=gen)[rank::world]
+        idx = shard(len(x_tr), args.seed, run.epoch, rank, world)
         ddp.train()
         total = 0.0
         for step in range(run.step, steps):

@@ -199,3 +199,40 @@ def test_a_restore_at_an_epochs_last_step_does_not_end_that_epoch_twice(tmp_path
     assert "epoch 2/2" in first
     assert re.search(r"resumed from checkpoint: epoch 1 step \d+ \(in memory", again), again
     assert "epoch 2/3" not in again and "epoch 3/3" in again, again
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (3, 2), (2, 3), (1, 4), (2, 2)])
+def test_a_new_world_goes_on_with_the_epochs_samples_where_the_old_one_stopped(
+    before: int, after: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore in another world size (a node lost, a scale-up) goes on from the samples
+    the saved step had taken, not from the same step index, which means other samples in
+    another world (4 ranks at step 10 took 40 batches, 2 ranks at step 10 only 20: an
+    epoch kept as it was skips or repeats whole batches). Fewer than ``after`` batches are
+    seen twice; none is skipped. Uses the example's own sharding."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("digits_train", MANIFEST.parent / "train.py")
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, train)  # its dataclass looks itself up
+    spec.loader.exec_module(train)
+    n, batch, seed, epoch = 1437, 16, 0, 3  # the example's training split and batch size
+    old_steps, new_steps = n // (before * batch), n // (after * batch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    for step in (1, 5, old_steps // 2, old_steps - 1, old_steps):
+        taken: list[int] = []
+        for r in range(before):
+            taken += train.shard(n, seed, epoch, r, before)[: step * batch].tolist()
+        assert sorted(taken) == sorted(perm[: step * before * batch])  # a prefix of the order
+        goes_on = train.resume_step(step, before, after)
+        assert 0 <= goes_on <= new_steps
+        rest: list[int] = []
+        for r in range(after):
+            mine = train.shard(n, seed, epoch, r, after)
+            rest += mine[goes_on * batch : new_steps * batch].tolist()
+        # none skipped
+        assert set(perm[: new_steps * after * batch]) <= set(taken) | set(rest), step
+        again = set(taken) & set(rest)
+        assert len(again) < after * batch, (step, len(again))  # under one step's batches
+    assert train.resume_step(7, 0, after) == 7  # the saving world unknown: as saved
