@@ -35,7 +35,7 @@ from .inprocess_lines import (
 )
 from .replicas import Replica
 from .restart_lines import ProcessRestarts
-from .statuses import LAST_WORD_TIMEOUT, POLL_TIMEOUT, sidecar_status
+from .statuses import LAST_WORD_TIMEOUT, POLL_TIMEOUT, sidecar_statuses
 
 #: Seconds an in-process restart is waited for to report every rank stepping again
 #: before it is said without that figure.
@@ -131,11 +131,12 @@ class ProgressReporter:
     def poll(
         self, pods: list[Replica], timeout: float = POLL_TIMEOUT, last_word: bool = False
     ) -> None:
-        """Fetch each live sidecar's status (into ``pod.status``; ``timeout`` seconds
-        each) and say what changed. With ``last_word``, an exited sidecar's status is the
-        one it kept as it exited (:mod:`kelastic.last_status`), when it kept one."""
-        for pod in pods:
-            doc, problem = sidecar_status(pod, timeout, last_word)
+        """Fetch each live sidecar's status (into ``pod.status``; ``timeout`` seconds,
+        all asked at once: :func:`~.statuses.sidecar_statuses`) and say what changed.
+        With ``last_word``, an exited sidecar's status is the one it kept as it exited
+        (:mod:`kelastic.last_status`), when it kept one."""
+        for pod, (doc, problem) in zip(pods, sidecar_statuses(pods, timeout, last_word),
+                                       strict=True):  # fmt: skip
             if problem:
                 self.say(f"{pod.name}: {problem}")
             if doc:

@@ -280,3 +280,50 @@ def test_a_sidecar_exiting_as_the_job_ends_is_waited_for_its_kept_status(tmp_pat
         exiting.wait()
     assert f"process restart budget (3) spent: {RAISED}" in said, said
     assert said.index(f"process restart budget (3) spent: {RAISED}") < len(said) - 2
+
+
+def test_the_sidecars_are_asked_at_once_not_one_after_another(tmp_path: Path) -> None:
+    """Three sidecars that answer only while all three are being asked: asked one after
+    another, each would wait for the others until its timeout and say nothing (a hung
+    sidecar made every poll, and the job's last word, wait once per Pod)."""
+    import http.server
+    import threading
+
+    together = threading.Barrier(3, timeout=5.0)  # under the poll's 10 s: alone, no answer
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            try:
+                together.wait()
+            except threading.BrokenBarrierError:
+                return  # asked alone: no answer
+            body = json.dumps(_status(0, 0, node=f"asked-{self.server.server_port}")).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(3)]
+    for server in servers:
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        pods = [_Pod(i, {}) for i in range(3)]
+        for pod, server in zip(pods, servers, strict=True):
+            pod.http_port = server.server_port
+            pod.sidecar = types.SimpleNamespace(proc=alive)  # type: ignore[assignment]
+        ProgressReporter(load_manifest(DIGITS), [].append).poll(pods, 10.0)  # type: ignore[arg-type]
+        assert [p.status.get("node") for p in pods] == [
+            f"asked-{s.server_port}" for s in servers
+        ]
+    finally:
+        together.abort()
+        alive.kill()
+        alive.wait()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
