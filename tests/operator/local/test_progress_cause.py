@@ -317,9 +317,7 @@ def test_the_sidecars_are_asked_at_once_not_one_after_another(tmp_path: Path) ->
             pod.http_port = server.server_port
             pod.sidecar = types.SimpleNamespace(proc=alive)  # type: ignore[assignment]
         ProgressReporter(load_manifest(DIGITS), [].append).poll(pods, 10.0)  # type: ignore[arg-type]
-        assert [p.status.get("node") for p in pods] == [
-            f"asked-{s.server_port}" for s in servers
-        ]
+        assert [p.status.get("node") for p in pods] == [f"asked-{s.server_port}" for s in servers]
     finally:
         together.abort()
         alive.kill()
