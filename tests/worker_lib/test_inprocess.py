@@ -79,7 +79,7 @@ def test_without_the_env_the_function_is_called_once(
     assert plain() == "ok"
     assert calls == [0]  # no hooks, one call, iteration 0
     assert list(run_dir.iterdir()) == []  # no socket looked for
-    assert set(threading.enumerate()) == threads  # no monitor thread
+    assert not set(threading.enumerate()) - threads  # no monitor thread (others may end)
 
 
 def test_pass_through_worker_process(run_dir: Path) -> None:
