@@ -107,18 +107,22 @@ def shard(n: int, seed: int, epoch: int, rank: int, world: int) -> torch.Tensor:
     return torch.randperm(n, generator=gen)[rank::world]
 
 
-def resume_step(step: int, saved_world: int, world: int) -> int:
+def resume_step(step: int, saved_world: int, world: int, samples: int, batch: int) -> int:
     """The step of an epoch at which ``world`` ranks go on with an epoch that
-    ``saved_world`` ranks had taken ``step`` steps of (0 for ``saved_world``: unknown).
+    ``saved_world`` ranks had taken ``step`` steps of (0 for ``saved_world``: unknown),
+    of ``samples`` training samples in batches of ``batch`` per rank.
 
     An epoch's samples are taken in one permutation's order, ``world`` batches at a step
     (rank ``r`` takes positions ``r, r + world, ...``), so ``step`` steps of
     ``saved_world`` ranks took the permutation's first ``step * saved_world`` batches.
     The new world goes on from its last whole step within them: it sees fewer than
-    ``world`` batches again and skips none. A step index kept as it was would mean other
-    samples (4 ranks at step 10 have taken 40 batches; 2 ranks at step 10, 20)."""
+    ``world`` batches again and skips none. An epoch the saved world ended stays ended
+    (its last step: the new world's last step). A step index kept as it was would mean
+    other samples (4 ranks at step 10 have taken 40 batches; 2 ranks at step 10, 20)."""
     if saved_world < 1 or saved_world == world:
         return step
+    if step >= samples // (saved_world * batch):
+        return samples // (world * batch)
     return step * saved_world // world
 
 
@@ -242,7 +246,7 @@ def train(run: Training, call_wrapper: CallWrapper | None = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     src = run.sync()
-    step = resume_step(run.step, run.world, world)
+    step = resume_step(run.step, run.world, world, len(run.data[0]), run.args.batch_size)
     if step != run.step and rank == 0:
         print(f"world size {run.world} -> {world}: epoch {run.epoch} goes on at step {step} "
               f"(step {run.step} of {run.world} ranks: the same samples)", flush=True)  # fmt: skip

@@ -129,21 +129,27 @@ def _plain_env(tmp_path: Path, fifo: Path, **extra: str) -> dict[str, str]:
                    "CHECKPOINT_DIR": str(tmp_path / "ckpt"), **extra}  # fmt: skip
 
 
-def _plain_run(base: dict[str, str], epochs: int) -> list[str]:
-    """Run ``train.py --epochs N`` as ranks 0 and 1 with ``base``; both outputs."""
+def _plain_run(base: dict[str, str], epochs: int, world: int = 2) -> list[str]:
+    """Run ``train.py --epochs N`` as ranks 0..world-1 with ``base``; their outputs."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, str(MANIFEST.parent / "train.py"), "--epochs", str(epochs)],
-            env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "MASTER_PORT": port},
+            env={
+                **base,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "MASTER_PORT": port,
+                "WORLD_SIZE": str(world),
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for r in range(2)
+        for r in range(world)
     ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [p.returncode for p in procs] == [0] * world, outs
     return outs
 
 
@@ -185,7 +191,10 @@ def test_a_restore_at_an_epochs_last_step_does_not_end_that_epoch_twice(tmp_path
     """Two plain processes with the memory checkpoint folder (no sidecar: each rank loads
     its own newest step): the last step of epoch 2 is the newest saved, so a second run
     resumes at that epoch's end; rank 0 finished it (its disk checkpoint says so) and
-    does not print ``epoch 2`` again (the real-node partition test once saw it twice)."""
+    does not print ``epoch 2`` again (the real-node partition test once saw it twice).
+    A third run, one rank alone, goes on with the step two ranks saved at the end of
+    epoch 3: the epoch they ended is not trained again (step 44 of 2 ranks is the
+    epoch's end; as step 44 of 89 it was half an epoch, trained and printed twice)."""
     fifo = tmp_path / "timer.fifo"
     (tmp_path / "memory").mkdir()
     base = _plain_env(tmp_path, fifo, KELASTIC_CHECKPOINT_DIR=str(tmp_path / "memory"))
@@ -196,9 +205,13 @@ def test_a_restore_at_an_epochs_last_step_does_not_end_that_epoch_twice(tmp_path
     with _drained_fifo(fifo):
         first = run(2)
         again = run(3)
+        (alone,) = _plain_run(base, 4, world=1)
     assert "epoch 2/2" in first
     assert re.search(r"resumed from checkpoint: epoch 1 step \d+ \(in memory", again), again
     assert "epoch 2/3" not in again and "epoch 3/3" in again, again
+    # one rank goes on with what two saved: epoch 3 ended in their world stays ended
+    assert "world size 2 -> 1: epoch 2 goes on at step 89 (step 44 of 2 ranks" in alone, alone
+    assert "epoch 3/4" not in alone and "epoch 4/4" in alone, alone
 
 
 @pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4), (3, 2), (2, 3), (1, 4), (2, 2)])
@@ -225,8 +238,11 @@ def test_a_new_world_goes_on_with_the_epochs_samples_where_the_old_one_stopped(
         for r in range(before):
             taken += train.shard(n, seed, epoch, r, before)[: step * batch].tolist()
         assert sorted(taken) == sorted(perm[: step * before * batch])  # a prefix of the order
-        goes_on = train.resume_step(step, before, after)
+        goes_on = train.resume_step(step, before, after, n, batch)
         assert 0 <= goes_on <= new_steps
+        if step == old_steps:  # the old world ended the epoch: the new one does not redo it
+            assert goes_on == new_steps
+            continue
         rest: list[int] = []
         for r in range(after):
             mine = train.shard(n, seed, epoch, r, after)
@@ -235,4 +251,4 @@ def test_a_new_world_goes_on_with_the_epochs_samples_where_the_old_one_stopped(
         assert set(perm[: new_steps * after * batch]) <= set(taken) | set(rest), step
         again = set(taken) & set(rest)
         assert len(again) < after * batch, (step, len(again))  # under one step's batches
-    assert train.resume_step(7, 0, after) == 7  # the saving world unknown: as saved
+    assert train.resume_step(7, 0, after, n, batch) == 7  # the saving world unknown: as saved
