@@ -361,8 +361,7 @@ def release_since(before: frozenset[str]) -> list[str]:
     for scope, client in leaked:
         with contextlib.suppress(OSError, TimeoutError):
             client.release(scope)
-        with _held_lock:
-            _held.pop(scope, None)
+        _forget(scope)
     return [scope for scope, _ in leaked]
 
 
